@@ -1,0 +1,307 @@
+//! The maths of each algorithm, as pure functions of (stored state, now, cost).
+//!
+//! These functions are the single definition of what tollgate admits. The in-memory backend
+//! calls them directly; the Redis scripts implement the same arithmetic on the same integers
+//! (microseconds), and the shared vector file `tests/vectors.txt` holds both to it.
+//!
+//! A denied request never changes state: each function returns the state to store only when it
+//! admits.
+
+use crate::backend::{Status, Verdict};
+use crate::clock::Micros;
+use crate::limit::{Algorithm, Quota};
+
+/// GCRA on the stored theoretical arrival time `tat` (`None` for a key never seen).
+///
+/// Returns the verdict and, when admitted, the new `tat`.
+///
+/// # Examples
+///
+/// ```
+/// use tollgate_core::{algorithm, Quota};
+///
+/// let q = Quota::per_minute(5)?; // one request every 12 s, burst of 5
+/// let (v, tat) = algorithm::gcra(&q, None, 0, 1);
+/// assert!(v.is_allowed());
+/// assert_eq!(v.remaining, 4);
+/// assert_eq!(tat, Some(12_000_000));
+/// # Ok::<(), tollgate_core::ConfigError>(())
+/// ```
+pub fn gcra(
+    quota: &Quota,
+    tat: Option<Micros>,
+    now: Micros,
+    cost: u32,
+) -> (Verdict, Option<Micros>) {
+    let interval = quota.emission_interval();
+    let tolerance = interval * u64::from(quota.burst());
+    let base = tat.map_or(now, |t| t.max(now));
+    if cost > quota.burst() {
+        return (
+            too_costly(remaining_of(tolerance, base - now, interval), base - now),
+            None,
+        );
+    }
+    let new_tat = base + interval * u64::from(cost);
+    if new_tat - now > tolerance {
+        let verdict = Verdict {
+            status: Status::Denied {
+                retry_after: new_tat - tolerance - now,
+            },
+            remaining: remaining_of(tolerance, base - now, interval),
+            reset: base - now,
+        };
+        return (verdict, None);
+    }
+    let verdict = Verdict {
+        status: Status::Allowed,
+        remaining: remaining_of(tolerance, new_tat - now, interval),
+        reset: new_tat - now,
+    };
+    (verdict, Some(new_tat))
+}
+
+fn remaining_of(tolerance: Micros, used: Micros, interval: Micros) -> u64 {
+    tolerance.saturating_sub(used) / interval
+}
+
+/// The stored state of one fixed-window key: the end of its window and the units counted in it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WindowState {
+    /// When the window that `count` belongs to ends (microseconds since the Unix epoch).
+    pub window_end: Micros,
+    /// Units admitted in that window.
+    pub count: u64,
+}
+
+/// The index of the window that holds `now`; windows are aligned to the Unix epoch.
+pub fn window_index(quota: &Quota, now: Micros) -> u64 {
+    now / quota.period_micros()
+}
+
+/// Fixed window. `state` from another (older) window counts as empty.
+///
+/// Returns the verdict and, when admitted, the new state.
+pub fn fixed_window(
+    quota: &Quota,
+    state: Option<WindowState>,
+    now: Micros,
+    cost: u32,
+) -> (Verdict, Option<WindowState>) {
+    let period = quota.period_micros();
+    let window_end = (window_index(quota, now) + 1) * period;
+    let count = match state {
+        Some(s) if s.window_end == window_end => s.count,
+        _ => 0,
+    };
+    let limit = u64::from(quota.limit());
+    let reset = window_end - now;
+    let remaining = limit.saturating_sub(count);
+    if cost > quota.limit() {
+        return (too_costly(remaining, reset), None);
+    }
+    let cost = u64::from(cost);
+    if count + cost > limit {
+        let verdict = Verdict {
+            status: Status::Denied { retry_after: reset },
+            remaining,
+            reset,
+        };
+        return (verdict, None);
+    }
+    let verdict = Verdict {
+        status: Status::Allowed,
+        remaining: limit - count - cost,
+        reset,
+    };
+    (
+        verdict,
+        Some(WindowState {
+            window_end,
+            count: count + cost,
+        }),
+    )
+}
+
+/// Exact sliding log over `log`, the ascending times of the admitted units of one key
+/// (entries that have left the window may still be in it).
+///
+/// Returns the verdict and how many leading entries have left the window (to trim). When
+/// admitted, the caller appends `cost` entries at `now`.
+pub fn sliding_log(quota: &Quota, log: &[Micros], now: Micros, cost: u32) -> (Verdict, usize) {
+    let period = quota.period_micros();
+    // An entry at t counts while t + period > now.
+    let expired = log.partition_point(|&t| t.saturating_add(period) <= now);
+    let alive = &log[expired..];
+    let count = alive.len() as u64;
+    let limit = u64::from(quota.limit());
+    let remaining = limit.saturating_sub(count);
+    let reset_of = |newest: Option<&Micros>| newest.map_or(0, |&t| t + period - now);
+    if cost > quota.limit() {
+        return (too_costly(remaining, reset_of(alive.last())), expired);
+    }
+    let cost64 = u64::from(cost);
+    if count + cost64 > limit {
+        // The (count + cost - limit)-th oldest entry must leave before `cost` more fit.
+        let must_leave = (count + cost64 - limit) as usize;
+        let verdict = Verdict {
+            status: Status::Denied {
+                retry_after: alive[must_leave - 1] + period - now,
+            },
+            remaining,
+            reset: reset_of(alive.last()),
+        };
+        return (verdict, expired);
+    }
+    let verdict = Verdict {
+        status: Status::Allowed,
+        remaining: limit - count - cost64,
+        reset: period,
+    };
+    (verdict, expired)
+}
+
+fn too_costly(remaining: u64, reset: Micros) -> Verdict {
+    Verdict {
+        status: Status::CostTooHigh,
+        remaining,
+        reset,
+    }
+}
+
+/// The verdict an admitted check reports when its batch was refused by another limit and it
+/// consumed nothing after all.
+pub fn unconsumed(algorithm: Algorithm, quota: &Quota, verdict: Verdict, cost: u32) -> Verdict {
+    if !verdict.is_allowed() {
+        return verdict;
+    }
+    let reset = match algorithm {
+        Algorithm::Gcra => verdict
+            .reset
+            .saturating_sub(quota.emission_interval() * u64::from(cost)),
+        Algorithm::FixedWindow | Algorithm::SlidingLog => verdict.reset,
+    };
+    Verdict {
+        status: Status::Allowed,
+        remaining: verdict.remaining + u64::from(cost),
+        reset,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const S: Micros = 1_000_000;
+
+    fn retry(v: Verdict) -> Micros {
+        match v.status {
+            Status::Denied { retry_after } => retry_after,
+            other => panic!("expected a denial, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn gcra_admits_the_burst_then_one_per_interval() {
+        let q = Quota::per_minute(5).unwrap();
+        let now = 1_000 * S;
+        let mut tat = None;
+        for i in 0..5 {
+            let (v, t) = gcra(&q, tat, now, 1);
+            assert_eq!(v.status, Status::Allowed, "request {i}");
+            assert_eq!(v.remaining, 4 - i);
+            tat = t;
+        }
+        let (v, t) = gcra(&q, tat, now, 1);
+        assert_eq!(retry(v), 12 * S);
+        assert_eq!(t, None);
+        // One microsecond early is still denied, exactly on time is admitted.
+        assert!(!gcra(&q, tat, now + 12 * S - 1, 1).0.is_allowed());
+        let (v, _) = gcra(&q, tat, now + 12 * S, 1);
+        assert_eq!((v.status, v.remaining), (Status::Allowed, 0));
+        // After a full period the bucket is full again.
+        let (v, _) = gcra(&q, tat, now + 60 * S, 1);
+        assert_eq!(v.remaining, 4);
+    }
+
+    #[test]
+    fn gcra_burst_and_cost() {
+        let q = Quota::per_second(10).unwrap().with_burst(3).unwrap();
+        let (v, tat) = gcra(&q, None, 0, 3);
+        assert_eq!(
+            (v.status, v.remaining, v.reset),
+            (Status::Allowed, 0, 300_000)
+        );
+        let (v, _) = gcra(&q, tat, 0, 2);
+        assert_eq!(retry(v), 200_000);
+        assert_eq!(gcra(&q, None, 0, 4).0.status, Status::CostTooHigh);
+    }
+
+    #[test]
+    fn fixed_window_counts_within_the_window_and_reopens() {
+        let q = Quota::per_minute(3).unwrap();
+        let start = 600 * S; // a window boundary
+        let mut state = None;
+        for i in 0..3 {
+            let (v, s) = fixed_window(&q, state, start + i * S, 1);
+            assert_eq!(v.remaining, 2 - i);
+            state = s;
+        }
+        let (v, s) = fixed_window(&q, state, start + 59 * S, 1);
+        assert_eq!(retry(v), S);
+        assert_eq!(s, None);
+        let (v, _) = fixed_window(&q, state, start + 60 * S, 1);
+        assert_eq!(
+            (v.status, v.remaining, v.reset),
+            (Status::Allowed, 2, 60 * S)
+        );
+        assert_eq!(
+            fixed_window(&q, None, start, 4).0.status,
+            Status::CostTooHigh
+        );
+    }
+
+    #[test]
+    fn day_windows_turn_at_utc_midnight() {
+        let q = Quota::per_day(1).unwrap();
+        let midnight = 20_000 * 86_400 * S; // 2024-10-04T00:00:00Z
+        let (_, s) = fixed_window(&q, None, midnight - 1, 1);
+        assert_eq!(fixed_window(&q, s, midnight - 1, 1).0.reset, 1);
+        assert!(!fixed_window(&q, s, midnight - 1, 1).0.is_allowed());
+        assert!(fixed_window(&q, s, midnight, 1).0.is_allowed());
+    }
+
+    #[test]
+    fn hour_windows_turn_on_the_hour() {
+        let q = Quota::per_hour(2).unwrap();
+        let hour = 500_000 * 3_600 * S;
+        let (v, _) = fixed_window(&q, None, hour + 1_800 * S, 1);
+        assert_eq!(v.reset, 1_800 * S);
+    }
+
+    #[test]
+    fn sliding_log_is_exact() {
+        let q = Quota::new(2, std::time::Duration::from_secs(10)).unwrap();
+        let log = [S, 4 * S];
+        let (v, trim) = sliding_log(&q, &log, 5 * S, 1);
+        assert_eq!((retry(v), trim), (6 * S, 0));
+        // The first entry leaves at 11 s exactly.
+        assert!(!sliding_log(&q, &log, 11 * S - 1, 1).0.is_allowed());
+        let (v, trim) = sliding_log(&q, &log, 11 * S, 1);
+        assert_eq!((v.status, v.remaining, trim), (Status::Allowed, 0, 1));
+        // Cost 2 must wait for both.
+        assert_eq!(retry(sliding_log(&q, &log, 5 * S, 2).0), 9 * S);
+        assert_eq!(
+            sliding_log(&q, &log, 5 * S, 3).0.status,
+            Status::CostTooHigh
+        );
+    }
+
+    #[test]
+    fn unconsumed_restores_the_cost() {
+        let q = Quota::per_minute(5).unwrap();
+        let (v, _) = gcra(&q, None, 0, 2);
+        let u = unconsumed(Algorithm::Gcra, &q, v, 2);
+        assert_eq!((u.remaining, u.reset), (5, 0));
+    }
+}

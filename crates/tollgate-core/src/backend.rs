@@ -1,0 +1,269 @@
+use std::fmt;
+use std::future::Future;
+use std::ops::Deref;
+use std::time::Duration;
+
+use crate::clock::Micros;
+use crate::limit::Limit;
+
+/// The most limits one request can be checked against in one call.
+pub const MAX_CHECKS: usize = 8;
+
+/// One limit to check for one request: which limit, which key, what it costs.
+#[derive(Debug, Clone, Copy)]
+pub struct Check<'a> {
+    /// The limit.
+    pub limit: &'a Limit,
+    /// The key's bytes, as extracted from the request (never stored as they are).
+    pub key: &'a [u8],
+    /// Units of the quota the request takes.
+    pub cost: u32,
+    /// Whether a denial by this limit refuses the batch. `false` for shadow limits: they
+    /// consume when they admit and report when they would deny, but never refuse.
+    pub enforce: bool,
+}
+
+impl<'a> Check<'a> {
+    /// A check of `key` against `limit`, with the limit's cost and shadow setting.
+    pub fn new(limit: &'a Limit, key: &'a [u8]) -> Self {
+        Self {
+            limit,
+            key,
+            cost: limit.cost(),
+            enforce: !limit.is_shadow(),
+        }
+    }
+}
+
+/// How one limit answered one check.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Status {
+    /// Within the limit. Consumed if the whole batch was admitted.
+    Allowed,
+    /// Over the limit; the same request could be admitted after `retry_after` microseconds.
+    Denied {
+        /// Microseconds until the same request would be admitted.
+        retry_after: Micros,
+    },
+    /// The request costs more than the limit can ever admit at once.
+    CostTooHigh,
+    /// Not evaluated: another check of the batch was refused before this one was looked at
+    /// (for example from a local deny cache). Nothing was consumed.
+    NotChecked,
+    /// The in-memory backend is tracking as many keys as it may and this key is new.
+    AtCapacity {
+        /// Microseconds until space is likely to have been reclaimed.
+        retry_after: Micros,
+    },
+}
+
+/// The answer of one limit for one request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Verdict {
+    /// Admitted or why not.
+    pub status: Status,
+    /// Units left in the quota after this request (before it, when it was not admitted).
+    pub remaining: u64,
+    /// Microseconds until the quota is whole again.
+    pub reset: Micros,
+}
+
+impl Verdict {
+    const EMPTY: Self = Self {
+        status: Status::Allowed,
+        remaining: 0,
+        reset: 0,
+    };
+
+    /// Whether this limit admits the request.
+    pub fn is_allowed(&self) -> bool {
+        self.status == Status::Allowed
+    }
+
+    /// Time until the request could be admitted, if it was refused and can ever be.
+    pub fn retry_after(&self) -> Option<Duration> {
+        match self.status {
+            Status::Denied { retry_after } | Status::AtCapacity { retry_after } => {
+                Some(Duration::from_micros(retry_after))
+            }
+            Status::Allowed | Status::CostTooHigh | Status::NotChecked => None,
+        }
+    }
+
+    /// Time until the quota is whole again.
+    pub fn reset(&self) -> Duration {
+        Duration::from_micros(self.reset)
+    }
+}
+
+/// The verdicts of one batch, in the order of its checks. Stored inline: no allocation.
+#[derive(Clone, Copy)]
+pub struct Verdicts {
+    len: usize,
+    items: [Verdict; MAX_CHECKS],
+}
+
+impl Verdicts {
+    /// No verdicts.
+    pub const fn new() -> Self {
+        Self {
+            len: 0,
+            items: [Verdict::EMPTY; MAX_CHECKS],
+        }
+    }
+
+    /// Appends a verdict.
+    ///
+    /// # Errors
+    ///
+    /// Gives the verdict back when [`MAX_CHECKS`] are already held.
+    pub fn push(&mut self, verdict: Verdict) -> Result<(), Verdict> {
+        let slot = self.items.get_mut(self.len).ok_or(verdict)?;
+        *slot = verdict;
+        self.len += 1;
+        Ok(())
+    }
+
+    /// The verdicts as a mutable slice.
+    pub fn as_mut_slice(&mut self) -> &mut [Verdict] {
+        &mut self.items[..self.len]
+    }
+
+    /// Whether every enforced check of `checks` was admitted.
+    pub fn admits(&self, checks: &[Check<'_>]) -> bool {
+        self.iter()
+            .zip(checks)
+            .all(|(v, c)| v.is_allowed() || !c.enforce)
+    }
+}
+
+impl Default for Verdicts {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Deref for Verdicts {
+    type Target = [Verdict];
+
+    fn deref(&self) -> &[Verdict] {
+        &self.items[..self.len]
+    }
+}
+
+impl fmt::Debug for Verdicts {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_list().entries(self.iter()).finish()
+    }
+}
+
+impl FromIterator<Verdict> for Verdicts {
+    /// Collects at most [`MAX_CHECKS`] verdicts; further ones are dropped.
+    fn from_iter<I: IntoIterator<Item = Verdict>>(iter: I) -> Self {
+        let mut out = Self::new();
+        for v in iter.into_iter().take(MAX_CHECKS) {
+            let _ = out.push(v);
+        }
+        out
+    }
+}
+
+/// Where limits are counted.
+///
+/// A backend checks every limit of one request in one call, and the call is all-or-nothing:
+/// the request consumes from every limit if every enforced check admits it, and from none
+/// otherwise (shadow checks, `enforce == false`, never refuse the batch; they consume only what
+/// they admit). A denied check never consumes.
+///
+/// `check` does all the work it can synchronously and returns a `'static` future: an in-memory
+/// backend answers with a ready future and pays for no allocation or boxing, a networked one
+/// copies what it needs before it returns.
+pub trait Backend: Send + Sync + 'static {
+    /// The answer to one batch.
+    type Future: Future<Output = Result<Verdicts, BackendError>> + Send + 'static;
+
+    /// Checks and, if admitted, consumes every check of one request.
+    ///
+    /// `checks` holds at most [`MAX_CHECKS`] entries with distinct limit names.
+    fn check(&self, checks: &[Check<'_>]) -> Self::Future;
+
+    /// A short, fixed name for metrics and logs, such as `memory` or `redis`.
+    fn kind(&self) -> &'static str;
+}
+
+impl<B: Backend> Backend for std::sync::Arc<B> {
+    type Future = B::Future;
+
+    fn check(&self, checks: &[Check<'_>]) -> Self::Future {
+        (**self).check(checks)
+    }
+
+    fn kind(&self) -> &'static str {
+        (**self).kind()
+    }
+}
+
+/// Why a backend could not answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum BackendErrorKind {
+    /// No answer within the deadline.
+    Timeout,
+    /// The backend could not be reached or answered with an error.
+    Unavailable,
+    /// The circuit breaker is open: the backend failed recently and is not being called.
+    CircuitOpen,
+    /// The backend answered something that could not be understood.
+    Protocol,
+}
+
+/// A backend that could not answer a batch.
+#[derive(Debug, Clone)]
+pub struct BackendError {
+    kind: BackendErrorKind,
+    message: String,
+}
+
+impl BackendError {
+    /// An error of `kind`, described by `message`.
+    pub fn new(kind: BackendErrorKind, message: impl Into<String>) -> Self {
+        Self {
+            kind,
+            message: message.into(),
+        }
+    }
+
+    /// What went wrong.
+    pub fn kind(&self) -> BackendErrorKind {
+        self.kind
+    }
+
+    /// Whether the deadline passed.
+    pub fn is_timeout(&self) -> bool {
+        self.kind == BackendErrorKind::Timeout
+    }
+
+    /// Whether the circuit breaker refused the call.
+    pub fn is_circuit_open(&self) -> bool {
+        self.kind == BackendErrorKind::CircuitOpen
+    }
+
+    /// A fixed label for metrics: `timeout`, `error`, `circuit_open` or `protocol`.
+    pub fn reason(&self) -> &'static str {
+        match self.kind {
+            BackendErrorKind::Timeout => "timeout",
+            BackendErrorKind::Unavailable => "error",
+            BackendErrorKind::CircuitOpen => "circuit_open",
+            BackendErrorKind::Protocol => "protocol",
+        }
+    }
+}
+
+impl fmt::Display for BackendError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "rate-limit backend {}: {}", self.reason(), self.message)
+    }
+}
+
+impl std::error::Error for BackendError {}

@@ -1,0 +1,294 @@
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::backend::{BackendErrorKind, Status, Verdict};
+use crate::limit::Quota;
+
+/// Why a limit refused a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum DenyReason {
+    /// The quota is used up.
+    OverLimit,
+    /// The request costs more than the quota can ever admit at once.
+    CostTooHigh,
+    /// The in-memory backend is full and this key is new.
+    AtCapacity,
+    /// The backend failed and the limit fails closed.
+    BackendUnavailable,
+}
+
+/// Why a limit let a request through without counting it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum BypassReason {
+    /// The backend did not answer within its deadline.
+    Timeout,
+    /// The backend could not be reached or answered with an error.
+    Error,
+    /// The circuit breaker is open after recent failures.
+    CircuitOpen,
+    /// The backend's answer could not be understood.
+    Protocol,
+}
+
+impl BypassReason {
+    /// A fixed label: `timeout`, `error`, `circuit_open` or `protocol`.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Self::Timeout => "timeout",
+            Self::Error => "error",
+            Self::CircuitOpen => "circuit_open",
+            Self::Protocol => "protocol",
+        }
+    }
+}
+
+impl From<BackendErrorKind> for BypassReason {
+    fn from(kind: BackendErrorKind) -> Self {
+        match kind {
+            BackendErrorKind::Timeout => Self::Timeout,
+            BackendErrorKind::CircuitOpen => Self::CircuitOpen,
+            BackendErrorKind::Protocol => Self::Protocol,
+            BackendErrorKind::Unavailable => Self::Error,
+        }
+    }
+}
+
+/// Why a limit was not applied to a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum SkipReason {
+    /// No key could be extracted and the limit skips keyless requests.
+    MissingKey,
+    /// The backend refused the request on another limit before evaluating this one.
+    NotChecked,
+}
+
+/// What one limit decided for one request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Outcome {
+    /// Admitted and counted.
+    Allowed {
+        /// Units left in the quota.
+        remaining: u64,
+        /// Time until the quota is whole again.
+        reset: Duration,
+    },
+    /// Refused (or, for a shadow limit, would have been).
+    Denied {
+        /// When the same request could be admitted; `None` when it never can.
+        retry_after: Option<Duration>,
+        /// Units left in the quota.
+        remaining: u64,
+        /// Time until the quota is whole again.
+        reset: Duration,
+        /// Why.
+        reason: DenyReason,
+    },
+    /// Admitted without being counted: the backend failed and the limit fails open.
+    Bypassed {
+        /// How the backend failed.
+        reason: BypassReason,
+    },
+    /// Not applied.
+    Skipped {
+        /// Why.
+        reason: SkipReason,
+    },
+}
+
+impl Outcome {
+    /// The outcome a verdict stands for.
+    pub fn from_verdict(verdict: &Verdict) -> Self {
+        let reset = verdict.reset();
+        let remaining = verdict.remaining;
+        let reason = match verdict.status {
+            Status::Allowed => return Self::Allowed { remaining, reset },
+            Status::NotChecked => {
+                return Self::Skipped {
+                    reason: SkipReason::NotChecked,
+                }
+            }
+            Status::Denied { .. } => DenyReason::OverLimit,
+            Status::CostTooHigh => DenyReason::CostTooHigh,
+            Status::AtCapacity { .. } => DenyReason::AtCapacity,
+        };
+        Self::Denied {
+            retry_after: verdict.retry_after(),
+            remaining,
+            reset,
+            reason,
+        }
+    }
+
+    /// Whether this outcome lets the request through.
+    pub fn admits(&self) -> bool {
+        !matches!(self, Self::Denied { .. })
+    }
+}
+
+/// Where an outcome was decided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Source {
+    /// The configured backend.
+    Backend,
+    /// The local fallback limiter, because the backend failed.
+    Fallback,
+}
+
+/// One limit's part of a [`Decision`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LimitDecision {
+    name: Arc<str>,
+    quota: Quota,
+    outcome: Outcome,
+    source: Source,
+    shadow: bool,
+}
+
+impl LimitDecision {
+    /// A limit's decision.
+    pub fn new(
+        name: Arc<str>,
+        quota: Quota,
+        outcome: Outcome,
+        source: Source,
+        shadow: bool,
+    ) -> Self {
+        Self {
+            name,
+            quota,
+            outcome,
+            source,
+            shadow,
+        }
+    }
+
+    /// The limit's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The limit's quota (for a fallback outcome, still the configured one).
+    pub fn quota(&self) -> &Quota {
+        &self.quota
+    }
+
+    /// The outcome.
+    pub fn outcome(&self) -> &Outcome {
+        &self.outcome
+    }
+
+    /// Whether the outcome came from the backend or from the local fallback.
+    pub fn source(&self) -> Source {
+        self.source
+    }
+
+    /// Whether the limit is in shadow mode (its denials are reported, not enforced).
+    pub fn is_shadow(&self) -> bool {
+        self.shadow
+    }
+
+    /// Whether this limit refuses the request (a shadow limit never does).
+    pub fn refuses(&self) -> bool {
+        !self.shadow && !self.outcome.admits()
+    }
+
+    /// A fixed label for metrics: `allowed`, `denied`, `shadow_denied`, `bypassed`,
+    /// `fallback` (admitted by the fallback limiter) or `skipped`.
+    pub fn label(&self) -> &'static str {
+        match (&self.outcome, self.source, self.shadow) {
+            (Outcome::Denied { .. }, _, true) => "shadow_denied",
+            (Outcome::Denied { .. }, _, false) => "denied",
+            (Outcome::Allowed { .. }, Source::Fallback, _) => "fallback",
+            (Outcome::Allowed { .. }, Source::Backend, _) => "allowed",
+            (Outcome::Bypassed { .. }, _, _) => "bypassed",
+            (Outcome::Skipped { .. }, _, _) => "skipped",
+        }
+    }
+}
+
+/// What the limiter decided for one request, per limit, in the layer's order.
+///
+/// Every request that passes a rate-limit layer carries one in its extensions, and so does its
+/// response. A bypass is never reported as a plain allow.
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+/// use tollgate_core::{Decision, LimitDecision, Outcome, Quota, Source};
+///
+/// let d = Decision::new(vec![LimitDecision::new(
+///     "burst".into(),
+///     Quota::per_minute(5)?,
+///     Outcome::Allowed { remaining: 4, reset: Duration::from_secs(12) },
+///     Source::Backend,
+///     false,
+/// )]);
+/// assert!(d.is_admitted());
+/// assert_eq!(d.remaining(), Some(4));
+/// assert_eq!(d.get("burst").map(|l| l.label()), Some("allowed"));
+/// # Ok::<(), tollgate_core::ConfigError>(())
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Decision {
+    limits: Arc<[LimitDecision]>,
+}
+
+impl Decision {
+    /// A decision from its limits' parts.
+    pub fn new(limits: Vec<LimitDecision>) -> Self {
+        Self {
+            limits: limits.into(),
+        }
+    }
+
+    /// Every limit's part, in the layer's order.
+    pub fn limits(&self) -> &[LimitDecision] {
+        &self.limits
+    }
+
+    /// One limit's part, by name.
+    pub fn get(&self, name: &str) -> Option<&LimitDecision> {
+        self.limits.iter().find(|l| l.name() == name)
+    }
+
+    /// Whether every limit admits the request.
+    pub fn is_admitted(&self) -> bool {
+        !self.limits.iter().any(LimitDecision::refuses)
+    }
+
+    /// Whether any limit let the request through uncounted because its backend failed.
+    pub fn is_bypassed(&self) -> bool {
+        self.limits
+            .iter()
+            .any(|l| matches!(l.outcome, Outcome::Bypassed { .. }))
+    }
+
+    /// The fewest units left across the limits that counted the request.
+    pub fn remaining(&self) -> Option<u64> {
+        self.limits
+            .iter()
+            .filter_map(|l| match l.outcome {
+                Outcome::Allowed { remaining, .. } => Some(remaining),
+                _ => None,
+            })
+            .min()
+    }
+
+    /// The longest wait among the limits that refuse the request.
+    pub fn retry_after(&self) -> Option<Duration> {
+        self.limits
+            .iter()
+            .filter(|l| l.refuses())
+            .filter_map(|l| match l.outcome {
+                Outcome::Denied { retry_after, .. } => retry_after,
+                _ => None,
+            })
+            .max()
+    }
+}

@@ -1,0 +1,56 @@
+use std::fmt;
+
+/// A limit, quota or backend that cannot be built as configured.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// A quota of zero requests.
+    ZeroLimit,
+    /// A period shorter than one microsecond per admitted request.
+    PeriodTooShort,
+    /// A burst of zero, or a burst set on an algorithm that has none.
+    InvalidBurst,
+    /// A fixed cost of zero, or larger than the quota admits at once.
+    InvalidCost {
+        /// The configured cost.
+        cost: u32,
+        /// The most the quota admits at once.
+        max: u32,
+    },
+    /// A limit name that is empty, too long, or has characters outside `[A-Za-z0-9_.-]`.
+    InvalidName(String),
+    /// Two limits of one layer with the same name.
+    DuplicateName(String),
+    /// More limits on one layer than [`crate::MAX_CHECKS`].
+    TooManyLimits,
+    /// A layer with no limit.
+    NoLimits,
+    /// Anything else, described.
+    Other(String),
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::ZeroLimit => f.write_str("a quota must admit at least one request"),
+            Self::PeriodTooShort => {
+                f.write_str("the period must last at least one microsecond per admitted request")
+            }
+            Self::InvalidBurst => f.write_str("burst must be at least 1, and only GCRA has one"),
+            Self::InvalidCost { cost, max } => {
+                write!(f, "cost {cost} is invalid: it must be between 1 and {max}")
+            }
+            Self::InvalidName(name) => write!(
+                f,
+                "limit name {name:?} must be 1 to {} characters of [A-Za-z0-9_.-]",
+                crate::MAX_NAME_LEN
+            ),
+            Self::DuplicateName(name) => write!(f, "two limits are named {name:?}"),
+            Self::TooManyLimits => write!(f, "at most {} limits per layer", crate::MAX_CHECKS),
+            Self::NoLimits => f.write_str("a rate-limit layer needs at least one limit"),
+            Self::Other(msg) => f.write_str(msg),
+        }
+    }
+}
+
+impl std::error::Error for ConfigError {}

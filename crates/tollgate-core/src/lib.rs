@@ -1,0 +1,48 @@
+//! The parts of tollgate that know nothing of HTTP or Redis.
+//!
+//! - [`Quota`], [`Algorithm`] and [`Limit`]: what a limit is, validated when it is built.
+//! - [`algorithm`]: the maths of GCRA, fixed window and sliding log as pure functions of
+//!   (stored state, now, cost). Every backend implements exactly this maths.
+//! - [`Clock`]: where `now` comes from; [`SystemClock`] in production, [`FakeClock`] in tests.
+//! - [`Backend`]: checks every limit of one request in one call, all-or-nothing.
+//! - [`MemoryBackend`]: the bounded, sharded in-memory backend (the default).
+//! - [`Decision`] and [`Outcome`]: what the limiter decided, per limit.
+//!
+//! Time is measured in whole microseconds since the Unix epoch ([`Micros`]) everywhere,
+//! including in the Redis scripts, so that every backend computes the same figures.
+//!
+//! # Examples
+//!
+//! ```
+//! use tollgate_core::{Backend, Check, FakeClock, Limit, MemoryBackend, Quota};
+//!
+//! let clock = FakeClock::new(0);
+//! let backend = MemoryBackend::builder().clock(clock.clone()).build();
+//! let limit = Limit::gcra("login", Quota::per_minute(2)?)?;
+//! let check = |key: &[u8]| backend.check_now(&[Check::new(&limit, key)]).unwrap()[0];
+//!
+//! assert!(check(b"alice").is_allowed());
+//! assert!(check(b"alice").is_allowed());
+//! assert!(!check(b"alice").is_allowed()); // the third within a minute
+//! assert!(check(b"bob").is_allowed()); // keys are independent
+//! # Ok::<(), tollgate_core::ConfigError>(())
+//! ```
+
+pub mod algorithm;
+mod backend;
+mod clock;
+mod decision;
+mod error;
+mod limit;
+mod memory;
+
+pub use backend::{
+    Backend, BackendError, BackendErrorKind, Check, Status, Verdict, Verdicts, MAX_CHECKS,
+};
+pub use clock::{Clock, FakeClock, Micros, SystemClock};
+pub use decision::{
+    BypassReason, Decision, DenyReason, LimitDecision, Outcome, SkipReason, Source,
+};
+pub use error::ConfigError;
+pub use limit::{Algorithm, FailurePolicy, Limit, MissingKeyPolicy, Quota, MAX_NAME_LEN};
+pub use memory::{MemoryBackend, MemoryBackendBuilder, MemoryStats};

@@ -1,0 +1,398 @@
+use std::num::NonZeroU32;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::clock::{micros, Micros};
+use crate::ConfigError;
+
+/// The longest limit name, in bytes.
+pub const MAX_NAME_LEN: usize = 64;
+
+/// How many requests a limit admits in how long.
+///
+/// "100 per minute" is written `Quota::per_minute(100)` and means exactly that. A quota cannot be
+/// zero, and its period must leave at least one microsecond per request.
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+/// use tollgate_core::Quota;
+///
+/// let q = Quota::per_minute(100)?;
+/// assert_eq!(q.limit(), 100);
+/// assert_eq!(q.period(), Duration::from_secs(60));
+/// assert!(Quota::per_minute(0).is_err());
+/// # Ok::<(), tollgate_core::ConfigError>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Quota {
+    limit: NonZeroU32,
+    period: Micros,
+    burst: NonZeroU32,
+}
+
+impl Quota {
+    /// `limit` requests per `period`.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError::ZeroLimit`] for a limit of 0; [`ConfigError::PeriodTooShort`] when the
+    /// period has fewer microseconds than the limit has requests.
+    pub fn new(limit: u32, period: Duration) -> Result<Self, ConfigError> {
+        let limit = NonZeroU32::new(limit).ok_or(ConfigError::ZeroLimit)?;
+        let period = micros(period);
+        if period < u64::from(limit.get()) {
+            return Err(ConfigError::PeriodTooShort);
+        }
+        Ok(Self {
+            limit,
+            period,
+            burst: limit,
+        })
+    }
+
+    /// `limit` requests per second.
+    ///
+    /// # Errors
+    ///
+    /// As [`Quota::new`].
+    pub fn per_second(limit: u32) -> Result<Self, ConfigError> {
+        Self::new(limit, Duration::from_secs(1))
+    }
+
+    /// `limit` requests per minute.
+    ///
+    /// # Errors
+    ///
+    /// As [`Quota::new`].
+    pub fn per_minute(limit: u32) -> Result<Self, ConfigError> {
+        Self::new(limit, Duration::from_secs(60))
+    }
+
+    /// `limit` requests per hour (a UTC hour for a fixed window).
+    ///
+    /// # Errors
+    ///
+    /// As [`Quota::new`].
+    pub fn per_hour(limit: u32) -> Result<Self, ConfigError> {
+        Self::new(limit, Duration::from_secs(3600))
+    }
+
+    /// `limit` requests per day (a UTC day for a fixed window).
+    ///
+    /// # Errors
+    ///
+    /// As [`Quota::new`].
+    pub fn per_day(limit: u32) -> Result<Self, ConfigError> {
+        Self::new(limit, Duration::from_secs(86_400))
+    }
+
+    /// Lets GCRA admit up to `burst` requests at once while keeping the long-run rate.
+    ///
+    /// Without it the burst equals the limit. Only GCRA uses it.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError::InvalidBurst`] for a burst of 0.
+    pub fn with_burst(mut self, burst: u32) -> Result<Self, ConfigError> {
+        self.burst = NonZeroU32::new(burst).ok_or(ConfigError::InvalidBurst)?;
+        Ok(self)
+    }
+
+    /// Requests admitted per period.
+    pub fn limit(&self) -> u32 {
+        self.limit.get()
+    }
+
+    /// The period.
+    pub fn period(&self) -> Duration {
+        Duration::from_micros(self.period)
+    }
+
+    /// The period in microseconds.
+    pub fn period_micros(&self) -> Micros {
+        self.period
+    }
+
+    /// The most requests GCRA admits at once.
+    pub fn burst(&self) -> u32 {
+        self.burst.get()
+    }
+
+    /// GCRA's emission interval: the period divided by the limit, in whole microseconds.
+    pub fn emission_interval(&self) -> Micros {
+        self.period / u64::from(self.limit.get())
+    }
+
+    /// This quota with the limit divided by `parts` (rounded up, at least 1).
+    pub fn divided(&self, parts: NonZeroU32) -> Self {
+        let share = |n: NonZeroU32| {
+            NonZeroU32::new(n.get().div_ceil(parts.get())).unwrap_or(NonZeroU32::MIN)
+        };
+        Self {
+            limit: share(self.limit),
+            period: self.period,
+            burst: share(self.burst),
+        }
+    }
+}
+
+/// How a limit counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum Algorithm {
+    /// Generic cell rate algorithm: a token bucket kept as one timestamp. Smooth; admits up to
+    /// `burst` at once, then one request per `period / limit`. The default.
+    #[default]
+    Gcra,
+    /// At most `limit` per window; windows are aligned to the Unix epoch, so a one-day window is
+    /// a UTC day and a one-hour window a UTC hour, on every replica. A burst across a window
+    /// boundary can admit up to twice the limit within one period.
+    FixedWindow,
+    /// At most `limit` in any sliding period, counted exactly from a log of admitted requests.
+    /// Memory grows with the limit (one entry per admitted request in the period).
+    SlidingLog,
+}
+
+impl Algorithm {
+    /// A short lowercase name: `gcra`, `fixed_window` or `sliding_log`.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Self::Gcra => "gcra",
+            Self::FixedWindow => "fixed_window",
+            Self::SlidingLog => "sliding_log",
+        }
+    }
+}
+
+/// What a limit does when its backend fails or does not answer within its deadline.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum FailurePolicy {
+    /// Admit the request. The decision says `Bypassed` and the bypass is counted, so a dead
+    /// limiter is visible. The default: a limiter should not take a site down.
+    #[default]
+    FailOpen,
+    /// Refuse the request (`503 Service Unavailable` with `Retry-After`).
+    FailClosed,
+    /// Check a bounded in-memory limiter instead, with the quota divided by `replicas` (the
+    /// number of processes expected to share the load).
+    Fallback {
+        /// The expected number of replicas; 1 keeps the quota as it is.
+        replicas: NonZeroU32,
+    },
+}
+
+/// What a limit does with a request it cannot find a key for.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum MissingKeyPolicy {
+    /// Refuse the request (`400 Bad Request`). The default: no key must never mean no limit.
+    #[default]
+    Reject,
+    /// Do not apply this limit to the request; the decision says `Skipped`.
+    Skip,
+    /// Count the request against one bucket shared by every keyless request.
+    SharedBucket,
+}
+
+/// One limit: a name, an algorithm, a quota and its policies.
+///
+/// The name is the limit's identity: in the in-memory backend, in Redis keys, in headers and in
+/// metrics. Two layers that use limits of the same name on the same backend share their counts.
+///
+/// # Examples
+///
+/// ```
+/// use tollgate_core::{Limit, Quota};
+///
+/// let daily = Limit::fixed_window("daily", Quota::per_day(1_000)?)?
+///     .fail_closed()
+///     .with_cost(10)?;
+/// assert_eq!(daily.name(), "daily");
+/// assert!(Limit::gcra("has space", Quota::per_minute(1)?).is_err());
+/// # Ok::<(), tollgate_core::ConfigError>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct Limit {
+    name: Arc<str>,
+    id: u64,
+    algorithm: Algorithm,
+    quota: Quota,
+    cost: u32,
+    failure: FailurePolicy,
+    missing_key: MissingKeyPolicy,
+    shadow: bool,
+}
+
+impl Limit {
+    /// A limit with the given algorithm.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError::InvalidName`] unless the name is 1 to [`MAX_NAME_LEN`] characters of
+    /// `[A-Za-z0-9_.-]` (names appear in headers, metric labels and Redis keys).
+    pub fn new(name: &str, algorithm: Algorithm, quota: Quota) -> Result<Self, ConfigError> {
+        let valid = !name.is_empty()
+            && name.len() <= MAX_NAME_LEN
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'));
+        if !valid {
+            return Err(ConfigError::InvalidName(name.chars().take(80).collect()));
+        }
+        if algorithm != Algorithm::Gcra && quota.burst != quota.limit {
+            return Err(ConfigError::InvalidBurst);
+        }
+        Ok(Self {
+            name: name.into(),
+            id: name_id(name),
+            algorithm,
+            quota,
+            cost: 1,
+            failure: FailurePolicy::default(),
+            missing_key: MissingKeyPolicy::default(),
+            shadow: false,
+        })
+    }
+
+    /// A GCRA limit (the default algorithm).
+    ///
+    /// # Errors
+    ///
+    /// As [`Limit::new`].
+    pub fn gcra(name: &str, quota: Quota) -> Result<Self, ConfigError> {
+        Self::new(name, Algorithm::Gcra, quota)
+    }
+
+    /// A fixed-window limit, windows aligned to the Unix epoch (UTC).
+    ///
+    /// # Errors
+    ///
+    /// As [`Limit::new`].
+    pub fn fixed_window(name: &str, quota: Quota) -> Result<Self, ConfigError> {
+        Self::new(name, Algorithm::FixedWindow, quota)
+    }
+
+    /// An exact sliding-log limit.
+    ///
+    /// # Errors
+    ///
+    /// As [`Limit::new`].
+    pub fn sliding_log(name: &str, quota: Quota) -> Result<Self, ConfigError> {
+        Self::new(name, Algorithm::SlidingLog, quota)
+    }
+
+    /// Each request costs `cost` units of the quota instead of 1.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError::InvalidCost`] for 0, or for more than the quota admits at once.
+    pub fn with_cost(mut self, cost: u32) -> Result<Self, ConfigError> {
+        let max = self.max_cost();
+        if cost == 0 || cost > max {
+            return Err(ConfigError::InvalidCost { cost, max });
+        }
+        self.cost = cost;
+        Ok(self)
+    }
+
+    /// Admit requests when the backend fails, and say so (the default).
+    pub fn fail_open(mut self) -> Self {
+        self.failure = FailurePolicy::FailOpen;
+        self
+    }
+
+    /// Refuse requests with 503 when the backend fails.
+    pub fn fail_closed(mut self) -> Self {
+        self.failure = FailurePolicy::FailClosed;
+        self
+    }
+
+    /// Limit locally when the backend fails, with the quota divided by `replicas`.
+    pub fn fallback(mut self, replicas: NonZeroU32) -> Self {
+        self.failure = FailurePolicy::Fallback { replicas };
+        self
+    }
+
+    /// What to do with a request that has no key for this limit.
+    pub fn on_missing_key(mut self, policy: MissingKeyPolicy) -> Self {
+        self.missing_key = policy;
+        self
+    }
+
+    /// Shadow (dry-run) mode: count and report would-be denials, but never deny.
+    pub fn shadow(mut self) -> Self {
+        self.shadow = true;
+        self
+    }
+
+    /// The name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The name, shared.
+    pub fn name_arc(&self) -> &Arc<str> {
+        &self.name
+    }
+
+    /// A stable 64-bit identity derived from the name.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// The algorithm.
+    pub fn algorithm(&self) -> Algorithm {
+        self.algorithm
+    }
+
+    /// The quota.
+    pub fn quota(&self) -> &Quota {
+        &self.quota
+    }
+
+    /// The cost of one request.
+    pub fn cost(&self) -> u32 {
+        self.cost
+    }
+
+    /// The failure policy.
+    pub fn failure_policy(&self) -> FailurePolicy {
+        self.failure
+    }
+
+    /// The missing-key policy.
+    pub fn missing_key_policy(&self) -> &MissingKeyPolicy {
+        &self.missing_key
+    }
+
+    /// Whether the limit only reports (shadow mode).
+    pub fn is_shadow(&self) -> bool {
+        self.shadow
+    }
+
+    /// The largest cost one request can have and still be admitted.
+    pub fn max_cost(&self) -> u32 {
+        match self.algorithm {
+            Algorithm::Gcra => self.quota.burst(),
+            Algorithm::FixedWindow | Algorithm::SlidingLog => self.quota.limit(),
+        }
+    }
+
+    /// This limit with its quota divided by `replicas`: the local stand-in for fallback.
+    pub fn local_share(&self, replicas: NonZeroU32) -> Self {
+        let mut limit = self.clone();
+        limit.quota = self.quota.divided(replicas);
+        limit.cost = self.cost.min(limit.max_cost());
+        limit
+    }
+}
+
+/// FNV-1a: deterministic, so a name means the same limit in every process.
+fn name_id(name: &str) -> u64 {
+    name.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}

@@ -1,0 +1,1 @@
+//! Redis backend for tollgate.

@@ -1,0 +1,1 @@
+//! Rate limiting for tower and axum.
