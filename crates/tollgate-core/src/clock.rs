@@ -94,7 +94,7 @@ impl Clock for FakeClock {
     }
 }
 
-impl<C: Clock> Clock for Arc<C> {
+impl<C: Clock + ?Sized> Clock for Arc<C> {
     fn now(&self) -> Micros {
         (**self).now()
     }

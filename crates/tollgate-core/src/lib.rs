@@ -6,7 +6,6 @@
 //! - [`Clock`]: where `now` comes from; [`SystemClock`] in production, [`FakeClock`] in tests.
 //! - [`Backend`]: checks every limit of one request in one call, all-or-nothing.
 //! - [`MemoryBackend`]: the bounded, sharded in-memory backend (the default).
-//! - [`Decision`] and [`Outcome`]: what the limiter decided, per limit.
 //!
 //! Time is measured in whole microseconds since the Unix epoch ([`Micros`]) everywhere,
 //! including in the Redis scripts, so that every backend computes the same figures.
@@ -31,7 +30,6 @@
 pub mod algorithm;
 mod backend;
 mod clock;
-mod decision;
 mod error;
 mod limit;
 mod memory;
@@ -40,9 +38,6 @@ pub use backend::{
     Backend, BackendError, BackendErrorKind, Check, Status, Verdict, Verdicts, MAX_CHECKS,
 };
 pub use clock::{Clock, FakeClock, Micros, SystemClock};
-pub use decision::{
-    BypassReason, Decision, DenyReason, LimitDecision, Outcome, SkipReason, Source,
-};
 pub use error::ConfigError;
 pub use limit::{Algorithm, FailurePolicy, Limit, MissingKeyPolicy, Quota, MAX_NAME_LEN};
 pub use memory::{MemoryBackend, MemoryBackendBuilder, MemoryStats};
