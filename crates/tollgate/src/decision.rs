@@ -1,8 +1,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::backend::{BackendErrorKind, Status, Verdict};
-use crate::limit::Quota;
+use tollgate_core::{BackendErrorKind, Quota, Status, Verdict};
 
 /// Why a limit refused a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -50,7 +49,7 @@ impl From<BackendErrorKind> for BypassReason {
             BackendErrorKind::Timeout => Self::Timeout,
             BackendErrorKind::CircuitOpen => Self::CircuitOpen,
             BackendErrorKind::Protocol => Self::Protocol,
-            BackendErrorKind::Unavailable => Self::Error,
+            _ => Self::Error,
         }
     }
 }
@@ -114,6 +113,7 @@ impl Outcome {
             Status::Denied { .. } => DenyReason::OverLimit,
             Status::CostTooHigh => DenyReason::CostTooHigh,
             Status::AtCapacity { .. } => DenyReason::AtCapacity,
+            _ => DenyReason::OverLimit,
         };
         Self::Denied {
             retry_after: verdict.retry_after(),
@@ -220,7 +220,8 @@ impl LimitDecision {
 ///
 /// ```
 /// use std::time::Duration;
-/// use tollgate_core::{Decision, LimitDecision, Outcome, Quota, Source};
+/// use tollgate::{Decision, LimitDecision, Outcome, Source};
+/// use tollgate::core::Quota;
 ///
 /// let d = Decision::new(vec![LimitDecision::new(
 ///     "burst".into(),
@@ -232,7 +233,7 @@ impl LimitDecision {
 /// assert!(d.is_admitted());
 /// assert_eq!(d.remaining(), Some(4));
 /// assert_eq!(d.get("burst").map(|l| l.label()), Some("allowed"));
-/// # Ok::<(), tollgate_core::ConfigError>(())
+/// # Ok::<(), tollgate::core::ConfigError>(())
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Decision {

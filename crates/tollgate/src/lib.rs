@@ -1,1 +1,61 @@
 //! Rate limiting for tower and axum.
+//!
+//! A [`RateLimitLayer`] holds one or more [`Limit`]s, each counted per key that its
+//! [extractor](key) finds in the request: the client IP, a tenant, an authenticated principal,
+//! or anything else. Limits are counted in a [`Backend`](core::Backend): in memory by default
+//! ([`MemoryBackend`]), or in Redis / Redis Cluster (the `tollgate-redis` crate) so that a limit
+//! holds across every replica of a service.
+//!
+//! - Over a limit: `429 Too Many Requests` with `Retry-After` and the IETF `RateLimit` fields.
+//! - Stacked limits are all-or-nothing: a request refused by one limit consumes from none.
+//! - Backend down: each limit's [`FailurePolicy`]: fail open (the decision says `Bypassed` and
+//!   `tollgate_bypass_total` counts it), fail closed (`503`), or a local fallback limit.
+//! - Handlers read the [`Decision`] from the request (it is an axum extractor), outer layers
+//!   from the response's extensions.
+//!
+//! # Examples
+//!
+//! ```
+//! use axum::{routing::get, Router};
+//! use tollgate::key::{ClientIp, Tenant};
+//! use tollgate::{Decision, Limit, Quota, RateLimitLayer};
+//!
+//! # fn main() -> Result<(), tollgate::core::ConfigError> {
+//! let limits = RateLimitLayer::builder()
+//!     // 20 a minute per client address (IPv6 grouped by /64)...
+//!     .limit(Limit::gcra("burst", Quota::per_minute(20)?)?, ClientIp::peer())
+//!     // ...and 500 a UTC day per shop; a request refused by either consumes from neither.
+//!     .limit(Limit::fixed_window("shop-daily", Quota::per_day(500)?)?, Tenant::header("x-shop-domain"))
+//!     .build()?;
+//!
+//! async fn chat(decision: Decision) -> String {
+//!     format!("{} requests left", decision.remaining().unwrap_or(0))
+//! }
+//!
+//! let app: Router = Router::new().route("/api/chat", get(chat)).layer(limits);
+//! # Ok(()) }
+//! ```
+//!
+//! Serve with `app.into_make_service_with_connect_info::<SocketAddr>()` so that
+//! [`ClientIp`](key::ClientIp) knows the socket peer.
+
+pub mod key;
+
+mod decision;
+mod extract;
+mod layer;
+mod metrics;
+mod response;
+
+/// The parts that know nothing of HTTP: quotas, algorithms, clocks, backends.
+pub use tollgate_core as core;
+
+pub use decision::{
+    BypassReason, Decision, DenyReason, LimitDecision, Outcome, SkipReason, Source,
+};
+pub use extract::MissingDecision;
+pub use layer::{RateLimit, RateLimitLayer, RateLimitLayerBuilder, ResponseFuture};
+pub use response::{Rejection, RejectionKind};
+pub use tollgate_core::{
+    Algorithm, FailurePolicy, FakeClock, Limit, MemoryBackend, MissingKeyPolicy, Quota, SystemClock,
+};

@@ -1,0 +1,1 @@
+//! Test support: real Redis servers on loopback.

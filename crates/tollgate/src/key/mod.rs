@@ -1,0 +1,275 @@
+//! Key extraction: which bucket a request counts against.
+//!
+//! A [`KeyExtractor`] reads a request (through a [`RequestView`]) and returns a [`Key`] or
+//! says why there is none ([`MissingKey`]); the limit's
+//! [`MissingKeyPolicy`](tollgate_core::MissingKeyPolicy) decides what happens then.
+//!
+//! Ready-made extractors:
+//! - [`ClientIp`]: the client address, from the socket peer, or from `cf-connecting-ip` /
+//!   `X-Forwarded-For` only when the peer is a trusted proxy. IPv6 grouped to /64.
+//! - [`Tenant`]: a tenant such as a shop, from a header, a query parameter or an extension,
+//!   normalised and validated.
+//! - [`Principal`]: the authenticated principal from a request extension.
+//! - [`Global`]: one bucket for every request.
+//! - [`key_fn`]: a closure, for anything else.
+//!
+//! Keys borrow from the request where they can and are at most [`MAX_KEY_LEN`] bytes: a longer
+//! value is never a key.
+
+use std::fmt;
+
+use http::{Extensions, HeaderMap, Method, Uri};
+
+mod ip;
+mod principal;
+mod tenant;
+
+pub use ip::{Cidr, ClientIp, ForwardedHeader, InvalidCidr, TrustedProxies};
+pub use principal::{Principal, PrincipalId};
+pub use tenant::Tenant;
+
+/// The longest key, in bytes.
+pub const MAX_KEY_LEN: usize = 512;
+
+const INLINE: usize = 24;
+
+/// The identity a request is counted under, for one limit.
+///
+/// Only its bytes matter to backends, which hash them (keys never reach a store as they are).
+/// Keys are equal when their bytes are, however they are stored.
+#[derive(Clone)]
+pub struct Key<'r>(Repr<'r>);
+
+#[derive(Clone)]
+enum Repr<'r> {
+    Borrowed(&'r [u8]),
+    Inline { len: u8, buf: [u8; INLINE] },
+    Owned(Box<[u8]>),
+}
+
+impl<'r> Key<'r> {
+    /// A key that borrows its bytes.
+    ///
+    /// # Errors
+    ///
+    /// [`MissingKey::TooLong`] past [`MAX_KEY_LEN`] bytes.
+    pub fn borrowed(bytes: &'r [u8]) -> Result<Self, MissingKey> {
+        check_len(bytes.len())?;
+        Ok(Self(Repr::Borrowed(bytes)))
+    }
+
+    /// A key that owns its bytes (copied inline when short, without allocating).
+    ///
+    /// # Errors
+    ///
+    /// [`MissingKey::TooLong`] past [`MAX_KEY_LEN`] bytes.
+    pub fn copied(bytes: &[u8]) -> Result<Key<'static>, MissingKey> {
+        check_len(bytes.len())?;
+        if bytes.len() <= INLINE {
+            let mut buf = [0; INLINE];
+            buf[..bytes.len()].copy_from_slice(bytes);
+            Ok(Key(Repr::Inline {
+                len: bytes.len() as u8,
+                buf,
+            }))
+        } else {
+            Ok(Key(Repr::Owned(bytes.into())))
+        }
+    }
+
+    /// A key that owns `bytes`.
+    ///
+    /// # Errors
+    ///
+    /// [`MissingKey::TooLong`] past [`MAX_KEY_LEN`] bytes.
+    pub fn owned(bytes: impl Into<Vec<u8>>) -> Result<Key<'static>, MissingKey> {
+        let bytes = bytes.into();
+        check_len(bytes.len())?;
+        Ok(Key(Repr::Owned(bytes.into_boxed_slice())))
+    }
+
+    /// The key's bytes.
+    pub fn as_bytes(&self) -> &[u8] {
+        match &self.0 {
+            Repr::Borrowed(b) => b,
+            Repr::Inline { len, buf } => &buf[..usize::from(*len)],
+            Repr::Owned(b) => b,
+        }
+    }
+}
+
+fn check_len(len: usize) -> Result<(), MissingKey> {
+    if len > MAX_KEY_LEN {
+        Err(MissingKey::TooLong)
+    } else {
+        Ok(())
+    }
+}
+
+// By bytes: a borrowed key and an inline copy of the same bytes are the same identity.
+impl PartialEq for Key<'_> {
+    fn eq(&self, other: &Self) -> bool {
+        self.as_bytes() == other.as_bytes()
+    }
+}
+
+impl Eq for Key<'_> {}
+
+impl fmt::Debug for Key<'_> {
+    /// Shows the length only: keys can be personal data (addresses, e-mails).
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Key({} bytes)", self.as_bytes().len())
+    }
+}
+
+/// Why a request has no key for a limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum MissingKey {
+    /// The header, parameter or extension the key comes from is not there.
+    Absent,
+    /// It is there but not a valid key (unparseable, bad characters, not UTF-8, empty).
+    Invalid,
+    /// Longer than [`MAX_KEY_LEN`] (or than the extractor allows).
+    TooLong,
+    /// No socket peer address: the server was not started with connect info.
+    NoPeerAddress,
+}
+
+impl MissingKey {
+    /// A fixed label: `absent`, `invalid`, `too_long` or `no_peer_address`.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Self::Absent => "absent",
+            Self::Invalid => "invalid",
+            Self::TooLong => "too_long",
+            Self::NoPeerAddress => "no_peer_address",
+        }
+    }
+}
+
+impl fmt::Display for MissingKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Absent => "the rate-limit key is missing",
+            Self::Invalid => "the rate-limit key is invalid",
+            Self::TooLong => "the rate-limit key is too long",
+            Self::NoPeerAddress => "the client address is unknown",
+        })
+    }
+}
+
+impl std::error::Error for MissingKey {}
+
+/// The parts of a request an extractor may read.
+#[derive(Debug, Clone, Copy)]
+pub struct RequestView<'r> {
+    method: &'r Method,
+    uri: &'r Uri,
+    headers: &'r HeaderMap,
+    extensions: &'r Extensions,
+}
+
+impl<'r> RequestView<'r> {
+    /// A view of `req`.
+    pub fn new<B>(req: &'r http::Request<B>) -> Self {
+        Self {
+            method: req.method(),
+            uri: req.uri(),
+            headers: req.headers(),
+            extensions: req.extensions(),
+        }
+    }
+
+    /// The method.
+    pub fn method(&self) -> &'r Method {
+        self.method
+    }
+
+    /// The URI.
+    pub fn uri(&self) -> &'r Uri {
+        self.uri
+    }
+
+    /// The headers.
+    pub fn headers(&self) -> &'r HeaderMap {
+        self.headers
+    }
+
+    /// The extensions (where authentication layers and `ConnectInfo` put their data).
+    pub fn extensions(&self) -> &'r Extensions {
+        self.extensions
+    }
+}
+
+/// Finds the key a request counts under for one limit.
+///
+/// Implemented by the ready-made extractors and by [`key_fn`] closures.
+pub trait KeyExtractor: Send + Sync + 'static {
+    /// The key of `req`, or why it has none.
+    ///
+    /// # Errors
+    ///
+    /// [`MissingKey`] when the request has no valid key; the limit's missing-key policy applies.
+    fn extract<'r>(&self, req: &RequestView<'r>) -> Result<Key<'r>, MissingKey>;
+}
+
+/// One bucket for every request.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Global;
+
+impl KeyExtractor for Global {
+    fn extract<'r>(&self, _: &RequestView<'r>) -> Result<Key<'r>, MissingKey> {
+        Ok(Key(Repr::Borrowed(b"global")))
+    }
+}
+
+/// A key extractor from a closure. See [`key_fn`].
+#[derive(Clone, Copy)]
+pub struct FnKey<F>(F);
+
+impl<F> fmt::Debug for FnKey<F> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("FnKey")
+    }
+}
+
+/// Extracts keys with a closure that returns the key's bytes, or `None` when the request has no
+/// key.
+///
+/// # Examples
+///
+/// ```
+/// use tollgate::key::{key_fn, KeyExtractor, RequestView};
+///
+/// let by_path = key_fn(|req: &RequestView<'_>| Some(req.uri().path().as_bytes().to_vec()));
+/// let req = http::Request::get("/search").body(()).unwrap();
+/// assert_eq!(by_path.extract(&RequestView::new(&req)).unwrap().as_bytes(), b"/search");
+/// ```
+pub fn key_fn<F>(f: F) -> FnKey<F>
+where
+    F: Fn(&RequestView<'_>) -> Option<Vec<u8>> + Send + Sync + 'static,
+{
+    FnKey(f)
+}
+
+impl<F> KeyExtractor for FnKey<F>
+where
+    F: Fn(&RequestView<'_>) -> Option<Vec<u8>> + Send + Sync + 'static,
+{
+    fn extract<'r>(&self, req: &RequestView<'r>) -> Result<Key<'r>, MissingKey> {
+        (self.0)(req).ok_or(MissingKey::Absent).and_then(Key::owned)
+    }
+}
+
+impl<K: KeyExtractor + ?Sized> KeyExtractor for Box<K> {
+    fn extract<'r>(&self, req: &RequestView<'r>) -> Result<Key<'r>, MissingKey> {
+        (**self).extract(req)
+    }
+}
+
+impl<K: KeyExtractor + ?Sized> KeyExtractor for std::sync::Arc<K> {
+    fn extract<'r>(&self, req: &RequestView<'r>) -> Result<Key<'r>, MissingKey> {
+        (**self).extract(req)
+    }
+}

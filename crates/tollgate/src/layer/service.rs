@@ -1,0 +1,72 @@
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http::{Request, Response};
+use tollgate_core::{Backend, MemoryBackend};
+use tower_service::Service;
+
+use super::future::ResponseFuture;
+use super::{Prepared, Shared};
+
+/// The service a [`RateLimitLayer`](super::RateLimitLayer) wraps around `S`.
+pub struct RateLimit<S, B = MemoryBackend> {
+    inner: S,
+    shared: Arc<Shared<B>>,
+}
+
+impl<S, B> RateLimit<S, B> {
+    pub(crate) fn new(inner: S, shared: Arc<Shared<B>>) -> Self {
+        Self { inner, shared }
+    }
+
+    /// The wrapped service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+}
+
+impl<S: Clone, B> Clone for RateLimit<S, B> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            shared: Arc::clone(&self.shared),
+        }
+    }
+}
+
+impl<S, B, ReqBody, ResBody> Service<Request<ReqBody>> for RateLimit<S, B>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone,
+    B: Backend,
+    ResBody: From<Bytes>,
+{
+    type Response = Response<ResBody>;
+    type Error = S::Error;
+    type Future = ResponseFuture<S, B, ReqBody>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<ReqBody>) -> Self::Future {
+        match self.shared.prepare(&req) {
+            Prepared::Refuse(response) => ResponseFuture::refused(response),
+            Prepared::Check(check, plan) => {
+                // Call the service that was polled ready, leave a fresh clone in its place.
+                let clone = self.inner.clone();
+                let inner = std::mem::replace(&mut self.inner, clone);
+                ResponseFuture::checking(check, req, inner, plan, Arc::clone(&self.shared))
+            }
+        }
+    }
+}
+
+impl<S: std::fmt::Debug, B: Backend> std::fmt::Debug for RateLimit<S, B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RateLimit")
+            .field("inner", &self.inner)
+            .field("layer", &self.shared)
+            .finish()
+    }
+}

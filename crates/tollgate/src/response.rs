@@ -1,0 +1,289 @@
+//! What the layer answers: rate-limit header fields and the refusal responses.
+//!
+//! - `RateLimit-Policy` and `RateLimit` (draft-ietf-httpapi-ratelimit-headers): one list item
+//!   per limit, named by the limit, e.g. `"burst";q=5;w=60` and `"burst";r=0;t=12`. For a limit
+//!   that refuses the request, `t` is its `Retry-After`, so the two never disagree.
+//! - `Retry-After` in whole seconds, rounded up, never 0.
+//! - Legacy `X-RateLimit-Limit`, `X-RateLimit-Remaining` and `X-RateLimit-Reset` for the most
+//!   constrained limit, when enabled.
+//! - Refusals default to a short `application/problem+json` body; replace it with
+//!   [`RateLimitLayerBuilder::on_rejection`](crate::RateLimitLayerBuilder::on_rejection).
+
+use std::fmt::{self, Write as _};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AFTER};
+use http::{HeaderMap, Response, StatusCode};
+
+use crate::decision::{Decision, DenyReason, Outcome};
+use crate::key::MissingKey;
+
+pub(crate) static RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
+pub(crate) static RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
+static X_LIMIT: HeaderName = HeaderName::from_static("x-ratelimit-limit");
+static X_REMAINING: HeaderName = HeaderName::from_static("x-ratelimit-remaining");
+static X_RESET: HeaderName = HeaderName::from_static("x-ratelimit-reset");
+static PROBLEM_JSON: HeaderValue = HeaderValue::from_static("application/problem+json");
+
+/// Which rate-limit header fields the layer writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct HeaderConfig {
+    /// `RateLimit-Policy` and `RateLimit` on admitted responses too (refusals always have them).
+    pub(crate) on_allowed: bool,
+    /// The legacy `X-RateLimit-*` fields as well.
+    pub(crate) legacy: bool,
+}
+
+impl Default for HeaderConfig {
+    fn default() -> Self {
+        Self {
+            on_allowed: true,
+            legacy: false,
+        }
+    }
+}
+
+/// Why the layer refused a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RejectionKind {
+    /// A limit is used up: `429 Too Many Requests`.
+    TooManyRequests,
+    /// The backend failed and a limit fails closed: `503 Service Unavailable`.
+    Unavailable,
+    /// A limit found no key and rejects keyless requests: `400 Bad Request`.
+    MissingKey(MissingKey),
+}
+
+/// A refused request, as handed to a custom responder.
+#[derive(Debug, Clone, Copy)]
+pub struct Rejection<'a> {
+    kind: RejectionKind,
+    limit: &'a str,
+    retry_after: Option<Duration>,
+    decision: Option<&'a Decision>,
+}
+
+impl<'a> Rejection<'a> {
+    pub(crate) fn new(
+        kind: RejectionKind,
+        limit: &'a str,
+        retry_after: Option<Duration>,
+        decision: Option<&'a Decision>,
+    ) -> Self {
+        Self {
+            kind,
+            limit,
+            retry_after,
+            decision,
+        }
+    }
+
+    /// Why.
+    pub fn kind(&self) -> RejectionKind {
+        self.kind
+    }
+
+    /// The status the default response uses.
+    pub fn status(&self) -> StatusCode {
+        match self.kind {
+            RejectionKind::TooManyRequests => StatusCode::TOO_MANY_REQUESTS,
+            RejectionKind::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+            RejectionKind::MissingKey(_) => StatusCode::BAD_REQUEST,
+        }
+    }
+
+    /// The name of the (first) limit that refused.
+    pub fn limit(&self) -> &'a str {
+        self.limit
+    }
+
+    /// When to try again (the `Retry-After` the layer adds), if ever.
+    pub fn retry_after(&self) -> Option<Duration> {
+        self.retry_after
+    }
+
+    /// The whole decision, when the backend was asked (not for a missing key).
+    pub fn decision(&self) -> Option<&'a Decision> {
+        self.decision
+    }
+}
+
+/// The default refusal: a short `application/problem+json` body.
+pub(crate) fn default_response(rejection: &Rejection<'_>) -> Response<Bytes> {
+    let status = rejection.status();
+    let detail = match rejection.kind {
+        RejectionKind::TooManyRequests => match rejection.retry_after {
+            Some(after) => format!(
+                "Rate limit \\\"{}\\\" exceeded; retry in {} s.",
+                rejection.limit,
+                whole_seconds(after)
+            ),
+            None => format!(
+                "The request costs more than rate limit \\\"{}\\\" can ever admit.",
+                rejection.limit
+            ),
+        },
+        RejectionKind::Unavailable => format!(
+            "Rate limit \\\"{}\\\" cannot be checked right now.",
+            rejection.limit
+        ),
+        RejectionKind::MissingKey(why) => {
+            format!("{why} (rate limit \\\"{}\\\").", rejection.limit)
+        }
+    };
+    let body = format!(
+        "{{\"type\":\"about:blank\",\"title\":\"{}\",\"status\":{},\"detail\":\"{detail}\"}}",
+        status.canonical_reason().unwrap_or(""),
+        status.as_u16()
+    );
+    let mut response = Response::new(Bytes::from(body));
+    *response.status_mut() = status;
+    response
+        .headers_mut()
+        .insert(CONTENT_TYPE, PROBLEM_JSON.clone());
+    response
+}
+
+/// Seconds for a header: rounded up, at least 1.
+pub(crate) fn whole_seconds(d: Duration) -> u64 {
+    let secs = d.as_secs() + u64::from(d.subsec_nanos() > 0);
+    secs.max(1)
+}
+
+/// Seconds for `t=` and `X-RateLimit-Reset`: rounded up, 0 allowed.
+fn reset_seconds(d: Duration) -> u64 {
+    d.as_secs() + u64::from(d.subsec_nanos() > 0)
+}
+
+/// The `RateLimit-Policy` value of a layer's limits; fixed, so built once.
+pub(crate) fn policy_value<'a>(
+    limits: impl Iterator<Item = &'a tollgate_core::Limit>,
+) -> Option<HeaderValue> {
+    let mut out = String::new();
+    for limit in limits {
+        if !out.is_empty() {
+            out.push_str(", ");
+        }
+        let _ = write!(
+            out,
+            "\"{}\";q={};w={}",
+            limit.name(),
+            limit.quota().limit(),
+            reset_seconds(limit.quota().period())
+        );
+    }
+    HeaderValue::try_from(out).ok()
+}
+
+struct Item<'a> {
+    name: &'a str,
+    remaining: u64,
+    seconds: u64,
+}
+
+impl fmt::Display for Item<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "\"{}\";r={};t={}",
+            self.name, self.remaining, self.seconds
+        )
+    }
+}
+
+/// Writes the rate-limit fields of `decision` into `headers`.
+pub(crate) fn write_headers(
+    headers: &mut HeaderMap,
+    decision: &Decision,
+    policy: Option<&HeaderValue>,
+    config: HeaderConfig,
+) {
+    let mut value = String::new();
+    let mut tightest: Option<(u64, u64, u32)> = None;
+    for limit in decision.limits() {
+        let (remaining, seconds) = match *limit.outcome() {
+            Outcome::Allowed { remaining, reset } => (remaining, reset_seconds(reset)),
+            Outcome::Denied {
+                remaining,
+                retry_after,
+                reset,
+                ..
+            } => {
+                let seconds = match retry_after {
+                    Some(after) if limit.refuses() => whole_seconds(after),
+                    _ => reset_seconds(reset),
+                };
+                (remaining, seconds)
+            }
+            Outcome::Bypassed { .. } | Outcome::Skipped { .. } => continue,
+        };
+        if !value.is_empty() {
+            value.push_str(", ");
+        }
+        let _ = write!(
+            value,
+            "{}",
+            Item {
+                name: limit.name(),
+                remaining,
+                seconds
+            }
+        );
+        if tightest.is_none_or(|(r, _, _)| remaining < r) {
+            tightest = Some((remaining, seconds, limit.quota().limit()));
+        }
+    }
+    if let Some(policy) = policy {
+        headers.insert(RATELIMIT_POLICY.clone(), policy.clone());
+    }
+    if let Ok(v) = HeaderValue::try_from(value) {
+        if !v.is_empty() {
+            headers.insert(RATELIMIT.clone(), v);
+        }
+    }
+    if let (true, Some((remaining, seconds, limit))) = (config.legacy, tightest) {
+        headers.insert(X_LIMIT.clone(), HeaderValue::from(limit));
+        headers.insert(X_REMAINING.clone(), HeaderValue::from(remaining));
+        headers.insert(X_RESET.clone(), HeaderValue::from(seconds));
+    }
+}
+
+/// Adds `Retry-After` unless the responder set one.
+pub(crate) fn write_retry_after(headers: &mut HeaderMap, retry_after: Option<Duration>) {
+    if let Some(after) = retry_after {
+        if !headers.contains_key(RETRY_AFTER) {
+            headers.insert(RETRY_AFTER, HeaderValue::from(whole_seconds(after)));
+        }
+    }
+}
+
+/// The kind of refusal a refused decision calls for, and the limit behind it.
+pub(crate) fn refusal_of(decision: &Decision) -> Option<(RejectionKind, &str)> {
+    let mut first = None;
+    for limit in decision.limits().iter().filter(|l| l.refuses()) {
+        if let Outcome::Denied {
+            reason: DenyReason::BackendUnavailable,
+            ..
+        } = limit.outcome()
+        {
+            return Some((RejectionKind::Unavailable, limit.name()));
+        }
+        first.get_or_insert((RejectionKind::TooManyRequests, limit.name()));
+    }
+    first
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn seconds_round_up_and_are_never_zero() {
+        assert_eq!(whole_seconds(Duration::ZERO), 1);
+        assert_eq!(whole_seconds(Duration::from_micros(1)), 1);
+        assert_eq!(whole_seconds(Duration::from_millis(12_000)), 12);
+        assert_eq!(whole_seconds(Duration::from_millis(12_001)), 13);
+    }
+}

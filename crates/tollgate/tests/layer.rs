@@ -1,0 +1,472 @@
+//! The layer through the tower contract: refusals, headers, decisions, stacking.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::ConnectInfo;
+use http::{Request, Response, StatusCode};
+use tollgate::core::{Backend, BackendError, BackendErrorKind, Check, Verdicts};
+use tollgate::key::{key_fn, ClientIp, Global, Tenant};
+use tollgate::{
+    Decision, DenyReason, FakeClock, Limit, MemoryBackend, MissingKeyPolicy, Outcome, Quota,
+    RateLimitLayer, Source,
+};
+use tower::{service_fn, Layer, Service, ServiceExt};
+
+type Svc = tower::util::BoxCloneService<Request<Body>, Response<Body>, Infallible>;
+
+/// A service that answers 200 with the remaining quota it read from the Decision.
+fn app<B: Backend>(layer: RateLimitLayer<B>) -> Svc {
+    let handler = service_fn(|req: Request<Body>| async move {
+        let decision = req.extensions().get::<Decision>().cloned();
+        let body = match decision {
+            Some(d) => format!("remaining={:?}", d.remaining()),
+            None => "no decision".to_owned(),
+        };
+        Ok::<_, Infallible>(Response::new(Body::from(body)))
+    });
+    tower::util::BoxCloneService::new(layer.layer(handler))
+}
+
+fn memory() -> (MemoryBackend<FakeClock>, FakeClock) {
+    let clock = FakeClock::new(1_700_000_000_000_000);
+    (MemoryBackend::builder().clock(clock.clone()).build(), clock)
+}
+
+fn from(ip: [u8; 4]) -> Request<Body> {
+    let mut req = Request::get("/").body(Body::empty()).unwrap();
+    req.extensions_mut()
+        .insert(ConnectInfo(SocketAddr::from((ip, 4000))));
+    req
+}
+
+async fn send(svc: &mut Svc, req: Request<Body>) -> Response<Body> {
+    svc.ready().await.unwrap().call(req).await.unwrap()
+}
+
+fn header<'a>(res: &'a Response<Body>, name: &str) -> Option<&'a str> {
+    res.headers().get(name).map(|v| v.to_str().unwrap())
+}
+
+async fn body(res: Response<Body>) -> String {
+    let bytes = http_body_util::BodyExt::collect(res.into_body())
+        .await
+        .unwrap()
+        .to_bytes();
+    String::from_utf8(bytes.to_vec()).unwrap()
+}
+
+#[tokio::test]
+async fn the_sixth_request_in_a_minute_is_refused_with_headers() {
+    let (backend, clock) = memory();
+    let layer = RateLimitLayer::builder()
+        .limit(
+            Limit::gcra("per-ip", Quota::per_minute(5).unwrap()).unwrap(),
+            ClientIp::peer(),
+        )
+        .backend(backend)
+        .build()
+        .unwrap();
+    let mut svc = app(layer);
+    for i in 0..5 {
+        let res = send(&mut svc, from([10, 0, 0, 1])).await;
+        assert_eq!(res.status(), StatusCode::OK);
+        assert_eq!(
+            header(&res, "ratelimit-policy"),
+            Some("\"per-ip\";q=5;w=60")
+        );
+        let expected = format!("\"per-ip\";r={};t={}", 4 - i, 12 * (i + 1));
+        assert_eq!(header(&res, "ratelimit"), Some(expected.as_str()));
+        assert!(res.extensions().get::<Decision>().is_some());
+        assert_eq!(body(res).await, format!("remaining=Some({})", 4 - i));
+    }
+    let res = send(&mut svc, from([10, 0, 0, 1])).await;
+    assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(header(&res, "retry-after"), Some("12"));
+    assert_eq!(header(&res, "ratelimit"), Some("\"per-ip\";r=0;t=12"));
+    assert_eq!(
+        header(&res, "content-type"),
+        Some("application/problem+json")
+    );
+    let decision = res.extensions().get::<Decision>().cloned().unwrap();
+    assert!(!decision.is_admitted());
+    assert!(body(res).await.contains("\"status\":429"));
+
+    // Another client is not affected; the first is admitted again after 12 s.
+    assert_eq!(
+        send(&mut svc, from([10, 0, 0, 2])).await.status(),
+        StatusCode::OK
+    );
+    clock.advance(Duration::from_secs(12));
+    assert_eq!(
+        send(&mut svc, from([10, 0, 0, 1])).await.status(),
+        StatusCode::OK
+    );
+    assert_eq!(
+        send(&mut svc, from([10, 0, 0, 1])).await.status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+}
+
+#[tokio::test]
+async fn retry_after_rounds_up_and_is_never_zero() {
+    let (backend, clock) = memory();
+    let layer = RateLimitLayer::builder()
+        .limit(
+            Limit::gcra("fast", Quota::per_second(2).unwrap()).unwrap(),
+            Global,
+        )
+        .backend(backend)
+        .build()
+        .unwrap();
+    let mut svc = app(layer);
+    send(&mut svc, from([1, 1, 1, 1])).await;
+    send(&mut svc, from([1, 1, 1, 1])).await;
+    let res = send(&mut svc, from([1, 1, 1, 1])).await;
+    assert_eq!(header(&res, "retry-after"), Some("1")); // 0.5 s rounds up to 1
+    clock.advance(Duration::from_micros(499_999));
+    let res = send(&mut svc, from([1, 1, 1, 1])).await;
+    assert_eq!(header(&res, "retry-after"), Some("1")); // 1 µs left, still 1
+}
+
+#[tokio::test]
+async fn stacked_limits_are_all_or_nothing() {
+    let (backend, _) = memory();
+    let layer = RateLimitLayer::builder()
+        .limit(
+            Limit::gcra("burst", Quota::per_minute(2).unwrap()).unwrap(),
+            ClientIp::peer(),
+        )
+        .limit(
+            Limit::fixed_window("daily", Quota::per_day(100).unwrap()).unwrap(),
+            Global,
+        )
+        .backend(backend)
+        .build()
+        .unwrap();
+    let mut svc = app(layer);
+    let mut admitted = 0;
+    let mut last = None;
+    for _ in 0..50 {
+        let res = send(&mut svc, from([192, 0, 2, 7])).await;
+        admitted += usize::from(res.status() == StatusCode::OK);
+        last = Some(res);
+    }
+    assert_eq!(admitted, 2);
+    let last = last.unwrap();
+    assert_eq!(last.status(), StatusCode::TOO_MANY_REQUESTS);
+    let decision = last.extensions().get::<Decision>().unwrap();
+    match decision.get("daily").unwrap().outcome() {
+        Outcome::Allowed { remaining, .. } => assert_eq!(*remaining, 98),
+        other => panic!("daily should admit, got {other:?}"),
+    }
+    let ratelimit = header(&last, "ratelimit").unwrap();
+    assert!(
+        ratelimit.starts_with("\"burst\";r=0;t=30, \"daily\";r=98;t="),
+        "{ratelimit}"
+    );
+}
+
+#[tokio::test]
+async fn two_stacked_layers_each_decide() {
+    let (backend, _) = memory();
+    let outer = RateLimitLayer::builder()
+        .limit(
+            Limit::gcra("outer", Quota::per_minute(3).unwrap()).unwrap(),
+            Global,
+        )
+        .backend(backend.clone())
+        .build()
+        .unwrap();
+    let inner = RateLimitLayer::builder()
+        .limit(
+            Limit::gcra("inner", Quota::per_minute(1).unwrap()).unwrap(),
+            Global,
+        )
+        .backend(backend)
+        .build()
+        .unwrap();
+    let handler = service_fn(|_req: Request<Body>| async {
+        Ok::<_, Infallible>(Response::new(Body::empty()))
+    });
+    let mut svc = outer.layer(inner.layer(handler));
+    let codes: Vec<u16> = {
+        let mut v = Vec::new();
+        for _ in 0..4 {
+            let res = svc
+                .ready()
+                .await
+                .unwrap()
+                .call(from([1, 2, 3, 4]))
+                .await
+                .unwrap();
+            v.push(res.status().as_u16());
+        }
+        v
+    };
+    // Separate layers are not jointly atomic: the outer one counts requests the inner refuses.
+    assert_eq!(codes, [200, 429, 429, 429]);
+}
+
+#[tokio::test]
+async fn missing_keys_follow_each_limits_policy() {
+    let shop = |policy| {
+        Limit::fixed_window("shop", Quota::per_day(2).unwrap())
+            .unwrap()
+            .on_missing_key(policy)
+    };
+    // Reject: 400, and the backend is not asked.
+    let layer = RateLimitLayer::builder()
+        .limit(
+            shop(MissingKeyPolicy::Reject),
+            Tenant::header("x-shop-domain"),
+        )
+        .build()
+        .unwrap();
+    let mut svc = app(layer);
+    let res = send(&mut svc, from([1, 1, 1, 1])).await;
+    assert_eq!(res.status(), StatusCode::BAD_REQUEST);
+    assert!(body(res).await.contains("missing"));
+
+    // Skip: admitted, and the decision says so.
+    let layer = RateLimitLayer::builder()
+        .limit(
+            shop(MissingKeyPolicy::Skip),
+            Tenant::header("x-shop-domain"),
+        )
+        .build()
+        .unwrap();
+    let mut svc = app(layer);
+    for _ in 0..5 {
+        let res = send(&mut svc, from([1, 1, 1, 1])).await;
+        assert_eq!(res.status(), StatusCode::OK);
+        let d = res.extensions().get::<Decision>().unwrap();
+        assert_eq!(d.get("shop").unwrap().label(), "skipped");
+    }
+
+    // Shared bucket: every keyless request shares one quota of 2.
+    let layer = RateLimitLayer::builder()
+        .limit(
+            shop(MissingKeyPolicy::SharedBucket),
+            Tenant::header("x-shop-domain"),
+        )
+        .build()
+        .unwrap();
+    let mut svc = app(layer);
+    let mut codes = Vec::new();
+    for _ in 0..3 {
+        codes.push(send(&mut svc, from([1, 1, 1, 1])).await.status().as_u16());
+    }
+    assert_eq!(codes, [200, 200, 429]);
+    let mut req = from([1, 1, 1, 1]);
+    req.headers_mut()
+        .insert("x-shop-domain", "a.example".parse().unwrap());
+    assert_eq!(send(&mut svc, req).await.status(), StatusCode::OK);
+}
+
+#[tokio::test]
+async fn shadow_limits_report_without_refusing() {
+    let layer = RateLimitLayer::builder()
+        .limit(
+            Limit::gcra("new-limit", Quota::per_minute(1).unwrap())
+                .unwrap()
+                .shadow(),
+            Global,
+        )
+        .build()
+        .unwrap();
+    let mut svc = app(layer);
+    assert_eq!(
+        send(&mut svc, from([1, 1, 1, 1])).await.status(),
+        StatusCode::OK
+    );
+    let res = send(&mut svc, from([1, 1, 1, 1])).await;
+    assert_eq!(res.status(), StatusCode::OK);
+    let d = res.extensions().get::<Decision>().unwrap();
+    assert!(d.is_admitted());
+    assert_eq!(d.get("new-limit").unwrap().label(), "shadow_denied");
+}
+
+#[tokio::test]
+async fn custom_rejections_keep_the_headers() {
+    let layer = RateLimitLayer::builder()
+        .limit(
+            Limit::gcra("one", Quota::per_minute(1).unwrap()).unwrap(),
+            Global,
+        )
+        .legacy_headers(true)
+        .on_rejection(|r| {
+            let mut res = Response::new(bytes::Bytes::from(format!("slow down ({})", r.limit())));
+            *res.status_mut() = r.status();
+            res
+        })
+        .build()
+        .unwrap();
+    let mut svc = app(layer);
+    let ok = send(&mut svc, from([1, 1, 1, 1])).await;
+    assert_eq!(header(&ok, "x-ratelimit-remaining"), Some("0"));
+    let res = send(&mut svc, from([1, 1, 1, 1])).await;
+    assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(header(&res, "retry-after"), Some("60"));
+    assert_eq!(header(&res, "x-ratelimit-limit"), Some("1"));
+    assert_eq!(body(res).await, "slow down (one)");
+}
+
+#[tokio::test]
+async fn headers_on_allowed_can_be_turned_off() {
+    let layer = RateLimitLayer::builder()
+        .limit(
+            Limit::gcra("one", Quota::per_minute(1).unwrap()).unwrap(),
+            Global,
+        )
+        .headers_on_allowed(false)
+        .build()
+        .unwrap();
+    let mut svc = app(layer);
+    let ok = send(&mut svc, from([1, 1, 1, 1])).await;
+    assert_eq!(header(&ok, "ratelimit"), None);
+    let refused = send(&mut svc, from([1, 1, 1, 1])).await;
+    assert_eq!(header(&refused, "ratelimit"), Some("\"one\";r=0;t=60"));
+}
+
+/// A backend that always fails, to test the failure policies' mapping (not limiting itself).
+#[derive(Clone)]
+struct Down(BackendErrorKind);
+
+impl Backend for Down {
+    type Future = std::future::Ready<Result<Verdicts, BackendError>>;
+    fn check(&self, _: &[Check<'_>]) -> Self::Future {
+        std::future::ready(Err(BackendError::new(self.0, "down")))
+    }
+    fn kind(&self) -> &'static str {
+        "down"
+    }
+}
+
+#[tokio::test]
+async fn a_failed_backend_applies_each_limits_policy() {
+    let clock = FakeClock::new(0);
+    let limit = |name| Limit::gcra(name, Quota::per_minute(4).unwrap()).unwrap();
+    // Fail open: admitted, and the decision says Bypassed, never a plain allow.
+    let layer = RateLimitLayer::builder()
+        .limit(limit("open"), Global)
+        .backend(Down(BackendErrorKind::Timeout))
+        .build()
+        .unwrap();
+    let res = send(&mut app(layer), from([1, 1, 1, 1])).await;
+    assert_eq!(res.status(), StatusCode::OK);
+    let d = res.extensions().get::<Decision>().unwrap();
+    assert!(d.is_bypassed());
+    assert_eq!(d.get("open").unwrap().label(), "bypassed");
+    assert_eq!(header(&res, "ratelimit"), None);
+
+    // Fail closed: 503 with Retry-After.
+    let layer = RateLimitLayer::builder()
+        .limit(limit("open"), Global)
+        .limit(limit("closed").fail_closed(), Global)
+        .backend(Down(BackendErrorKind::Unavailable))
+        .unavailable_retry_after(Duration::from_secs(5))
+        .build()
+        .unwrap();
+    let res = send(&mut app(layer), from([1, 1, 1, 1])).await;
+    assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(header(&res, "retry-after"), Some("5"));
+    let d = res.extensions().get::<Decision>().unwrap();
+    match d.get("closed").unwrap().outcome() {
+        Outcome::Denied { reason, .. } => assert_eq!(*reason, DenyReason::BackendUnavailable),
+        other => panic!("{other:?}"),
+    }
+
+    // Fallback: limited locally with the quota divided by the replicas (4 / 2 = 2).
+    let layer = RateLimitLayer::builder()
+        .limit(
+            limit("local").fallback(2.try_into().unwrap()),
+            ClientIp::peer(),
+        )
+        .backend(Down(BackendErrorKind::CircuitOpen))
+        .fallback_clock(clock.clone())
+        .build()
+        .unwrap();
+    let mut svc = app(layer);
+    let mut codes = Vec::new();
+    for _ in 0..4 {
+        let res = send(&mut svc, from([1, 1, 1, 1])).await;
+        if res.status() == StatusCode::OK {
+            let d = res.extensions().get::<Decision>().unwrap();
+            assert_eq!(d.get("local").unwrap().source(), Source::Fallback);
+            assert_eq!(d.get("local").unwrap().label(), "fallback");
+        }
+        codes.push(res.status().as_u16());
+    }
+    assert_eq!(codes, [200, 200, 429, 429]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn exactly_ten_of_sixty_four_concurrent_requests_are_admitted() {
+    for round in 0..100 {
+        let layer = RateLimitLayer::builder()
+            .limit(
+                Limit::gcra("ten", Quota::per_hour(10).unwrap()).unwrap(),
+                Global,
+            )
+            .build()
+            .unwrap();
+        let svc = app(layer);
+        let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(64));
+        let tasks: Vec<_> = (0..64)
+            .map(|_| {
+                let svc = svc.clone();
+                let barrier = barrier.clone();
+                tokio::spawn(async move {
+                    barrier.wait().await;
+                    svc.oneshot(from([1, 1, 1, 1])).await.unwrap().status()
+                })
+            })
+            .collect();
+        let mut admitted = 0;
+        for t in tasks {
+            admitted += usize::from(t.await.unwrap() == StatusCode::OK);
+        }
+        assert_eq!(admitted, 10, "round {round}");
+    }
+}
+
+#[tokio::test]
+async fn closures_can_key_on_anything() {
+    let layer = RateLimitLayer::builder()
+        .limit(
+            Limit::gcra("per-path", Quota::per_minute(1).unwrap()).unwrap(),
+            key_fn(|req| Some(req.uri().path().as_bytes().to_vec())),
+        )
+        .build()
+        .unwrap();
+    let mut svc = app(layer);
+    let get = |path: &str| Request::get(path).body(Body::empty()).unwrap();
+    assert_eq!(send(&mut svc, get("/a")).await.status(), StatusCode::OK);
+    assert_eq!(send(&mut svc, get("/b")).await.status(), StatusCode::OK);
+    assert_eq!(
+        send(&mut svc, get("/a")).await.status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+}
+
+#[test]
+fn bad_configuration_is_an_error() {
+    fn l(name: &str) -> Limit {
+        Limit::gcra(name, Quota::per_minute(1).unwrap()).unwrap()
+    }
+    assert!(RateLimitLayer::builder().build().is_err());
+    assert!(RateLimitLayer::builder()
+        .limit(l("a"), Global)
+        .limit(l("a"), Global)
+        .build()
+        .is_err());
+    let mut b = RateLimitLayer::builder();
+    for i in 0..9 {
+        let name = format!("l{i}");
+        b = b.limit(l(&name), Global);
+    }
+    assert!(b.build().is_err());
+}
