@@ -178,7 +178,7 @@ impl Shard {
                 };
                 log.entries.drain(..trim.min(log.entries.len()));
                 log.entries
-                    .extend(std::iter::repeat(now).take(check.cost as usize));
+                    .extend(std::iter::repeat_n(now, check.cost as usize));
             }
         }
     }

@@ -1,5 +1,7 @@
 //! The layer through the tower contract: refusals, headers, decisions, stacking.
 
+#![allow(clippy::unwrap_used)]
+
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::time::Duration;

@@ -154,12 +154,7 @@ impl ClientIp {
     ///
     /// [`ConfigError::Other`] when `bits` is above 32.
     pub fn ipv4_prefix(mut self, bits: u8) -> Result<Self, ConfigError> {
-        if bits > 32 {
-            return Err(ConfigError::Other(format!(
-                "IPv4 prefix /{bits} is invalid: it must be between 0 and 32"
-            )));
-        }
-        self.v4_prefix = bits;
+        self.v4_prefix = check_prefix("IPv4", bits, 32)?;
         Ok(self)
     }
 
@@ -172,12 +167,7 @@ impl ClientIp {
     ///
     /// [`ConfigError::Other`] when `bits` is above 128.
     pub fn ipv6_prefix(mut self, bits: u8) -> Result<Self, ConfigError> {
-        if bits > 128 {
-            return Err(ConfigError::Other(format!(
-                "IPv6 prefix /{bits} is invalid: it must be between 0 and 128"
-            )));
-        }
-        self.v6_prefix = bits;
+        self.v6_prefix = check_prefix("IPv6", bits, 128)?;
         Ok(self)
     }
 
@@ -210,6 +200,15 @@ impl ClientIp {
             }
         }
     }
+}
+
+fn check_prefix(version: &str, bits: u8, max: u8) -> Result<u8, ConfigError> {
+    if bits > max {
+        return Err(ConfigError::Other(format!(
+            "{version} prefix /{bits} is invalid: it must be between 0 and {max}"
+        )));
+    }
+    Ok(bits)
 }
 
 impl KeyExtractor for ClientIp {

@@ -9,7 +9,7 @@ use pin_project_lite::pin_project;
 use tollgate_core::Backend;
 use tower_service::Service;
 
-use super::{Plan, Shared};
+use super::{Decided, Plan, Shared};
 use crate::decision::Decision;
 
 pin_project! {
@@ -109,7 +109,7 @@ where
                         panic!("{DONE}");
                     };
                     match shared.decide(result, &req, plan) {
-                        Ok(decision) => {
+                        Decided::Admit(decision) => {
                             req.extensions_mut().insert(decision.clone());
                             let call = inner.call(req);
                             this.state.set(State::Calling {
@@ -117,7 +117,7 @@ where
                                 decision: Some(decision),
                             });
                         }
-                        Err(response) => this.state.set(State::Refused {
+                        Decided::Refuse(response) => this.state.set(State::Refused {
                             response: Some(response),
                         }),
                     }

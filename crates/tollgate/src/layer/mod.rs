@@ -280,6 +280,11 @@ pub(crate) enum Prepared<F> {
     Refuse(Response<Bytes>),
 }
 
+pub(crate) enum Decided {
+    Admit(Decision),
+    Refuse(Response<Bytes>),
+}
+
 impl<B: Backend> Shared<B> {
     /// Extracts every key and starts the backend call; or refuses a request without a key.
     pub(crate) fn prepare<T>(&self, req: &Request<T>) -> Prepared<B::Future> {
@@ -318,7 +323,7 @@ impl<B: Backend> Shared<B> {
         result: Result<Verdicts, BackendError>,
         req: &Request<T>,
         plan: &Plan,
-    ) -> Result<Decision, Response<Bytes>> {
+    ) -> Decided {
         let mut outcomes = [(
             Outcome::Skipped {
                 reason: SkipReason::MissingKey,
@@ -361,7 +366,7 @@ impl<B: Backend> Shared<B> {
                 .collect(),
         );
         if decision.is_admitted() {
-            return Ok(decision);
+            return Decided::Admit(decision);
         }
         let (kind, limit) = response::refusal_of(&decision)
             .unwrap_or((RejectionKind::TooManyRequests, self.limits[0].limit.name()));
@@ -378,7 +383,7 @@ impl<B: Backend> Shared<B> {
             self.headers,
         );
         response.extensions_mut().insert(decision);
-        Err(response)
+        Decided::Refuse(response)
     }
 
     /// Applies each checked limit's failure policy.
