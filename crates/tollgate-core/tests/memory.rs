@@ -1,0 +1,96 @@
+//! The in-memory backend's bounds and exactness, at scale.
+
+#![allow(clippy::unwrap_used)]
+
+use std::sync::{Arc, Barrier};
+use std::time::Duration;
+
+use tollgate_core::{Check, FakeClock, Limit, MemoryBackend, Quota, Status};
+
+#[test]
+fn a_spray_of_a_million_unique_keys_stays_under_the_cap() {
+    let clock = FakeClock::new(1_700_000_000_000_000);
+    let backend = MemoryBackend::builder()
+        .max_keys(10_000)
+        .clock(clock.clone())
+        .build();
+    let limit = Limit::gcra("login", Quota::per_hour(5).unwrap()).unwrap();
+    // A key tracked before the spray: 2 of 5 used.
+    for _ in 0..2 {
+        backend.check_now(&[Check::new(&limit, b"victim")]).unwrap();
+    }
+    let mut refused = 0u32;
+    for i in 0u32..1_000_000 {
+        let key = i.to_le_bytes();
+        let v = backend.check_now(&[Check::new(&limit, &key)]).unwrap()[0];
+        refused += u32::from(matches!(v.status, Status::AtCapacity { .. }));
+        if i % 100_000 == 0 {
+            assert!(backend.stats().tracked_keys <= 10_000);
+        }
+        // Time moves, but less than the quota's period: nothing expires.
+        if i % 1_000 == 0 {
+            clock.advance(Duration::from_millis(1));
+        }
+    }
+    assert_eq!(backend.stats().tracked_keys, 10_000);
+    assert_eq!(refused, 1_000_000 - 9_999);
+    // The victim kept its count: 3 more, then refused.
+    for left in [2, 1, 0] {
+        let v = backend.check_now(&[Check::new(&limit, b"victim")]).unwrap()[0];
+        assert_eq!((v.status, v.remaining), (Status::Allowed, left));
+    }
+    assert!(!backend.check_now(&[Check::new(&limit, b"victim")]).unwrap()[0].is_allowed());
+}
+
+#[test]
+fn expired_keys_are_reclaimed_without_a_thread() {
+    let clock = FakeClock::new(0);
+    let backend = MemoryBackend::builder()
+        .max_keys(1_000)
+        .clock(clock.clone())
+        .build();
+    let limit = Limit::fixed_window("minute", Quota::per_minute(1).unwrap()).unwrap();
+    for i in 0u32..1_000 {
+        backend
+            .check_now(&[Check::new(&limit, &i.to_le_bytes())])
+            .unwrap();
+    }
+    assert_eq!(backend.stats().tracked_keys, 1_000);
+    clock.advance(Duration::from_secs(60));
+    // The next request finds the backend full of expired windows and sweeps them.
+    let v = backend.check_now(&[Check::new(&limit, b"new")]).unwrap()[0];
+    assert!(v.is_allowed());
+    assert_eq!(backend.stats().tracked_keys, 1);
+}
+
+#[test]
+fn sixty_four_threads_against_a_limit_of_ten_admit_exactly_ten() {
+    for round in 0..100 {
+        let backend = MemoryBackend::new();
+        let burst = Arc::new(Limit::gcra("burst", Quota::per_hour(10).unwrap()).unwrap());
+        let daily = Arc::new(Limit::fixed_window("daily", Quota::per_day(1_000).unwrap()).unwrap());
+        let barrier = Arc::new(Barrier::new(64));
+        let threads: Vec<_> = (0..64)
+            .map(|_| {
+                let (backend, burst, daily, barrier) = (
+                    backend.clone(),
+                    burst.clone(),
+                    daily.clone(),
+                    barrier.clone(),
+                );
+                std::thread::spawn(move || {
+                    barrier.wait();
+                    let checks = [Check::new(&burst, b"k"), Check::new(&daily, b"shop")];
+                    backend.check_now(&checks).unwrap().admits(&checks)
+                })
+            })
+            .collect();
+        let admitted = threads
+            .into_iter()
+            .map(|t| usize::from(t.join().unwrap()))
+            .sum::<usize>();
+        assert_eq!(admitted, 10, "round {round}");
+        let checks = [Check::new(&daily, b"shop")];
+        assert_eq!(backend.check_now(&checks).unwrap()[0].remaining, 1_000 - 11);
+    }
+}
