@@ -240,6 +240,14 @@ pub struct Decision {
     limits: Arc<[LimitDecision]>,
 }
 
+impl FromIterator<LimitDecision> for Decision {
+    fn from_iter<I: IntoIterator<Item = LimitDecision>>(iter: I) -> Self {
+        Self {
+            limits: iter.into_iter().collect(),
+        }
+    }
+}
+
 impl Decision {
     /// A decision from its limits' parts.
     pub fn new(limits: Vec<LimitDecision>) -> Self {
@@ -249,6 +257,8 @@ impl Decision {
     }
 
     /// Every limit's part, in the layer's order.
+    ///
+    /// (Collecting an iterator of parts into a `Decision` allocates once.)
     pub fn limits(&self) -> &[LimitDecision] {
         &self.limits
     }

@@ -348,23 +348,22 @@ impl<B: Backend> Shared<B> {
             }
             Err(error) => self.on_failure(&error, req, plan, &mut outcomes),
         }
-        let decision = Decision::new(
-            self.limits
-                .iter()
-                .zip(outcomes)
-                .map(|(entry, (outcome, source))| {
-                    let d = LimitDecision::new(
-                        Arc::clone(entry.limit.name_arc()),
-                        *entry.limit.quota(),
-                        outcome,
-                        source,
-                        entry.limit.is_shadow(),
-                    );
-                    entry.metrics.record(&d);
-                    d
-                })
-                .collect(),
-        );
+        let decision: Decision = self
+            .limits
+            .iter()
+            .zip(outcomes)
+            .map(|(entry, (outcome, source))| {
+                let d = LimitDecision::new(
+                    Arc::clone(entry.limit.name_arc()),
+                    *entry.limit.quota(),
+                    outcome,
+                    source,
+                    entry.limit.is_shadow(),
+                );
+                entry.metrics.record(&d);
+                d
+            })
+            .collect();
         if decision.is_admitted() {
             return Decided::Admit(decision);
         }
