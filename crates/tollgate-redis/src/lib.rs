@@ -1,1 +1,119 @@
-//! Redis backend for tollgate.
+//! The Redis and Redis Cluster backend of tollgate: limits that hold across every replica.
+//!
+//! [`RedisBackend`] implements [`tollgate_core::Backend`] on a standalone Redis (or Valkey)
+//! server or a Redis Cluster, with the maths of [`tollgate_core::algorithm`] in Lua.
+//!
+//! # Examples
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use tollgate_core::{Backend, Check, Limit, Quota};
+//! use tollgate_redis::RedisBackend;
+//!
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! let backend = RedisBackend::builder()
+//!     .url("redis://127.0.0.1:6379/")
+//!     .deadline(Duration::from_millis(50))
+//!     .build()?;
+//! let burst = Limit::gcra("burst", Quota::per_minute(10)?)?;
+//! let daily = Limit::fixed_window("daily", Quota::per_day(1_000)?)?;
+//!
+//! // Both limits, one round trip, all-or-nothing.
+//! let verdicts = backend
+//!     .check(&[Check::new(&burst, b"203.0.113.7"), Check::new(&daily, b"shop-42")])
+//!     .await?;
+//! if verdicts.iter().all(|v| v.is_allowed()) {
+//!     println!("admitted; {} left today", verdicts[1].remaining);
+//! }
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! # One call per batch, all-or-nothing
+//!
+//! One Lua script checks every limit of a request and writes only if every enforced check
+//! admits (shadow checks write what they admit and never refuse the batch); a denied check
+//! writes nothing. Time is the server's (`TIME` in microseconds), so replicas with skewed clocks
+//! agree. Scripts are called with `EVALSHA` and loaded again after a `NOSCRIPT`; they use only
+//! commands that Valkey has too.
+//!
+//! - **GCRA**: one string key holding the theoretical arrival time in microseconds, expiring
+//!   when the state becomes that of a fresh key.
+//! - **Fixed window**: `INCRBY` on `<key>:<window index>`; the TTL is set by the first write of
+//!   the window only.
+//! - **Sliding log**: a sorted set with one unique member per admitted unit (`<now>-<seq>`, the
+//!   sequence kept in `<key>:seq`, so two units in the same microsecond are two members),
+//!   trimmed when written.
+//!
+//! # Keys
+//!
+//! `<prefix>:<limit name>:{<digest>}`, where the digest is the first 16 bytes of SHA-256 over
+//! `"tollgate/v1\0" ‖ u32be(len name) ‖ name ‖ u32be(len key) ‖ key`, in lowercase hex. Raw
+//! identities never reach Redis, keys have a fixed length, and one limit's key cannot be
+//! another's. The cluster hash tag wraps the digest, so identities spread over the slots.
+//!
+//! # Redis Cluster
+//!
+//! A batch whose keys fall in several hash slots becomes one script call per slot, run
+//! concurrently. If any refuses (or fails), the calls that wrote are refunded by a second script
+//! that undoes exactly their writes (GCRA: the TAT moves back by `cost × interval`; fixed window:
+//! `DECRBY`; sliding log: `ZREM` of the members added). The consume and the refund run in a task
+//! of their own, so a caller that gives up at its deadline does not leave them half done.
+//!
+//! The cost of this, compared with one atomic script:
+//!
+//! - Between a group's consume and its refund (about one round trip), other requests see its
+//!   units as taken and may be refused although they would have fit: under-admission, bounded
+//!   by the cost of the refused batches in flight.
+//! - Over-admission is bounded by one request's cost per limit and refund, and only in one
+//!   case: a GCRA key that idles between the consume and the refund long enough for the
+//!   consumed units to have drained anyway (the refund then gives back time that was not owed).
+//!   Fixed windows and sliding logs are refunded exactly.
+//! - If a refund itself fails (Redis down at that moment), the units stay consumed until they
+//!   expire: under-admission again, never over-admission.
+//!
+//! # Failures
+//!
+//! Every call has a deadline (default 50 ms, connection included): a slow answer is a
+//! [`BackendErrorKind::Timeout`](tollgate_core::BackendErrorKind::Timeout); an unreachable or
+//! unusable server is `Unavailable`; an answer that makes no sense is `Protocol`. Building the
+//! backend makes no connection: the first call connects in the background, and a broken
+//! connection is replaced on the next call, so an application boots while Redis is down and its
+//! limits apply their failure policy until Redis is back.
+//!
+//! A call that timed out may still reach Redis and take effect later (a server that was only
+//! slow runs the script when it catches up): a timeout can consume units the caller never saw
+//! admitted, which errs on the side of limiting.
+//!
+//! A circuit breaker opens after 3 consecutive failures (configurable) and then fails calls at
+//! once with `CircuitOpen`, without paying the deadline. After 250 ms one call probes Redis;
+//! success closes the breaker, failure keeps it open twice as long, up to 5 s.
+//!
+//! # The local deny cache
+//!
+//! When Redis denies an enforced check until T, later batches with that (limit, key) are
+//! refused locally until T: the check reports `Denied` with the time left, the other checks of
+//! the batch [`NotChecked`](tollgate_core::Status::NotChecked), and Redis is not called. A flood
+//! on one identity then costs Redis about one call per window per replica. The cache is bounded
+//! (10,000 entries by default; at capacity expired entries are dropped and, if it is still full,
+//! new denials are not cached) and holds digests, never keys.
+//!
+//! # Metrics
+//!
+//! `tollgate_backend_duration_seconds{backend="redis"}` (histogram, per call),
+//! `tollgate_backend_up{backend="redis"}` (gauge, 1 after an answer, 0 after a failure) and
+//! `tollgate_deny_cache_hits_total{limit}`. No label ever holds a key.
+
+mod backend;
+mod breaker;
+mod builder;
+mod conn;
+mod deny_cache;
+mod keys;
+mod script;
+
+pub use backend::{RedisBackend, ResponseFuture};
+pub use breaker::CircuitState;
+pub use builder::{
+    RedisBackendBuilder, DEFAULT_DEADLINE, DEFAULT_DENY_CACHE_CAPACITY, DEFAULT_PREFIX,
+};

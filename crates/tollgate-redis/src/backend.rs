@@ -1,0 +1,555 @@
+//! The backend: one script call per batch (per slot group in a cluster), with a deadline, a
+//! circuit breaker and a local deny cache in front.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use tokio::time::Instant;
+use tollgate_core::{
+    algorithm, Backend, BackendError, BackendErrorKind, Check, Limit, Micros, Status, Verdict,
+    Verdicts, MAX_CHECKS,
+};
+
+use crate::breaker::{Breaker, CircuitState, Permit};
+use crate::builder::RedisBackendBuilder;
+use crate::conn::{breaks_connection, Connector};
+use crate::deny_cache::DenyCache;
+use crate::keys;
+use crate::script::{self, Answer, Prepared, Reply};
+
+const BACKEND: &str = "redis";
+
+/// The Redis and Redis Cluster backend. Cheap to clone: clones share connections, breaker and
+/// deny cache.
+///
+/// See the [crate documentation](crate) for the semantics.
+#[derive(Clone)]
+pub struct RedisBackend {
+    pub(crate) inner: Arc<Inner>,
+}
+
+pub(crate) struct Inner {
+    prefix: String,
+    deadline: Duration,
+    cluster: bool,
+    connector: Arc<Connector>,
+    breaker: Breaker,
+    deny: DenyCache,
+    check_script: redis::Script,
+    refund_script: redis::Script,
+}
+
+/// What a batch came to, before the verdicts are finished.
+struct Outcome {
+    committed: bool,
+    answers: Vec<Answer>,
+}
+
+impl Inner {
+    pub(crate) fn new(
+        prefix: String,
+        deadline: Duration,
+        cluster: bool,
+        connector: Arc<Connector>,
+        breaker: Breaker,
+        deny: DenyCache,
+    ) -> Self {
+        Self {
+            prefix,
+            deadline,
+            cluster,
+            connector,
+            breaker,
+            deny,
+            check_script: redis::Script::new(&format!("{}{}", script::PRELUDE, script::CHECK)),
+            refund_script: redis::Script::new(&format!("{}{}", script::PRELUDE, script::REFUND)),
+        }
+    }
+
+    /// Runs a batch under the deadline, and keeps the breaker, metrics and deny cache.
+    async fn run(
+        self: Arc<Self>,
+        batch: Vec<Prepared>,
+        now: Option<Micros>,
+        permit: Permit,
+    ) -> Result<Verdicts, BackendError> {
+        let started = Instant::now();
+        let result = match tokio::time::timeout(self.deadline, self.call(&batch, now)).await {
+            Ok(result) => result,
+            Err(_) => Err(BackendError::new(
+                BackendErrorKind::Timeout,
+                format!("no answer from Redis within {:?}", self.deadline),
+            )),
+        };
+        metrics::histogram!("tollgate_backend_duration_seconds", "backend" => BACKEND)
+            .record(started.elapsed().as_secs_f64());
+        let outcome = match result {
+            Ok(outcome) => {
+                self.answered();
+                outcome
+            }
+            Err(e) => {
+                if e.kind() == BackendErrorKind::Protocol {
+                    // Redis answered, with something we did not expect: it is up.
+                    self.answered();
+                } else {
+                    self.breaker.failure(permit);
+                    metrics::gauge!("tollgate_backend_up", "backend" => BACKEND).set(0.0);
+                }
+                tracing::debug!(backend = BACKEND, error = %e, "rate-limit check failed");
+                return Err(e);
+            }
+        };
+        let mut verdicts = Verdicts::new();
+        for (p, answer) in batch.iter().zip(&outcome.answers) {
+            let mut verdict = answer.verdict;
+            if !outcome.committed {
+                verdict = algorithm::unconsumed(p.algorithm, &p.quota, verdict, p.cost);
+            }
+            if now.is_none() && p.enforce {
+                self.deny.insert(&p.digest, p.cost, &verdict);
+            }
+            let _ = verdicts.push(verdict);
+        }
+        Ok(verdicts)
+    }
+
+    fn answered(&self) {
+        self.breaker.success();
+        metrics::gauge!("tollgate_backend_up", "backend" => BACKEND).set(1.0);
+    }
+
+    async fn call(
+        self: &Arc<Self>,
+        batch: &[Prepared],
+        now: Option<Micros>,
+    ) -> Result<Outcome, BackendError> {
+        let groups = if self.cluster {
+            slot_groups(batch)
+        } else {
+            vec![(0..batch.len()).collect()]
+        };
+        if groups.len() == 1 {
+            let reply = self.eval_check(batch, now).await?;
+            return Ok(Outcome {
+                committed: reply.committed,
+                answers: reply.answers,
+            });
+        }
+        // Several slots: the consume and any refund run in a task of their own, so that a
+        // caller that gives up at its deadline does not leave a half-consumed batch behind.
+        let this = Arc::clone(self);
+        let batch = batch.to_vec();
+        tokio::spawn(async move { this.split(batch, groups, now).await })
+            .await
+            .unwrap_or_else(|e| Err(unavailable(format!("rate-limit task failed: {e}"))))
+    }
+
+    /// One `CHECK` call for checks that share a slot (or a standalone server).
+    async fn eval_check(
+        &self,
+        group: &[Prepared],
+        now: Option<Micros>,
+    ) -> Result<Reply, BackendError> {
+        let mut inv = self.check_script.prepare_invoke();
+        for p in group {
+            inv.key(p.key.as_str());
+        }
+        inv.arg(now.map_or_else(String::new, |n| n.to_string()));
+        for p in group {
+            for a in p.check_args() {
+                inv.arg(a);
+            }
+        }
+        let value = self.invoke(&inv).await?;
+        script::parse_reply(&value, group.len())
+    }
+
+    async fn invoke(
+        &self,
+        inv: &redis::ScriptInvocation<'_>,
+    ) -> Result<redis::Value, BackendError> {
+        let (generation, mut conn) = self.connector.get().await.map_err(map_error)?;
+        conn.invoke(inv).await.map_err(|e| {
+            if breaks_connection(&e) {
+                self.connector.invalidate(generation);
+            }
+            map_error(e)
+        })
+    }
+
+    /// Consumes slot groups concurrently; if any refuses or fails, refunds those that wrote.
+    async fn split(
+        self: Arc<Self>,
+        batch: Vec<Prepared>,
+        groups: Vec<Vec<usize>>,
+        now: Option<Micros>,
+    ) -> Result<Outcome, BackendError> {
+        let tasks: Vec<_> = groups
+            .iter()
+            .map(|group| {
+                let this = Arc::clone(&self);
+                let sub: Vec<Prepared> = group.iter().map(|&i| batch[i].clone()).collect();
+                tokio::spawn(async move {
+                    let reply = this.eval_check(&sub, now).await;
+                    (sub, reply)
+                })
+            })
+            .collect();
+        let mut results = Vec::with_capacity(tasks.len());
+        for task in tasks {
+            results.push(
+                task.await
+                    .map_err(|e| unavailable(format!("rate-limit task failed: {e}")))
+                    .and_then(|(sub, reply)| reply.map(|r| (sub, r))),
+            );
+        }
+        let committed = results
+            .iter()
+            .all(|r| r.as_ref().is_ok_and(|(_, reply)| reply.committed));
+        if !committed {
+            let refunds: Vec<_> = results
+                .iter()
+                .filter_map(|r| r.as_ref().ok())
+                .filter(|(_, reply)| reply.committed)
+                .map(|(sub, reply)| {
+                    let this = Arc::clone(&self);
+                    let (sub, reply) = (sub.clone(), reply.clone());
+                    tokio::spawn(async move { this.refund(&sub, &reply, now).await })
+                })
+                .collect();
+            for refund in refunds {
+                match refund.await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => {
+                        tracing::warn!(backend = BACKEND, error = %e, "rate-limit refund failed")
+                    }
+                    Err(e) => {
+                        tracing::warn!(backend = BACKEND, error = %e, "rate-limit refund failed")
+                    }
+                }
+            }
+        }
+        let mut answers = vec![
+            Answer {
+                verdict: NOT_CHECKED,
+                extra: 0,
+            };
+            batch.len()
+        ];
+        for (group, result) in groups.iter().zip(results) {
+            let (_, reply) = result?;
+            for (&i, answer) in group.iter().zip(reply.answers) {
+                answers[i] = answer;
+            }
+        }
+        Ok(Outcome { committed, answers })
+    }
+
+    /// Undoes what one committed `CHECK` call wrote.
+    async fn refund(
+        &self,
+        group: &[Prepared],
+        reply: &Reply,
+        now: Option<Micros>,
+    ) -> Result<(), BackendError> {
+        let mut inv = self.refund_script.prepare_invoke();
+        let wrote: Vec<(&Prepared, &Answer)> = group
+            .iter()
+            .zip(&reply.answers)
+            .filter(|(_, a)| a.verdict.is_allowed())
+            .collect();
+        if wrote.is_empty() {
+            return Ok(());
+        }
+        for (p, _) in &wrote {
+            inv.key(p.key.as_str());
+        }
+        inv.arg(now.map_or_else(String::new, |n| n.to_string()));
+        for (p, answer) in &wrote {
+            for a in p.refund_args(reply.now, answer) {
+                inv.arg(a);
+            }
+        }
+        self.invoke(&inv).await.map(drop)
+    }
+}
+
+/// Indices of the checks grouped by hash slot, in order of first appearance.
+fn slot_groups(batch: &[Prepared]) -> Vec<Vec<usize>> {
+    let mut groups: Vec<(u16, Vec<usize>)> = Vec::new();
+    for (i, p) in batch.iter().enumerate() {
+        let slot = keys::slot(&p.key);
+        match groups.iter_mut().find(|(s, _)| *s == slot) {
+            Some((_, g)) => g.push(i),
+            None => groups.push((slot, vec![i])),
+        }
+    }
+    groups.into_iter().map(|(_, g)| g).collect()
+}
+
+const NOT_CHECKED: Verdict = Verdict {
+    status: Status::NotChecked,
+    remaining: 0,
+    reset: 0,
+};
+
+fn unavailable(msg: impl Into<String>) -> BackendError {
+    BackendError::new(BackendErrorKind::Unavailable, msg)
+}
+
+/// Sorts a Redis error into the backend's kinds: the server could not be used
+/// (`Unavailable`), did not answer in time (`Timeout`), or answered nonsense (`Protocol`).
+fn map_error(e: redis::RedisError) -> BackendError {
+    use redis::{ErrorKind, ServerErrorKind};
+    let kind = if e.is_timeout() {
+        BackendErrorKind::Timeout
+    } else if breaks_connection(&e)
+        || e.is_cluster_error()
+        || matches!(
+            e.code(),
+            Some("BUSY" | "LOADING" | "MASTERDOWN" | "READONLY")
+        )
+    {
+        BackendErrorKind::Unavailable
+    } else {
+        match e.kind() {
+            ErrorKind::AuthenticationFailed
+            | ErrorKind::InvalidClientConfig
+            | ErrorKind::Server(
+                ServerErrorKind::BusyLoading
+                | ServerErrorKind::MasterDown
+                | ServerErrorKind::ReadOnly
+                | ServerErrorKind::NoPerm,
+            ) => BackendErrorKind::Unavailable,
+            _ => BackendErrorKind::Protocol,
+        }
+    };
+    BackendError::new(kind, e.to_string())
+}
+
+impl RedisBackend {
+    /// Configures a backend.
+    pub fn builder() -> RedisBackendBuilder {
+        RedisBackendBuilder::default()
+    }
+
+    /// Checks a batch at `now` (microseconds since the Unix epoch) instead of the Redis server's
+    /// `TIME`.
+    ///
+    /// **For tests only**: it lets a test replay exact figures (the shared vectors) without
+    /// waiting for time to pass. Production code must use [`Backend::check`], so that every
+    /// replica reads the same clock, the server's. Calls made this way neither read nor fill
+    /// the local deny cache, whose time is the local clock.
+    pub fn check_at(&self, checks: &[Check<'_>], now: Micros) -> ResponseFuture {
+        self.dispatch(checks, Some(now))
+    }
+
+    /// The Redis key (or, for a fixed window, the key's stem before `:<window index>`) that
+    /// holds `limit`'s state for `key`: `<prefix>:<limit name>:{<digest>}`.
+    pub fn key_for(&self, limit: &Limit, key: &[u8]) -> String {
+        let digest = keys::digest(limit.name(), key);
+        keys::base_key(&self.inner.prefix, limit.name(), &digest)
+    }
+
+    /// Sends `PING` within the deadline, whatever the circuit breaker says, and reports the
+    /// round trip. It sets the `tollgate_backend_up{backend="redis"}` gauge; a canary or a
+    /// health endpoint can call it.
+    ///
+    /// # Errors
+    ///
+    /// As [`Backend::check`], except that it never reports `CircuitOpen`.
+    pub async fn ping(&self) -> Result<Duration, BackendError> {
+        let inner = Arc::clone(&self.inner);
+        let started = Instant::now();
+        let attempt = async {
+            let (generation, mut conn) = inner.connector.get().await.map_err(map_error)?;
+            match conn.query(&redis::cmd("PING")).await {
+                Ok(_) => Ok(()),
+                Err(e) => {
+                    if breaks_connection(&e) {
+                        inner.connector.invalidate(generation);
+                    }
+                    Err(map_error(e))
+                }
+            }
+        };
+        let result = match tokio::time::timeout(inner.deadline, attempt).await {
+            Ok(r) => r,
+            Err(_) => Err(BackendError::new(
+                BackendErrorKind::Timeout,
+                format!("no answer to PING within {:?}", inner.deadline),
+            )),
+        };
+        let up = if result.is_ok() { 1.0 } else { 0.0 };
+        metrics::gauge!("tollgate_backend_up", "backend" => BACKEND).set(up);
+        result.map(|()| started.elapsed())
+    }
+
+    /// Where the circuit breaker stands.
+    pub fn circuit_state(&self) -> CircuitState {
+        self.inner.breaker.state()
+    }
+
+    /// Entries in the local deny cache (expired ones included until they are dropped).
+    pub fn deny_cache_len(&self) -> usize {
+        self.inner.deny.len()
+    }
+
+    /// Whether this backend talks to a Redis Cluster.
+    pub fn is_cluster(&self) -> bool {
+        self.inner.cluster
+    }
+
+    fn dispatch(&self, checks: &[Check<'_>], now: Option<Micros>) -> ResponseFuture {
+        if checks.len() > MAX_CHECKS {
+            return ResponseFuture::ready(Err(BackendError::new(
+                BackendErrorKind::Protocol,
+                format!("at most {MAX_CHECKS} checks per batch"),
+            )));
+        }
+        if checks.is_empty() {
+            return ResponseFuture::ready(Ok(Verdicts::new()));
+        }
+        let inner = &self.inner;
+        let mut digests = [[0u8; keys::DIGEST_LEN]; MAX_CHECKS];
+        for (d, c) in digests.iter_mut().zip(checks) {
+            *d = keys::digest(c.limit.name(), c.key);
+        }
+        if now.is_none() {
+            if let Some(verdicts) = self.cached_denial(checks, &digests) {
+                return ResponseFuture::ready(Ok(verdicts));
+            }
+        }
+        let mut batch = Vec::with_capacity(checks.len());
+        for (c, d) in checks.iter().zip(&digests) {
+            let key = keys::base_key(&inner.prefix, c.limit.name(), d);
+            match Prepared::new(c, key, *d) {
+                Ok(p) => batch.push(p),
+                Err(e) => return ResponseFuture::ready(Err(e)),
+            }
+        }
+        let Some(permit) = inner.breaker.admit() else {
+            return ResponseFuture::ready(Err(BackendError::new(
+                BackendErrorKind::CircuitOpen,
+                "Redis failed recently; the circuit breaker is open",
+            )));
+        };
+        ResponseFuture {
+            state: State::Call(Box::pin(Arc::clone(inner).run(batch, now, permit))),
+        }
+    }
+
+    /// The batch's verdicts if an enforced check is in the deny cache.
+    fn cached_denial(
+        &self,
+        checks: &[Check<'_>],
+        digests: &[keys::KeyDigest; MAX_CHECKS],
+    ) -> Option<Verdicts> {
+        let (hit, verdict) = checks.iter().enumerate().find_map(|(i, c)| {
+            if !c.enforce {
+                return None;
+            }
+            self.inner.deny.lookup(&digests[i], c.cost).map(|v| (i, v))
+        })?;
+        metrics::counter!(
+            "tollgate_deny_cache_hits_total",
+            "limit" => Arc::clone(checks[hit].limit.name_arc())
+        )
+        .increment(1);
+        Some(
+            (0..checks.len())
+                .map(|i| if i == hit { verdict } else { NOT_CHECKED })
+                .collect(),
+        )
+    }
+}
+
+impl Backend for RedisBackend {
+    type Future = ResponseFuture;
+
+    /// Checks and consumes a batch in one script call (one per hash slot in a cluster).
+    ///
+    /// The key digests are computed before this returns; the future owns what it needs. A
+    /// batch the deny cache refuses, or one the open circuit breaker fails, is answered
+    /// without I/O or allocation.
+    fn check(&self, checks: &[Check<'_>]) -> ResponseFuture {
+        self.dispatch(checks, None)
+    }
+
+    fn kind(&self) -> &'static str {
+        BACKEND
+    }
+}
+
+impl fmt::Debug for RedisBackend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisBackend")
+            .field("prefix", &self.inner.prefix)
+            .field("deadline", &self.inner.deadline)
+            .field("cluster", &self.inner.cluster)
+            .field("connection", &self.inner.connector)
+            .field("circuit", &self.circuit_state())
+            .field("deny_cache_len", &self.deny_cache_len())
+            .finish()
+    }
+}
+
+type Boxed = Pin<Box<dyn Future<Output = Result<Verdicts, BackendError>> + Send + 'static>>;
+
+/// The answer of a [`RedisBackend`] to one batch.
+///
+/// Ready at once for a deny-cache hit or an open circuit breaker; otherwise a call to Redis
+/// bounded by the deadline.
+#[must_use = "futures do nothing unless polled"]
+pub struct ResponseFuture {
+    state: State,
+}
+
+// The ready answer is stored inline on purpose: a deny-cache hit or an open breaker allocates
+// nothing.
+#[allow(clippy::large_enum_variant)]
+enum State {
+    Ready(Option<Result<Verdicts, BackendError>>),
+    Call(Boxed),
+}
+
+impl ResponseFuture {
+    fn ready(result: Result<Verdicts, BackendError>) -> Self {
+        Self {
+            state: State::Ready(Some(result)),
+        }
+    }
+}
+
+impl Future for ResponseFuture {
+    type Output = Result<Verdicts, BackendError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match &mut self.get_mut().state {
+            State::Ready(result) => Poll::Ready(result.take().unwrap_or_else(|| {
+                Err(BackendError::new(
+                    BackendErrorKind::Protocol,
+                    "ResponseFuture polled after completion",
+                ))
+            })),
+            State::Call(fut) => fut.as_mut().poll(cx),
+        }
+    }
+}
+
+impl fmt::Debug for ResponseFuture {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let state = match self.state {
+            State::Ready(_) => "ready",
+            State::Call(_) => "calling",
+        };
+        f.debug_struct("ResponseFuture")
+            .field("state", &state)
+            .finish()
+    }
+}

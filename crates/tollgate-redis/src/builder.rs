@@ -1,0 +1,202 @@
+//! Configuration of a [`RedisBackend`].
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tollgate_core::ConfigError;
+
+use crate::backend::{Inner, RedisBackend};
+use crate::breaker::{Breaker, BreakerConfig};
+use crate::conn::{Connector, Target};
+use crate::deny_cache::DenyCache;
+use crate::keys;
+
+/// The default key prefix.
+pub const DEFAULT_PREFIX: &str = "tollgate";
+/// The default deadline of one call.
+pub const DEFAULT_DEADLINE: Duration = Duration::from_millis(50);
+/// The default number of entries of the local deny cache.
+pub const DEFAULT_DENY_CACHE_CAPACITY: usize = 10_000;
+
+const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+const DEFAULT_BREAKER_THRESHOLD: u32 = 3;
+const DEFAULT_BREAKER_OPEN_FOR: Duration = Duration::from_millis(250);
+const DEFAULT_BREAKER_MAX_OPEN_FOR: Duration = Duration::from_secs(5);
+
+#[derive(Debug, Clone)]
+enum Servers {
+    None,
+    Standalone(String),
+    Cluster(Vec<String>),
+}
+
+/// Configures a [`RedisBackend`]; made by [`RedisBackend::builder`].
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+/// use tollgate_redis::RedisBackend;
+///
+/// let backend = RedisBackend::builder()
+///     .url("redis://127.0.0.1:6379/")
+///     .prefix("myapp-rl")
+///     .deadline(Duration::from_millis(20))
+///     .breaker_threshold(5)
+///     .deny_cache_capacity(50_000)
+///     .build()?; // connects lazily: Redis need not be up
+/// # drop(backend);
+/// # Ok::<(), tollgate_core::ConfigError>(())
+/// ```
+#[derive(Debug, Clone)]
+#[must_use]
+pub struct RedisBackendBuilder {
+    servers: Servers,
+    prefix: String,
+    deadline: Duration,
+    connect_timeout: Duration,
+    breaker_threshold: u32,
+    breaker_open_for: Duration,
+    breaker_max_open_for: Duration,
+    deny_cache_capacity: usize,
+}
+
+impl Default for RedisBackendBuilder {
+    fn default() -> Self {
+        Self {
+            servers: Servers::None,
+            prefix: DEFAULT_PREFIX.to_owned(),
+            deadline: DEFAULT_DEADLINE,
+            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+            breaker_threshold: DEFAULT_BREAKER_THRESHOLD,
+            breaker_open_for: DEFAULT_BREAKER_OPEN_FOR,
+            breaker_max_open_for: DEFAULT_BREAKER_MAX_OPEN_FOR,
+            deny_cache_capacity: DEFAULT_DENY_CACHE_CAPACITY,
+        }
+    }
+}
+
+impl RedisBackendBuilder {
+    /// Talks to one standalone Redis (or Valkey) server, such as `redis://127.0.0.1:6379/`.
+    pub fn url(mut self, url: impl Into<String>) -> Self {
+        self.servers = Servers::Standalone(url.into());
+        self
+    }
+
+    /// Talks to a Redis Cluster, discovered from these seed nodes.
+    pub fn cluster<I, S>(mut self, urls: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        self.servers = Servers::Cluster(urls.into_iter().map(Into::into).collect());
+        self
+    }
+
+    /// The first part of every key (default `tollgate`): 1 to 64 characters of
+    /// `[A-Za-z0-9_.:-]`. Keys are `<prefix>:<limit name>:{<digest>}`.
+    pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// How long one call may take, connection included (default 50 ms). A slower answer is a
+    /// failure: [`tollgate_core::BackendErrorKind::Timeout`].
+    pub fn deadline(mut self, deadline: Duration) -> Self {
+        self.deadline = deadline;
+        self
+    }
+
+    /// How long one connection attempt may take (default 1 s). Attempts run in the background,
+    /// so a slow handshake is not cut short by the per-call deadline.
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
+        self
+    }
+
+    /// Consecutive failures that open the circuit breaker (default 3); 0 disables it.
+    pub fn breaker_threshold(mut self, failures: u32) -> Self {
+        self.breaker_threshold = failures;
+        self
+    }
+
+    /// How long the breaker first stays open (default 250 ms); each failed probe doubles it,
+    /// up to [`RedisBackendBuilder::breaker_max_open_for`].
+    pub fn breaker_open_for(mut self, interval: Duration) -> Self {
+        self.breaker_open_for = interval;
+        self
+    }
+
+    /// The longest the breaker stays open between probes (default 5 s).
+    pub fn breaker_max_open_for(mut self, interval: Duration) -> Self {
+        self.breaker_max_open_for = interval;
+        self
+    }
+
+    /// Entries of the local deny cache (default 10,000); 0 disables it.
+    pub fn deny_cache_capacity(mut self, entries: usize) -> Self {
+        self.deny_cache_capacity = entries;
+        self
+    }
+
+    /// Builds the backend. No connection is made: the first call connects, in the background,
+    /// so an application starts even while Redis is down.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError::Other`] when no server was given, a URL cannot be parsed, the prefix is
+    /// invalid, or the deadline is zero.
+    pub fn build(self) -> Result<RedisBackend, ConfigError> {
+        if !keys::valid_prefix(&self.prefix) {
+            return Err(ConfigError::Other(format!(
+                "Redis key prefix {:?} must be 1 to {} characters of [A-Za-z0-9_.:-]",
+                self.prefix.chars().take(80).collect::<String>(),
+                keys::MAX_PREFIX_LEN
+            )));
+        }
+        if self.deadline.is_zero() || self.connect_timeout.is_zero() {
+            return Err(ConfigError::Other(
+                "the Redis deadline and connect timeout must be longer than zero".into(),
+            ));
+        }
+        let bad_url = |e: redis::RedisError| ConfigError::Other(format!("invalid Redis URL: {e}"));
+        let (target, cluster) = match self.servers {
+            Servers::None => {
+                return Err(ConfigError::Other(
+                    "no Redis server: call .url(..) or .cluster(..)".into(),
+                ))
+            }
+            Servers::Standalone(url) => (
+                Target::Single(redis::Client::open(url.as_str()).map_err(bad_url)?),
+                false,
+            ),
+            Servers::Cluster(urls) => {
+                if urls.is_empty() {
+                    return Err(ConfigError::Other("a Redis Cluster needs seed URLs".into()));
+                }
+                let client = redis::cluster::ClusterClient::builder(urls)
+                    .connection_timeout(self.connect_timeout)
+                    .build()
+                    .map_err(bad_url)?;
+                (Target::Cluster(Box::new(client)), true)
+            }
+        };
+        let breaker = Breaker::new(BreakerConfig {
+            threshold: self.breaker_threshold,
+            open_for: self.breaker_open_for,
+            max_open_for: self.breaker_max_open_for.max(self.breaker_open_for),
+            // A probe whose caller gave up frees its place once its deadline has surely passed.
+            probe_timeout: self.deadline * 2,
+        });
+        Ok(RedisBackend {
+            inner: Arc::new(Inner::new(
+                self.prefix,
+                self.deadline,
+                cluster,
+                Arc::new(Connector::new(target, self.connect_timeout)),
+                breaker,
+                DenyCache::new(self.deny_cache_capacity),
+            )),
+        })
+    }
+}

@@ -1,0 +1,194 @@
+//! Connections, made lazily and in the background.
+//!
+//! Building the backend makes no connection, so an application boots while Redis is down and
+//! applies its failure policy. The first call starts a connection attempt in a spawned task
+//! (bounded by the connect timeout, not by the caller's deadline: a slow handshake still
+//! completes for the next caller) and waits for it within its own deadline. A connection that
+//! breaks is dropped, and the next call starts a new attempt; the circuit breaker paces them.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use redis::aio::{ConnectionLike, MultiplexedConnection};
+use redis::cluster::ClusterClient;
+use redis::cluster_async::ClusterConnection;
+use redis::{AsyncConnectionConfig, RedisError, RedisResult, ScriptInvocation, Value};
+use tokio::sync::Notify;
+
+/// Where to connect.
+#[derive(Debug, Clone)]
+pub(crate) enum Target {
+    Single(redis::Client),
+    Cluster(Box<ClusterClient>),
+}
+
+/// A live connection; clones share it.
+#[derive(Clone)]
+pub(crate) enum Conn {
+    Single(MultiplexedConnection),
+    Cluster(ClusterConnection),
+}
+
+impl Conn {
+    pub(crate) async fn invoke(&mut self, inv: &ScriptInvocation<'_>) -> RedisResult<Value> {
+        match self {
+            Self::Single(c) => inv.invoke_async(c).await,
+            Self::Cluster(c) => inv.invoke_async(c).await,
+        }
+    }
+
+    pub(crate) async fn query(&mut self, cmd: &redis::Cmd) -> RedisResult<Value> {
+        match self {
+            Self::Single(c) => c.req_packed_command(cmd).await,
+            Self::Cluster(c) => c.req_packed_command(cmd).await,
+        }
+    }
+}
+
+enum Slot {
+    Idle { last_error: Option<RedisError> },
+    Connecting(Arc<Notify>),
+    Ready { generation: u64, conn: Conn },
+}
+
+pub(crate) struct Connector {
+    target: Target,
+    connect_timeout: Duration,
+    slot: Mutex<Slot>,
+    generation: std::sync::atomic::AtomicU64,
+}
+
+impl std::fmt::Debug for Connector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let state = match &*self.lock() {
+            Slot::Idle { .. } => "idle",
+            Slot::Connecting(_) => "connecting",
+            Slot::Ready { .. } => "ready",
+        };
+        f.debug_struct("Connector")
+            .field(
+                "target",
+                &match self.target {
+                    Target::Single(_) => "standalone",
+                    Target::Cluster(_) => "cluster",
+                },
+            )
+            .field("state", &state)
+            .finish()
+    }
+}
+
+impl Connector {
+    pub(crate) fn new(target: Target, connect_timeout: Duration) -> Self {
+        Self {
+            target,
+            connect_timeout,
+            slot: Mutex::new(Slot::Idle { last_error: None }),
+            generation: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Slot> {
+        self.slot.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A connection and its generation, connecting first if there is none.
+    ///
+    /// The caller bounds the wait with its deadline; the attempt itself goes on without it.
+    pub(crate) async fn get(self: &Arc<Self>) -> RedisResult<(u64, Conn)> {
+        let mut started = false;
+        loop {
+            let notified = {
+                let mut slot = self.lock();
+                match &*slot {
+                    Slot::Ready { generation, conn } => return Ok((*generation, conn.clone())),
+                    Slot::Idle { last_error } if started => {
+                        return Err(last_error.clone().unwrap_or_else(|| {
+                            RedisError::from((redis::ErrorKind::Io, "could not connect to Redis"))
+                        }))
+                    }
+                    Slot::Idle { .. } => {
+                        let notify = Arc::new(Notify::new());
+                        *slot = Slot::Connecting(Arc::clone(&notify));
+                        started = true;
+                        let this = Arc::clone(self);
+                        let wake = Arc::clone(&notify);
+                        tokio::spawn(async move { this.connect(wake).await });
+                        notify
+                    }
+                    Slot::Connecting(notify) => {
+                        started = true;
+                        Arc::clone(notify)
+                    }
+                }
+            };
+            let wait = notified.notified();
+            // The attempt may have ended between the unlock and `notified()`.
+            if !matches!(&*self.lock(), Slot::Connecting(n) if Arc::ptr_eq(n, &notified)) {
+                continue;
+            }
+            wait.await;
+        }
+    }
+
+    async fn connect(&self, notify: Arc<Notify>) {
+        let attempt = async {
+            match &self.target {
+                Target::Single(client) => {
+                    let config = AsyncConnectionConfig::new()
+                        .set_connection_timeout(Some(self.connect_timeout))
+                        .set_response_timeout(None);
+                    client
+                        .get_multiplexed_async_connection_with_config(&config)
+                        .await
+                        .map(Conn::Single)
+                }
+                Target::Cluster(client) => client.get_async_connection().await.map(Conn::Cluster),
+            }
+        };
+        let result = match tokio::time::timeout(self.connect_timeout, attempt).await {
+            Ok(r) => r,
+            Err(_) => Err(RedisError::from((
+                redis::ErrorKind::Io,
+                "timed out connecting to Redis",
+            ))),
+        };
+        {
+            let mut slot = self.lock();
+            *slot = match result {
+                Ok(conn) => {
+                    let generation = self
+                        .generation
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+                        + 1;
+                    tracing::debug!(backend = "redis", "connected");
+                    Slot::Ready { generation, conn }
+                }
+                Err(e) => {
+                    tracing::debug!(backend = "redis", error = %e, "connection attempt failed");
+                    Slot::Idle {
+                        last_error: Some(e),
+                    }
+                }
+            };
+        }
+        notify.notify_waiters();
+    }
+
+    /// Drops the connection of `generation` after an error that broke it.
+    pub(crate) fn invalidate(&self, generation: u64) {
+        let mut slot = self.lock();
+        if matches!(&*slot, Slot::Ready { generation: g, .. } if *g == generation) {
+            *slot = Slot::Idle { last_error: None };
+        }
+    }
+}
+
+/// Whether an error means the connection itself is broken and must be replaced.
+pub(crate) fn breaks_connection(e: &RedisError) -> bool {
+    e.is_io_error()
+        || e.is_connection_dropped()
+        || e.is_connection_refusal()
+        || e.is_unrecoverable_error()
+        || e.kind() == redis::ErrorKind::ClusterConnectionNotFound
+}

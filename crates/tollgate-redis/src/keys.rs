@@ -1,0 +1,142 @@
+//! Redis key names: `<prefix>:<limit name>:{<digest>}`.
+//!
+//! The digest is SHA-256 over a domain-separated encoding of (limit name, key bytes), cut to 16
+//! bytes: raw identities never reach Redis, every key of a limit has the same length, and one
+//! limit's key can never be another's. The hash tag wraps the digest, not the prefix, so a
+//! cluster spreads identities over its slots.
+
+use sha2::{Digest, Sha256};
+
+/// The domain separator of version 1 of the key encoding.
+const DOMAIN: &[u8] = b"tollgate/v1\0";
+
+/// Bytes of SHA-256 kept.
+pub(crate) const DIGEST_LEN: usize = 16;
+
+/// The most bytes of a key prefix.
+pub(crate) const MAX_PREFIX_LEN: usize = 64;
+
+pub(crate) type KeyDigest = [u8; DIGEST_LEN];
+
+/// The digest of one (limit, key) pair.
+pub(crate) fn digest(limit_name: &str, key: &[u8]) -> KeyDigest {
+    let mut h = Sha256::new();
+    h.update(DOMAIN);
+    h.update(len_be(limit_name.len()));
+    h.update(limit_name.as_bytes());
+    h.update(len_be(key.len()));
+    h.update(key);
+    let full = h.finalize();
+    let mut out = [0u8; DIGEST_LEN];
+    out.copy_from_slice(&full[..DIGEST_LEN]);
+    out
+}
+
+fn len_be(len: usize) -> [u8; 4] {
+    // Longer inputs saturate; both the name (64 bytes at most) and realistic keys fit.
+    u32::try_from(len).unwrap_or(u32::MAX).to_be_bytes()
+}
+
+/// The base key of a limit's state for one identity: `<prefix>:<name>:{<hex digest>}`.
+pub(crate) fn base_key(prefix: &str, limit_name: &str, digest: &KeyDigest) -> String {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut key = String::with_capacity(prefix.len() + limit_name.len() + 5 + 2 * DIGEST_LEN);
+    key.push_str(prefix);
+    key.push(':');
+    key.push_str(limit_name);
+    key.push_str(":{");
+    for b in digest {
+        key.push(char::from(HEX[usize::from(b >> 4)]));
+        key.push(char::from(HEX[usize::from(b & 0xf)]));
+    }
+    key.push('}');
+    key
+}
+
+/// Whether `prefix` may start keys: 1 to 64 characters of `[A-Za-z0-9_.:-]` (no `{`, which
+/// would move the cluster hash tag).
+pub(crate) fn valid_prefix(prefix: &str) -> bool {
+    !prefix.is_empty()
+        && prefix.len() <= MAX_PREFIX_LEN
+        && prefix
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b':' | b'-'))
+}
+
+/// The Redis Cluster hash slot of a key, computed as Redis does: CRC16 (XMODEM) of the hash
+/// tag (the part between the first `{` and the next `}`, if not empty) modulo 16384.
+pub(crate) fn slot(key: &str) -> u16 {
+    let bytes = key.as_bytes();
+    let tagged = bytes
+        .iter()
+        .position(|&b| b == b'{')
+        .and_then(|open| {
+            let rest = &bytes[open + 1..];
+            let close = rest.iter().position(|&b| b == b'}')?;
+            (close > 0).then(|| &rest[..close])
+        })
+        .unwrap_or(bytes);
+    crc16(tagged) & 0x3fff
+}
+
+fn crc16(data: &[u8]) -> u16 {
+    let mut crc: u16 = 0;
+    for &byte in data {
+        crc ^= u16::from(byte) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 != 0 {
+                (crc << 1) ^ 0x1021
+            } else {
+                crc << 1
+            };
+        }
+    }
+    crc
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn crc16_matches_redis() {
+        // The check value of CRC-16/XMODEM, and slots from `CLUSTER KEYSLOT`.
+        assert_eq!(crc16(b"123456789"), 0x31c3);
+        assert_eq!(slot("foo"), 12_182);
+        assert_eq!(slot("{user1000}.following"), slot("{user1000}.followers"));
+        assert_eq!(slot("foo{}{bar}"), slot("foo{}{bar}"));
+        assert_eq!(slot("{}x"), crc16(b"{}x") & 0x3fff);
+    }
+
+    #[test]
+    fn keys_have_a_fixed_length_and_a_tag_around_the_digest() {
+        let a = base_key("tollgate", "login", &digest("login", b"10.0.0.1"));
+        let b = base_key(
+            "tollgate",
+            "login",
+            &digest("login", "x".repeat(500).as_bytes()),
+        );
+        assert_eq!(a.len(), b.len());
+        assert!(a.starts_with("tollgate:login:{") && a.ends_with('}'));
+        assert!(!a.contains("10.0.0.1"));
+        assert_eq!(a.len(), "tollgate:login:{}".len() + 32);
+    }
+
+    #[test]
+    fn the_encoding_separates_name_and_key() {
+        // Without lengths, ("ab", "c") and ("a", "bc") would hash the same bytes.
+        assert_ne!(digest("ab", b"c"), digest("a", b"bc"));
+        assert_ne!(digest("a", b""), digest("b", b""));
+        assert_eq!(digest("a", b"k"), digest("a", b"k"));
+    }
+
+    #[test]
+    fn prefixes_are_validated() {
+        assert!(valid_prefix("tollgate"));
+        assert!(valid_prefix("app:rl-v2"));
+        assert!(!valid_prefix(""));
+        assert!(!valid_prefix("a{b}"));
+        assert!(!valid_prefix("has space"));
+        assert!(!valid_prefix(&"p".repeat(65)));
+    }
+}

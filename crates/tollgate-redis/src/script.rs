@@ -1,0 +1,379 @@
+//! The Lua scripts and their arguments and replies.
+//!
+//! `CHECK` evaluates every check of a batch and writes only if every enforced check admits: one
+//! call, one round trip, all-or-nothing. It is the arithmetic of `tollgate_core::algorithm` on
+//! the same integers (microseconds); the shared vector file holds both to it. `REFUND` undoes
+//! exactly what a `CHECK` wrote, for Redis Cluster batches split over several slots.
+//!
+//! Lua numbers are doubles: every figure here (microseconds since the epoch, about 2^51 today)
+//! is an integer below 2^53 and exact. Numbers are formatted with `%.0f` before they reach a
+//! Redis command, because Redis would format them with 14 significant digits.
+
+use tollgate_core::{
+    Algorithm, BackendError, BackendErrorKind, Check, Micros, Quota, Status, Verdict,
+};
+
+use crate::keys::KeyDigest;
+
+/// Helpers and `now`, shared by both scripts (prepended to each).
+pub(crate) const PRELUDE: &str = r"
+local function idiv(a, b)
+  local q = math.floor(a / b)
+  if q * b > a then q = q - 1 elseif (q + 1) * b <= a then q = q + 1 end
+  return q
+end
+local function fmt(x) return string.format('%.0f', x) end
+local function ttl_ms(us)
+  local ms = idiv(us + 999, 1000)
+  if ms < 1 then ms = 1 end
+  return fmt(ms)
+end
+local now
+if ARGV[1] ~= '' then
+  now = tonumber(ARGV[1])
+else
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+";
+
+/// Checks and consumes a batch.
+///
+/// `KEYS[i]`: the base key of check `i`. A fixed window's key is the base key with
+/// `:<window index>` appended, and a sliding log keeps a sequence counter at `<base>:seq`; both
+/// share the base key's hash tag, so the same slot.
+///
+/// `ARGV[1]`: `now` in microseconds, or empty to read the server's `TIME`. The override exists
+/// for tests (`RedisBackend::check_at`) only.
+///
+/// `ARGV[2 + 6 (i - 1) ..]`: per check: algorithm (1 GCRA, 2 fixed window, 3 sliding log), three
+/// parameters (GCRA: emission interval, tolerance, burst; the others: period, limit, 0), cost,
+/// and `1` if enforced.
+///
+/// Reply: `committed, now`, then per check `status (0 allowed, 1 denied, 2 cost too high),
+/// remaining, reset, retry_after, extra` where extra is what a refund needs (the window index of
+/// a fixed window, the last sequence number written to a sliding log).
+pub(crate) const CHECK: &str = r"
+local out = {0, now}
+local writes = {}
+local admits = true
+for i = 1, #KEYS do
+  local a = 2 + (i - 1) * 6
+  local algo = tonumber(ARGV[a])
+  local p1, p2, p3 = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
+  local cost = tonumber(ARGV[a + 4])
+  local enforce = ARGV[a + 5] == '1'
+  local key = KEYS[i]
+  local status, remaining, reset, retry, extra = 0, 0, 0, 0, 0
+
+  if algo == 1 then
+    local interval, tolerance, burst = p1, p2, p3
+    local tat = tonumber(redis.call('GET', key) or '')
+    local base = now
+    if tat ~= nil and tat > now then base = tat end
+    local used = base - now
+    local left = 0
+    if tolerance > used then left = idiv(tolerance - used, interval) end
+    if cost > burst then
+      status, remaining, reset = 2, left, used
+    else
+      local new_tat = base + interval * cost
+      if new_tat - now > tolerance then
+        status, remaining, reset, retry = 1, left, used, new_tat - tolerance - now
+      else
+        local after = new_tat - now
+        remaining = 0
+        if tolerance > after then remaining = idiv(tolerance - after, interval) end
+        reset = after
+        writes[i] = function()
+          redis.call('SET', key, fmt(new_tat), 'PX', ttl_ms(after))
+        end
+      end
+    end
+
+  elseif algo == 2 then
+    local period, limit = p1, p2
+    local index = idiv(now, period)
+    local window_end = (index + 1) * period
+    local wkey = key .. ':' .. fmt(index)
+    local count = tonumber(redis.call('GET', wkey) or '0') or 0
+    reset, extra = window_end - now, index
+    remaining = 0
+    if limit > count then remaining = limit - count end
+    if cost > limit then
+      status = 2
+    elseif count + cost > limit then
+      status, retry = 1, reset
+    else
+      remaining = limit - count - cost
+      writes[i] = function()
+        redis.call('INCRBY', wkey, cost)
+        -- The TTL is set once, by the first write of the window.
+        if count == 0 then redis.call('PEXPIRE', wkey, ttl_ms(reset)) end
+      end
+    end
+
+  elseif algo == 3 then
+    local period, limit = p1, p2
+    -- An entry at t counts while t + period > now.
+    local oldest = fmt(now - period)
+    local count = redis.call('ZCOUNT', key, '(' .. oldest, '+inf')
+    remaining = 0
+    if limit > count then remaining = limit - count end
+    if count > 0 then
+      local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
+      reset = tonumber(newest[2]) + period - now
+    end
+    if cost > limit then
+      status = 2
+    elseif count + cost > limit then
+      local nth = redis.call('ZRANGEBYSCORE', key, '(' .. oldest, '+inf', 'WITHSCORES',
+        'LIMIT', count + cost - limit - 1, 1)
+      status, retry = 1, tonumber(nth[2]) + period - now
+    else
+      remaining, reset = limit - count - cost, period
+      writes[i] = function()
+        redis.call('ZREMRANGEBYSCORE', key, '-inf', oldest)
+        local seq_key = key .. ':seq'
+        local last = redis.call('INCRBY', seq_key, cost)
+        local stamp = fmt(now)
+        for s = last - cost + 1, last do
+          -- A unique member per unit: two units in the same microsecond are two entries.
+          redis.call('ZADD', key, stamp, stamp .. '-' .. fmt(s))
+        end
+        redis.call('PEXPIRE', key, ttl_ms(period))
+        redis.call('PEXPIRE', seq_key, ttl_ms(period))
+        out[2 + (i - 1) * 5 + 5] = last
+      end
+    end
+
+  else
+    return redis.error_reply('tollgate: unknown algorithm ' .. tostring(ARGV[a]))
+  end
+
+  if status ~= 0 and enforce then admits = false end
+  local o = 2 + (i - 1) * 5
+  out[o + 1], out[o + 2], out[o + 3], out[o + 4], out[o + 5] = status, remaining, reset, retry, extra
+end
+
+if admits then
+  for i = 1, #KEYS do
+    if writes[i] then writes[i]() end
+  end
+  out[1] = 1
+end
+return out
+";
+
+/// Undoes what one `CHECK` call wrote.
+///
+/// `KEYS[i]`: the base keys of the checks to refund. `ARGV[1]`: `now` or empty, as for `CHECK`.
+/// `ARGV[2 + 4 (i - 1) ..]`: per check: algorithm, then GCRA: `cost * interval`, 0, 0; fixed
+/// window: window index, cost, 0; sliding log: the `now` of the consume, last sequence number,
+/// cost.
+pub(crate) const REFUND: &str = r"
+for i = 1, #KEYS do
+  local a = 2 + (i - 1) * 4
+  local algo = tonumber(ARGV[a])
+  local x, y, z = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
+  local key = KEYS[i]
+  if algo == 1 then
+    local tat = tonumber(redis.call('GET', key) or '')
+    if tat ~= nil then
+      local back = tat - x
+      if back <= now then
+        redis.call('DEL', key)
+      else
+        redis.call('SET', key, fmt(back), 'PX', ttl_ms(back - now))
+      end
+    end
+  elseif algo == 2 then
+    local wkey = key .. ':' .. fmt(x)
+    local count = tonumber(redis.call('GET', wkey) or '')
+    if count ~= nil then
+      if count <= y then redis.call('DEL', wkey) else redis.call('DECRBY', wkey, y) end
+    end
+  elseif algo == 3 then
+    local stamp = fmt(x)
+    for s = y - z + 1, y do
+      redis.call('ZREM', key, stamp .. '-' .. fmt(s))
+    end
+  end
+end
+return 1
+";
+
+/// One check, ready for the scripts: owned, so the future that runs it can be `'static`.
+#[derive(Debug, Clone)]
+pub(crate) struct Prepared {
+    pub(crate) key: String,
+    pub(crate) digest: KeyDigest,
+    pub(crate) algorithm: Algorithm,
+    pub(crate) quota: Quota,
+    /// Script code and parameters (see [`CHECK`]).
+    pub(crate) code: u8,
+    pub(crate) params: [u64; 3],
+    pub(crate) cost: u32,
+    pub(crate) enforce: bool,
+}
+
+impl Prepared {
+    /// Encodes one check for `CHECK`.
+    ///
+    /// # Errors
+    ///
+    /// [`BackendErrorKind::Protocol`] for an algorithm these scripts do not implement.
+    pub(crate) fn new(
+        check: &Check<'_>,
+        key: String,
+        digest: KeyDigest,
+    ) -> Result<Self, BackendError> {
+        let quota = check.limit.quota();
+        let algorithm = check.limit.algorithm();
+        let (code, params) = match algorithm {
+            Algorithm::Gcra => {
+                let interval = quota.emission_interval();
+                let burst = u64::from(quota.burst());
+                (1, [interval, interval.saturating_mul(burst), burst])
+            }
+            Algorithm::FixedWindow => (2, [quota.period_micros(), u64::from(quota.limit()), 0]),
+            Algorithm::SlidingLog => (3, [quota.period_micros(), u64::from(quota.limit()), 0]),
+            other => {
+                return Err(BackendError::new(
+                    BackendErrorKind::Protocol,
+                    format!("the Redis backend does not implement {}", other.as_str()),
+                ))
+            }
+        };
+        Ok(Self {
+            key,
+            digest,
+            algorithm,
+            quota: *quota,
+            code,
+            params,
+            cost: check.cost,
+            enforce: check.enforce,
+        })
+    }
+
+    /// The arguments of this check in a `CHECK` call.
+    pub(crate) fn check_args(&self) -> [u64; 6] {
+        let [p1, p2, p3] = self.params;
+        [
+            u64::from(self.code),
+            p1,
+            p2,
+            p3,
+            u64::from(self.cost),
+            u64::from(self.enforce),
+        ]
+    }
+
+    /// The arguments that undo this check's write, given what `CHECK` answered.
+    pub(crate) fn refund_args(&self, now: Micros, answer: &Answer) -> [u64; 4] {
+        let cost = u64::from(self.cost);
+        match self.code {
+            1 => [1, self.params[0].saturating_mul(cost), 0, 0],
+            2 => [2, answer.extra, cost, 0],
+            _ => [3, now, answer.extra, cost],
+        }
+    }
+}
+
+/// What `CHECK` answered for one check.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Answer {
+    pub(crate) verdict: Verdict,
+    pub(crate) extra: u64,
+}
+
+/// A whole `CHECK` reply.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Reply {
+    pub(crate) committed: bool,
+    pub(crate) now: Micros,
+    pub(crate) answers: Vec<Answer>,
+}
+
+fn protocol(msg: impl Into<String>) -> BackendError {
+    BackendError::new(BackendErrorKind::Protocol, msg)
+}
+
+/// Decodes a `CHECK` reply for `checks` checks.
+///
+/// # Errors
+///
+/// [`BackendErrorKind::Protocol`] for anything but the expected array of integers.
+pub(crate) fn parse_reply(value: &redis::Value, checks: usize) -> Result<Reply, BackendError> {
+    let redis::Value::Array(items) = value else {
+        return Err(protocol(format!("unexpected script reply {value:?}")));
+    };
+    if items.len() != 2 + 5 * checks {
+        return Err(protocol(format!(
+            "script reply of {} items for {checks} checks",
+            items.len()
+        )));
+    }
+    let mut ints = Vec::with_capacity(items.len());
+    for item in items {
+        match item {
+            redis::Value::Int(n) => ints.push(
+                u64::try_from(*n).map_err(|_| protocol(format!("negative figure {n} in reply")))?,
+            ),
+            other => return Err(protocol(format!("unexpected item {other:?} in reply"))),
+        }
+    }
+    let answers = ints[2..]
+        .chunks_exact(5)
+        .map(|c| {
+            let status = match c[0] {
+                0 => Status::Allowed,
+                1 => Status::Denied { retry_after: c[3] },
+                2 => Status::CostTooHigh,
+                other => return Err(protocol(format!("unknown status {other} in reply"))),
+            };
+            Ok(Answer {
+                verdict: Verdict {
+                    status,
+                    remaining: c[1],
+                    reset: c[2],
+                },
+                extra: c[4],
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(Reply {
+        committed: ints[0] == 1,
+        now: ints[1],
+        answers,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use redis::Value;
+
+    #[test]
+    fn parses_a_reply() {
+        let v = Value::Array(
+            [1, 99, 0, 4, 12, 0, 0, 1, 0, 5, 7, 0, 2, 3, 0, 0, 0]
+                .into_iter()
+                .map(Value::Int)
+                .collect(),
+        );
+        let r = parse_reply(&v, 3).unwrap();
+        assert!(r.committed);
+        assert_eq!(r.now, 99);
+        assert_eq!(r.answers[0].verdict.status, Status::Allowed);
+        assert_eq!(
+            r.answers[1].verdict.status,
+            Status::Denied { retry_after: 7 }
+        );
+        assert_eq!(r.answers[2].verdict.status, Status::CostTooHigh);
+        assert!(parse_reply(&v, 2).is_err());
+        assert!(parse_reply(&Value::Nil, 0).is_err());
+        assert!(parse_reply(&Value::Array(vec![Value::Int(-1), Value::Int(0)]), 0).is_err());
+    }
+}

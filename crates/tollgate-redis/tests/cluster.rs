@@ -1,0 +1,140 @@
+//! The backend against a real Redis Cluster on loopback: exact counts, keys spread over the
+//! nodes, and stacked limits in several slots refunded when one refuses.
+
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use std::collections::HashSet;
+
+use support::{admitted, check, check_at, concurrent_admissions, fixed, gcra, sliding};
+use tollgate_core::{Quota, Status};
+use tollgate_testsupport::redis;
+use tollgate_testsupport::RedisCluster;
+
+const MIDNIGHT: u64 = 1_728_000_000_000_000;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_checks_on_two_backends_admit_exactly_the_limit() {
+    let cluster = RedisCluster::start(3);
+    let backends = [
+        support::cluster(cluster.urls()).build().unwrap(),
+        support::cluster(cluster.urls()).build().unwrap(),
+    ];
+    assert!(backends[0].is_cluster());
+    let limit = gcra("ten", 10);
+    assert_eq!(concurrent_admissions(&backends, &limit, 100).await, 10);
+}
+
+#[tokio::test]
+async fn keys_of_different_identities_land_on_several_nodes() {
+    let cluster = RedisCluster::start(3);
+    let backend = support::cluster(cluster.urls()).build().unwrap();
+    let limit = gcra("per-ip", 10);
+    let mut nodes = HashSet::new();
+    for i in 0..20 {
+        let ip = format!("198.51.100.{i}");
+        assert!(admitted(&backend, &[&limit], ip.as_bytes()).await);
+        nodes.insert(cluster.node_of_key(&backend.key_for(&limit, ip.as_bytes())));
+    }
+    assert!(nodes.len() >= 2, "{nodes:?}");
+    let holding = cluster.nodes().iter().filter(|n| n.dbsize() > 0).count();
+    assert!(holding >= 2);
+    assert_eq!(cluster.dbsize(), 20);
+    assert!(backend.ping().await.is_ok());
+}
+
+#[tokio::test]
+async fn stacked_limits_in_several_slots_are_all_or_nothing() {
+    let cluster = RedisCluster::start(3);
+    let backend = support::cluster(cluster.urls())
+        .deny_cache_capacity(0)
+        .build()
+        .unwrap();
+    let burst = gcra("burst", 2);
+    let daily = fixed("daily", Quota::per_day(100).unwrap());
+    let key = b"abuser";
+    // The two keys sit in different slots: the batch takes two calls and the refund path.
+    assert_ne!(
+        cluster.slot_of_key(&backend.key_for(&burst, key)),
+        cluster.slot_of_key(&backend.key_for(&daily, key))
+    );
+    let mut last = None;
+    for _ in 0..50 {
+        last = Some(check(&backend, &[&burst, &daily], key).await);
+    }
+    let last = last.unwrap();
+    assert!(matches!(last[0].status, Status::Denied { .. }));
+    assert_eq!((last[1].status, last[1].remaining), (Status::Allowed, 98));
+}
+
+/// The state of every key of the cluster, to compare before and after. A sliding log's
+/// sequence counter (`:seq`) only makes members unique and is never given back.
+fn dump_all(cluster: &RedisCluster) -> Vec<(String, Vec<u8>)> {
+    let mut out = Vec::new();
+    for node in cluster.nodes() {
+        let mut con = node.client();
+        let keys: Vec<String> = redis::cmd("KEYS").arg("*").query(&mut con).unwrap();
+        for k in keys.into_iter().filter(|k| !k.ends_with(":seq")) {
+            let d: Vec<u8> = redis::cmd("DUMP").arg(&k).query(&mut con).unwrap();
+            out.push((k, d));
+        }
+    }
+    out.sort();
+    out
+}
+
+#[tokio::test]
+async fn a_refund_undoes_exactly_what_was_written() {
+    let cluster = RedisCluster::start(3);
+    let backend = support::cluster(cluster.urls()).build().unwrap();
+    let g = gcra("g", 10);
+    let f = fixed("f", Quota::per_minute(10).unwrap());
+    let s = sliding("s", Quota::per_minute(10).unwrap());
+    let blocker = gcra("blocker", 1);
+    let key = b"alice";
+    let now = MIDNIGHT + 1_000_000;
+    let slots: HashSet<u16> = [backend.key_for(&g, key), backend.key_for(&blocker, key)]
+        .iter()
+        .map(|k| cluster.slot_of_key(k))
+        .collect();
+    assert_eq!(slots.len(), 2);
+
+    assert!(check_at(&backend, &[&blocker], key, now).await[0].is_allowed());
+    assert!(check_at(&backend, &[&g, &f, &s], key, now).await[0].is_allowed());
+    let before = dump_all(&cluster);
+
+    // Refused by the blocker after g, f and s consumed in their own slots: all refunded.
+    for i in 1..=5 {
+        let v = check_at(&backend, &[&g, &f, &s, &blocker], key, now + i).await;
+        assert!(matches!(v[3].status, Status::Denied { .. }));
+        for verdict in &v[..3] {
+            assert_eq!((verdict.status, verdict.remaining), (Status::Allowed, 9));
+        }
+        assert_eq!(dump_all(&cluster), before, "after refused batch {i}");
+    }
+
+    // The units are really back: the next admitted batch leaves 8 of each.
+    let v = check_at(&backend, &[&g, &f, &s], key, now + 10).await;
+    for verdict in &v[..] {
+        assert_eq!((verdict.status, verdict.remaining), (Status::Allowed, 8));
+    }
+}
+
+#[tokio::test]
+async fn a_fresh_gcra_key_refunded_is_gone() {
+    let cluster = RedisCluster::start(3);
+    let backend = support::cluster(cluster.urls()).build().unwrap();
+    let g = gcra("g", 10);
+    let blocker = gcra("blocker", 1);
+    let now = MIDNIGHT;
+    let key = b"bob";
+    assert!(check_at(&backend, &[&blocker], key, now).await[0].is_allowed());
+    let keys_before = cluster.dbsize();
+    let v = check_at(&backend, &[&g, &blocker], key, now).await;
+    assert_eq!(
+        (v[0].status, v[0].remaining, v[0].reset),
+        (Status::Allowed, 10, 0)
+    );
+    assert_eq!(cluster.dbsize(), keys_before);
+}

@@ -1,0 +1,141 @@
+//! Failure of Redis: down at start-up, stopped, frozen. Errors come within the deadline, the
+//! circuit breaker then fails calls at once, and a probe closes it when Redis is back.
+
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use std::time::Duration;
+
+use futures_util::FutureExt;
+use support::gcra;
+use tollgate_core::{Backend, BackendErrorKind, Check};
+use tollgate_redis::{CircuitState, RedisBackend};
+use tollgate_testsupport::RedisServer;
+
+#[tokio::test]
+async fn builds_while_redis_is_down_and_answers_once_it_is_up() {
+    let mut server = RedisServer::start();
+    server.stop();
+    let backend = support::standalone(&server.url())
+        .breaker_threshold(0)
+        .build()
+        .unwrap();
+    let limit = gcra("l", 10);
+    let err = backend
+        .check(&[Check::new(&limit, b"k")])
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), BackendErrorKind::Unavailable, "{err}");
+    assert!(backend.ping().await.is_err());
+    server.start_again();
+    let v = backend.check(&[Check::new(&limit, b"k")]).await.unwrap();
+    assert_eq!(v[0].remaining, 9);
+    assert!(backend.ping().await.is_ok());
+}
+
+#[test]
+fn bad_configuration_is_refused() {
+    assert!(RedisBackend::builder().build().is_err());
+    assert!(RedisBackend::builder().url("not a url").build().is_err());
+    let url = "redis://127.0.0.1:1/";
+    assert!(RedisBackend::builder()
+        .url(url)
+        .prefix("a{b}")
+        .build()
+        .is_err());
+    assert!(RedisBackend::builder()
+        .url(url)
+        .deadline(Duration::ZERO)
+        .build()
+        .is_err());
+    assert!(RedisBackend::builder()
+        .cluster(Vec::<String>::new())
+        .build()
+        .is_err());
+    // Building outside a runtime, with nothing listening, is fine.
+    assert!(RedisBackend::builder().url(url).build().is_ok());
+}
+
+#[tokio::test]
+async fn an_outage_opens_the_breaker_and_a_probe_closes_it() {
+    let mut server = RedisServer::start();
+    let open_for = Duration::from_secs(30);
+    let backend = support::standalone(&server.url())
+        .breaker_threshold(3)
+        .breaker_open_for(open_for)
+        .build()
+        .unwrap();
+    let limit = gcra("l", 10);
+    let check = || backend.check(&[Check::new(&limit, b"k")]);
+    assert!(check().await.is_ok());
+
+    server.stop();
+    for _ in 0..3 {
+        let err = check().await.unwrap_err();
+        assert!(
+            matches!(
+                err.kind(),
+                BackendErrorKind::Unavailable | BackendErrorKind::Timeout
+            ),
+            "{err}"
+        );
+    }
+    assert_eq!(backend.circuit_state(), CircuitState::Open);
+    // Open: answered at once, without I/O.
+    let err = check().now_or_never().expect("no I/O").unwrap_err();
+    assert_eq!(err.kind(), BackendErrorKind::CircuitOpen);
+
+    server.start_again();
+    let err = check().now_or_never().expect("no I/O").unwrap_err();
+    assert!(
+        err.is_circuit_open(),
+        "still open until the interval has passed"
+    );
+
+    // Let the open interval pass on tokio's clock, not the wall clock.
+    tokio::time::pause();
+    tokio::time::advance(open_for).await;
+    tokio::time::resume();
+    assert_eq!(backend.circuit_state(), CircuitState::HalfOpen);
+    let v = check().await.unwrap();
+    assert_eq!(v[0].remaining, 9, "Redis lost its data in the restart");
+    assert_eq!(backend.circuit_state(), CircuitState::Closed);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_redis_costs_at_most_the_deadline() {
+    let mut server = RedisServer::start();
+    let deadline = Duration::from_millis(100);
+    let backend = RedisBackend::builder()
+        .url(server.url())
+        .deadline(deadline)
+        .build()
+        .unwrap();
+    let limit = gcra("l", 10);
+    let check = || backend.check(&[Check::new(&limit, b"k")]);
+    // Connect and load the script while Redis answers.
+    assert!(check().await.is_ok());
+
+    server.pause();
+    // A bound with a generous margin for a loaded machine, not a benchmark.
+    let margin = Duration::from_millis(400);
+    for _ in 0..3 {
+        let started = std::time::Instant::now();
+        let err = check().await.unwrap_err();
+        let took = started.elapsed();
+        assert_eq!(err.kind(), BackendErrorKind::Timeout, "{err}");
+        assert!(took >= deadline && took < deadline + margin, "{took:?}");
+    }
+    // The breaker is open now: no more deadlines paid.
+    let started = std::time::Instant::now();
+    let err = check().await.unwrap_err();
+    assert!(err.is_circuit_open());
+    assert!(started.elapsed() < margin);
+    let ping = backend.ping().await.unwrap_err();
+    assert!(ping.is_timeout());
+
+    server.resume();
+    // The canary sees Redis back at once, whatever the breaker says.
+    assert!(backend.ping().await.is_ok());
+}

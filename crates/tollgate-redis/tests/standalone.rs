@@ -1,0 +1,378 @@
+//! The backend against one real `redis-server`: exact counts, one call per batch,
+//! all-or-nothing, what is written and what is not, and the deny cache.
+
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use std::time::Duration;
+
+use support::{admitted, check, check_at, concurrent_admissions, fixed, gcra, sliding};
+use tollgate_core::{Backend, Check, Quota, Status};
+use tollgate_testsupport::redis;
+use tollgate_testsupport::RedisServer;
+
+/// 2024-10-04T00:00:00Z, a UTC midnight, in microseconds.
+const MIDNIGHT: u64 = 1_728_000_000_000_000;
+
+#[tokio::test]
+async fn two_backends_on_one_redis_share_the_limit() {
+    let server = RedisServer::start();
+    let a = support::standalone(&server.url()).build().unwrap();
+    let b = support::standalone(&server.url()).build().unwrap();
+    let limit = gcra("two", 2);
+    let mut count = 0;
+    for i in 0..10 {
+        let backend = if i % 2 == 0 { &a } else { &b };
+        if admitted(backend, &[&limit], b"visitor").await {
+            count += 1;
+        }
+    }
+    assert_eq!(count, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_checks_on_two_backends_admit_exactly_the_limit() {
+    let server = RedisServer::start();
+    let backends = [
+        support::standalone(&server.url()).build().unwrap(),
+        support::standalone(&server.url()).build().unwrap(),
+    ];
+    let limit = gcra("ten", 10);
+    assert_eq!(concurrent_admissions(&backends, &limit, 100).await, 10);
+}
+
+#[tokio::test]
+async fn one_script_call_per_batch_whatever_the_number_of_limits() {
+    let server = RedisServer::start();
+    let backend = support::standalone(&server.url()).build().unwrap();
+    let burst = gcra("burst", 1_000);
+    let hourly = fixed("hourly", Quota::per_hour(1_000).unwrap());
+    let log = sliding("log", Quota::per_minute(1_000).unwrap());
+    let limits = [&burst, &hourly, &log];
+    // Load the script first: a NOSCRIPT round is not part of the steady state.
+    assert!(admitted(&backend, &limits, b"warm-up").await);
+    server.reset_stats();
+    for i in 0..20u32 {
+        let key = format!("visitor-{i}");
+        assert!(admitted(&backend, &limits, key.as_bytes()).await);
+    }
+    let stats = server.command_stats();
+    assert_eq!(stats.get("evalsha"), Some(&20), "{stats:?}");
+    assert_eq!(stats.get("eval"), None);
+}
+
+#[tokio::test]
+async fn stacked_limits_are_all_or_nothing() {
+    let server = RedisServer::start();
+    // Without the deny cache every batch reaches Redis and reports every limit.
+    let backend = support::standalone(&server.url())
+        .deny_cache_capacity(0)
+        .build()
+        .unwrap();
+    let burst = gcra("burst", 2);
+    let daily = fixed("daily", Quota::per_day(100).unwrap());
+    let mut last = None;
+    for _ in 0..50 {
+        last = Some(check(&backend, &[&burst, &daily], b"abuser").await);
+    }
+    let last = last.unwrap();
+    assert!(matches!(last[0].status, Status::Denied { .. }));
+    assert_eq!(last[1].status, Status::Allowed);
+    assert_eq!(last[1].remaining, 98);
+}
+
+#[tokio::test]
+async fn shadow_checks_never_refuse_the_batch() {
+    let server = RedisServer::start();
+    let backend = support::standalone(&server.url())
+        .deny_cache_capacity(0)
+        .build()
+        .unwrap();
+    let shadow = gcra("shadow", 1).shadow();
+    let real = gcra("real", 10);
+    for _ in 0..3 {
+        check(&backend, &[&shadow, &real], b"k").await;
+    }
+    let v = check(&backend, &[&shadow, &real], b"k").await;
+    assert!(matches!(v[0].status, Status::Denied { .. }));
+    assert_eq!((v[1].status, v[1].remaining), (Status::Allowed, 6));
+}
+
+/// Keys and the number of calls of every command that writes.
+fn writes(server: &RedisServer) -> u64 {
+    let stats = server.command_stats();
+    [
+        "set",
+        "incrby",
+        "decrby",
+        "pexpire",
+        "zadd",
+        "zrem",
+        "zremrangebyscore",
+        "del",
+    ]
+    .iter()
+    .map(|c| stats.get(*c).copied().unwrap_or(0))
+    .sum()
+}
+
+fn dump_all(con: &mut redis::Connection) -> Vec<(String, Vec<u8>)> {
+    let mut keys: Vec<String> = redis::cmd("KEYS").arg("*").query(con).unwrap();
+    keys.sort();
+    keys.into_iter()
+        .map(|k| {
+            let d: Vec<u8> = redis::cmd("DUMP").arg(&k).query(con).unwrap();
+            (k, d)
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn denied_checks_write_nothing() {
+    let server = RedisServer::start();
+    let backend = support::standalone(&server.url()).build().unwrap();
+    let mut con = server.client();
+    let now = MIDNIGHT + 1_000_000;
+    let limits = [
+        gcra("g", 2),
+        fixed("f", Quota::per_minute(2).unwrap()),
+        sliding("s", Quota::per_minute(2).unwrap()),
+    ];
+    for limit in &limits {
+        assert!(check_at(&backend, &[limit], b"k", now).await[0].is_allowed());
+        assert!(check_at(&backend, &[limit], b"k", now).await[0].is_allowed());
+        let keys_before = server.dbsize();
+        let state_before = dump_all(&mut con);
+        server.reset_stats();
+        let v = check_at(&backend, &[limit], b"k", now + 1).await[0];
+        assert!(
+            matches!(v.status, Status::Denied { .. }),
+            "{}",
+            limit.name()
+        );
+        assert_eq!(writes(&server), 0, "{} wrote", limit.name());
+        assert_eq!(server.dbsize(), keys_before);
+        assert_eq!(dump_all(&mut con), state_before, "{}", limit.name());
+    }
+    // A cost above the quota writes nothing either.
+    let g = gcra("fresh", 2);
+    let too_much = Check {
+        limit: &g,
+        key: b"k",
+        cost: 3,
+        enforce: true,
+    };
+    let keys_before = server.dbsize();
+    let v = backend.check_at(&[too_much], now).await.unwrap()[0];
+    assert_eq!(v.status, Status::CostTooHigh);
+    assert_eq!(server.dbsize(), keys_before);
+}
+
+#[tokio::test]
+async fn a_refused_batch_writes_nothing_for_its_admitted_checks() {
+    let server = RedisServer::start();
+    let backend = support::standalone(&server.url()).build().unwrap();
+    let open = [
+        gcra("open-g", 10),
+        fixed("open-f", Quota::per_minute(10).unwrap()),
+        sliding("open-s", Quota::per_minute(10).unwrap()),
+    ];
+    let shut = gcra("shut", 1);
+    let now = MIDNIGHT;
+    assert!(check_at(&backend, &[&shut], b"k", now).await[0].is_allowed());
+    let keys_before = server.dbsize();
+    let v = check_at(&backend, &[&open[0], &open[1], &open[2], &shut], b"k", now).await;
+    assert!(matches!(v[3].status, Status::Denied { .. }));
+    for (limit, verdict) in open.iter().zip(&v[..3]) {
+        // Reported as allowed, with the figures of a request that consumed nothing.
+        assert_eq!(
+            (verdict.status, verdict.remaining),
+            (Status::Allowed, 10),
+            "{}",
+            limit.name()
+        );
+    }
+    assert_eq!(v[0].reset, 0);
+    assert_eq!(server.dbsize(), keys_before);
+}
+
+#[tokio::test]
+async fn a_fixed_window_sets_its_ttl_on_the_first_write_only() {
+    let server = RedisServer::start();
+    let backend = support::standalone(&server.url()).build().unwrap();
+    let mut con = server.client();
+    let limit = fixed("daily", Quota::per_day(100).unwrap());
+    let window = MIDNIGHT / 86_400_000_000;
+    let key = format!("{}:{window}", backend.key_for(&limit, b"shop"));
+
+    // First write at 06:00: the key lives until midnight, 18 h later.
+    let six = MIDNIGHT + 6 * 3_600_000_000;
+    check_at(&backend, &[&limit], b"shop", six).await;
+    let first: i64 = redis::cmd("PTTL").arg(&key).query(&mut con).unwrap();
+    let eighteen_hours = 18 * 3_600_000;
+    assert!(
+        (eighteen_hours - 5_000..=eighteen_hours).contains(&first),
+        "{first}"
+    );
+    // A write at noon does not move it (it would be 12 h if it did).
+    check_at(&backend, &[&limit], b"shop", six + 6 * 3_600_000_000).await;
+    let second: i64 = redis::cmd("PTTL").arg(&key).query(&mut con).unwrap();
+    assert!(
+        second > first - 5_000 && second <= first,
+        "{first} {second}"
+    );
+    let count: u64 = redis::cmd("GET").arg(&key).query(&mut con).unwrap();
+    assert_eq!(count, 2);
+
+    // A count that was already there (written without a TTL) keeps no TTL: not the first write.
+    let other = format!("{}:{window}", backend.key_for(&limit, b"other"));
+    let _: () = redis::cmd("SET")
+        .arg(&other)
+        .arg(5)
+        .query(&mut con)
+        .unwrap();
+    let v = check_at(&backend, &[&limit], b"other", six).await[0];
+    assert_eq!(v.remaining, 94);
+    let ttl: i64 = redis::cmd("PTTL").arg(&other).query(&mut con).unwrap();
+    assert_eq!(ttl, -1);
+}
+
+#[tokio::test]
+async fn a_sliding_log_counts_two_requests_in_one_microsecond_as_two() {
+    let server = RedisServer::start();
+    let backend = support::standalone(&server.url()).build().unwrap();
+    let mut con = server.client();
+    let limit = sliding("log", Quota::new(2, Duration::from_secs(10)).unwrap());
+    let now = MIDNIGHT + 123_456;
+    let a = check_at(&backend, &[&limit], b"k", now).await[0];
+    let b = check_at(&backend, &[&limit], b"k", now).await[0];
+    assert_eq!((a.status, a.remaining), (Status::Allowed, 1));
+    assert_eq!((b.status, b.remaining), (Status::Allowed, 0));
+    let key = backend.key_for(&limit, b"k");
+    let members: Vec<(String, u64)> = redis::cmd("ZRANGE")
+        .arg(&key)
+        .arg(0)
+        .arg(-1)
+        .arg("WITHSCORES")
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(members.len(), 2);
+    assert_ne!(members[0].0, members[1].0);
+    assert!(members.iter().all(|(_, score)| *score == now));
+    let c = check_at(&backend, &[&limit], b"k", now).await[0];
+    assert_eq!(
+        c.status,
+        Status::Denied {
+            retry_after: 10_000_000
+        }
+    );
+    // Both leave together, exactly one period later.
+    let d = check_at(&backend, &[&limit], b"k", now + 10_000_000).await[0];
+    assert_eq!((d.status, d.remaining), (Status::Allowed, 1));
+    let card: u64 = redis::cmd("ZCARD").arg(&key).query(&mut con).unwrap();
+    assert_eq!(card, 1);
+}
+
+#[tokio::test]
+async fn a_flood_on_one_key_costs_a_handful_of_calls() {
+    let server = RedisServer::start();
+    let backend = support::standalone(&server.url()).build().unwrap();
+    let limit = gcra("login", 5);
+    assert!(admitted(&backend, &[&gcra("warm-up", 5)], b"x").await);
+    server.reset_stats();
+    let mut count = 0;
+    for _ in 0..1_000 {
+        if admitted(&backend, &[&limit], b"attacker").await {
+            count += 1;
+        }
+    }
+    assert_eq!(count, 5);
+    let calls = server.calls("evalsha");
+    assert_eq!(calls, 6, "5 admissions and one denial, then the deny cache");
+    assert_eq!(backend.deny_cache_len(), 1);
+}
+
+#[tokio::test]
+async fn the_deny_cache_reports_the_denied_check_and_skips_the_others() {
+    let server = RedisServer::start();
+    let backend = support::standalone(&server.url()).build().unwrap();
+    let tight = gcra("tight", 1);
+    let loose = gcra("loose", 100);
+    assert!(admitted(&backend, &[&tight, &loose], b"k").await);
+    let v = check(&backend, &[&loose, &tight], b"k").await; // from Redis
+    assert!(matches!(v[1].status, Status::Denied { .. }));
+    server.reset_stats();
+    let v = check(&backend, &[&loose, &tight], b"k").await; // from the cache
+    assert_eq!(server.calls("evalsha"), 0);
+    assert_eq!(v[0].status, Status::NotChecked);
+    match v[1].status {
+        Status::Denied { retry_after } => {
+            assert!(retry_after > 50_000_000 && retry_after <= 60_000_000)
+        }
+        other => panic!("{other:?}"),
+    }
+    // Another identity is not affected, nor is the same identity on the loose limit alone.
+    assert!(admitted(&backend, &[&tight], b"someone else").await);
+    assert!(admitted(&backend, &[&loose], b"k").await);
+}
+
+#[tokio::test]
+async fn keys_never_hold_the_identity_and_have_a_fixed_length() {
+    let server = RedisServer::start();
+    let backend = support::standalone(&server.url())
+        .prefix("app")
+        .build()
+        .unwrap();
+    let limit = gcra("per-ip", 10);
+    let short = b"203.0.113.7".as_slice();
+    let long = "alice@example.com".repeat(20);
+    assert!(admitted(&backend, &[&limit], short).await);
+    assert!(admitted(&backend, &[&limit], long.as_bytes()).await);
+    let mut con = server.client();
+    let keys: Vec<String> = redis::cmd("KEYS").arg("*").query(&mut con).unwrap();
+    assert_eq!(keys.len(), 2);
+    for key in &keys {
+        assert!(key.starts_with("app:per-ip:{"), "{key}");
+        assert!(!key.contains("203.0.113.7") && !key.contains("alice"));
+        assert_eq!(key.len(), keys[0].len());
+    }
+    assert_eq!(backend.key_for(&limit, short).len(), keys[0].len());
+}
+
+#[tokio::test]
+async fn a_fixed_window_turns_at_utc_midnight() {
+    let server = RedisServer::start();
+    let backend = support::standalone(&server.url()).build().unwrap();
+    let limit = fixed("daily", Quota::per_day(1).unwrap());
+    assert!(check_at(&backend, &[&limit], b"k", MIDNIGHT - 2).await[0].is_allowed());
+    let v = check_at(&backend, &[&limit], b"k", MIDNIGHT - 1).await[0];
+    assert_eq!(v.status, Status::Denied { retry_after: 1 });
+    assert!(check_at(&backend, &[&limit], b"k", MIDNIGHT).await[0].is_allowed());
+}
+
+#[tokio::test]
+async fn a_batch_of_more_than_max_checks_is_refused() {
+    let server = RedisServer::start();
+    let backend = support::standalone(&server.url()).build().unwrap();
+    let limits: Vec<_> = (0..9).map(|i| gcra(&format!("l{i}"), 10)).collect();
+    let checks: Vec<Check<'_>> = limits.iter().map(|l| Check::new(l, b"k")).collect();
+    let err = backend.check(&checks).await.unwrap_err();
+    assert_eq!(err.kind(), tollgate_core::BackendErrorKind::Protocol);
+    assert!(backend.check(&[]).await.unwrap().is_empty());
+    assert_eq!(backend.kind(), "redis");
+}
+
+#[tokio::test]
+async fn the_script_is_loaded_again_after_a_flush() {
+    let server = RedisServer::start();
+    let backend = support::standalone(&server.url()).build().unwrap();
+    let limit = gcra("l", 10);
+    assert!(admitted(&backend, &[&limit], b"k").await);
+    let _: () = redis::cmd("SCRIPT")
+        .arg("FLUSH")
+        .query(&mut server.client())
+        .unwrap();
+    let v = check(&backend, &[&limit], b"k").await;
+    assert_eq!(v[0].remaining, 8);
+}

@@ -1,0 +1,65 @@
+//! Helpers shared by the Redis backend's integration tests.
+#![allow(dead_code, unreachable_pub, clippy::unwrap_used)]
+
+use std::time::Duration;
+
+use tollgate_core::{Backend, Check, Limit, Quota, Verdicts};
+use tollgate_redis::{RedisBackend, RedisBackendBuilder};
+
+/// A deadline generous enough for a loaded CI machine: these tests count, they do not time.
+pub const DEADLINE: Duration = Duration::from_secs(5);
+
+pub fn standalone(url: &str) -> RedisBackendBuilder {
+    RedisBackend::builder().url(url).deadline(DEADLINE)
+}
+
+pub fn cluster(urls: Vec<String>) -> RedisBackendBuilder {
+    RedisBackend::builder().cluster(urls).deadline(DEADLINE)
+}
+
+pub fn gcra(name: &str, per_minute: u32) -> Limit {
+    Limit::gcra(name, Quota::per_minute(per_minute).unwrap()).unwrap()
+}
+
+pub fn fixed(name: &str, quota: Quota) -> Limit {
+    Limit::fixed_window(name, quota).unwrap()
+}
+
+pub fn sliding(name: &str, quota: Quota) -> Limit {
+    Limit::sliding_log(name, quota).unwrap()
+}
+
+/// Checks `limits` for `key` and says whether the batch was admitted.
+pub async fn admitted(backend: &RedisBackend, limits: &[&Limit], key: &[u8]) -> bool {
+    let v = check(backend, limits, key).await;
+    v.iter().all(|v| v.is_allowed())
+}
+
+pub async fn check(backend: &RedisBackend, limits: &[&Limit], key: &[u8]) -> Verdicts {
+    let checks: Vec<Check<'_>> = limits.iter().map(|l| Check::new(l, key)).collect();
+    backend.check(&checks).await.unwrap()
+}
+
+pub async fn check_at(backend: &RedisBackend, limits: &[&Limit], key: &[u8], now: u64) -> Verdicts {
+    let checks: Vec<Check<'_>> = limits.iter().map(|l| Check::new(l, key)).collect();
+    backend.check_at(&checks, now).await.unwrap()
+}
+
+/// Runs `n` checks of `limit` at once, alternating between `backends`; returns how many were
+/// admitted.
+pub async fn concurrent_admissions(backends: &[RedisBackend], limit: &Limit, n: usize) -> usize {
+    let tasks: Vec<_> = (0..n)
+        .map(|i| {
+            let backend = backends[i % backends.len()].clone();
+            let limit = limit.clone();
+            tokio::spawn(async move { admitted(&backend, &[&limit], b"shared-key").await })
+        })
+        .collect();
+    let mut count = 0;
+    for t in tasks {
+        if t.await.unwrap() {
+            count += 1;
+        }
+    }
+    count
+}

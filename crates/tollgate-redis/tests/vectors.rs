@@ -1,0 +1,140 @@
+//! The Lua scripts reproduce every line of the shared vector file (`tests/vectors.txt`): the
+//! state is written into a real Redis first, and `now` is passed by the test override.
+
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use tollgate_core::{Check, Limit, Verdict};
+use tollgate_testsupport::redis;
+use tollgate_testsupport::vectors::{self, Algo, Expected, State, Vector};
+use tollgate_testsupport::RedisServer;
+
+const KEY: &[u8] = b"vector-identity";
+
+fn write_state(con: &mut redis::Connection, v: &Vector, stem: &str) {
+    match &v.state {
+        State::None => {}
+        State::Tat(tat) => {
+            let _: () = redis::cmd("SET").arg(stem).arg(tat).query(con).unwrap();
+        }
+        State::Window { end, count } => {
+            let index = end / v.period_us - 1;
+            let _: () = redis::cmd("SET")
+                .arg(format!("{stem}:{index}"))
+                .arg(count)
+                .query(con)
+                .unwrap();
+        }
+        State::Log(entries) => {
+            for (i, t) in entries.iter().enumerate() {
+                let _: () = redis::cmd("ZADD")
+                    .arg(stem)
+                    .arg(t)
+                    .arg(format!("seed-{i}"))
+                    .query(con)
+                    .unwrap();
+            }
+        }
+    }
+}
+
+/// Writes the vector's state into Redis and returns its limit.
+fn prepare(
+    con: &mut redis::Connection,
+    backend: &tollgate_redis::RedisBackend,
+    v: &Vector,
+) -> Limit {
+    let limit = v.limit();
+    write_state(con, v, &backend.key_for(&limit, KEY));
+    limit
+}
+
+/// The vector's check, enforced, with its cost.
+fn check_of<'a>(limit: &'a Limit, v: &Vector) -> Check<'a> {
+    Check {
+        limit,
+        key: KEY,
+        cost: v.cost,
+        enforce: true,
+    }
+}
+
+#[tokio::test]
+async fn the_lua_scripts_reproduce_every_vector() {
+    let server = RedisServer::start();
+    let backend = support::standalone(&server.url()).build().unwrap();
+    let mut con = server.client();
+    let all = vectors::load();
+    let mut failures = Vec::new();
+    for v in &all {
+        let limit = prepare(&mut con, &backend, v);
+        let got = backend
+            .check_at(&[check_of(&limit, v)], v.now)
+            .await
+            .unwrap()[0];
+        let want = v.expected();
+        if got != want {
+            failures.push(format!("{v}: got {got:?}, want {want:?}"));
+        }
+    }
+    assert!(failures.is_empty(), "\n{}", failures.join("\n"));
+    assert!(all.len() >= 45);
+}
+
+#[tokio::test]
+async fn an_admitted_vector_stores_what_the_core_would_store() {
+    // After an admission the next check at the same `now` sees the new state: replaying every
+    // admitted vector twice must give the core's second answer too.
+    let server = RedisServer::start();
+    let backend = support::standalone(&server.url()).build().unwrap();
+    let mut con = server.client();
+    for v in vectors::load()
+        .iter()
+        .filter(|v| v.status == Expected::Allowed)
+    {
+        let limit = prepare(&mut con, &backend, v);
+        let check = check_of(&limit, v);
+        backend.check_at(&[check], v.now).await.unwrap();
+        let second = backend.check_at(&[check], v.now).await.unwrap()[0];
+        let core = core_second(v);
+        assert_eq!(second, core, "{v}: second check");
+    }
+}
+
+/// The core's answer to the same check made twice at `now` on the vector's state.
+fn core_second(v: &Vector) -> Verdict {
+    use tollgate_core::algorithm::{self, WindowState};
+    let q = &v.quota();
+    match &v.state {
+        State::None | State::Tat(_) if v.algo == Algo::Gcra => {
+            let tat = match v.state {
+                State::Tat(t) => Some(t),
+                _ => None,
+            };
+            let (_, tat) = algorithm::gcra(q, tat, v.now, v.cost);
+            algorithm::gcra(q, tat, v.now, v.cost).0
+        }
+        State::None | State::Window { .. } if v.algo == Algo::Fixed => {
+            let state = match v.state {
+                State::Window { end, count } => Some(WindowState {
+                    window_end: end,
+                    count,
+                }),
+                _ => None,
+            };
+            let (_, state) = algorithm::fixed_window(q, state, v.now, v.cost);
+            algorithm::fixed_window(q, state, v.now, v.cost).0
+        }
+        _ => {
+            let mut log = match &v.state {
+                State::Log(l) => l.clone(),
+                _ => Vec::new(),
+            };
+            let (_, trim) = algorithm::sliding_log(q, &log, v.now, v.cost);
+            log.drain(..trim);
+            log.extend(std::iter::repeat_n(v.now, v.cost as usize));
+            algorithm::sliding_log(q, &log, v.now, v.cost).0
+        }
+    }
+}
