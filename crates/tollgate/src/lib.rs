@@ -38,9 +38,27 @@
 //!
 //! Serve with `app.into_make_service_with_connect_info::<SocketAddr>()` so that
 //! [`ClientIp`](key::ClientIp) knows the socket peer.
+//!
+//! # Observability
+//!
+//! Through the [`metrics`](https://docs.rs/metrics) facade (install any exporter) and
+//! [`tracing`](https://docs.rs/tracing):
+//!
+//! - `tollgate_decisions_total{limit, outcome}`, `tollgate_bypass_total{limit, reason}` and
+//!   `tollgate_capacity_refusals_total{limit}`, counted by the layer for every limit of every
+//!   request; networked backends add `tollgate_backend_duration_seconds{backend}`,
+//!   `tollgate_backend_up{backend}` and `tollgate_deny_cache_hits_total{limit}`. Label values
+//!   are limit names and fixed words, never a key.
+//! - A `tollgate.check` debug span per request (fields `limits`, `outcome`, `decision`);
+//!   bypasses and capacity refusals are `warn` events, at most one per limit every 10 s.
+//! - The [`Canary`]: a synthetic key that must be denied, checked periodically through the real
+//!   backend; `tollgate_canary_ok{backend}` is 1 only while it is.
+//!
+//! `docs/operations.md` says what each metric means and gives ready Prometheus alerts.
 
 pub mod key;
 
+mod canary;
 mod decision;
 mod extract;
 mod layer;
@@ -50,6 +68,7 @@ mod response;
 /// The parts that know nothing of HTTP: quotas, algorithms, clocks, backends.
 pub use tollgate_core as core;
 
+pub use canary::{Canary, CanaryHandle, CanaryStatus, CANARY_LIMIT};
 pub use decision::{
     BypassReason, Decision, DenyReason, LimitDecision, Outcome, SkipReason, Source,
 };

@@ -4,7 +4,12 @@
 //! words only: never a key.
 //!
 //! Handles are registered on the first request a layer sees rather than when it is built, so a
-//! recorder installed after the router was built still receives everything.
+//! recorder installed after the router was built still receives everything. After that a
+//! request pays for no registry lookup and no allocation: it increments a cached handle.
+//!
+//! Every series of a limit is registered at once, so the bypass and capacity counters exist
+//! (at 0) before the first failure: an alert on `rate(...) > 0` or on an absent series then
+//! works from the start.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -12,19 +17,75 @@ use std::time::{Duration, Instant};
 
 use metrics::Counter;
 
-use crate::decision::{BypassReason, DenyReason, LimitDecision, Outcome};
+use crate::decision::{BypassReason, Decision, DenyReason, LimitDecision, Outcome, Source};
 
-/// Every value of the `outcome` label of `tollgate_decisions_total`.
-pub(crate) const OUTCOMES: [&str; 7] = [
-    "allowed",
-    "denied",
-    "shadow_denied",
-    "bypassed",
-    "fallback",
-    "skipped",
-    "missing_key",
-];
+/// A value of the `outcome` label of `tollgate_decisions_total`.
+///
+/// It describes what happened to the request at one limit, which is not always the limit's own
+/// verdict: on a request that another limit refused, this limit counted nothing, so it is
+/// `Skipped` whatever it would have said (and a fail-open limit did not let anything through,
+/// so it is no bypass).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Label {
+    Allowed,
+    Denied,
+    ShadowDenied,
+    Bypassed,
+    Fallback,
+    Skipped,
+    MissingKey,
+    Unavailable,
+}
 
+impl Label {
+    const ALL: [Self; 8] = [
+        Self::Allowed,
+        Self::Denied,
+        Self::ShadowDenied,
+        Self::Bypassed,
+        Self::Fallback,
+        Self::Skipped,
+        Self::MissingKey,
+        Self::Unavailable,
+    ];
+
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            Self::Allowed => "allowed",
+            Self::Denied => "denied",
+            Self::ShadowDenied => "shadow_denied",
+            Self::Bypassed => "bypassed",
+            Self::Fallback => "fallback",
+            Self::Skipped => "skipped",
+            Self::MissingKey => "missing_key",
+            Self::Unavailable => "unavailable",
+        }
+    }
+
+    /// What happened at one limit to a request that was `admitted` (or refused) as a whole.
+    pub(crate) fn of(decision: &LimitDecision, admitted: bool) -> Self {
+        match decision.outcome() {
+            Outcome::Denied { .. } if decision.is_shadow() => Self::ShadowDenied,
+            Outcome::Denied {
+                reason: DenyReason::BackendUnavailable,
+                ..
+            } => Self::Unavailable,
+            Outcome::Denied { .. } => Self::Denied,
+            // Refused by another limit: nothing was consumed or let through here.
+            _ if !admitted => Self::Skipped,
+            Outcome::Allowed { .. } if decision.source() == Source::Fallback => Self::Fallback,
+            Outcome::Allowed { .. } => Self::Allowed,
+            Outcome::Bypassed { .. } => Self::Bypassed,
+            Outcome::Skipped { .. } => Self::Skipped,
+        }
+    }
+
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// Every value of the `reason` label of `tollgate_bypass_total`.
 const REASONS: [BypassReason; 4] = [
     BypassReason::Timeout,
     BypassReason::Error,
@@ -32,18 +93,29 @@ const REASONS: [BypassReason; 4] = [
     BypassReason::Protocol,
 ];
 
+fn reason_index(reason: BypassReason) -> usize {
+    match reason {
+        BypassReason::Timeout => 0,
+        BypassReason::Error => 1,
+        BypassReason::CircuitOpen => 2,
+        BypassReason::Protocol => 3,
+    }
+}
+
+/// At most one warning of each kind per limit in this interval.
 const WARN_EVERY: Duration = Duration::from_secs(10);
 
 pub(crate) struct LimitMetrics {
     name: Arc<str>,
     handles: OnceLock<Handles>,
-    started: Instant,
-    next_warn: AtomicU64,
-    quiet: AtomicU64,
+    // Separate budgets: a flood of capacity refusals must not hide the first bypass warning,
+    // and each warning's count must be of its own kind.
+    bypass_warn: Throttle,
+    capacity_warn: Throttle,
 }
 
 struct Handles {
-    decisions: [Counter; OUTCOMES.len()],
+    decisions: [Counter; Label::ALL.len()],
     bypass: [Counter; REASONS.len()],
     capacity: Counter,
 }
@@ -53,9 +125,8 @@ impl LimitMetrics {
         Self {
             name,
             handles: OnceLock::new(),
-            started: Instant::now(),
-            next_warn: AtomicU64::new(0),
-            quiet: AtomicU64::new(0),
+            bypass_warn: Throttle::new(),
+            capacity_warn: Throttle::new(),
         }
     }
 
@@ -63,8 +134,8 @@ impl LimitMetrics {
         self.handles.get_or_init(|| {
             let limit = || metrics::SharedString::from(Arc::clone(&self.name));
             Handles {
-                decisions: OUTCOMES.map(|outcome| {
-                    metrics::counter!("tollgate_decisions_total", "limit" => limit(), "outcome" => outcome)
+                decisions: Label::ALL.map(|outcome| {
+                    metrics::counter!("tollgate_decisions_total", "limit" => limit(), "outcome" => outcome.as_str())
                 }),
                 bypass: REASONS.map(|reason| {
                     metrics::counter!("tollgate_bypass_total", "limit" => limit(), "reason" => reason.as_str())
@@ -74,18 +145,15 @@ impl LimitMetrics {
         })
     }
 
-    pub(crate) fn record(&self, decision: &LimitDecision) {
+    /// Counts one limit's part of a request that was `admitted` (or refused) as a whole.
+    pub(crate) fn record(&self, decision: &LimitDecision, admitted: bool) {
         let handles = self.handles();
-        let label = decision.label();
-        if let Some(i) = OUTCOMES.iter().position(|o| *o == label) {
-            handles.decisions[i].increment(1);
-        }
+        let label = Label::of(decision, admitted);
+        handles.decisions[label.index()].increment(1);
         match decision.outcome() {
-            Outcome::Bypassed { reason } => {
-                if let Some(i) = REASONS.iter().position(|r| r == reason) {
-                    handles.bypass[i].increment(1);
-                }
-                self.warn(|n| {
+            Outcome::Bypassed { reason } if label == Label::Bypassed => {
+                handles.bypass[reason_index(*reason)].increment(1);
+                self.bypass_warn.warn(|n| {
                     tracing::warn!(
                         limit = &*self.name,
                         reason = reason.as_str(),
@@ -99,7 +167,7 @@ impl LimitMetrics {
                 ..
             } => {
                 handles.capacity.increment(1);
-                self.warn(|n| {
+                self.capacity_warn.warn(|n| {
                     tracing::warn!(
                         limit = &*self.name,
                         refused_since_last_warning = n,
@@ -111,19 +179,102 @@ impl LimitMetrics {
         }
     }
 
-    pub(crate) fn record_missing_key(&self) {
-        let i = OUTCOMES.len() - 1;
-        self.handles().decisions[i].increment(1);
+    /// Counts a request refused because it had no key for this limit, and says so in its span.
+    pub(crate) fn record_missing_key(&self, span: &tracing::Span) {
+        self.handles().decisions[Label::MissingKey.index()].increment(1);
+        if !span.is_disabled() {
+            let label = Label::MissingKey.as_str();
+            span.record("outcome", label);
+            span.record("decision", format_args!("{}={label}", self.name));
+        }
+    }
+}
+
+impl std::fmt::Debug for LimitMetrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LimitMetrics")
+            .field("limit", &self.name)
+            .finish()
+    }
+}
+
+/// Fills the `outcome` and `decision` fields of a request's `tollgate.check` span.
+///
+/// `outcome` is the request's: `denied` (429) or `unavailable` (503) when refused, else the most
+/// telling of its limits' labels (`bypassed`, `fallback`, `shadow_denied`, `allowed`, `skipped`).
+/// `decision` lists `name=label` per limit. Nothing is computed when no subscriber listens.
+pub(crate) fn record_span(span: &tracing::Span, decision: &Decision) {
+    if span.is_disabled() {
+        return;
+    }
+    let admitted = decision.is_admitted();
+    let has = |want: Label| {
+        decision
+            .limits()
+            .iter()
+            .any(|d| Label::of(d, admitted) == want)
+    };
+    let outcome = if !admitted {
+        if has(Label::Unavailable) {
+            Label::Unavailable
+        } else {
+            Label::Denied
+        }
+    } else {
+        [
+            Label::Bypassed,
+            Label::Fallback,
+            Label::ShadowDenied,
+            Label::Allowed,
+        ]
+        .into_iter()
+        .find(|l| has(*l))
+        .unwrap_or(Label::Skipped)
+    };
+    span.record("outcome", outcome.as_str());
+    span.record("decision", tracing::field::display(Labels(decision)));
+}
+
+/// `name=label` for every limit of a decision, comma-separated, written without allocating.
+struct Labels<'a>(&'a Decision);
+
+impl std::fmt::Display for Labels<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let admitted = self.0.is_admitted();
+        for (i, d) in self.0.limits().iter().enumerate() {
+            let sep = if i == 0 { "" } else { "," };
+            write!(f, "{sep}{}={}", d.name(), Label::of(d, admitted).as_str())?;
+        }
+        Ok(())
+    }
+}
+
+/// Lets one event through per [`WARN_EVERY`] and counts the ones it held back.
+struct Throttle {
+    started: Instant,
+    /// Milliseconds since `started` before which events are only counted.
+    next: AtomicU64,
+    quiet: AtomicU64,
+}
+
+impl Throttle {
+    fn new() -> Self {
+        Self {
+            started: Instant::now(),
+            next: AtomicU64::new(0),
+            quiet: AtomicU64::new(0),
+        }
     }
 
-    /// Logs at most once per [`WARN_EVERY`] per limit, with the count of events in between.
+    /// Calls `log` with the number of events since the last call (this one included), unless
+    /// one was logged less than [`WARN_EVERY`] ago.
     fn warn(&self, log: impl FnOnce(u64)) {
         let now = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
-        let due = self.next_warn.load(Ordering::Relaxed);
-        let next = now.saturating_add(WARN_EVERY.as_millis() as u64);
+        let due = self.next.load(Ordering::Relaxed);
+        let next = now.saturating_add(WARN_EVERY.as_secs() * 1_000);
         if now >= due
             && self
-                .next_warn
+                .next
                 .compare_exchange(due, next, Ordering::Relaxed, Ordering::Relaxed)
                 .is_ok()
         {
@@ -134,10 +285,108 @@ impl LimitMetrics {
     }
 }
 
-impl std::fmt::Debug for LimitMetrics {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("LimitMetrics")
-            .field("limit", &self.name)
-            .finish()
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use tollgate_core::Quota;
+
+    fn decision(outcome: Outcome, source: Source, shadow: bool) -> LimitDecision {
+        LimitDecision::new(
+            "l".into(),
+            Quota::per_minute(1).unwrap(),
+            outcome,
+            source,
+            shadow,
+        )
+    }
+
+    #[test]
+    fn labels_say_what_happened_to_the_request() {
+        let allowed = Outcome::Allowed {
+            remaining: 1,
+            reset: Duration::ZERO,
+        };
+        let denied = |reason| Outcome::Denied {
+            retry_after: None,
+            remaining: 0,
+            reset: Duration::ZERO,
+            reason,
+        };
+        let bypassed = Outcome::Bypassed {
+            reason: BypassReason::Timeout,
+        };
+        let b = Source::Backend;
+        let cases = [
+            (allowed, b, false, true, Label::Allowed),
+            (allowed, Source::Fallback, false, true, Label::Fallback),
+            (
+                denied(DenyReason::OverLimit),
+                b,
+                false,
+                false,
+                Label::Denied,
+            ),
+            (
+                denied(DenyReason::AtCapacity),
+                b,
+                false,
+                false,
+                Label::Denied,
+            ),
+            (
+                denied(DenyReason::OverLimit),
+                b,
+                true,
+                true,
+                Label::ShadowDenied,
+            ),
+            (
+                denied(DenyReason::BackendUnavailable),
+                b,
+                false,
+                false,
+                Label::Unavailable,
+            ),
+            (bypassed, b, false, true, Label::Bypassed),
+            // Another limit refused the request: this one consumed nothing, let nothing through.
+            (allowed, b, false, false, Label::Skipped),
+            (bypassed, b, false, false, Label::Skipped),
+            (
+                denied(DenyReason::OverLimit),
+                b,
+                true,
+                false,
+                Label::ShadowDenied,
+            ),
+        ];
+        for (outcome, source, shadow, admitted, want) in cases {
+            let d = decision(outcome, source, shadow);
+            assert_eq!(
+                Label::of(&d, admitted),
+                want,
+                "{outcome:?} admitted={admitted}"
+            );
+        }
+        for (i, label) in Label::ALL.iter().enumerate() {
+            assert_eq!(label.index(), i);
+        }
+        for (i, reason) in REASONS.iter().enumerate() {
+            assert_eq!(reason_index(*reason), i);
+        }
+    }
+
+    #[test]
+    fn warnings_are_throttled_and_count_what_they_held_back() {
+        let t = Throttle::new();
+        let mut logged = Vec::new();
+        for _ in 0..5 {
+            t.warn(|n| logged.push(n));
+        }
+        assert_eq!(logged, [1]);
+        // Pretend the interval has passed.
+        t.next.store(0, Ordering::Relaxed);
+        t.warn(|n| logged.push(n));
+        assert_eq!(logged, [1, 5]);
     }
 }

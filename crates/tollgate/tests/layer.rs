@@ -380,6 +380,9 @@ async fn a_failed_backend_applies_each_limits_policy() {
         Outcome::Denied { reason, .. } => assert_eq!(*reason, DenyReason::BackendUnavailable),
         other => panic!("{other:?}"),
     }
+    // The fail-open limit beside it let nothing through: not a bypass.
+    assert!(!d.is_bypassed());
+    assert_eq!(d.get("open").unwrap().label(), "skipped");
 
     // Fallback: limited locally with the quota divided by the replicas (4 / 2 = 2).
     let layer = RateLimitLayer::builder()

@@ -24,7 +24,7 @@ use tower_layer::Layer;
 
 use crate::decision::{Decision, DenyReason, LimitDecision, Outcome, SkipReason, Source};
 use crate::key::{Key, KeyExtractor, MissingKey, RequestView};
-use crate::metrics::LimitMetrics;
+use crate::metrics::{self as obs, LimitMetrics};
 use crate::response::{self, HeaderConfig, Rejection, RejectionKind};
 
 mod future;
@@ -206,6 +206,13 @@ impl<B: Backend> RateLimitLayerBuilder<B> {
             }
         }
         let policy = response::policy_value(self.limits.iter().map(|(l, _)| l));
+        let names = self
+            .limits
+            .iter()
+            .map(|(l, _)| l.name())
+            .collect::<Vec<_>>()
+            .join(",")
+            .into();
         let limits = self
             .limits
             .into_iter()
@@ -228,6 +235,7 @@ impl<B: Backend> RateLimitLayerBuilder<B> {
                     .clock(self.fallback_clock)
                     .build(),
                 policy,
+                names,
                 headers: self.headers,
                 responder: self.responder,
                 unavailable_retry_after: self.unavailable_retry_after,
@@ -254,6 +262,8 @@ pub(crate) struct Shared<B> {
     limits: Box<[Entry]>,
     fallback: MemoryBackend<Arc<dyn Clock>>,
     policy: Option<HeaderValue>,
+    /// The limits' names, comma-separated, for the check span.
+    names: Box<str>,
     headers: HeaderConfig,
     responder: Option<Responder>,
     unavailable_retry_after: Duration,
@@ -268,11 +278,13 @@ struct Entry {
 }
 
 /// Which limits a batch checked, in order, and which were skipped.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug)]
 pub(crate) struct Plan {
     n: usize,
     limit_of: [usize; MAX_CHECKS],
     skipped: [bool; MAX_CHECKS],
+    /// The request's `tollgate.check` span, open from the keys to the decision.
+    span: tracing::Span,
 }
 
 pub(crate) enum Prepared<F> {
@@ -288,15 +300,28 @@ pub(crate) enum Decided {
 impl<B: Backend> Shared<B> {
     /// Extracts every key and starts the backend call; or refuses a request without a key.
     pub(crate) fn prepare<T>(&self, req: &Request<T>) -> Prepared<B::Future> {
+        // Without a subscriber that wants it, the span is a no-op and its fields are not
+        // evaluated: `names` is built once, when the layer is.
+        let span = tracing::debug_span!(
+            "tollgate.check",
+            limits = &*self.names,
+            outcome = tracing::field::Empty,
+            decision = tracing::field::Empty,
+        );
         let view = RequestView::new(req);
         let mut keys: [Option<Key<'_>>; MAX_CHECKS] = Default::default();
-        let mut plan = Plan::default();
+        let mut plan = Plan {
+            n: 0,
+            limit_of: [0; MAX_CHECKS],
+            skipped: [false; MAX_CHECKS],
+            span,
+        };
         for (i, entry) in self.limits.iter().enumerate() {
             match key_of(entry, &view) {
                 Ok(Some(key)) => keys[i] = Some(key),
                 Ok(None) => plan.skipped[i] = true,
                 Err(missing) => {
-                    entry.metrics.record_missing_key();
+                    entry.metrics.record_missing_key(&plan.span);
                     return Prepared::Refuse(self.refuse(&Rejection::new(
                         RejectionKind::MissingKey(missing),
                         entry.limit.name(),
@@ -314,7 +339,8 @@ impl<B: Backend> Shared<B> {
                 plan.n += 1;
             }
         }
-        Prepared::Check(self.backend.check(&checks[..plan.n]), plan)
+        let check = plan.span.in_scope(|| self.backend.check(&checks[..plan.n]));
+        Prepared::Check(check, plan)
     }
 
     /// Turns the backend's answer into a decision, or a refusal.
@@ -324,6 +350,8 @@ impl<B: Backend> Shared<B> {
         req: &Request<T>,
         plan: &Plan,
     ) -> Decided {
+        // Warnings about bypasses and capacity are logged inside the request's span.
+        let _entered = plan.span.enter();
         let mut outcomes = [(
             Outcome::Skipped {
                 reason: SkipReason::MissingKey,
@@ -348,23 +376,42 @@ impl<B: Backend> Shared<B> {
             }
             Err(error) => self.on_failure(&error, req, plan, &mut outcomes),
         }
+        // A refused request went nowhere: a fail-open limit beside the one that refused it
+        // bypassed nothing, and must not say it did.
+        let refused = self
+            .limits
+            .iter()
+            .zip(&outcomes)
+            .any(|(entry, (outcome, _))| !entry.limit.is_shadow() && !outcome.admits());
+        if refused {
+            for (outcome, _) in &mut outcomes {
+                if let Outcome::Bypassed { .. } = outcome {
+                    *outcome = Outcome::Skipped {
+                        reason: SkipReason::NotChecked,
+                    };
+                }
+            }
+        }
         let decision: Decision = self
             .limits
             .iter()
             .zip(outcomes)
             .map(|(entry, (outcome, source))| {
-                let d = LimitDecision::new(
+                LimitDecision::new(
                     Arc::clone(entry.limit.name_arc()),
                     *entry.limit.quota(),
                     outcome,
                     source,
                     entry.limit.is_shadow(),
-                );
-                entry.metrics.record(&d);
-                d
+                )
             })
             .collect();
-        if decision.is_admitted() {
+        let admitted = decision.is_admitted();
+        for (entry, d) in self.limits.iter().zip(decision.limits()) {
+            entry.metrics.record(d, admitted);
+        }
+        obs::record_span(&plan.span, &decision);
+        if admitted {
             return Decided::Admit(decision);
         }
         let (kind, limit) = response::refusal_of(&decision)
