@@ -422,13 +422,8 @@ impl<B: Backend> Shared<B> {
             decision.retry_after(),
             Some(&decision),
         ));
-        response::write_headers(
-            response.headers_mut(),
-            &decision,
-            self.policy.as_ref(),
-            self.headers,
-        );
-        response.extensions_mut().insert(decision);
+        // Refusals always carry the rate-limit fields: they say when to come back.
+        self.stamp(&mut response, decision, true);
         Decided::Refuse(response)
     }
 
@@ -504,7 +499,12 @@ impl<B: Backend> Shared<B> {
 
     /// Adds the decision and (if configured) the rate-limit fields to an admitted response.
     pub(crate) fn finish<T>(&self, response: &mut Response<T>, decision: Decision) {
-        if self.headers.on_allowed {
+        self.stamp(response, decision, self.headers.on_allowed);
+    }
+
+    /// Puts the decision in the response's extensions, and the rate-limit fields if `fields`.
+    fn stamp<T>(&self, response: &mut Response<T>, decision: Decision, fields: bool) {
+        if fields {
             response::write_headers(
                 response.headers_mut(),
                 &decision,
