@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 use tollgate_core::{
-    algorithm, Backend, BackendError, BackendErrorKind, Check, Limit, Micros, Status, Verdict,
-    Verdicts, MAX_CHECKS,
+    algorithm, Algorithm, Backend, BackendError, BackendErrorKind, Check, Limit, Micros, Status,
+    Verdict, Verdicts, MAX_CHECKS,
 };
 
 use crate::breaker::{Breaker, CircuitState, Permit};
@@ -111,7 +111,10 @@ impl Inner {
                 verdict = algorithm::unconsumed(p.algorithm, &p.quota, verdict, p.cost);
             }
             if now.is_none() && p.enforce {
-                self.deny.insert(&p.digest, p.cost, &verdict);
+                match foreseen_denial(p.algorithm, &p.quota, p.cost, &verdict) {
+                    Some(denial) => self.deny.insert(&p.digest, p.cost, &denial),
+                    None => self.deny.forget(&p.digest),
+                }
             }
             let _ = verdicts.push(verdict);
         }
@@ -469,6 +472,38 @@ impl RedisBackend {
     }
 }
 
+/// The denial the deny cache should hold after Redis answered `verdict` for one check.
+///
+/// A denial stands until its `retry_after`. An admission that left less than the check's cost
+/// foretells one: under GCRA the next such request fits once the theoretical arrival time minus
+/// the tolerance is reached, in a fixed window once the window turns. A sliding log's next free
+/// unit depends on the whole log, so it foretells nothing. `None`: nothing to hold.
+fn foreseen_denial(
+    algorithm: Algorithm,
+    quota: &tollgate_core::Quota,
+    cost: u32,
+    verdict: &Verdict,
+) -> Option<Verdict> {
+    let retry_after = match verdict.status {
+        Status::Denied { retry_after } => retry_after,
+        Status::Allowed if verdict.remaining < u64::from(cost) => match algorithm {
+            Algorithm::Gcra => {
+                let interval = quota.emission_interval();
+                // reset = new TAT - now; the next admission needs TAT + cost × T - τ <= then.
+                (verdict.reset + interval * u64::from(cost))
+                    .saturating_sub(interval * u64::from(quota.burst()))
+            }
+            Algorithm::FixedWindow => verdict.reset,
+            _ => return None,
+        },
+        _ => return None,
+    };
+    (retry_after > 0).then_some(Verdict {
+        status: Status::Denied { retry_after },
+        ..*verdict
+    })
+}
+
 impl Backend for RedisBackend {
     type Future = ResponseFuture;
 
@@ -551,5 +586,66 @@ impl fmt::Debug for ResponseFuture {
         f.debug_struct("ResponseFuture")
             .field("state", &state)
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tollgate_core::Quota;
+
+    #[test]
+    fn an_admission_that_used_the_last_unit_foretells_the_exact_denial() {
+        let q = Quota::per_second(10).unwrap(); // T = 100 ms, burst 10
+        for algo in [Algorithm::Gcra, Algorithm::FixedWindow] {
+            // The core's maths is the reference: the last unit, then the next request.
+            let (verdict, next) = match algo {
+                Algorithm::Gcra => {
+                    let mut tat = None;
+                    let mut v = None;
+                    for _ in 0..10 {
+                        let (verdict, t) = algorithm::gcra(&q, tat, 1_000_000, 1);
+                        tat = t;
+                        v = Some(verdict);
+                    }
+                    (v.unwrap(), algorithm::gcra(&q, tat, 1_000_000, 1).0)
+                }
+                _ => {
+                    let mut st = None;
+                    let mut v = None;
+                    for _ in 0..10 {
+                        let (verdict, s) = algorithm::fixed_window(&q, st, 1_250_000, 1);
+                        st = s;
+                        v = Some(verdict);
+                    }
+                    (v.unwrap(), algorithm::fixed_window(&q, st, 1_250_000, 1).0)
+                }
+            };
+            assert!(verdict.is_allowed());
+            let foreseen = foreseen_denial(algo, &q, 1, &verdict).unwrap();
+            assert_eq!(foreseen.status, next.status, "{algo:?}");
+        }
+    }
+
+    #[test]
+    fn room_left_or_a_sliding_log_foretells_nothing() {
+        let q = Quota::per_second(10).unwrap();
+        let (v, _) = algorithm::gcra(&q, None, 0, 1);
+        assert_eq!(foreseen_denial(Algorithm::Gcra, &q, 1, &v), None);
+        let full = Verdict {
+            status: Status::Allowed,
+            remaining: 0,
+            reset: 1_000_000,
+        };
+        assert_eq!(foreseen_denial(Algorithm::SlidingLog, &q, 1, &full), None);
+        // A denial stands as Redis gave it.
+        let denied = Verdict {
+            status: Status::Denied { retry_after: 5 },
+            ..full
+        };
+        assert_eq!(
+            foreseen_denial(Algorithm::SlidingLog, &q, 1, &denied),
+            Some(denied)
+        );
     }
 }

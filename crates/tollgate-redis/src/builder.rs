@@ -195,7 +195,7 @@ impl RedisBackendBuilder {
                 cluster,
                 Arc::new(Connector::new(target, self.connect_timeout)),
                 breaker,
-                DenyCache::new(self.deny_cache_capacity),
+                DenyCache::new(self.deny_cache_capacity, self.deadline),
             )),
         })
     }

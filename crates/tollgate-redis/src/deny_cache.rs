@@ -7,6 +7,17 @@
 //!
 //! A denial for a cost also stands for any higher cost (no algorithm admits more units sooner),
 //! but not for a lower one.
+//!
+//! Two refinements keep a flood at about one call per admitted request:
+//!
+//! - **Foreseen denials.** An admitted GCRA or fixed-window check that left less than its cost
+//!   tells exactly when the next such request can be admitted; the cache denies until then
+//!   without waiting for Redis to deny once.
+//! - **One asker at a time.** When a denial runs out, the first request asks Redis and the
+//!   others are still refused here until its answer comes (at most one deadline): otherwise
+//!   every request that arrives during that round trip would go to Redis, and almost all would
+//!   be denied there. At a window's turn this can refuse, for up to one round trip, requests
+//!   that Redis would have admitted: it errs on the side of limiting.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -23,6 +34,8 @@ const SHARDS: usize = 16;
 pub(crate) struct DenyCache {
     shards: Box<[Mutex<HashMap<KeyDigest, Entry>>]>,
     per_shard: usize,
+    /// How long the request that asks Redis after a denial ran out holds the others back.
+    lease: Duration,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -38,12 +51,13 @@ fn micros_until(t: Instant, now: Instant) -> Micros {
 }
 
 impl DenyCache {
-    /// A cache of about `capacity` entries; 0 disables it.
-    pub(crate) fn new(capacity: usize) -> Self {
+    /// A cache of about `capacity` entries (0 disables it); `lease` is the backend's deadline.
+    pub(crate) fn new(capacity: usize, lease: Duration) -> Self {
         let per_shard = capacity.div_ceil(SHARDS);
         Self {
             shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
             per_shard,
+            lease,
         }
     }
 
@@ -60,11 +74,13 @@ impl DenyCache {
         }
         let now = Instant::now();
         let mut shard = self.shard(digest);
-        let entry = *shard.get(digest)?;
+        let entry = shard.get_mut(digest)?;
         if entry.until <= now {
-            shard.remove(digest);
+            // This request asks Redis; the others wait for its answer (or the deadline).
+            entry.until = now + self.lease;
             return None;
         }
+        let entry = *entry;
         (cost >= entry.cost).then(|| Verdict {
             status: Status::Denied {
                 retry_after: micros_until(entry.until, now),
@@ -91,8 +107,9 @@ impl DenyCache {
         };
         let mut shard = self.shard(digest);
         if let Some(old) = shard.get_mut(digest) {
-            // Keep the denial that covers the most requests: the lowest cost.
-            if entry.cost <= old.cost || old.until <= now {
+            // Keep the denial that covers the most requests: the lowest cost (an answer always
+            // replaces the lease its request held).
+            if entry.cost <= old.cost || old.until <= now + self.lease {
                 *old = entry;
             }
             return;
@@ -104,6 +121,13 @@ impl DenyCache {
             }
         }
         shard.insert(*digest, entry);
+    }
+
+    /// Drops what is known of `digest`: Redis admitted it with room for more.
+    pub(crate) fn forget(&self, digest: &KeyDigest) {
+        if self.per_shard > 0 {
+            self.shard(digest).remove(digest);
+        }
     }
 
     /// Entries held, expired or not.
@@ -129,7 +153,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn denies_until_the_time_redis_gave() {
-        let cache = DenyCache::new(100);
+        let cache = DenyCache::new(100, Duration::from_millis(50));
         let d = [1u8; 16];
         cache.insert(&d, 1, &denied(1_000_000));
         let v = cache.lookup(&d, 1).unwrap();
@@ -147,13 +171,36 @@ mod tests {
             }
         );
         tokio::time::advance(Duration::from_millis(600)).await;
+        // Run out: this request asks Redis, the others wait for its answer for one lease.
+        assert_eq!(cache.lookup(&d, 1), None);
+        assert_eq!(
+            cache.lookup(&d, 1).unwrap().status,
+            Status::Denied {
+                retry_after: 50_000
+            }
+        );
+        // Its answer (admitted, room left) ends the wait for everyone.
+        cache.forget(&d);
         assert_eq!(cache.lookup(&d, 1), None);
         assert_eq!(cache.len(), 0);
     }
 
     #[tokio::test(start_paused = true)]
+    async fn a_lease_whose_answer_never_came_runs_out() {
+        let cache = DenyCache::new(100, Duration::from_millis(50));
+        let d = [2u8; 16];
+        cache.insert(&d, 1, &denied(1_000));
+        tokio::time::advance(Duration::from_millis(1)).await;
+        assert_eq!(cache.lookup(&d, 1), None); // takes the lease, then fails (no answer)
+        tokio::time::advance(Duration::from_micros(49_999)).await;
+        assert!(cache.lookup(&d, 1).is_some());
+        tokio::time::advance(Duration::from_micros(1)).await;
+        assert_eq!(cache.lookup(&d, 1), None); // the next request asks
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn a_denial_covers_higher_costs_only() {
-        let cache = DenyCache::new(100);
+        let cache = DenyCache::new(100, Duration::from_millis(50));
         let d = [2u8; 16];
         cache.insert(&d, 3, &denied(1_000));
         assert!(cache.lookup(&d, 3).is_some());
@@ -177,7 +224,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn stays_bounded_and_reclaims_expired_entries() {
-        let cache = DenyCache::new(SHARDS * 2);
+        let cache = DenyCache::new(SHARDS * 2, Duration::from_millis(50));
         // Three digests in the same shard (same first byte): the third does not fit.
         let ds: Vec<KeyDigest> = (0..3u8)
             .map(|i| {
@@ -197,7 +244,7 @@ mod tests {
         assert!(cache.lookup(&ds[2], 1).is_some());
         assert_eq!(cache.len(), 2);
         // Disabled.
-        let off = DenyCache::new(0);
+        let off = DenyCache::new(0, Duration::from_millis(50));
         off.insert(&ds[0], 1, &denied(1_000));
         assert!(off.lookup(&ds[0], 1).is_none());
     }

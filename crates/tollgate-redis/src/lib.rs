@@ -93,8 +93,11 @@
 //!
 //! When Redis denies an enforced check until T, later batches with that (limit, key) are
 //! refused locally until T: the check reports `Denied` with the time left, the other checks of
-//! the batch [`NotChecked`](tollgate_core::Status::NotChecked), and Redis is not called. A flood
-//! on one identity then costs Redis about one call per window per replica. The cache is bounded
+//! the batch [`NotChecked`](tollgate_core::Status::NotChecked), and Redis is not called. An
+//! admission that used the last unit of a GCRA or fixed-window limit foretells its denial, which
+//! is cached the same way; and when a denial runs out, one request asks Redis while the others
+//! wait for its answer (at most one deadline). A flood on one identity then costs Redis about
+//! one call per admitted request per replica, and none for the refused ones. The cache is bounded
 //! (10,000 entries by default; at capacity expired entries are dropped and, if it is still full,
 //! new denials are not cached) and holds digests, never keys.
 //!

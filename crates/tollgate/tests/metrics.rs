@@ -481,7 +481,8 @@ async fn with_redis_stopped_k_requests_add_k_bypasses_with_their_reason() {
         .unwrap();
     let mut svc = app(layer);
 
-    // Up: 3 admitted, 2 denied (the second from the local deny cache, without a call).
+    // Up: 3 admitted, 2 denied, both from the local deny cache: the third admission used the
+    // last unit and foretold the denial.
     let mut codes = Vec::new();
     for _ in 0..5 {
         codes.push(
@@ -499,7 +500,7 @@ async fn with_redis_stopped_k_requests_add_k_bypasses_with_their_reason() {
             "tollgate_deny_cache_hits_total",
             &[("limit", "chat-per-shop")]
         ),
-        Some(1)
+        Some(2)
     );
     assert_eq!(
         s.gauge("tollgate_backend_up", &[("backend", "redis")]),
@@ -512,7 +513,7 @@ async fn with_redis_stopped_k_requests_add_k_bypasses_with_their_reason() {
                 vec![("backend".to_owned(), "redis".to_owned())]
             ))
             .copied(),
-        Some(4)
+        Some(3)
     );
     assert_eq!(s.total("tollgate_bypass_total"), 0);
 
