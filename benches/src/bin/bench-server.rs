@@ -1,0 +1,204 @@
+//! The server of the end-to-end benchmark: one axum "hello" handler, bare or behind a rate
+//! limiter. `benches/run.sh` starts it once per run; see `docs/benchmarks.md`.
+//!
+//! ```text
+//! bench-server --mode MODE [--port 8080] [--redis redis://127.0.0.1:6379/] [--flood-limit 300]
+//!              [--threads 1]
+//! ```
+//!
+//! Modes (every limiter keys on the client IP, from the socket peer):
+//!
+//! | mode | what |
+//! |---|---|
+//! | `bare` | no limiter |
+//! | `tollgate-mem-allow` | tollgate, in memory, a quota nothing reaches |
+//! | `tollgate-mem-allow-lean` | the same without the `RateLimit` fields on admitted responses |
+//! | `tollgate-mem-deny` | tollgate, in memory, 1 a day: all but the first request refused |
+//! | `governor-allow` / `governor-deny` | tower_governor with the same two quotas |
+//! | `tollgate-redis-allow` | tollgate on Redis, a quota nothing reaches |
+//! | `tollgate-redis-allow3` | the same with 3 stacked limits (per IP GCRA, per IP daily window, global) |
+//! | `tollgate-redis-flood` | tollgate on Redis, GCRA `--flood-limit` per second per IP, flooded |
+//! | `tollgate-redis-flood-window` | the same with a fixed window of `--flood-limit` per second |
+//! | `naive-incr` | per-request `INCR` + `EXPIRE NX` on Redis, a limit nothing reaches |
+
+// A measurement tool: a bad flag or a failed bind should stop it loudly.
+#![allow(clippy::unwrap_used)]
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use axum::routing::get;
+use axum::Router;
+use tollgate::key::{ClientIp, Global};
+use tollgate::{Limit, Quota, RateLimitLayer};
+use tollgate_bench::naive::NaiveIncr;
+use tollgate_redis::RedisBackend;
+use tower_governor::governor::GovernorConfigBuilder;
+use tower_governor::GovernorLayer;
+
+struct Args {
+    mode: String,
+    port: u16,
+    redis: String,
+    flood_limit: u32,
+    threads: usize,
+}
+
+fn args() -> Args {
+    let mut args = Args {
+        mode: String::new(),
+        port: 8080,
+        redis: "redis://127.0.0.1:6379/".into(),
+        flood_limit: 300,
+        threads: 1,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let value = it.next().unwrap_or_default();
+        match flag.as_str() {
+            "--mode" => args.mode = value,
+            "--port" => args.port = value.parse().unwrap(),
+            "--redis" => args.redis = value,
+            "--flood-limit" => args.flood_limit = value.parse().unwrap(),
+            "--threads" => args.threads = value.parse().unwrap(),
+            other => panic!("unknown flag {other}"),
+        }
+    }
+    args
+}
+
+/// A quota no benchmark reaches: a million a second, with a burst of four billion.
+fn unreachable_quota() -> Quota {
+    Quota::per_second(1_000_000)
+        .unwrap()
+        .with_burst(u32::MAX)
+        .unwrap()
+}
+
+fn per_ip(quota: Quota) -> RateLimitLayer {
+    RateLimitLayer::builder()
+        .limit(Limit::gcra("per-ip", quota).unwrap(), ClientIp::peer())
+        .build()
+        .unwrap()
+}
+
+fn governor(
+    period: Duration,
+    burst: u32,
+) -> GovernorLayer<
+    tower_governor::key_extractor::PeerIpKeyExtractor,
+    governor::middleware::NoOpMiddleware<governor::clock::QuantaInstant>,
+    axum::body::Body,
+> {
+    let config = GovernorConfigBuilder::default()
+        .period(period)
+        .burst_size(burst)
+        .finish()
+        .unwrap();
+    GovernorLayer::new(config)
+}
+
+fn redis(url: &str) -> RedisBackend {
+    RedisBackend::builder().url(url).build().unwrap()
+}
+
+async fn hello() -> &'static str {
+    "hello\n"
+}
+
+async fn app(args: &Args) -> Router {
+    let app = Router::new().route("/", get(hello));
+    match args.mode.as_str() {
+        "bare" => app,
+        "tollgate-mem-allow" => app.layer(per_ip(unreachable_quota())),
+        "tollgate-mem-allow-lean" => app.layer(
+            RateLimitLayer::builder()
+                .limit(
+                    Limit::gcra("per-ip", unreachable_quota()).unwrap(),
+                    ClientIp::peer(),
+                )
+                .headers_on_allowed(false)
+                .build()
+                .unwrap(),
+        ),
+        "tollgate-mem-deny" => app.layer(per_ip(Quota::per_day(1).unwrap())),
+        "governor-allow" => app.layer(governor(Duration::from_micros(1), u32::MAX)),
+        "governor-deny" => app.layer(governor(Duration::from_secs(86_400), 1)),
+        "tollgate-redis-allow" => app.layer(
+            RateLimitLayer::builder()
+                .limit(
+                    Limit::gcra("per-ip", unreachable_quota()).unwrap(),
+                    ClientIp::peer(),
+                )
+                .backend(redis(&args.redis))
+                .build()
+                .unwrap(),
+        ),
+        "tollgate-redis-allow3" => app.layer(
+            RateLimitLayer::builder()
+                .limit(
+                    Limit::gcra("per-ip", unreachable_quota()).unwrap(),
+                    ClientIp::peer(),
+                )
+                .limit(
+                    Limit::fixed_window("per-ip-daily", Quota::per_day(u32::MAX).unwrap()).unwrap(),
+                    ClientIp::peer(),
+                )
+                .limit(Limit::gcra("global", unreachable_quota()).unwrap(), Global)
+                .backend(redis(&args.redis))
+                .build()
+                .unwrap(),
+        ),
+        "tollgate-redis-flood" => app.layer(
+            RateLimitLayer::builder()
+                .limit(
+                    Limit::gcra("per-ip", Quota::per_second(args.flood_limit).unwrap()).unwrap(),
+                    ClientIp::peer(),
+                )
+                .backend(redis(&args.redis))
+                .build()
+                .unwrap(),
+        ),
+        "tollgate-redis-flood-window" => app.layer(
+            RateLimitLayer::builder()
+                .limit(
+                    Limit::fixed_window("per-ip", Quota::per_second(args.flood_limit).unwrap())
+                        .unwrap(),
+                    ClientIp::peer(),
+                )
+                .backend(redis(&args.redis))
+                .build()
+                .unwrap(),
+        ),
+        "naive-incr" => {
+            let naive = NaiveIncr::connect(&args.redis, u64::MAX).await.unwrap();
+            app.layer(axum::middleware::from_fn_with_state(
+                naive,
+                NaiveIncr::middleware,
+            ))
+        }
+        other => panic!("unknown mode {other:?}"),
+    }
+}
+
+fn main() {
+    let args = args();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(args.threads)
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let app = app(&args).await;
+        let listener = tokio::net::TcpListener::bind(("127.0.0.1", args.port))
+            .await
+            .unwrap();
+        eprintln!(
+            "bench-server {} on http://{}",
+            args.mode,
+            listener.local_addr().unwrap()
+        );
+        let service = app.into_make_service_with_connect_info::<SocketAddr>();
+        axum::serve(listener, service).await.unwrap();
+    });
+}
