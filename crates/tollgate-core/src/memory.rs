@@ -1,8 +1,11 @@
 //! The bounded, sharded in-memory backend.
 //!
 //! State lives in shards, each a mutex over three hash maps (one per algorithm). A key is stored
-//! as a 128-bit keyed fingerprint of (limit, key bytes), never as the key itself, so every entry
-//! has the same small size whatever the key, and one limit's key cannot collide with another's.
+//! as a 64-bit keyed fingerprint of (limit, key bytes) (SipHash-1-3 with random per-process
+//! keys), never as the key itself, so every entry has the same small size whatever the key. Two
+//! tracked keys share a fingerprint with a probability of about n²/2⁶⁵ (three in a hundred
+//! million at a million keys), and nobody who does not know the process's random keys can aim a
+//! collision; a collision merges two buckets, which errs on the side of limiting.
 //!
 //! A batch locks the shards it touches in ascending order (no deadlock), evaluates every check,
 //! and writes only if every enforced check admits: one critical section per request.
@@ -58,17 +61,24 @@ struct Inner<C> {
     max_keys: usize,
     tracked: AtomicUsize,
     next_full_sweep: AtomicU64,
-    seeds: [RandomState; 2],
+    seed: RandomState,
     sweep_interval: Micros,
 }
 
-/// A key's fingerprint: `.0` picks the shard, `.1` is the hash within it.
+/// A key's fingerprint: a keyed 64-bit hash of (limit, key). Bits 32.. pick the shard; the
+/// map uses the low bits (bucket) and the top 7 (tag), so the two never overlap.
 #[derive(Clone, Copy, PartialEq, Eq, Default)]
-struct Fp(u64, u64);
+struct Fp(u64);
+
+impl Fp {
+    fn shard(self, mask: usize) -> usize {
+        ((self.0 >> 32) as usize) & mask
+    }
+}
 
 impl Hash for Fp {
     fn hash<H: Hasher>(&self, state: &mut H) {
-        state.write_u64(self.1);
+        state.write_u64(self.0);
     }
 }
 
@@ -236,11 +246,15 @@ impl<C: Clock> MemoryBackend<C> {
             inner.sweep_all(now);
         }
 
+        if let [check] = checks {
+            return Ok(inner.check_one(check, now, mask));
+        }
+
         let mut fps = [Fp::default(); MAX_CHECKS];
         let mut shard_of = [0usize; MAX_CHECKS];
         for (i, check) in checks.iter().enumerate() {
             fps[i] = inner.fingerprint(check);
-            shard_of[i] = (fps[i].0 as usize) & mask;
+            shard_of[i] = fps[i].shard(mask);
         }
 
         // Lock each shard the batch touches once, in ascending order.
@@ -253,14 +267,8 @@ impl<C: Clock> MemoryBackend<C> {
             if held > 0 && locked[held - 1] == s {
                 continue;
             }
-            let mut guard = inner.shards[s].lock().unwrap_or_else(|e| e.into_inner());
-            if now >= guard.next_sweep {
-                let freed = guard.sweep(now);
-                inner.tracked.fetch_sub(freed, Ordering::Relaxed);
-                guard.next_sweep = now.saturating_add(inner.sweep_interval);
-            }
             locked[held] = s;
-            guards[held] = Some(guard);
+            guards[held] = Some(inner.lock(s, now));
             held += 1;
         }
         let slot_of = |i: usize| {
@@ -331,9 +339,38 @@ impl<C: Clock> MemoryBackend<C> {
 }
 
 impl<C> Inner<C> {
+    /// Locks shard `s`, first dropping its expired state if its sweep is due.
+    fn lock(&self, s: usize, now: Micros) -> MutexGuard<'_, Shard> {
+        let mut guard = self.shards[s].lock().unwrap_or_else(|e| e.into_inner());
+        if now >= guard.next_sweep {
+            let freed = guard.sweep(now);
+            self.tracked.fetch_sub(freed, Ordering::Relaxed);
+            guard.next_sweep = now.saturating_add(self.sweep_interval);
+        }
+        guard
+    }
+
+    /// A batch of one check: the same rules without the batch's arrays and lock ordering.
+    fn check_one(&self, check: &Check<'_>, now: Micros, mask: usize) -> Verdicts {
+        let fp = self.fingerprint(check);
+        let mut shard = self.lock(fp.shard(mask), now);
+        let (mut verdict, pending) = shard.evaluate(check, &fp, now);
+        if verdict.is_allowed() && !shard.contains(check.limit.algorithm(), &fp) && !self.reserve()
+        {
+            verdict.status = Status::AtCapacity {
+                retry_after: self.sweep_interval,
+            };
+        }
+        if verdict.is_allowed() {
+            shard.commit(check, fp, pending, now);
+        }
+        let mut verdicts = Verdicts::new();
+        let _ = verdicts.push(verdict);
+        verdicts
+    }
+
     fn fingerprint(&self, check: &Check<'_>) -> Fp {
-        let item = (check.limit.id(), check.key);
-        Fp(self.seeds[0].hash_one(item), self.seeds[1].hash_one(item))
+        Fp(self.seed.hash_one((check.limit.id(), check.key)))
     }
 
     /// At the cap, expired keys in shards nobody touches would hold places forever: sweep every
@@ -452,7 +489,7 @@ impl<C: Clock> MemoryBackendBuilder<C> {
                 max_keys: self.max_keys,
                 tracked: AtomicUsize::new(0),
                 next_full_sweep: AtomicU64::new(0),
-                seeds: [RandomState::new(), RandomState::new()],
+                seed: RandomState::new(),
                 sweep_interval: micros(self.sweep_interval).max(1),
             }),
         }
