@@ -9,7 +9,7 @@
 //! - Refusals default to a short `application/problem+json` body; replace it with
 //!   [`RateLimitLayerBuilder::on_rejection`](crate::RateLimitLayerBuilder::on_rejection).
 
-use std::fmt::{self, Write as _};
+use std::fmt::Write as _;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -111,33 +111,58 @@ impl<'a> Rejection<'a> {
 }
 
 /// The default refusal: a short `application/problem+json` body.
+///
+/// Built from byte pieces into one exactly-sized buffer, without `fmt`: in a flood this runs
+/// for every refused request. Limit names are `[A-Za-z0-9_.-]`, so nothing needs escaping.
 pub(crate) fn default_response(rejection: &Rejection<'_>) -> Response<Bytes> {
     let status = rejection.status();
-    let detail = match rejection.kind {
-        RejectionKind::TooManyRequests => match rejection.retry_after {
-            Some(after) => format!(
-                "Rate limit \\\"{}\\\" exceeded; retry in {} s.",
-                rejection.limit,
-                whole_seconds(after)
-            ),
-            None => format!(
-                "The request costs more than rate limit \\\"{}\\\" can ever admit.",
-                rejection.limit
-            ),
-        },
-        RejectionKind::Unavailable => format!(
-            "Rate limit \\\"{}\\\" cannot be checked right now.",
-            rejection.limit
-        ),
-        RejectionKind::MissingKey(why) => {
-            format!("{why} (rate limit \\\"{}\\\").", rejection.limit)
-        }
+    let name = rejection.limit.as_bytes();
+    let mut seconds = [0; 20];
+    let mut code = [0; 20];
+    let detail: [&[u8]; 5] = match (rejection.kind, rejection.retry_after) {
+        (RejectionKind::TooManyRequests, Some(after)) => [
+            b"Rate limit \\\"",
+            name,
+            b"\\\" exceeded; retry in ",
+            digits(whole_seconds(after), &mut seconds),
+            b" s.",
+        ],
+        (RejectionKind::TooManyRequests, None) => [
+            b"The request costs more than rate limit \\\"",
+            name,
+            b"\\\" can ever admit.",
+            b"",
+            b"",
+        ],
+        (RejectionKind::Unavailable, _) => [
+            b"Rate limit \\\"",
+            name,
+            b"\\\" cannot be checked right now.",
+            b"",
+            b"",
+        ],
+        (RejectionKind::MissingKey(why), _) => [
+            why.message().as_bytes(),
+            b" (rate limit \\\"",
+            name,
+            b"\\\").",
+            b"",
+        ],
     };
-    let body = format!(
-        "{{\"type\":\"about:blank\",\"title\":\"{}\",\"status\":{},\"detail\":\"{detail}\"}}",
-        status.canonical_reason().unwrap_or(""),
-        status.as_u16()
-    );
+    let head: [&[u8]; 5] = [
+        b"{\"type\":\"about:blank\",\"title\":\"",
+        status.canonical_reason().unwrap_or("").as_bytes(),
+        b"\",\"status\":",
+        digits(u64::from(status.as_u16()), &mut code),
+        b",\"detail\":\"",
+    ];
+    let tail: &[u8] = b"\"}";
+    let parts = head.iter().chain(&detail).chain([&tail]);
+    // Exactly sized, so that `Bytes::from` keeps the allocation as it is.
+    let mut body = Vec::with_capacity(parts.clone().map(|p| p.len()).sum());
+    for part in parts {
+        body.extend_from_slice(part);
+    }
     let mut response = Response::new(Bytes::from(body));
     *response.status_mut() = status;
     response
@@ -177,22 +202,6 @@ pub(crate) fn policy_value<'a>(
     HeaderValue::try_from(out).ok()
 }
 
-struct Item<'a> {
-    name: &'a str,
-    remaining: u64,
-    seconds: u64,
-}
-
-impl fmt::Display for Item<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "\"{}\";r={};t={}",
-            self.name, self.remaining, self.seconds
-        )
-    }
-}
-
 /// Writes the rate-limit fields of `decision` into `headers`.
 pub(crate) fn write_headers(
     headers: &mut HeaderMap,
@@ -200,7 +209,10 @@ pub(crate) fn write_headers(
     policy: Option<&HeaderValue>,
     config: HeaderConfig,
 ) {
-    let mut value = String::new();
+    // Written into a buffer on the stack without `fmt`: this runs on every admitted request.
+    // Names are at most 64 bytes and a layer has at most 8 limits, so 1 KiB always fits.
+    let mut buf = [0u8; 1024];
+    let mut len = 0;
     let mut tightest: Option<(u64, u64, u32)> = None;
     for limit in decision.limits() {
         let (remaining, seconds) = match *limit.outcome() {
@@ -219,18 +231,20 @@ pub(crate) fn write_headers(
             }
             Outcome::Bypassed { .. } | Outcome::Skipped { .. } => continue,
         };
-        if !value.is_empty() {
-            value.push_str(", ");
-        }
-        let _ = write!(
-            value,
-            "{}",
-            Item {
-                name: limit.name(),
-                remaining,
-                seconds
+        let sep: &[u8] = if len > 0 { b", \"" } else { b"\"" };
+        for part in [
+            sep,
+            limit.name().as_bytes(),
+            b"\";r=",
+            digits(remaining, &mut [0; 20]),
+            b";t=",
+            digits(seconds, &mut [0; 20]),
+        ] {
+            if let Some(dst) = buf.get_mut(len..len + part.len()) {
+                dst.copy_from_slice(part);
+                len += part.len();
             }
-        );
+        }
         if tightest.is_none_or(|(r, _, _)| remaining < r) {
             tightest = Some((remaining, seconds, limit.quota().limit()));
         }
@@ -238,8 +252,8 @@ pub(crate) fn write_headers(
     if let Some(policy) = policy {
         headers.insert(RATELIMIT_POLICY.clone(), policy.clone());
     }
-    if let Ok(v) = HeaderValue::try_from(value) {
-        if !v.is_empty() {
+    if len > 0 {
+        if let Ok(v) = HeaderValue::from_bytes(&buf[..len]) {
             headers.insert(RATELIMIT.clone(), v);
         }
     }
@@ -247,6 +261,19 @@ pub(crate) fn write_headers(
         headers.insert(X_LIMIT.clone(), HeaderValue::from(limit));
         headers.insert(X_REMAINING.clone(), HeaderValue::from(remaining));
         headers.insert(X_RESET.clone(), HeaderValue::from(seconds));
+    }
+}
+
+/// The decimal digits of `n`, written at the end of `buf`.
+fn digits(mut n: u64, buf: &mut [u8; 20]) -> &[u8] {
+    let mut i = buf.len();
+    loop {
+        i -= 1;
+        buf[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            return &buf[i..];
+        }
     }
 }
 
@@ -278,6 +305,49 @@ pub(crate) fn refusal_of(decision: &Decision) -> Option<(RejectionKind, &str)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn body(rejection: &Rejection<'_>) -> String {
+        String::from_utf8(default_response(rejection).into_body().to_vec()).unwrap()
+    }
+
+    #[test]
+    fn default_bodies_are_problem_json() {
+        let r = Rejection::new(
+            RejectionKind::TooManyRequests,
+            "burst",
+            Some(Duration::from_millis(11_500)),
+            None,
+        );
+        assert_eq!(
+            body(&r),
+            r#"{"type":"about:blank","title":"Too Many Requests","status":429,"detail":"Rate limit \"burst\" exceeded; retry in 12 s."}"#
+        );
+        let r = Rejection::new(
+            RejectionKind::MissingKey(MissingKey::Absent),
+            "shop",
+            None,
+            None,
+        );
+        assert_eq!(
+            body(&r),
+            r#"{"type":"about:blank","title":"Bad Request","status":400,"detail":"the rate-limit key is missing (rate limit \"shop\")."}"#
+        );
+        let r = Rejection::new(RejectionKind::Unavailable, "daily", None, None);
+        assert!(body(&r).ends_with(
+            r#""status":503,"detail":"Rate limit \"daily\" cannot be checked right now."}"#
+        ));
+        assert_eq!(
+            default_response(&r).status(),
+            StatusCode::SERVICE_UNAVAILABLE
+        );
+    }
+
+    #[test]
+    fn digits_are_decimal() {
+        for n in [0, 7, 10, 429, u64::MAX] {
+            assert_eq!(digits(n, &mut [0; 20]), n.to_string().as_bytes());
+        }
+    }
 
     #[test]
     fn seconds_round_up_and_are_never_zero() {

@@ -148,14 +148,21 @@ impl MissingKey {
     }
 }
 
-impl fmt::Display for MissingKey {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
+impl MissingKey {
+    /// What went wrong, in a short sentence for people.
+    pub fn message(&self) -> &'static str {
+        match self {
             Self::Absent => "the rate-limit key is missing",
             Self::Invalid => "the rate-limit key is invalid",
             Self::TooLong => "the rate-limit key is too long",
             Self::NoPeerAddress => "the client address is unknown",
-        })
+        }
+    }
+}
+
+impl fmt::Display for MissingKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.message())
     }
 }
 
