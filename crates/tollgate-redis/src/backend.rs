@@ -594,37 +594,35 @@ mod tests {
     use super::*;
     use tollgate_core::Quota;
 
+    /// Runs `step` (the core's maths on its stored state) until it refuses; returns the last
+    /// admission and the refusal that followed.
+    fn last_admission_then_refusal<S: Copy>(
+        step: impl Fn(Option<S>) -> (Verdict, Option<S>),
+    ) -> (Verdict, Verdict) {
+        let (mut state, mut last) = (None, None);
+        loop {
+            let (verdict, next) = step(state);
+            if !verdict.is_allowed() {
+                return (last.unwrap(), verdict);
+            }
+            (state, last) = (next, Some(verdict));
+        }
+    }
+
     #[test]
     fn an_admission_that_used_the_last_unit_foretells_the_exact_denial() {
-        let q = Quota::per_second(10).unwrap(); // T = 100 ms, burst 10
-        for algo in [Algorithm::Gcra, Algorithm::FixedWindow] {
-            // The core's maths is the reference: the last unit, then the next request.
-            let (verdict, next) = match algo {
-                Algorithm::Gcra => {
-                    let mut tat = None;
-                    let mut v = None;
-                    for _ in 0..10 {
-                        let (verdict, t) = algorithm::gcra(&q, tat, 1_000_000, 1);
-                        tat = t;
-                        v = Some(verdict);
-                    }
-                    (v.unwrap(), algorithm::gcra(&q, tat, 1_000_000, 1).0)
-                }
-                _ => {
-                    let mut st = None;
-                    let mut v = None;
-                    for _ in 0..10 {
-                        let (verdict, s) = algorithm::fixed_window(&q, st, 1_250_000, 1);
-                        st = s;
-                        v = Some(verdict);
-                    }
-                    (v.unwrap(), algorithm::fixed_window(&q, st, 1_250_000, 1).0)
-                }
-            };
-            assert!(verdict.is_allowed());
-            let foreseen = foreseen_denial(algo, &q, 1, &verdict).unwrap();
-            assert_eq!(foreseen.status, next.status, "{algo:?}");
+        let q = Quota::per_second(10).unwrap().with_burst(4).unwrap(); // T = 100 ms
+        for cost in [1, 2] {
+            let (last, next) =
+                last_admission_then_refusal(|tat| algorithm::gcra(&q, tat, 1_000_000, cost));
+            let foreseen = foreseen_denial(Algorithm::Gcra, &q, cost, &last).unwrap();
+            assert_eq!(foreseen.status, next.status, "GCRA, cost {cost}");
         }
+        let q = Quota::per_second(10).unwrap();
+        let (last, next) =
+            last_admission_then_refusal(|w| algorithm::fixed_window(&q, w, 1_250_000, 1));
+        let foreseen = foreseen_denial(Algorithm::FixedWindow, &q, 1, &last).unwrap();
+        assert_eq!(foreseen.status, next.status, "fixed window");
     }
 
     #[test]
