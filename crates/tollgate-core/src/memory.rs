@@ -132,38 +132,34 @@ impl Shard {
         before - self.len()
     }
 
-    fn contains(&self, algorithm: Algorithm, fp: &Fp) -> bool {
-        match algorithm {
-            Algorithm::Gcra => self.gcra.contains_key(fp),
-            Algorithm::FixedWindow => self.windows.contains_key(fp),
-            Algorithm::SlidingLog => self.logs.contains_key(fp),
-        }
-    }
-
-    fn evaluate(&mut self, check: &Check<'_>, fp: &Fp, now: Micros) -> (Verdict, Pending) {
+    /// The check's verdict, what to write if the batch commits, and whether the key is new
+    /// (one lookup: the same answers the capacity check).
+    fn evaluate(&mut self, check: &Check<'_>, fp: &Fp, now: Micros) -> (Verdict, Pending, bool) {
         let quota = check.limit.quota();
         match check.limit.algorithm() {
             Algorithm::Gcra => {
-                let (v, tat) = algorithm::gcra(quota, self.gcra.get(fp).copied(), now, check.cost);
-                (v, tat.map_or(Pending::None, Pending::Tat))
+                let tat = self.gcra.get(fp).copied();
+                let (v, next) = algorithm::gcra(quota, tat, now, check.cost);
+                (v, next.map_or(Pending::None, Pending::Tat), tat.is_none())
             }
             Algorithm::FixedWindow => {
                 let state = self.windows.get(fp).copied();
                 let (v, next) = algorithm::fixed_window(quota, state, now, check.cost);
-                (v, next.map_or(Pending::None, Pending::Window))
+                (
+                    v,
+                    next.map_or(Pending::None, Pending::Window),
+                    state.is_none(),
+                )
             }
             Algorithm::SlidingLog => {
-                let log = self
-                    .logs
-                    .get_mut(fp)
-                    .map_or(&[][..], |l| &*l.entries.make_contiguous());
-                let (v, trim) = algorithm::sliding_log(quota, log, now, check.cost);
+                let log = self.logs.get_mut(fp).map(|l| &*l.entries.make_contiguous());
+                let (v, trim) = algorithm::sliding_log(quota, log.unwrap_or(&[]), now, check.cost);
                 let pending = if v.is_allowed() {
                     Pending::Log { trim }
                 } else {
                     Pending::None
                 };
-                (v, pending)
+                (v, pending, log.is_none())
             }
         }
     }
@@ -285,8 +281,8 @@ impl<C: Clock> MemoryBackend<C> {
             let Some(shard) = guards[slot_of(i)].as_mut() else {
                 continue;
             };
-            let (mut verdict, p) = shard.evaluate(check, &fps[i], now);
-            if verdict.is_allowed() && !shard.contains(check.limit.algorithm(), &fps[i]) {
+            let (mut verdict, p, new) = shard.evaluate(check, &fps[i], now);
+            if verdict.is_allowed() && new {
                 if inner.reserve() {
                     reserved[i] = true;
                 } else {
@@ -354,9 +350,8 @@ impl<C> Inner<C> {
     fn check_one(&self, check: &Check<'_>, now: Micros, mask: usize) -> Verdicts {
         let fp = self.fingerprint(check);
         let mut shard = self.lock(fp.shard(mask), now);
-        let (mut verdict, pending) = shard.evaluate(check, &fp, now);
-        if verdict.is_allowed() && !shard.contains(check.limit.algorithm(), &fp) && !self.reserve()
-        {
+        let (mut verdict, pending, new) = shard.evaluate(check, &fp, now);
+        if verdict.is_allowed() && new && !self.reserve() {
             verdict.status = Status::AtCapacity {
                 retry_after: self.sweep_interval,
             };
