@@ -17,7 +17,7 @@ use tollgate_core::{
 use crate::breaker::{Breaker, CircuitState, Permit};
 use crate::builder::RedisBackendBuilder;
 use crate::conn::{breaks_connection, Connector};
-use crate::deny_cache::DenyCache;
+use crate::deny_cache::{DenyCache, Lookup};
 use crate::keys;
 use crate::script::{self, Answer, Prepared, Reply};
 
@@ -113,7 +113,9 @@ impl Inner {
             if now.is_none() && p.enforce {
                 match foreseen_denial(p.algorithm, &p.quota, p.cost, &verdict) {
                     Some(denial) => self.deny.insert(&p.digest, p.cost, &denial),
-                    None => self.deny.forget(&p.digest),
+                    // Only the request that held a run-out denial's lease settles it.
+                    None if p.leased => self.deny.forget(&p.digest),
+                    None => {}
                 }
             }
             let _ = verdicts.push(verdict);
@@ -423,16 +425,17 @@ impl RedisBackend {
         for (d, c) in digests.iter_mut().zip(checks) {
             *d = keys::digest(c.limit.name(), c.key);
         }
+        let mut leased = [false; MAX_CHECKS];
         if now.is_none() {
-            if let Some(verdicts) = self.cached_denial(checks, &digests) {
+            if let Some(verdicts) = self.cached_denial(checks, &digests, &mut leased) {
                 return ResponseFuture::ready(Ok(verdicts));
             }
         }
         let mut batch = Vec::with_capacity(checks.len());
-        for (c, d) in checks.iter().zip(&digests) {
+        for ((c, d), leased) in checks.iter().zip(&digests).zip(leased) {
             let key = keys::base_key(&inner.prefix, c.limit.name(), d);
             match Prepared::new(c, key, *d) {
-                Ok(p) => batch.push(p),
+                Ok(p) => batch.push(Prepared { leased, ..p }),
                 Err(e) => return ResponseFuture::ready(Err(e)),
             }
         }
@@ -447,18 +450,26 @@ impl RedisBackend {
         }
     }
 
-    /// The batch's verdicts if an enforced check is in the deny cache.
+    /// The batch's verdicts if an enforced check is in the deny cache; otherwise `leased` says
+    /// which checks took the lease of a denial that ran out.
     fn cached_denial(
         &self,
         checks: &[Check<'_>],
         digests: &[keys::KeyDigest; MAX_CHECKS],
+        leased: &mut [bool; MAX_CHECKS],
     ) -> Option<Verdicts> {
-        let (hit, verdict) = checks.iter().enumerate().find_map(|(i, c)| {
-            if !c.enforce {
-                return None;
+        let mut hit = None;
+        for (i, c) in checks.iter().enumerate().filter(|(_, c)| c.enforce) {
+            match self.inner.deny.lookup(&digests[i], c.cost) {
+                Lookup::Miss => {}
+                Lookup::Leased => leased[i] = true,
+                Lookup::Denied(verdict) => {
+                    hit = Some((i, verdict));
+                    break;
+                }
             }
-            self.inner.deny.lookup(&digests[i], c.cost).map(|v| (i, v))
-        })?;
+        }
+        let (hit, verdict) = hit?;
         metrics::counter!(
             "tollgate_deny_cache_hits_total",
             "limit" => Arc::clone(checks[hit].limit.name_arc())

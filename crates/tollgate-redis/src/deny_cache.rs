@@ -38,6 +38,28 @@ pub(crate) struct DenyCache {
     lease: Duration,
 }
 
+/// What the cache knows of one check.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Lookup {
+    /// Nothing: ask Redis.
+    Miss,
+    /// A denial ran out and this request holds its lease: ask Redis, then settle the entry.
+    Leased,
+    /// Refused locally.
+    Denied(Verdict),
+}
+
+#[cfg(test)]
+impl Lookup {
+    /// The local denial, if any.
+    pub(crate) fn denial(self) -> Option<Verdict> {
+        match self {
+            Self::Denied(v) => Some(v),
+            Self::Miss | Self::Leased => None,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy)]
 struct Entry {
     until: Instant,
@@ -67,21 +89,27 @@ impl DenyCache {
             .unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The cached denial of `digest` for a request of `cost`, if one stands.
-    pub(crate) fn lookup(&self, digest: &KeyDigest, cost: u32) -> Option<Verdict> {
+    /// The cached denial of `digest` for a request of `cost`, if one stands; or whether this
+    /// request took the lease of a denial that ran out (and must [`forget`](Self::forget) it
+    /// when Redis admits it with room left).
+    pub(crate) fn lookup(&self, digest: &KeyDigest, cost: u32) -> Lookup {
         if self.per_shard == 0 {
-            return None;
+            return Lookup::Miss;
         }
         let now = Instant::now();
         let mut shard = self.shard(digest);
-        let entry = shard.get_mut(digest)?;
+        let Some(entry) = shard.get_mut(digest) else {
+            return Lookup::Miss;
+        };
         if entry.until <= now {
             // This request asks Redis; the others wait for its answer (or the deadline).
             entry.until = now + self.lease;
-            return None;
+            return Lookup::Leased;
         }
-        let entry = *entry;
-        (cost >= entry.cost).then(|| Verdict {
+        if cost < entry.cost {
+            return Lookup::Miss;
+        }
+        Lookup::Denied(Verdict {
             status: Status::Denied {
                 retry_after: micros_until(entry.until, now),
             },
@@ -156,7 +184,7 @@ mod tests {
         let cache = DenyCache::new(100, Duration::from_millis(50));
         let d = [1u8; 16];
         cache.insert(&d, 1, &denied(1_000_000));
-        let v = cache.lookup(&d, 1).unwrap();
+        let v = cache.lookup(&d, 1).denial().unwrap();
         assert_eq!(
             v.status,
             Status::Denied {
@@ -165,23 +193,23 @@ mod tests {
         );
         tokio::time::advance(Duration::from_millis(400)).await;
         assert_eq!(
-            cache.lookup(&d, 1).unwrap().status,
+            cache.lookup(&d, 1).denial().unwrap().status,
             Status::Denied {
                 retry_after: 600_000
             }
         );
         tokio::time::advance(Duration::from_millis(600)).await;
         // Run out: this request asks Redis, the others wait for its answer for one lease.
-        assert_eq!(cache.lookup(&d, 1), None);
+        assert_eq!(cache.lookup(&d, 1), Lookup::Leased);
         assert_eq!(
-            cache.lookup(&d, 1).unwrap().status,
+            cache.lookup(&d, 1).denial().unwrap().status,
             Status::Denied {
                 retry_after: 50_000
             }
         );
         // Its answer (admitted, room left) ends the wait for everyone.
         cache.forget(&d);
-        assert_eq!(cache.lookup(&d, 1), None);
+        assert_eq!(cache.lookup(&d, 1).denial(), None);
         assert_eq!(cache.len(), 0);
     }
 
@@ -191,11 +219,11 @@ mod tests {
         let d = [2u8; 16];
         cache.insert(&d, 1, &denied(1_000));
         tokio::time::advance(Duration::from_millis(1)).await;
-        assert_eq!(cache.lookup(&d, 1), None); // takes the lease, then fails (no answer)
+        assert_eq!(cache.lookup(&d, 1), Lookup::Leased); // then fails (no answer)
         tokio::time::advance(Duration::from_micros(49_999)).await;
-        assert!(cache.lookup(&d, 1).is_some());
+        assert!(cache.lookup(&d, 1).denial().is_some());
         tokio::time::advance(Duration::from_micros(1)).await;
-        assert_eq!(cache.lookup(&d, 1), None); // the next request asks
+        assert_eq!(cache.lookup(&d, 1), Lookup::Leased); // the next request asks
     }
 
     #[tokio::test(start_paused = true)]
@@ -203,11 +231,11 @@ mod tests {
         let cache = DenyCache::new(100, Duration::from_millis(50));
         let d = [2u8; 16];
         cache.insert(&d, 3, &denied(1_000));
-        assert!(cache.lookup(&d, 3).is_some());
-        assert!(cache.lookup(&d, 5).is_some());
-        assert!(cache.lookup(&d, 1).is_none());
+        assert!(cache.lookup(&d, 3).denial().is_some());
+        assert!(cache.lookup(&d, 5).denial().is_some());
+        assert!(cache.lookup(&d, 1).denial().is_none());
         cache.insert(&d, 1, &denied(1_000));
-        assert!(cache.lookup(&d, 1).is_some());
+        assert!(cache.lookup(&d, 1).denial().is_some());
         // Allowed verdicts are not cached.
         let e = [3u8; 16];
         cache.insert(
@@ -219,7 +247,7 @@ mod tests {
                 reset: 5,
             },
         );
-        assert!(cache.lookup(&e, 1).is_none());
+        assert!(cache.lookup(&e, 1).denial().is_none());
     }
 
     #[tokio::test(start_paused = true)]
@@ -236,16 +264,16 @@ mod tests {
         cache.insert(&ds[0], 1, &denied(1_000));
         cache.insert(&ds[1], 1, &denied(5_000));
         cache.insert(&ds[2], 1, &denied(5_000));
-        assert!(cache.lookup(&ds[2], 1).is_none());
+        assert!(cache.lookup(&ds[2], 1).denial().is_none());
         assert_eq!(cache.len(), 2);
         // Once one has expired, a new one takes its place.
         tokio::time::advance(Duration::from_millis(1)).await;
         cache.insert(&ds[2], 1, &denied(5_000));
-        assert!(cache.lookup(&ds[2], 1).is_some());
+        assert!(cache.lookup(&ds[2], 1).denial().is_some());
         assert_eq!(cache.len(), 2);
         // Disabled.
         let off = DenyCache::new(0, Duration::from_millis(50));
         off.insert(&ds[0], 1, &denied(1_000));
-        assert!(off.lookup(&ds[0], 1).is_none());
+        assert!(off.lookup(&ds[0], 1).denial().is_none());
     }
 }

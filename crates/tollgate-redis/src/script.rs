@@ -215,6 +215,8 @@ pub(crate) struct Prepared {
     pub(crate) params: [u64; 3],
     pub(crate) cost: u32,
     pub(crate) enforce: bool,
+    /// Whether this check holds the deny cache's lease on its key (see `DenyCache::lookup`).
+    pub(crate) leased: bool,
 }
 
 impl Prepared {
@@ -254,6 +256,7 @@ impl Prepared {
             params,
             cost: check.cost,
             enforce: check.enforce,
+            leased: false,
         })
     }
 
