@@ -25,13 +25,8 @@ done
 (cd "$ROOT" && CARGO_PROFILE_RELEASE_DEBUG=line-tables-only cargo build --release -q -p tollgate-bench --bin bench-server)
 SERVER=$TARGET/release/bench-server
 
-free_port() { # below the ephemeral range, so that no client socket holds it
-    local p
-    while :; do
-        p=$((10000 + RANDOM % 20000))
-        (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null || { echo "$p"; return; }
-    done
-}
+# shellcheck source=common.sh
+source "$ROOT/benches/common.sh"
 
 if [[ " ${MODES[*]} " == *redis* || " ${MODES[*]} " == *naive* ]]; then
     REDIS_PORT=$(free_port)

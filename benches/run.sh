@@ -97,13 +97,8 @@ say "building bench-server and mem-per-key (release)"
 SERVER=$TARGET/release/bench-server
 MEM=$TARGET/release/mem-per-key
 
-free_port() { # below the ephemeral range, so that no client socket holds it
-    local p
-    while :; do
-        p=$((10000 + RANDOM % 20000))
-        (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null || { echo "$p"; return; }
-    done
-}
+# shellcheck source=common.sh
+source "$ROOT/benches/common.sh"
 
 ticks() { # utime + stime of a process, in clock ticks
     local s
