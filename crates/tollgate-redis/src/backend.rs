@@ -16,6 +16,7 @@ use tollgate_core::{
 
 use crate::breaker::{Breaker, CircuitState, Permit};
 use crate::builder::RedisBackendBuilder;
+use crate::coalesce::{Coalescer, Push, Waiter};
 use crate::conn::{breaks_connection, Connector};
 use crate::deny_cache::{DenyCache, Lookup};
 use crate::keys;
@@ -41,6 +42,8 @@ pub(crate) struct Inner {
     deny: DenyCache,
     check_script: redis::Script,
     refund_script: redis::Script,
+    /// Merges concurrent requests' batches into one call (standalone Redis only).
+    coalescer: Coalescer,
 }
 
 /// What a batch came to, before the verdicts are finished.
@@ -67,6 +70,7 @@ impl Inner {
             deny,
             check_script: redis::Script::new(&format!("{}{}", script::PRELUDE, script::CHECK)),
             refund_script: redis::Script::new(&format!("{}{}", script::PRELUDE, script::REFUND)),
+            coalescer: Coalescer::default(),
         }
     }
 
@@ -78,7 +82,7 @@ impl Inner {
         permit: Permit,
     ) -> Result<Verdicts, BackendError> {
         let started = Instant::now();
-        let result = match tokio::time::timeout(self.deadline, self.call(&batch, now)).await {
+        let result = match tokio::time::timeout(self.deadline, self.call(batch, now)).await {
             Ok(result) => result,
             Err(_) => Err(BackendError::new(
                 BackendErrorKind::Timeout,
@@ -87,10 +91,10 @@ impl Inner {
         };
         metrics::histogram!("tollgate_backend_duration_seconds", "backend" => BACKEND)
             .record(started.elapsed().as_secs_f64());
-        let outcome = match result {
-            Ok(outcome) => {
+        let (batch, outcome) = match result {
+            Ok(answered) => {
                 self.answered();
-                outcome
+                answered
             }
             Err(e) => {
                 if e.kind() == BackendErrorKind::Protocol {
@@ -114,7 +118,16 @@ impl Inner {
                 match foreseen_denial(p.algorithm, &p.quota, p.cost, &verdict) {
                     Some(denial) => self.deny.insert(&p.digest, p.cost, &denial),
                     // Only the request that held a run-out denial's lease settles it.
-                    None if p.leased => self.deny.forget(&p.digest),
+                    // An answer that tells nothing of the room left (the check was not
+                    // run, or can never pass) ends the wait.
+                    None if p.leased => {
+                        let room = if verdict.is_allowed() {
+                            verdict.remaining
+                        } else {
+                            u64::MAX
+                        };
+                        self.deny.settle(&p.digest, p.cost, room);
+                    }
                     None => {}
                 }
             }
@@ -130,48 +143,145 @@ impl Inner {
 
     async fn call(
         self: &Arc<Self>,
-        batch: &[Prepared],
+        batch: Vec<Prepared>,
         now: Option<Micros>,
-    ) -> Result<Outcome, BackendError> {
-        let groups = if self.cluster {
-            slot_groups(batch)
-        } else {
-            vec![(0..batch.len()).collect()]
+    ) -> Result<(Vec<Prepared>, Outcome), BackendError> {
+        let outcome = |reply: Reply| Outcome {
+            committed: reply.committed,
+            answers: reply.answers,
         };
+        if !self.cluster {
+            if now.is_none() {
+                let (batch, reply) = self.coalesced(batch).await?;
+                return Ok((batch, outcome(reply)));
+            }
+            let reply = self.eval_check(&[batch.as_slice()], now).await?;
+            return Ok((batch, outcome(reply)));
+        }
+        let groups = slot_groups(&batch);
         if groups.len() == 1 {
-            let reply = self.eval_check(batch, now).await?;
-            return Ok(Outcome {
-                committed: reply.committed,
-                answers: reply.answers,
-            });
+            let reply = self.eval_check(&[batch.as_slice()], now).await?;
+            return Ok((batch, outcome(reply)));
         }
         // Several slots: the consume and any refund run in a task of their own, so that a
         // caller that gives up at its deadline does not leave a half-consumed batch behind.
         let this = Arc::clone(self);
-        let batch = batch.to_vec();
-        tokio::spawn(async move { this.split(batch, groups, now).await })
+        tokio::spawn(async move {
+            let outcome = this.split(&batch, groups, now).await?;
+            Ok((batch, outcome))
+        })
+        .await
+        .unwrap_or_else(|e| Err(unavailable(format!("rate-limit task failed: {e}"))))
+    }
+
+    /// Queues `batch` for the next merged call and waits for its answer.
+    async fn coalesced(
+        self: &Arc<Self>,
+        batch: Vec<Prepared>,
+    ) -> Result<(Vec<Prepared>, Reply), BackendError> {
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        match self.coalescer.push(Waiter { batch, reply }) {
+            Push::Waits => {}
+            Push::StartCaller => {
+                let this = Arc::clone(self);
+                tokio::spawn(async move { this.send_merged().await });
+            }
+            Push::Full => {
+                return Err(unavailable(
+                    "too many rate-limit checks are waiting for Redis",
+                ))
+            }
+        }
+        answer
             .await
-            .unwrap_or_else(|e| Err(unavailable(format!("rate-limit task failed: {e}"))))
+            .unwrap_or_else(|_| Err(unavailable("the rate-limit call was dropped")))
+    }
+
+    /// Sends what waits in the coalescer, one merged call after the other, until nothing does.
+    async fn send_merged(self: Arc<Self>) {
+        while let Some(waiters) = self.coalescer.next_call() {
+            let batches: Vec<&[Prepared]> = waiters.iter().map(|w| w.batch.as_slice()).collect();
+            let call = self.eval_checks(&batches, None);
+            let result = match tokio::time::timeout(self.deadline, call).await {
+                Ok(result) => result,
+                Err(_) => Err(BackendError::new(
+                    BackendErrorKind::Timeout,
+                    format!("no answer from Redis within {:?}", self.deadline),
+                )),
+            };
+            match result {
+                Ok(replies) => {
+                    for (w, reply) in waiters.into_iter().zip(replies) {
+                        let _ = w.reply.send(Ok((w.batch, reply)));
+                    }
+                }
+                Err(e) => {
+                    for w in waiters {
+                        let _ = w.reply.send(Err(e.clone()));
+                    }
+                }
+            }
+        }
     }
 
     /// One `CHECK` call for checks that share a slot (or a standalone server).
     async fn eval_check(
         &self,
-        group: &[Prepared],
+        group: &[&[Prepared]],
         now: Option<Micros>,
     ) -> Result<Reply, BackendError> {
+        let mut replies = self.eval_checks(group, now).await?;
+        replies
+            .pop()
+            .ok_or_else(|| BackendError::new(BackendErrorKind::Protocol, "empty script reply"))
+    }
+
+    /// One `CHECK` call for the batches of several requests, each all-or-nothing on its own.
+    async fn eval_checks(
+        &self,
+        batches: &[&[Prepared]],
+        now: Option<Micros>,
+    ) -> Result<Vec<Reply>, BackendError> {
         let mut inv = self.check_script.prepare_invoke();
-        for p in group {
+        for p in batches.iter().flat_map(|b| b.iter()) {
             inv.key(p.key.as_str());
         }
         inv.arg(now.map_or_else(String::new, |n| n.to_string()));
-        for p in group {
-            for a in p.check_args() {
-                inv.arg(a);
+        // Each distinct limit's parameters once; each check refers to its limit by index.
+        let mut limits: Vec<[u64; 4]> = Vec::new();
+        let mut refs = Vec::with_capacity(batches.iter().map(|b| b.len()).sum());
+        for p in batches.iter().flat_map(|b| b.iter()) {
+            let args = p.limit_args();
+            let index = match limits.iter().position(|l| *l == args) {
+                Some(i) => i,
+                None => {
+                    limits.push(args);
+                    limits.len() - 1
+                }
+            };
+            refs.push(index);
+        }
+        if limits.len() > script::LIMITS_PER_CALL {
+            return Err(BackendError::new(
+                BackendErrorKind::Protocol,
+                format!("more than {} limits in one call", script::LIMITS_PER_CALL),
+            ));
+        }
+        inv.arg(limits.len());
+        for l in &limits {
+            for a in l {
+                inv.arg(*a);
+            }
+        }
+        let mut refs = refs.into_iter();
+        for batch in batches {
+            inv.arg(batch.len());
+            for (p, limit) in batch.iter().zip(refs.by_ref()) {
+                inv.arg(p.check_arg(limit));
             }
         }
         let value = self.invoke(&inv).await?;
-        script::parse_reply(&value, group.len())
+        script::parse_replies(&value, batches.iter().map(|b| b.len()))
     }
 
     async fn invoke(
@@ -189,18 +299,18 @@ impl Inner {
 
     /// Consumes slot groups concurrently; if any refuses or fails, refunds those that wrote.
     async fn split(
-        self: Arc<Self>,
-        batch: Vec<Prepared>,
+        self: &Arc<Self>,
+        batch: &[Prepared],
         groups: Vec<Vec<usize>>,
         now: Option<Micros>,
     ) -> Result<Outcome, BackendError> {
         let tasks: Vec<_> = groups
             .iter()
             .map(|group| {
-                let this = Arc::clone(&self);
+                let this = Arc::clone(self);
                 let sub: Vec<Prepared> = group.iter().map(|&i| batch[i].clone()).collect();
                 tokio::spawn(async move {
-                    let reply = this.eval_check(&sub, now).await;
+                    let reply = this.eval_check(&[sub.as_slice()], now).await;
                     (sub, reply)
                 })
             })
@@ -222,7 +332,7 @@ impl Inner {
                 .filter_map(|r| r.as_ref().ok())
                 .filter(|(_, reply)| reply.committed)
                 .map(|(sub, reply)| {
-                    let this = Arc::clone(&self);
+                    let this = Arc::clone(self);
                     let (sub, reply) = (sub.clone(), reply.clone());
                     tokio::spawn(async move { this.refund(&sub, &reply, now).await })
                 })

@@ -18,6 +18,10 @@
 //!   every request that arrives during that round trip would go to Redis, and almost all would
 //!   be denied there. At a window's turn this can refuse, for up to one round trip, requests
 //!   that Redis would have admitted: it errs on the side of limiting.
+//! - **Until there is room for those held back.** If Redis admits the asker with room left, but
+//!   less room than the requests held back during its round trip would need, the next request
+//!   asks again, alone: otherwise they would all go to Redis at once and all but a few be denied
+//!   there. The cache forgets the key once Redis reports room for all of them.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -66,6 +70,10 @@ struct Entry {
     reset_at: Instant,
     remaining: u64,
     cost: u32,
+    /// A request is asking Redis (until `until`).
+    leased: bool,
+    /// Requests refused here while it did.
+    held: u32,
 }
 
 fn micros_until(t: Instant, now: Instant) -> Micros {
@@ -104,10 +112,15 @@ impl DenyCache {
         if entry.until <= now {
             // This request asks Redis; the others wait for its answer (or the deadline).
             entry.until = now + self.lease;
+            entry.leased = true;
+            entry.held = 0;
             return Lookup::Leased;
         }
         if cost < entry.cost {
             return Lookup::Miss;
+        }
+        if entry.leased {
+            entry.held = entry.held.saturating_add(1);
         }
         Lookup::Denied(Verdict {
             status: Status::Denied {
@@ -132,6 +145,8 @@ impl DenyCache {
             reset_at: now + Duration::from_micros(verdict.reset),
             remaining: verdict.remaining,
             cost,
+            leased: false,
+            held: 0,
         };
         let mut shard = self.shard(digest);
         if let Some(old) = shard.get_mut(digest) {
@@ -151,10 +166,27 @@ impl DenyCache {
         shard.insert(*digest, entry);
     }
 
-    /// Drops what is known of `digest`: Redis admitted it with room for more.
-    pub(crate) fn forget(&self, digest: &KeyDigest) {
-        if self.per_shard > 0 {
-            self.shard(digest).remove(digest);
+    /// Settles the lease the request for `digest` held: Redis admitted it at `cost`, with
+    /// `remaining` units left. With room for every request held back meanwhile, the key is
+    /// forgotten; with less, the next request asks Redis alone again.
+    pub(crate) fn settle(&self, digest: &KeyDigest, cost: u32, remaining: u64) {
+        if self.per_shard == 0 {
+            return;
+        }
+        let mut shard = self.shard(digest);
+        let Some(entry) = shard.get_mut(digest) else {
+            return;
+        };
+        if !entry.leased {
+            // A newer denial took its place: it stands.
+            return;
+        }
+        if remaining >= u64::from(entry.held).saturating_add(1) * u64::from(cost) {
+            shard.remove(digest);
+        } else {
+            entry.until = Instant::now();
+            entry.leased = false;
+            entry.held = 0;
         }
     }
 
@@ -207,10 +239,34 @@ mod tests {
                 retry_after: 50_000
             }
         );
-        // Its answer (admitted, room left) ends the wait for everyone.
-        cache.forget(&d);
-        assert_eq!(cache.lookup(&d, 1).denial(), None);
+        // Its answer (admitted, room left for the one held back and the next) ends the wait
+        // for everyone.
+        cache.settle(&d, 1, 2);
+        assert_eq!(cache.lookup(&d, 1), Lookup::Miss);
         assert_eq!(cache.len(), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn room_for_fewer_than_were_held_back_lets_one_more_ask_alone() {
+        let cache = DenyCache::new(100, Duration::from_millis(50));
+        let d = [4u8; 16];
+        cache.insert(&d, 1, &denied(1_000));
+        tokio::time::advance(Duration::from_millis(1)).await;
+        assert_eq!(cache.lookup(&d, 1), Lookup::Leased);
+        for _ in 0..3 {
+            assert!(cache.lookup(&d, 1).denial().is_some());
+        }
+        // Room for 3 units: not for the 3 held back and one more.
+        cache.settle(&d, 1, 3);
+        assert_eq!(cache.lookup(&d, 1), Lookup::Leased);
+        assert!(cache.lookup(&d, 1).denial().is_some());
+        // Room for 2 with one held back: forgotten.
+        cache.settle(&d, 1, 2);
+        assert_eq!(cache.lookup(&d, 1), Lookup::Miss);
+        // A newer denial is not undone by a late settle.
+        cache.insert(&d, 1, &denied(1_000));
+        cache.settle(&d, 1, 100);
+        assert!(cache.lookup(&d, 1).denial().is_some());
     }
 
     #[tokio::test(start_paused = true)]

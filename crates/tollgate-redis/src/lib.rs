@@ -37,6 +37,12 @@
 //! agree. Scripts are called with `EVALSHA` and loaded again after a `NOSCRIPT`; they use only
 //! commands that Valkey has too.
 //!
+//! On a standalone server the batches of concurrent requests share calls: while calls are in
+//! flight, new batches wait, and the next call carries all of them (up to 64), each still
+//! all-or-nothing on its own and run in arrival order. Nothing waits for a timer, so a lone
+//! request goes out at once; under load, Redis runs one script per round trip instead of one
+//! per request. In a cluster, each request's slot groups are their own calls.
+//!
 //! - **GCRA**: one string key holding the theoretical arrival time in microseconds, expiring
 //!   when the state becomes that of a fresh key.
 //! - **Fixed window**: `INCRBY` on `<key>:<window index>`; the TTL is set by the first write of
@@ -96,7 +102,8 @@
 //! the batch [`NotChecked`](tollgate_core::Status::NotChecked), and Redis is not called. An
 //! admission that used the last unit of a GCRA or fixed-window limit foretells its denial, which
 //! is cached the same way; and when a denial runs out, one request asks Redis while the others
-//! wait for its answer (at most one deadline). A flood on one identity then costs Redis about
+//! wait for its answer (at most one deadline), and go on waiting, one asker at a time, until
+//! Redis reports room for all of those held back. A flood on one identity then costs Redis about
 //! one call per admitted request per replica, and none for the refused ones. The cache is bounded
 //! (10,000 entries by default; at capacity expired entries are dropped and, if it is still full,
 //! new denials are not cached) and holds digests, never keys.
@@ -110,6 +117,7 @@
 mod backend;
 mod breaker;
 mod builder;
+mod coalesce;
 mod conn;
 mod deny_cache;
 mod keys;

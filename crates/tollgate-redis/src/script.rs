@@ -6,8 +6,14 @@
 //! exactly what a `CHECK` wrote, for Redis Cluster batches split over several slots.
 //!
 //! Lua numbers are doubles: every figure here (microseconds since the epoch, about 2^51 today)
-//! is an integer below 2^53 and exact. Numbers are formatted with `%.0f` before they reach a
-//! Redis command, because Redis would format them with 14 significant digits.
+//! is an integer below 2^53 and exact. A number passed to `redis.call` reaches Redis as all its
+//! digits (Redis formats it with 17 significant digits), but Lua's own `tostring` and `..` use
+//! 14, so a number that becomes part of a string (a key, a member) goes through `fmt`.
+//!
+//! What a check costs Redis is mostly turning strings into numbers and back (`strtod` and
+//! `printf` in the C library) and calling commands, so `CHECK` takes each distinct limit's
+//! parameters once per call and one packed number per check, and hands numbers to commands as
+//! they are.
 
 use tollgate_core::{
     Algorithm, BackendError, BackendErrorKind, Check, Micros, Quota, Status, Verdict,
@@ -26,7 +32,7 @@ local function fmt(x) return string.format('%.0f', x) end
 local function ttl_ms(us)
   local ms = idiv(us + 999, 1000)
   if ms < 1 then ms = 1 end
-  return fmt(ms)
+  return ms
 end
 local now
 if ARGV[1] ~= '' then
@@ -37,130 +43,158 @@ else
 end
 ";
 
-/// Checks and consumes a batch.
+/// Checks and consumes the batches of one or more requests, in order.
 ///
-/// `KEYS[i]`: the base key of check `i`. A fixed window's key is the base key with
-/// `:<window index>` appended, and a sliding log keeps a sequence counter at `<base>:seq`; both
-/// share the base key's hash tag, so the same slot.
+/// Each request's batch is all-or-nothing on its own: it writes only if every one of its
+/// enforced checks admits, and a later request in the same call sees what an earlier one wrote,
+/// exactly as if each had been its own call. Merging the batches of concurrent requests into one
+/// call saves a round trip and the script's set-up per request.
+///
+/// `KEYS`: the base key of every check, request after request. A fixed window's key is the base
+/// key with `:<window index>` appended, and a sliding log keeps a sequence counter at
+/// `<base>:seq`; both share the base key's hash tag, so the same slot.
 ///
 /// `ARGV[1]`: `now` in microseconds, or empty to read the server's `TIME`. The override exists
 /// for tests (`RedisBackend::check_at`) only.
 ///
-/// `ARGV[2 + 6 (i - 1) ..]`: per check: algorithm (1 GCRA, 2 fixed window, 3 sliding log), three
-/// parameters (GCRA: emission interval, tolerance, burst; the others: period, limit, 0), cost,
-/// and `1` if enforced.
+/// `ARGV[2]`: the number `L` of distinct limits in the call, then 4 arguments per limit:
+/// algorithm (1 GCRA, 2 fixed window, 3 sliding log) and three parameters (GCRA: emission
+/// interval, tolerance, burst; the others: period, limit, 0).
 ///
-/// Reply: `committed, now`, then per check `status (0 allowed, 1 denied, 2 cost too high),
-/// remaining, reset, retry_after, extra` where extra is what a refund needs (the window index of
-/// a fixed window, the last sequence number written to a sliding log).
+/// Then per request: its number of checks `n`, then one number per check, `(cost × 2 + e) ×
+/// 1024 + l`, where `e` is 1 if the check is enforced and `l` the index of its limit (from 0).
+///
+/// Reply: `now`, then per request `committed` and per check `status (0 allowed, 1 denied, 2
+/// cost too high), remaining, reset, retry_after, extra`, where extra is what a refund needs
+/// (the window index of a fixed window, the last sequence number written to a sliding log).
 pub(crate) const CHECK: &str = r"
-local out = {0, now}
-local writes = {}
-local admits = true
-for i = 1, #KEYS do
-  local a = 2 + (i - 1) * 6
-  local algo = tonumber(ARGV[a])
-  local p1, p2, p3 = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
-  local cost = tonumber(ARGV[a + 4])
-  local enforce = ARGV[a + 5] == '1'
-  local key = KEYS[i]
-  local status, remaining, reset, retry, extra = 0, 0, 0, 0, 0
+local limits = {}
+local a = 3
+for l = 1, tonumber(ARGV[2]) do
+  limits[l] = {tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]),
+    tonumber(ARGV[a + 3])}
+  a = a + 4
+end
+local out = {now}
+local k = 0
+local argc = #ARGV
+while a <= argc do
+  local n = tonumber(ARGV[a])
+  a = a + 1
+  local head = #out + 1
+  out[head] = 0
+  local admits = true
+  -- What each admitting check would write: algorithm, key, value, TTL.
+  local w_algo, w_key, w_val, w_ttl = {}, {}, {}, {}
+  for j = 1, n do
+    k = k + 1
+    local code = tonumber(ARGV[a])
+    a = a + 1
+    local l = code % 1024
+    code = (code - l) / 1024
+    local enforce = code % 2 == 1
+    local cost = (code - code % 2) / 2
+    local limit = limits[l + 1]
+    local algo, p1, p2, p3 = limit[1], limit[2], limit[3], limit[4]
+    local key = KEYS[k]
+    local status, remaining, reset, retry, extra = 0, 0, 0, 0, 0
 
-  if algo == 1 then
-    local interval, tolerance, burst = p1, p2, p3
-    local tat = tonumber(redis.call('GET', key) or '')
-    local base = now
-    if tat ~= nil and tat > now then base = tat end
-    local used = base - now
-    local left = 0
-    if tolerance > used then left = idiv(tolerance - used, interval) end
-    if cost > burst then
-      status, remaining, reset = 2, left, used
-    else
-      local new_tat = base + interval * cost
-      if new_tat - now > tolerance then
-        status, remaining, reset, retry = 1, left, used, new_tat - tolerance - now
+    if algo == 1 then
+      local interval, tolerance, burst = p1, p2, p3
+      local tat = tonumber(redis.call('GET', key) or '')
+      local base = now
+      if tat ~= nil and tat > now then base = tat end
+      local used = base - now
+      local left = 0
+      if tolerance > used then left = idiv(tolerance - used, interval) end
+      if cost > burst then
+        status, remaining, reset = 2, left, used
       else
-        local after = new_tat - now
-        remaining = 0
-        if tolerance > after then remaining = idiv(tolerance - after, interval) end
-        reset = after
-        writes[i] = function()
-          redis.call('SET', key, fmt(new_tat), 'PX', ttl_ms(after))
+        local new_tat = base + interval * cost
+        if new_tat - now > tolerance then
+          status, remaining, reset, retry = 1, left, used, new_tat - tolerance - now
+        else
+          local after = new_tat - now
+          if tolerance > after then remaining = idiv(tolerance - after, interval) end
+          reset = after
+          w_algo[j], w_key[j], w_val[j], w_ttl[j] = 1, key, new_tat, after
         end
       end
-    end
 
-  elseif algo == 2 then
-    local period, limit = p1, p2
-    local index = idiv(now, period)
-    local window_end = (index + 1) * period
-    local wkey = key .. ':' .. fmt(index)
-    local count = tonumber(redis.call('GET', wkey) or '0') or 0
-    reset, extra = window_end - now, index
-    remaining = 0
-    if limit > count then remaining = limit - count end
-    if cost > limit then
-      status = 2
-    elseif count + cost > limit then
-      status, retry = 1, reset
-    else
-      remaining = limit - count - cost
-      writes[i] = function()
-        redis.call('INCRBY', wkey, cost)
+    elseif algo == 2 then
+      local period, limit = p1, p2
+      local index = idiv(now, period)
+      local wkey = key .. ':' .. fmt(index)
+      local count = tonumber(redis.call('GET', wkey) or '0') or 0
+      reset, extra = (index + 1) * period - now, index
+      if limit > count then remaining = limit - count end
+      if cost > limit then
+        status = 2
+      elseif count + cost > limit then
+        status, retry = 1, reset
+      else
+        remaining = limit - count - cost
         -- The TTL is set once, by the first write of the window.
-        if count == 0 then redis.call('PEXPIRE', wkey, ttl_ms(reset)) end
+        local ttl = 0
+        if count == 0 then ttl = reset end
+        w_algo[j], w_key[j], w_val[j], w_ttl[j] = 2, wkey, cost, ttl
       end
+
+    elseif algo == 3 then
+      local period, limit = p1, p2
+      -- An entry at t counts while t + period > now.
+      local oldest = fmt(now - period)
+      local count = redis.call('ZCOUNT', key, '(' .. oldest, '+inf')
+      if limit > count then remaining = limit - count end
+      if count > 0 then
+        local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
+        reset = tonumber(newest[2]) + period - now
+      end
+      if cost > limit then
+        status = 2
+      elseif count + cost > limit then
+        local nth = redis.call('ZRANGEBYSCORE', key, '(' .. oldest, '+inf', 'WITHSCORES',
+          'LIMIT', count + cost - limit - 1, 1)
+        status, retry = 1, tonumber(nth[2]) + period - now
+      else
+        remaining, reset = limit - count - cost, period
+        w_algo[j], w_key[j], w_val[j], w_ttl[j] = 3, key, cost, period
+      end
+
+    else
+      return redis.error_reply('tollgate: unknown algorithm ' .. tostring(algo))
     end
 
-  elseif algo == 3 then
-    local period, limit = p1, p2
-    -- An entry at t counts while t + period > now.
-    local oldest = fmt(now - period)
-    local count = redis.call('ZCOUNT', key, '(' .. oldest, '+inf')
-    remaining = 0
-    if limit > count then remaining = limit - count end
-    if count > 0 then
-      local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
-      reset = tonumber(newest[2]) + period - now
-    end
-    if cost > limit then
-      status = 2
-    elseif count + cost > limit then
-      local nth = redis.call('ZRANGEBYSCORE', key, '(' .. oldest, '+inf', 'WITHSCORES',
-        'LIMIT', count + cost - limit - 1, 1)
-      status, retry = 1, tonumber(nth[2]) + period - now
-    else
-      remaining, reset = limit - count - cost, period
-      writes[i] = function()
-        redis.call('ZREMRANGEBYSCORE', key, '-inf', oldest)
+    if status ~= 0 and enforce then admits = false end
+    local o = #out
+    out[o + 1], out[o + 2], out[o + 3], out[o + 4], out[o + 5] = status, remaining, reset, retry, extra
+  end
+
+  if admits then
+    for j = 1, n do
+      local algo, key = w_algo[j], w_key[j]
+      if algo == 1 then
+        redis.call('SET', key, w_val[j], 'PX', ttl_ms(w_ttl[j]))
+      elseif algo == 2 then
+        redis.call('INCRBY', key, w_val[j])
+        if w_ttl[j] > 0 then redis.call('PEXPIRE', key, ttl_ms(w_ttl[j])) end
+      elseif algo == 3 then
+        local cost, period = w_val[j], w_ttl[j]
+        redis.call('ZREMRANGEBYSCORE', key, '-inf', now - period)
         local seq_key = key .. ':seq'
         local last = redis.call('INCRBY', seq_key, cost)
         local stamp = fmt(now)
         for s = last - cost + 1, last do
           -- A unique member per unit: two units in the same microsecond are two entries.
-          redis.call('ZADD', key, stamp, stamp .. '-' .. fmt(s))
+          redis.call('ZADD', key, now, stamp .. '-' .. fmt(s))
         end
         redis.call('PEXPIRE', key, ttl_ms(period))
         redis.call('PEXPIRE', seq_key, ttl_ms(period))
-        out[2 + (i - 1) * 5 + 5] = last
+        out[head + (j - 1) * 5 + 5] = last
       end
     end
-
-  else
-    return redis.error_reply('tollgate: unknown algorithm ' .. tostring(ARGV[a]))
+    out[head] = 1
   end
-
-  if status ~= 0 and enforce then admits = false end
-  local o = 2 + (i - 1) * 5
-  out[o + 1], out[o + 2], out[o + 3], out[o + 4], out[o + 5] = status, remaining, reset, retry, extra
-end
-
-if admits then
-  for i = 1, #KEYS do
-    if writes[i] then writes[i]() end
-  end
-  out[1] = 1
 end
 return out
 ";
@@ -184,7 +218,7 @@ for i = 1, #KEYS do
       if back <= now then
         redis.call('DEL', key)
       else
-        redis.call('SET', key, fmt(back), 'PX', ttl_ms(back - now))
+        redis.call('SET', key, back, 'PX', ttl_ms(back - now))
       end
     end
   elseif algo == 2 then
@@ -202,6 +236,9 @@ for i = 1, #KEYS do
 end
 return 1
 ";
+
+/// Distinct limits one `CHECK` call can carry (the packing of a check's argument).
+pub(crate) const LIMITS_PER_CALL: usize = 1024;
 
 /// One check, ready for the scripts: owned, so the future that runs it can be `'static`.
 #[derive(Debug, Clone)]
@@ -260,17 +297,16 @@ impl Prepared {
         })
     }
 
-    /// The arguments of this check in a `CHECK` call.
-    pub(crate) fn check_args(&self) -> [u64; 6] {
+    /// The arguments of this check's limit in a `CHECK` call.
+    pub(crate) fn limit_args(&self) -> [u64; 4] {
         let [p1, p2, p3] = self.params;
-        [
-            u64::from(self.code),
-            p1,
-            p2,
-            p3,
-            u64::from(self.cost),
-            u64::from(self.enforce),
-        ]
+        [u64::from(self.code), p1, p2, p3]
+    }
+
+    /// The one argument of this check in a `CHECK` call, given the index of its limit there.
+    pub(crate) fn check_arg(&self, limit: usize) -> u64 {
+        let flags = u64::from(self.cost) * 2 + u64::from(self.enforce);
+        flags * LIMITS_PER_CALL as u64 + limit as u64
     }
 
     /// The arguments that undo this check's write, given what `CHECK` answered.
@@ -303,54 +339,74 @@ fn protocol(msg: impl Into<String>) -> BackendError {
     BackendError::new(BackendErrorKind::Protocol, msg)
 }
 
-/// Decodes a `CHECK` reply for `checks` checks.
+/// Decodes a `CHECK` reply for one request of `checks` checks.
 ///
 /// # Errors
 ///
 /// [`BackendErrorKind::Protocol`] for anything but the expected array of integers.
+#[cfg(test)]
 pub(crate) fn parse_reply(value: &redis::Value, checks: usize) -> Result<Reply, BackendError> {
+    let mut replies = parse_replies(value, [checks])?;
+    replies.pop().ok_or_else(|| protocol("empty script reply"))
+}
+
+/// Decodes a `CHECK` reply for requests of `sizes` checks each, in order.
+///
+/// # Errors
+///
+/// [`BackendErrorKind::Protocol`] for anything but the expected array of integers.
+pub(crate) fn parse_replies(
+    value: &redis::Value,
+    sizes: impl IntoIterator<Item = usize> + Clone,
+) -> Result<Vec<Reply>, BackendError> {
     let redis::Value::Array(items) = value else {
         return Err(protocol(format!("unexpected script reply {value:?}")));
     };
-    if items.len() != 2 + 5 * checks {
+    let expected = 1 + sizes.clone().into_iter().map(|n| 1 + 5 * n).sum::<usize>();
+    if items.len() != expected {
         return Err(protocol(format!(
-            "script reply of {} items for {checks} checks",
+            "script reply of {} items where {expected} were expected",
             items.len()
         )));
     }
-    let mut ints = Vec::with_capacity(items.len());
-    for item in items {
-        match item {
-            redis::Value::Int(n) => ints.push(
-                u64::try_from(*n).map_err(|_| protocol(format!("negative figure {n} in reply")))?,
-            ),
-            other => return Err(protocol(format!("unexpected item {other:?} in reply"))),
+    let int = |item: &redis::Value| match item {
+        redis::Value::Int(n) => {
+            u64::try_from(*n).map_err(|_| protocol(format!("negative figure {n} in reply")))
         }
-    }
-    let answers = ints[2..]
-        .chunks_exact(5)
-        .map(|c| {
-            let status = match c[0] {
+        other => Err(protocol(format!("unexpected item {other:?} in reply"))),
+    };
+    let now = int(&items[0])?;
+    let mut rest = &items[1..];
+    let mut replies = Vec::new();
+    for n in sizes {
+        let (this, next) = rest.split_at(1 + 5 * n);
+        rest = next;
+        let mut answers = Vec::with_capacity(n);
+        for c in this[1..].chunks_exact(5) {
+            let status = match int(&c[0])? {
                 0 => Status::Allowed,
-                1 => Status::Denied { retry_after: c[3] },
+                1 => Status::Denied {
+                    retry_after: int(&c[3])?,
+                },
                 2 => Status::CostTooHigh,
                 other => return Err(protocol(format!("unknown status {other} in reply"))),
             };
-            Ok(Answer {
+            answers.push(Answer {
                 verdict: Verdict {
                     status,
-                    remaining: c[1],
-                    reset: c[2],
+                    remaining: int(&c[1])?,
+                    reset: int(&c[2])?,
                 },
-                extra: c[4],
-            })
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    Ok(Reply {
-        committed: ints[0] == 1,
-        now: ints[1],
-        answers,
-    })
+                extra: int(&c[4])?,
+            });
+        }
+        replies.push(Reply {
+            committed: int(&this[0])? == 1,
+            now,
+            answers,
+        });
+    }
+    Ok(replies)
 }
 
 #[cfg(test)]
@@ -361,7 +417,7 @@ mod tests {
     #[test]
     fn parses_a_reply() {
         let v = Value::Array(
-            [1, 99, 0, 4, 12, 0, 0, 1, 0, 5, 7, 0, 2, 3, 0, 0, 0]
+            [99, 1, 0, 4, 12, 0, 0, 1, 0, 5, 7, 0, 2, 3, 0, 0, 0]
                 .into_iter()
                 .map(Value::Int)
                 .collect(),
@@ -378,5 +434,28 @@ mod tests {
         assert!(parse_reply(&v, 2).is_err());
         assert!(parse_reply(&Value::Nil, 0).is_err());
         assert!(parse_reply(&Value::Array(vec![Value::Int(-1), Value::Int(0)]), 0).is_err());
+    }
+
+    #[test]
+    fn parses_the_reply_of_several_requests() {
+        // now 7; a committed request of one check, a refused one of two.
+        let v = Value::Array(
+            [7, 1, 0, 3, 10, 0, 0, 0, 1, 0, 20, 20, 0, 0, 0, 0, 0, 0]
+                .into_iter()
+                .map(Value::Int)
+                .collect(),
+        );
+        let r = parse_replies(&v, [1, 2]).unwrap();
+        assert_eq!(r.len(), 2);
+        assert!(r[0].committed && !r[1].committed);
+        assert_eq!((r[0].now, r[1].now), (7, 7));
+        assert_eq!(r[0].answers[0].verdict.remaining, 3);
+        assert_eq!(
+            r[1].answers[0].verdict.status,
+            Status::Denied { retry_after: 20 }
+        );
+        assert_eq!(r[1].answers[1].verdict.status, Status::Allowed);
+        assert!(parse_replies(&v, [2, 1, 0]).is_err());
+        assert!(parse_replies(&v, [1]).is_err());
     }
 }

@@ -379,3 +379,59 @@ async fn the_script_is_loaded_again_after_a_flush() {
     let v = check(&backend, &[&limit], b"k").await;
     assert_eq!(v[0].remaining, 8);
 }
+
+/// Runs one check of `limits` per key, all at once on this task, and counts the admissions.
+async fn at_once(
+    backend: &tollgate_redis::RedisBackend,
+    limits: &[&tollgate_core::Limit],
+    keys: &[Vec<u8>],
+) -> usize {
+    let checks = keys
+        .iter()
+        .map(|key| support::admitted(backend, limits, key));
+    futures_util::future::join_all(checks)
+        .await
+        .into_iter()
+        .filter(|admitted| *admitted)
+        .count()
+}
+
+#[tokio::test]
+async fn concurrent_requests_share_one_script_call() {
+    let server = RedisServer::start();
+    let backend = support::standalone(&server.url()).build().unwrap();
+    let burst = gcra("burst", 1_000);
+    let hourly = fixed("hourly", Quota::per_hour(1_000).unwrap());
+    let log = sliding("log", Quota::per_minute(1_000).unwrap());
+    let limits = [&burst, &hourly, &log];
+    assert!(admitted(&backend, &limits, b"warm-up").await);
+    server.reset_stats();
+    let keys: Vec<Vec<u8>> = (0..64)
+        .map(|i| format!("visitor-{i}").into_bytes())
+        .collect();
+    // All 64 batches are queued before the first call goes out: one call carries them all.
+    assert_eq!(at_once(&backend, &limits, &keys).await, 64);
+    assert_eq!(server.calls("evalsha"), 1);
+    // Each request wrote its own state, in every limit.
+    assert_eq!(server.dbsize(), (1 + 64) * 4);
+}
+
+#[tokio::test]
+async fn merged_requests_on_one_key_admit_exactly_the_limit_and_consume_nothing_when_refused() {
+    let server = RedisServer::start();
+    let backend = support::standalone(&server.url())
+        .deny_cache_capacity(0)
+        .build()
+        .unwrap();
+    let burst = gcra("burst", 10);
+    let daily = fixed("daily", Quota::per_day(1_000).unwrap());
+    assert!(admitted(&backend, &[&gcra("warm-up", 5)], b"x").await);
+    server.reset_stats();
+    let keys = vec![b"abuser".to_vec(); 100];
+    assert_eq!(at_once(&backend, &[&burst, &daily], &keys).await, 10);
+    // 64 batches in the first call, 36 in the second.
+    assert_eq!(server.calls("evalsha"), 2);
+    // The 90 refused requests took nothing from the daily window.
+    let v = check(&backend, &[&daily], b"abuser").await;
+    assert_eq!(v[0].remaining, 1_000 - 10 - 1);
+}

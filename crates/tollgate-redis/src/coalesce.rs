@@ -1,0 +1,152 @@
+//! Merges the batches of concurrent requests into one script call (standalone Redis).
+//!
+//! A request's batch waits in a queue; at most [`MAX_CALLERS`] tasks take batches from it and
+//! each sends everything waiting, up to [`MAX_REQUESTS_PER_CALL`] requests, in one `CHECK`
+//! call. When traffic is light a batch goes out at once, alone; under load the batches that
+//! arrive during one round trip share the next one. Nothing waits for a timer: the queue only
+//! fills while calls are already in flight.
+//!
+//! Every request stays all-or-nothing on its own (the script runs the batches one after the
+//! other), so merging changes nothing a caller can see but the number of calls. A request whose
+//! caller gave up (its deadline passed) before its batch was sent is dropped from the queue, so
+//! it consumes nothing.
+
+use std::collections::VecDeque;
+use std::sync::Mutex;
+
+use tokio::sync::oneshot;
+use tollgate_core::BackendError;
+
+use crate::script::{Prepared, Reply};
+
+/// Tasks sending calls at the same time: one can be in Redis while the next is on its way.
+pub(crate) const MAX_CALLERS: usize = 2;
+/// Requests merged into one call, at most: bounds how long one script holds Redis.
+pub(crate) const MAX_REQUESTS_PER_CALL: usize = 64;
+/// Requests waiting, at most; beyond, a request fails at once (its limits' failure policies
+/// apply) rather than queue without bound behind a slow Redis.
+pub(crate) const MAX_WAITING: usize = 8192;
+
+/// What a waiting request gets back: its batch and the script's answer for it.
+pub(crate) type Answer = Result<(Vec<Prepared>, Reply), BackendError>;
+
+/// One request's batch, waiting for a call.
+pub(crate) struct Waiter {
+    pub(crate) batch: Vec<Prepared>,
+    pub(crate) reply: oneshot::Sender<Answer>,
+}
+
+#[derive(Default)]
+pub(crate) struct Coalescer {
+    queue: Mutex<Queue>,
+}
+
+#[derive(Default)]
+struct Queue {
+    waiting: VecDeque<Waiter>,
+    callers: usize,
+}
+
+/// Where a batch went.
+pub(crate) enum Push {
+    /// Queued, and no task is free to send it: the caller must start one.
+    StartCaller,
+    /// Queued; a running task will send it.
+    Waits,
+    /// The queue is full.
+    Full,
+}
+
+impl Coalescer {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Queue> {
+        self.queue.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Queues a batch.
+    pub(crate) fn push(&self, waiter: Waiter) -> Push {
+        let mut q = self.lock();
+        if q.waiting.len() >= MAX_WAITING {
+            return Push::Full;
+        }
+        q.waiting.push_back(waiter);
+        if q.callers < MAX_CALLERS {
+            q.callers += 1;
+            Push::StartCaller
+        } else {
+            Push::Waits
+        }
+    }
+
+    /// The batches for the next call, oldest first, skipping those whose caller gave up; `None`
+    /// when nothing waits, and then the calling task must stop (it has been counted out).
+    pub(crate) fn next_call(&self) -> Option<Vec<Waiter>> {
+        let mut q = self.lock();
+        let mut call = Vec::new();
+        while call.len() < MAX_REQUESTS_PER_CALL {
+            let Some(w) = q.waiting.pop_front() else {
+                break;
+            };
+            if !w.reply.is_closed() {
+                call.push(w);
+            }
+        }
+        if call.is_empty() {
+            q.callers = q.callers.saturating_sub(1);
+            return None;
+        }
+        Some(call)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn waiter() -> (Waiter, oneshot::Receiver<Answer>) {
+        let (reply, rx) = oneshot::channel();
+        (
+            Waiter {
+                batch: Vec::new(),
+                reply,
+            },
+            rx,
+        )
+    }
+
+    #[test]
+    fn starts_at_most_two_callers_and_merges_the_rest() {
+        let c = Coalescer::default();
+        let mut receivers = Vec::new();
+        let mut started = 0;
+        for _ in 0..100 {
+            let (w, rx) = waiter();
+            receivers.push(rx);
+            if matches!(c.push(w), Push::StartCaller) {
+                started += 1;
+            }
+        }
+        assert_eq!(started, MAX_CALLERS);
+        // A caller that gave up is skipped.
+        receivers.remove(0);
+        assert_eq!(c.next_call().map(|v| v.len()), Some(MAX_REQUESTS_PER_CALL));
+        assert_eq!(c.next_call().map(|v| v.len()), Some(100 - 1 - 64));
+        assert!(c.next_call().is_none());
+        assert!(c.next_call().is_none());
+        // Both callers stopped: the next batch starts one again.
+        let (w, _rx) = waiter();
+        assert!(matches!(c.push(w), Push::StartCaller));
+    }
+
+    #[test]
+    fn a_full_queue_refuses() {
+        let c = Coalescer::default();
+        let mut receivers = Vec::new();
+        for _ in 0..MAX_WAITING {
+            let (w, rx) = waiter();
+            receivers.push(rx);
+            assert!(!matches!(c.push(w), Push::Full));
+        }
+        let (w, _rx) = waiter();
+        assert!(matches!(c.push(w), Push::Full));
+    }
+}
