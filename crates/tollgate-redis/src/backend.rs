@@ -580,6 +580,12 @@ impl RedisBackend {
             }
         }
         let (hit, verdict) = hit?;
+        // Leases taken before the refusal would hold their keys back for nothing.
+        for (taken, digest) in leased.iter_mut().zip(digests).take(hit) {
+            if std::mem::take(taken) {
+                self.inner.deny.release(digest);
+            }
+        }
         metrics::counter!(
             "tollgate_deny_cache_hits_total",
             "limit" => Arc::clone(checks[hit].limit.name_arc())

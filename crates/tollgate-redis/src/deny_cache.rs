@@ -190,6 +190,20 @@ impl DenyCache {
         }
     }
 
+    /// Gives back a lease whose request will not ask Redis after all (another check refused
+    /// it here): the next request asks instead.
+    pub(crate) fn release(&self, digest: &KeyDigest) {
+        if self.per_shard == 0 {
+            return;
+        }
+        if let Some(entry) = self.shard(digest).get_mut(digest) {
+            if entry.leased {
+                entry.until = Instant::now();
+                entry.leased = false;
+            }
+        }
+    }
+
     /// Entries held, expired or not.
     pub(crate) fn len(&self) -> usize {
         self.shards
@@ -280,6 +294,18 @@ mod tests {
         assert!(cache.lookup(&d, 1).denial().is_some());
         tokio::time::advance(Duration::from_micros(1)).await;
         assert_eq!(cache.lookup(&d, 1), Lookup::Leased); // the next request asks
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_released_lease_goes_to_the_next_request() {
+        let cache = DenyCache::new(100, Duration::from_millis(50));
+        let d = [5u8; 16];
+        cache.insert(&d, 1, &denied(1_000));
+        tokio::time::advance(Duration::from_millis(1)).await;
+        assert_eq!(cache.lookup(&d, 1), Lookup::Leased);
+        assert!(cache.lookup(&d, 1).denial().is_some());
+        cache.release(&d);
+        assert_eq!(cache.lookup(&d, 1), Lookup::Leased);
     }
 
     #[tokio::test(start_paused = true)]
