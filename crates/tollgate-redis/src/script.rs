@@ -418,7 +418,7 @@ pub(crate) fn parse_replies(
 /// A figure of a reply: a whole number of at most 2^53, the range in which Lua is exact.
 fn figure(x: f64) -> Result<u64, BackendError> {
     const EXACT: f64 = 9_007_199_254_740_992.0; // 2^53
-    if x.is_finite() && x >= 0.0 && x <= EXACT && x.fract() == 0.0 {
+    if (0.0..=EXACT).contains(&x) && x.fract() == 0.0 {
         // In range and whole: the conversion is exact.
         #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
         Ok(x as u64)
