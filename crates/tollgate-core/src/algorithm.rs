@@ -62,7 +62,13 @@ pub fn gcra(
 }
 
 fn remaining_of(tolerance: Micros, used: Micros, interval: Micros) -> u64 {
-    tolerance.saturating_sub(used) / interval
+    let slack = tolerance.saturating_sub(used);
+    // An exhausted bucket (every refusal) answers without a division.
+    if slack < interval {
+        0
+    } else {
+        slack / interval
+    }
 }
 
 /// The stored state of one fixed-window key: the end of its window and the units counted in it.

@@ -77,6 +77,7 @@ impl Verdict {
     };
 
     /// Whether this limit admits the request.
+    #[inline]
     pub fn is_allowed(&self) -> bool {
         self.status == Status::Allowed
     }
@@ -106,6 +107,7 @@ pub struct Verdicts {
 
 impl Verdicts {
     /// No verdicts.
+    #[inline]
     pub const fn new() -> Self {
         Self {
             len: 0,
@@ -118,6 +120,7 @@ impl Verdicts {
     /// # Errors
     ///
     /// Gives the verdict back when [`MAX_CHECKS`] are already held.
+    #[inline]
     pub fn push(&mut self, verdict: Verdict) -> Result<(), Verdict> {
         let slot = self.items.get_mut(self.len).ok_or(verdict)?;
         *slot = verdict;
@@ -126,11 +129,13 @@ impl Verdicts {
     }
 
     /// The verdicts as a mutable slice.
+    #[inline]
     pub fn as_mut_slice(&mut self) -> &mut [Verdict] {
         &mut self.items[..self.len]
     }
 
     /// Whether every enforced check of `checks` was admitted.
+    #[inline]
     pub fn admits(&self, checks: &[Check<'_>]) -> bool {
         self.iter()
             .zip(checks)
@@ -147,6 +152,7 @@ impl Default for Verdicts {
 impl Deref for Verdicts {
     type Target = [Verdict];
 
+    #[inline]
     fn deref(&self) -> &[Verdict] {
         &self.items[..self.len]
     }

@@ -33,6 +33,7 @@ mod clock;
 mod error;
 mod limit;
 mod memory;
+mod sip;
 
 pub use backend::{
     Backend, BackendError, BackendErrorKind, Check, Status, Verdict, Verdicts, MAX_CHECKS,

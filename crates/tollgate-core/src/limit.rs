@@ -30,6 +30,8 @@ pub struct Quota {
     limit: NonZeroU32,
     period: Micros,
     burst: NonZeroU32,
+    /// `period / limit`, kept so that a GCRA check does not divide for it.
+    interval: Micros,
 }
 
 impl Quota {
@@ -49,6 +51,7 @@ impl Quota {
             limit,
             period,
             burst: limit,
+            interval: period / u64::from(limit.get()),
         })
     }
 
@@ -122,7 +125,7 @@ impl Quota {
 
     /// GCRA's emission interval: the period divided by the limit, in whole microseconds.
     pub fn emission_interval(&self) -> Micros {
-        self.period / u64::from(self.limit.get())
+        self.interval
     }
 
     /// This quota with the limit divided by `parts` (rounded up, at least 1).
@@ -130,10 +133,12 @@ impl Quota {
         let share = |n: NonZeroU32| {
             NonZeroU32::new(n.get().div_ceil(parts.get())).unwrap_or(NonZeroU32::MIN)
         };
+        let limit = share(self.limit);
         Self {
-            limit: share(self.limit),
+            limit,
             period: self.period,
             burst: share(self.burst),
+            interval: self.period / u64::from(limit.get()),
         }
     }
 }
