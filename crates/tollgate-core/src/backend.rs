@@ -185,9 +185,12 @@ impl FromIterator<Verdict> for Verdicts {
 /// `check` does all the work it can synchronously and returns a `'static` future: an in-memory
 /// backend answers with a ready future and pays for no allocation or boxing, a networked one
 /// copies what it needs before it returns.
+///
+/// The future is `Unpin` (a networked backend boxes its I/O), so a caller can poll it once in
+/// place and act at once on an answer that is already there, which is every in-memory answer.
 pub trait Backend: Send + Sync + 'static {
     /// The answer to one batch.
-    type Future: Future<Output = Result<Verdicts, BackendError>> + Send + 'static;
+    type Future: Future<Output = Result<Verdicts, BackendError>> + Send + Unpin + 'static;
 
     /// Checks and, if admitted, consumes every check of one request.
     ///

@@ -475,3 +475,69 @@ fn bad_configuration_is_an_error() {
     }
     assert!(b.build().is_err());
 }
+
+/// A backend that answers only on its second poll, as a networked one does: the layer must
+/// wait for it, then decide exactly as it does for an answer that is ready at once.
+#[derive(Clone)]
+struct Late(MemoryBackend<FakeClock>);
+
+struct LateAnswer(Option<Result<Verdicts, BackendError>>, bool);
+
+impl std::future::Future for LateAnswer {
+    type Output = Result<Verdicts, BackendError>;
+
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        if !std::mem::replace(&mut self.1, true) {
+            cx.waker().wake_by_ref();
+            return std::task::Poll::Pending;
+        }
+        std::task::Poll::Ready(self.0.take().unwrap())
+    }
+}
+
+impl Backend for Late {
+    type Future = LateAnswer;
+    fn check(&self, checks: &[Check<'_>]) -> Self::Future {
+        LateAnswer(Some(self.0.check_now(checks)), false)
+    }
+    fn kind(&self) -> &'static str {
+        "late"
+    }
+}
+
+#[tokio::test]
+async fn an_answer_that_is_not_ready_at_once_decides_the_same() {
+    let (backend, _clock) = memory();
+    let layer = RateLimitLayer::builder()
+        .limit(
+            Limit::gcra("per-ip", Quota::per_minute(2).unwrap()).unwrap(),
+            ClientIp::peer(),
+        )
+        .backend(Late(backend))
+        .build()
+        .unwrap();
+    let mut svc = app(layer);
+    for (remaining, t) in [(1, 30), (0, 60)] {
+        let res = send(&mut svc, from([10, 0, 0, 1])).await;
+        assert_eq!(res.status(), StatusCode::OK);
+        assert_eq!(
+            header(&res, "ratelimit-policy"),
+            Some("\"per-ip\";q=2;w=60")
+        );
+        let expected = format!("\"per-ip\";r={remaining};t={t}");
+        assert_eq!(header(&res, "ratelimit"), Some(expected.as_str()));
+        assert_eq!(
+            res.extensions().get::<Decision>().unwrap().remaining(),
+            Some(remaining)
+        );
+        assert_eq!(body(res).await, format!("remaining=Some({remaining})"));
+    }
+    let res = send(&mut svc, from([10, 0, 0, 1])).await;
+    assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(header(&res, "retry-after"), Some("30"));
+    assert_eq!(header(&res, "ratelimit"), Some("\"per-ip\";r=0;t=30"));
+    assert!(!res.extensions().get::<Decision>().unwrap().is_admitted());
+}

@@ -21,7 +21,6 @@ pin_project! {
     {
         #[pin]
         state: State<S, B, ReqBody>,
-        shared: Option<Arc<Shared<B>>>,
     }
 }
 
@@ -32,22 +31,29 @@ pin_project! {
         S: Service<Request<ReqBody>>,
         B: Backend,
     {
+        // Waiting for a backend that did not answer at once. Boxed: a networked call costs far
+        // more than the allocation, and the future that every admitted request moves around
+        // stays small.
         Checking {
-            #[pin]
-            check: B::Future,
-            req: Option<Request<ReqBody>>,
-            inner: Option<S>,
-            plan: Plan,
+            checking: Option<Box<Checking<S, B, ReqBody>>>,
         },
         Calling {
             #[pin]
             call: S::Future,
-            decision: Option<Decision>,
+            finish: Option<(Decision, Arc<Shared<B>>)>,
         },
         Refused {
             response: Option<Response<Bytes>>,
         },
     }
+}
+
+struct Checking<S, B: Backend, ReqBody> {
+    check: B::Future,
+    req: Request<ReqBody>,
+    inner: S,
+    plan: Plan,
+    shared: Arc<Shared<B>>,
 }
 
 impl<S, B, ReqBody> ResponseFuture<S, B, ReqBody>
@@ -64,12 +70,23 @@ where
     ) -> Self {
         Self {
             state: State::Checking {
-                check,
-                req: Some(req),
-                inner: Some(inner),
-                plan,
+                checking: Some(Box::new(Checking {
+                    check,
+                    req,
+                    inner,
+                    plan,
+                    shared,
+                })),
             },
-            shared: Some(shared),
+        }
+    }
+
+    pub(crate) fn calling(call: S::Future, decision: Decision, shared: Arc<Shared<B>>) -> Self {
+        Self {
+            state: State::Calling {
+                call,
+                finish: Some((decision, shared)),
+            },
         }
     }
 
@@ -78,7 +95,6 @@ where
             state: State::Refused {
                 response: Some(response),
             },
-            shared: None,
         }
     }
 }
@@ -96,25 +112,28 @@ where
         let mut this = self.project();
         loop {
             match this.state.as_mut().project() {
-                StateProj::Checking {
-                    check,
-                    req,
-                    inner,
-                    plan,
-                } => {
-                    let result = ready!(check.poll(cx));
-                    let (Some(mut req), Some(mut inner), Some(shared)) =
-                        (req.take(), inner.take(), this.shared.as_ref())
-                    else {
+                StateProj::Checking { checking } => {
+                    let Some(waiting) = checking.as_mut() else {
                         panic!("{DONE}");
                     };
-                    match shared.decide(result, &req, plan) {
+                    let result = ready!(Pin::new(&mut waiting.check).poll(cx));
+                    let Some(waiting) = checking.take() else {
+                        panic!("{DONE}");
+                    };
+                    let Checking {
+                        mut req,
+                        mut inner,
+                        plan,
+                        shared,
+                        ..
+                    } = *waiting;
+                    match shared.decide(&result, &req, &plan) {
                         Decided::Admit(decision) => {
                             req.extensions_mut().insert(decision.clone());
                             let call = inner.call(req);
                             this.state.set(State::Calling {
                                 call,
-                                decision: Some(decision),
+                                finish: Some((decision, shared)),
                             });
                         }
                         Decided::Refuse(response) => this.state.set(State::Refused {
@@ -122,10 +141,9 @@ where
                         }),
                     }
                 }
-                StateProj::Calling { call, decision } => {
+                StateProj::Calling { call, finish } => {
                     let mut response = ready!(call.poll(cx))?;
-                    if let (Some(decision), Some(shared)) = (decision.take(), this.shared.as_ref())
-                    {
+                    if let Some((decision, shared)) = finish.take() {
                         shared.finish(&mut response, decision);
                     }
                     return Poll::Ready(Ok(response));

@@ -300,14 +300,20 @@ pub(crate) enum Decided {
 impl<B: Backend> Shared<B> {
     /// Extracts every key and starts the backend call; or refuses a request without a key.
     pub(crate) fn prepare<T>(&self, req: &Request<T>) -> Prepared<B::Future> {
-        // Without a subscriber that wants it, the span is a no-op and its fields are not
-        // evaluated: `names` is built once, when the layer is.
-        let span = tracing::debug_span!(
-            "tollgate.check",
-            limits = &*self.names,
-            outcome = tracing::field::Empty,
-            decision = tracing::field::Empty,
-        );
+        // Only a subscriber that wants debug spans gets one (`names` is built once, when the
+        // layer is). Otherwise the span is `none`: a disabled span still costs, on every
+        // request, what `tracing`'s `log` compatibility does when no subscriber is set (its
+        // fields formatted, each enter and exit checked against the `log` level).
+        let span = if tracing::level_enabled!(tracing::Level::DEBUG) {
+            tracing::debug_span!(
+                "tollgate.check",
+                limits = &*self.names,
+                outcome = tracing::field::Empty,
+                decision = tracing::field::Empty,
+            )
+        } else {
+            tracing::Span::none()
+        };
         let view = RequestView::new(req);
         let mut keys: [Option<Key<'_>>; MAX_CHECKS] = Default::default();
         let mut plan = Plan {
@@ -344,68 +350,49 @@ impl<B: Backend> Shared<B> {
     }
 
     /// Turns the backend's answer into a decision, or a refusal.
+    ///
+    /// The answer is borrowed: the verdicts of a batch are a few hundred bytes, and this runs
+    /// on every request.
     pub(crate) fn decide<T>(
         &self,
-        result: Result<Verdicts, BackendError>,
+        result: &Result<Verdicts, BackendError>,
         req: &Request<T>,
         plan: &Plan,
     ) -> Decided {
         // Warnings about bypasses and capacity are logged inside the request's span.
         let _entered = plan.span.enter();
-        let mut outcomes = [(
-            Outcome::Skipped {
-                reason: SkipReason::MissingKey,
-            },
-            Source::Backend,
-        ); MAX_CHECKS];
-        let result = result.and_then(|v| {
-            if v.len() == plan.n {
-                Ok(v)
-            } else {
-                Err(BackendError::new(
-                    tollgate_core::BackendErrorKind::Protocol,
-                    format!("{} verdicts for {} checks", v.len(), plan.n),
-                ))
+        let decision = match result {
+            Ok(verdicts) if verdicts.len() == plan.n => {
+                // Every verdict came back: each limit's outcome is its verdict, or a skip for
+                // a limit that had no key, in the layer's order.
+                let mut checked = plan.limit_of[..plan.n].iter().zip(verdicts.iter());
+                let mut next = checked.next();
+                self.limits
+                    .iter()
+                    .enumerate()
+                    .map(|(i, entry)| {
+                        let outcome = match next {
+                            Some((&at, verdict)) if at == i => {
+                                next = checked.next();
+                                Outcome::from_verdict(verdict)
+                            }
+                            _ => Outcome::Skipped {
+                                reason: SkipReason::MissingKey,
+                            },
+                        };
+                        entry.decision(outcome, Source::Backend)
+                    })
+                    .collect()
             }
-        });
-        match result {
             Ok(verdicts) => {
-                for (j, verdict) in verdicts.iter().enumerate() {
-                    outcomes[plan.limit_of[j]] = (Outcome::from_verdict(verdict), Source::Backend);
-                }
+                let error = BackendError::new(
+                    tollgate_core::BackendErrorKind::Protocol,
+                    format!("{} verdicts for {} checks", verdicts.len(), plan.n),
+                );
+                self.decide_failure(&error, req, plan)
             }
-            Err(error) => self.on_failure(&error, req, plan, &mut outcomes),
-        }
-        // A refused request went nowhere: a fail-open limit beside the one that refused it
-        // bypassed nothing, and must not say it did.
-        let refused = self
-            .limits
-            .iter()
-            .zip(&outcomes)
-            .any(|(entry, (outcome, _))| !entry.limit.is_shadow() && !outcome.admits());
-        if refused {
-            for (outcome, _) in &mut outcomes {
-                if let Outcome::Bypassed { .. } = outcome {
-                    *outcome = Outcome::Skipped {
-                        reason: SkipReason::NotChecked,
-                    };
-                }
-            }
-        }
-        let decision: Decision = self
-            .limits
-            .iter()
-            .zip(outcomes)
-            .map(|(entry, (outcome, source))| {
-                LimitDecision::new(
-                    Arc::clone(entry.limit.name_arc()),
-                    *entry.limit.quota(),
-                    outcome,
-                    source,
-                    entry.limit.is_shadow(),
-                )
-            })
-            .collect();
+            Err(error) => self.decide_failure(error, req, plan),
+        };
         let admitted = decision.is_admitted();
         for (entry, d) in self.limits.iter().zip(decision.limits()) {
             entry.metrics.record(d, admitted);
@@ -425,6 +412,38 @@ impl<B: Backend> Shared<B> {
         // Refusals always carry the rate-limit fields: they say when to come back.
         self.stamp(&mut response, decision, true);
         Decided::Refuse(response)
+    }
+
+    /// The decision when the backend failed: each checked limit's failure policy.
+    fn decide_failure<T>(&self, error: &BackendError, req: &Request<T>, plan: &Plan) -> Decision {
+        let mut outcomes = [(
+            Outcome::Skipped {
+                reason: SkipReason::MissingKey,
+            },
+            Source::Backend,
+        ); MAX_CHECKS];
+        self.on_failure(error, req, plan, &mut outcomes);
+        // A refused request went nowhere: a fail-open limit beside the one that refused it
+        // bypassed nothing, and must not say it did.
+        let refused = self
+            .limits
+            .iter()
+            .zip(&outcomes)
+            .any(|(entry, (outcome, _))| !entry.limit.is_shadow() && !outcome.admits());
+        if refused {
+            for (outcome, _) in &mut outcomes {
+                if let Outcome::Bypassed { .. } = outcome {
+                    *outcome = Outcome::Skipped {
+                        reason: SkipReason::NotChecked,
+                    };
+                }
+            }
+        }
+        self.limits
+            .iter()
+            .zip(outcomes)
+            .map(|(entry, (outcome, source))| entry.decision(outcome, source))
+            .collect()
     }
 
     /// Applies each checked limit's failure policy.
@@ -513,6 +532,19 @@ impl<B: Backend> Shared<B> {
             );
         }
         response.extensions_mut().insert(decision);
+    }
+}
+
+impl Entry {
+    /// This limit's part of a decision.
+    fn decision(&self, outcome: Outcome, source: Source) -> LimitDecision {
+        LimitDecision::new(
+            Arc::clone(self.limit.name_arc()),
+            *self.limit.quota(),
+            outcome,
+            source,
+            self.limit.is_shadow(),
+        )
     }
 }
 

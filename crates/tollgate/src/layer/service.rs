@@ -1,5 +1,7 @@
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, Waker};
 
 use bytes::Bytes;
 use http::{Request, Response};
@@ -7,9 +9,12 @@ use tollgate_core::{Backend, MemoryBackend};
 use tower_service::Service;
 
 use super::future::ResponseFuture;
-use super::{Prepared, Shared};
+use super::{Decided, Prepared, Shared};
 
 /// The service a [`RateLimitLayer`](super::RateLimitLayer) wraps around `S`.
+///
+/// An answer that is ready at once (every in-memory answer, a Redis deny-cache hit) is taken in
+/// [`call`](Service::call) itself.
 pub struct RateLimit<S, B = MemoryBackend> {
     inner: S,
     shared: Arc<Shared<B>>,
@@ -49,11 +54,27 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, req: Request<ReqBody>) -> Self::Future {
-        match self.shared.prepare(&req) {
-            Prepared::Refuse(response) => ResponseFuture::refused(response),
-            Prepared::Check(check, plan) => {
-                // Call the service that was polled ready, leave a fresh clone in its place.
+    fn call(&mut self, mut req: Request<ReqBody>) -> Self::Future {
+        let (mut check, plan) = match self.shared.prepare(&req) {
+            Prepared::Refuse(response) => return ResponseFuture::refused(response),
+            Prepared::Check(check, plan) => (check, plan),
+        };
+        // The in-memory backend, and a networked one's local deny cache, answer at once. Then
+        // the request goes straight to the service that was polled ready: no clone of it, and
+        // no trip of the request through the future. A pending answer is polled again, with
+        // the task's waker, by the future.
+        let answer = Pin::new(&mut check).poll(&mut Context::from_waker(Waker::noop()));
+        match answer {
+            Poll::Ready(result) => match self.shared.decide(&result, &req, &plan) {
+                Decided::Admit(decision) => {
+                    req.extensions_mut().insert(decision.clone());
+                    let call = self.inner.call(req);
+                    ResponseFuture::calling(call, decision, Arc::clone(&self.shared))
+                }
+                Decided::Refuse(response) => ResponseFuture::refused(response),
+            },
+            Poll::Pending => {
+                // Call the service that was polled ready later, leave a fresh clone in its place.
                 let clone = self.inner.clone();
                 let inner = std::mem::replace(&mut self.inner, clone);
                 ResponseFuture::checking(check, req, inner, plan, Arc::clone(&self.shared))
