@@ -235,54 +235,91 @@ impl LimitDecision {
 /// assert_eq!(d.get("burst").map(|l| l.label()), Some("allowed"));
 /// # Ok::<(), tollgate::core::ConfigError>(())
 /// ```
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Clone)]
 pub struct Decision {
-    limits: Arc<[LimitDecision]>,
+    limits: Limits,
+}
+
+/// A decision's parts. Most layers have one limit: its part is kept inline, so that making a
+/// decision and copying it to the response allocate nothing.
+#[derive(Clone)]
+enum Limits {
+    One(LimitDecision),
+    Many(Arc<[LimitDecision]>),
 }
 
 impl FromIterator<LimitDecision> for Decision {
     fn from_iter<I: IntoIterator<Item = LimitDecision>>(iter: I) -> Self {
-        Self {
-            limits: iter.into_iter().collect(),
+        let mut iter = iter.into_iter();
+        // A layer's parts come from an iterator of known length: one check of it suffices.
+        if iter.size_hint() == (1, Some(1)) {
+            if let Some(one) = iter.next() {
+                return Self {
+                    limits: Limits::One(one),
+                };
+            }
         }
+        let limits = match (iter.next(), iter.next()) {
+            (Some(one), None) => Limits::One(one),
+            (first, second) => Limits::Many(first.into_iter().chain(second).chain(iter).collect()),
+        };
+        Self { limits }
+    }
+}
+
+impl PartialEq for Decision {
+    fn eq(&self, other: &Self) -> bool {
+        self.limits() == other.limits()
+    }
+}
+
+impl Eq for Decision {}
+
+impl std::fmt::Debug for Decision {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Decision")
+            .field("limits", &self.limits())
+            .finish()
     }
 }
 
 impl Decision {
     /// A decision from its limits' parts.
     pub fn new(limits: Vec<LimitDecision>) -> Self {
-        Self {
-            limits: limits.into(),
-        }
+        limits.into_iter().collect()
     }
 
     /// Every limit's part, in the layer's order.
     ///
-    /// (Collecting an iterator of parts into a `Decision` allocates once.)
+    /// (Collecting an iterator of parts into a `Decision` allocates at most once, and not at
+    /// all for a single part.)
     pub fn limits(&self) -> &[LimitDecision] {
-        &self.limits
+        match &self.limits {
+            Limits::One(one) => std::slice::from_ref(one),
+            Limits::Many(many) => many,
+        }
     }
 
     /// One limit's part, by name.
     pub fn get(&self, name: &str) -> Option<&LimitDecision> {
-        self.limits.iter().find(|l| l.name() == name)
+        self.limits().iter().find(|l| l.name() == name)
     }
 
     /// Whether every limit admits the request.
     pub fn is_admitted(&self) -> bool {
-        !self.limits.iter().any(LimitDecision::refuses)
+        !self.limits().iter().any(LimitDecision::refuses)
     }
 
     /// Whether any limit let the request through uncounted because its backend failed.
     pub fn is_bypassed(&self) -> bool {
-        self.limits
+        self.limits()
             .iter()
             .any(|l| matches!(l.outcome, Outcome::Bypassed { .. }))
     }
 
     /// The fewest units left across the limits that counted the request.
     pub fn remaining(&self) -> Option<u64> {
-        self.limits
+        self.limits()
             .iter()
             .filter_map(|l| match l.outcome {
                 Outcome::Allowed { remaining, .. } => Some(remaining),
@@ -293,7 +330,7 @@ impl Decision {
 
     /// The longest wait among the limits that refuse the request.
     pub fn retry_after(&self) -> Option<Duration> {
-        self.limits
+        self.limits()
             .iter()
             .filter(|l| l.refuses())
             .filter_map(|l| match l.outcome {
@@ -301,5 +338,49 @@ impl Decision {
                 _ => None,
             })
             .max()
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn part(name: &str, remaining: u64) -> LimitDecision {
+        LimitDecision::new(
+            name.into(),
+            Quota::per_minute(10).unwrap(),
+            Outcome::Allowed {
+                remaining,
+                reset: Duration::from_secs(6),
+            },
+            Source::Backend,
+            false,
+        )
+    }
+
+    #[test]
+    fn one_part_or_many_read_the_same() {
+        let one = Decision::new(vec![part("a", 3)]);
+        assert_eq!(one.limits(), [part("a", 3)]);
+        assert_eq!(one.remaining(), Some(3));
+        // Collected from an iterator whose length is not known in advance.
+        let filtered: Decision = [part("a", 3), part("b", 1)]
+            .into_iter()
+            .filter(|p| p.name() == "a")
+            .collect();
+        assert_eq!(filtered, one);
+        for n in [0, 2, 3] {
+            let parts: Vec<_> = (0..n).map(|i| part(&format!("l{i}"), i)).collect();
+            let many = Decision::new(parts.clone());
+            assert_eq!(many.limits(), parts.as_slice());
+            let collected: Decision = parts.iter().filter(|_| true).cloned().collect();
+            assert_eq!(collected.limits(), parts.as_slice());
+        }
+        assert_eq!(
+            format!("{:?}", Decision::new(vec![])),
+            "Decision { limits: [] }"
+        );
+        assert_eq!(one.clone(), one);
     }
 }
