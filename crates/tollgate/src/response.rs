@@ -16,6 +16,8 @@ use bytes::Bytes;
 use http::header::{HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AFTER};
 use http::{HeaderMap, Response, StatusCode};
 
+use tollgate_core::MAX_CHECKS;
+
 use crate::decision::{Decision, DenyReason, Outcome};
 use crate::key::MissingKey;
 
@@ -209,9 +211,10 @@ pub(crate) fn write_headers(
     policy: Option<&HeaderValue>,
     config: HeaderConfig,
 ) {
-    // Written into a buffer on the stack without `fmt`: this runs on every admitted request.
-    // Names are at most 64 bytes and a layer has at most 8 limits, so 1 KiB always fits.
-    let mut buf = [0u8; 1024];
+    // This runs on every admitted request, so the `RateLimit` value is written without `fmt`
+    // straight into an exactly-sized buffer that the `HeaderValue` takes over as it is.
+    let mut items = [(0, 0, ""); MAX_CHECKS];
+    let mut n = 0;
     let mut len = 0;
     let mut tightest: Option<(u64, u64, u32)> = None;
     for limit in decision.limits() {
@@ -231,20 +234,13 @@ pub(crate) fn write_headers(
             }
             Outcome::Bypassed { .. } | Outcome::Skipped { .. } => continue,
         };
-        let sep: &[u8] = if len > 0 { b", \"" } else { b"\"" };
-        for part in [
-            sep,
-            limit.name().as_bytes(),
-            b"\";r=",
-            digits(remaining, &mut [0; 20]),
-            b";t=",
-            digits(seconds, &mut [0; 20]),
-        ] {
-            if let Some(dst) = buf.get_mut(len..len + part.len()) {
-                dst.copy_from_slice(part);
-                len += part.len();
-            }
-        }
+        let Some(item) = items.get_mut(n) else {
+            break;
+        };
+        *item = (remaining, seconds, limit.name());
+        n += 1;
+        // `, "name";r=R;t=T` (no separator before the first item).
+        len += 2 + limit.name().len() + 8 + decimal_len(remaining) + decimal_len(seconds);
         if tightest.is_none_or(|(r, _, _)| remaining < r) {
             tightest = Some((remaining, seconds, limit.quota().limit()));
         }
@@ -252,8 +248,17 @@ pub(crate) fn write_headers(
     if let Some(policy) = policy {
         headers.insert(RATELIMIT_POLICY.clone(), policy.clone());
     }
-    if len > 0 {
-        if let Ok(v) = HeaderValue::from_bytes(&buf[..len]) {
+    if n > 0 {
+        let mut out = Vec::with_capacity(len - 2);
+        for (i, &(remaining, seconds, name)) in items[..n].iter().enumerate() {
+            out.extend_from_slice(if i == 0 { b"\"" } else { b", \"" });
+            out.extend_from_slice(name.as_bytes());
+            out.extend_from_slice(b"\";r=");
+            out.extend_from_slice(digits(remaining, &mut [0; 20]));
+            out.extend_from_slice(b";t=");
+            out.extend_from_slice(digits(seconds, &mut [0; 20]));
+        }
+        if let Ok(v) = HeaderValue::from_maybe_shared(Bytes::from(out)) {
             headers.insert(RATELIMIT.clone(), v);
         }
     }
@@ -264,17 +269,37 @@ pub(crate) fn write_headers(
     }
 }
 
+/// How many decimal digits `n` has.
+fn decimal_len(n: u64) -> usize {
+    n.checked_ilog10().map_or(1, |d| d as usize + 1)
+}
+
+/// "00" to "99": two digits per division.
+const PAIRS: &[u8; 200] = b"\
+0001020304050607080910111213141516171819\
+2021222324252627282930313233343536373839\
+4041424344454647484950515253545556575859\
+6061626364656667686970717273747576777879\
+8081828384858687888990919293949596979899";
+
 /// The decimal digits of `n`, written at the end of `buf`.
 fn digits(mut n: u64, buf: &mut [u8; 20]) -> &[u8] {
     let mut i = buf.len();
-    loop {
-        i -= 1;
-        buf[i] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            return &buf[i..];
-        }
+    while n >= 100 {
+        let pair = (n % 100) as usize * 2;
+        n /= 100;
+        i -= 2;
+        buf[i..i + 2].copy_from_slice(&PAIRS[pair..pair + 2]);
     }
+    if n >= 10 {
+        let pair = n as usize * 2;
+        i -= 2;
+        buf[i..i + 2].copy_from_slice(&PAIRS[pair..pair + 2]);
+    } else {
+        i -= 1;
+        buf[i] = b'0' + n as u8;
+    }
+    &buf[i..]
 }
 
 /// Adds `Retry-After` unless the responder set one.
@@ -344,8 +369,9 @@ mod tests {
 
     #[test]
     fn digits_are_decimal() {
-        for n in [0, 7, 10, 429, u64::MAX] {
+        for n in [0, 7, 9, 10, 99, 100, 429, 1_000, 4_294_967_294, u64::MAX] {
             assert_eq!(digits(n, &mut [0; 20]), n.to_string().as_bytes());
+            assert_eq!(decimal_len(n), n.to_string().len());
         }
     }
 
