@@ -6,14 +6,13 @@
 //! exactly what a `CHECK` wrote, for Redis Cluster batches split over several slots.
 //!
 //! Lua numbers are doubles: every figure here (microseconds since the epoch, about 2^51 today)
-//! is an integer below 2^53 and exact. A number passed to `redis.call` reaches Redis as all its
-//! digits (Redis formats it with 17 significant digits), but Lua's own `tostring` and `..` use
-//! 14, so a number that becomes part of a string (a key, a member) goes through `fmt`.
+//! is an integer below 2^53 and exact. Lua's own `tostring` and `..` keep only 14 digits, and
+//! Redis formats a number passed to `redis.call` as a double (`%.17g`, slow in the C library),
+//! so numbers that become strings go through `fmt`, an integer format (`%d`, a C `long`).
 //!
-//! What a check costs Redis is mostly turning strings into numbers and back (`strtod` and
-//! `printf` in the C library) and calling commands, so `CHECK` takes each distinct limit's
-//! parameters once per call and one packed number per check, and hands numbers to commands as
-//! they are.
+//! What a check costs Redis is mostly turning strings into numbers and back and calling
+//! commands, so `CHECK` takes each distinct limit's parameters once per call and one packed
+//! number per check.
 
 use tollgate_core::{
     Algorithm, BackendError, BackendErrorKind, Check, Micros, Quota, Status, Verdict,
@@ -28,11 +27,11 @@ local function idiv(a, b)
   if q * b > a then q = q - 1 elseif (q + 1) * b <= a then q = q + 1 end
   return q
 end
-local function fmt(x) return string.format('%.0f', x) end
+local function fmt(x) return string.format('%d', x) end
 local function ttl_ms(us)
   local ms = idiv(us + 999, 1000)
   if ms < 1 then ms = 1 end
-  return ms
+  return fmt(ms)
 end
 local now
 if ARGV[1] ~= '' then
@@ -177,7 +176,7 @@ while a <= argc do
     for j = 1, n do
       local algo, key = w_algo[j], w_key[j]
       if algo == 1 then
-        redis.call('SET', key, w_val[j], 'PX', ttl_ms(w_ttl[j]))
+        redis.call('SET', key, fmt(w_val[j]), 'PX', ttl_ms(w_ttl[j]))
       elseif algo == 2 then
         redis.call('INCRBY', key, w_val[j])
         if w_ttl[j] > 0 then redis.call('PEXPIRE', key, ttl_ms(w_ttl[j])) end
@@ -221,7 +220,7 @@ for i = 1, #KEYS do
       if back <= now then
         redis.call('DEL', key)
       else
-        redis.call('SET', key, back, 'PX', ttl_ms(back - now))
+        redis.call('SET', key, fmt(back), 'PX', ttl_ms(back - now))
       end
     end
   elseif algo == 2 then
