@@ -199,7 +199,8 @@ impl Inner {
 
     /// Sends what waits in the coalescer, one merged call after the other, until nothing does.
     async fn send_merged(self: Arc<Self>) {
-        while let Some(waiters) = self.coalescer.next_call() {
+        let mut caller = self.coalescer.caller();
+        while let Some(waiters) = caller.next_call() {
             let batches: Vec<&[Prepared]> = waiters.iter().map(|w| w.batch.as_slice()).collect();
             let call = self.eval_checks(&batches, None);
             let result = match tokio::time::timeout(self.deadline, call).await {

@@ -77,9 +77,19 @@ impl Coalescer {
         }
     }
 
+    /// Counts a task that was started after [`Push::StartCaller`]; it is counted out when it
+    /// is told to stop, or when it is dropped or panics before that (a runtime shutting down),
+    /// so that the next batch starts a new one.
+    pub(crate) fn caller(&self) -> Caller<'_> {
+        Caller {
+            coalescer: self,
+            stopped: false,
+        }
+    }
+
     /// The batches for the next call, oldest first, skipping those whose caller gave up; `None`
     /// when nothing waits, and then the calling task must stop (it has been counted out).
-    pub(crate) fn next_call(&self) -> Option<Vec<Waiter>> {
+    fn next_call(&self) -> Option<Vec<Waiter>> {
         let mut q = self.lock();
         let mut call = Vec::new();
         while call.len() < MAX_REQUESTS_PER_CALL {
@@ -95,6 +105,30 @@ impl Coalescer {
             return None;
         }
         Some(call)
+    }
+}
+
+/// A task sending merged calls; see [`Coalescer::caller`].
+pub(crate) struct Caller<'a> {
+    coalescer: &'a Coalescer,
+    stopped: bool,
+}
+
+impl Caller<'_> {
+    /// The batches for the next call; `None` when nothing waits, and the task must stop.
+    pub(crate) fn next_call(&mut self) -> Option<Vec<Waiter>> {
+        let call = self.coalescer.next_call();
+        self.stopped = call.is_none();
+        call
+    }
+}
+
+impl Drop for Caller<'_> {
+    fn drop(&mut self) {
+        if !self.stopped {
+            let mut q = self.coalescer.lock();
+            q.callers = q.callers.saturating_sub(1);
+        }
     }
 }
 
@@ -128,12 +162,35 @@ mod tests {
         assert_eq!(started, MAX_CALLERS);
         // A caller that gave up is skipped.
         receivers.remove(0);
-        assert_eq!(c.next_call().map(|v| v.len()), Some(MAX_REQUESTS_PER_CALL));
-        assert_eq!(c.next_call().map(|v| v.len()), Some(100 - 1 - 64));
-        assert!(c.next_call().is_none());
-        assert!(c.next_call().is_none());
-        // Both callers stopped: the next batch starts one again.
+        let (mut first, mut second) = (c.caller(), c.caller());
+        assert_eq!(
+            first.next_call().map(|v| v.len()),
+            Some(MAX_REQUESTS_PER_CALL)
+        );
+        assert_eq!(second.next_call().map(|v| v.len()), Some(100 - 1 - 64));
+        assert!(first.next_call().is_none());
+        assert!(second.next_call().is_none());
+        drop((first, second));
+        // Both callers stopped: the next batch starts one again, and only one.
         let (w, _rx) = waiter();
+        assert!(matches!(c.push(w), Push::StartCaller));
+        let (w, _rx) = waiter();
+        assert!(matches!(c.push(w), Push::StartCaller));
+        let (w, _rx) = waiter();
+        assert!(matches!(c.push(w), Push::Waits));
+    }
+
+    #[test]
+    fn a_caller_dropped_midway_is_counted_out() {
+        let c = Coalescer::default();
+        let (w, _rx) = waiter();
+        assert!(matches!(c.push(w), Push::StartCaller));
+        let (w, _rx2) = waiter();
+        assert!(matches!(c.push(w), Push::StartCaller));
+        let mut caller = c.caller();
+        assert!(caller.next_call().is_some());
+        drop(caller); // its task was dropped with a call in flight
+        let (w, _rx3) = waiter();
         assert!(matches!(c.push(w), Push::StartCaller));
     }
 
