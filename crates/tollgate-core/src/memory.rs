@@ -357,6 +357,31 @@ impl<C> Inner<C> {
     }
 
     /// A batch of one check: the same rules without the batch's arrays and lock ordering.
+    /// Runs `algorithm` on the state `fp` holds in `map` and stores what it returns, through
+    /// one lookup for a tracked key; a new key takes a place under the cap, or is refused.
+    #[inline]
+    fn step<S: Copy>(
+        &self,
+        map: &mut FpMap<S>,
+        fp: Fp,
+        algorithm: impl FnOnce(Option<S>) -> (Verdict, Option<S>),
+    ) -> Verdict {
+        let slot = map.get_mut(&fp);
+        let (mut verdict, next) = algorithm(slot.as_deref().copied());
+        match (slot, next) {
+            (Some(slot), Some(next)) => *slot = next,
+            (None, Some(next)) => {
+                if self.reserve() {
+                    map.insert(fp, next);
+                } else {
+                    verdict.status = self.at_capacity();
+                }
+            }
+            (_, None) => {}
+        }
+        verdict
+    }
+
     #[inline]
     fn check_one(&self, check: &Check<'_>, now: Micros, mask: usize) -> Verdicts {
         let fp = self.fingerprint(check);
@@ -365,40 +390,12 @@ impl<C> Inner<C> {
         let quota = check.limit.quota();
         // GCRA and fixed window read and write a tracked key's state through one lookup.
         let verdict = match check.limit.algorithm() {
-            Algorithm::Gcra => {
-                let slot = shard.gcra.get_mut(&fp);
-                let (mut verdict, next) =
-                    algorithm::gcra(quota, slot.as_deref().copied(), now, check.cost);
-                match (slot, next) {
-                    (Some(slot), Some(next)) => *slot = next,
-                    (None, Some(next)) => {
-                        if self.reserve() {
-                            shard.gcra.insert(fp, next);
-                        } else {
-                            verdict.status = self.at_capacity();
-                        }
-                    }
-                    (_, None) => {}
-                }
-                verdict
-            }
-            Algorithm::FixedWindow => {
-                let slot = shard.windows.get_mut(&fp);
-                let (mut verdict, next) =
-                    algorithm::fixed_window(quota, slot.as_deref().copied(), now, check.cost);
-                match (slot, next) {
-                    (Some(slot), Some(next)) => *slot = next,
-                    (None, Some(next)) => {
-                        if self.reserve() {
-                            shard.windows.insert(fp, next);
-                        } else {
-                            verdict.status = self.at_capacity();
-                        }
-                    }
-                    (_, None) => {}
-                }
-                verdict
-            }
+            Algorithm::Gcra => self.step(&mut shard.gcra, fp, |state| {
+                algorithm::gcra(quota, state, now, check.cost)
+            }),
+            Algorithm::FixedWindow => self.step(&mut shard.windows, fp, |state| {
+                algorithm::fixed_window(quota, state, now, check.cost)
+            }),
             Algorithm::SlidingLog => {
                 let (mut verdict, pending, new) = shard.evaluate(check, &fp, now);
                 if verdict.is_allowed() && new && !self.reserve() {
