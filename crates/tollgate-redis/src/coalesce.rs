@@ -1,10 +1,10 @@
 //! Merges the batches of concurrent requests into one script call (standalone Redis).
 //!
-//! A request's batch waits in a queue; at most [`MAX_CALLERS`] tasks take batches from it and
-//! each sends everything waiting, up to [`MAX_REQUESTS_PER_CALL`] requests, in one `CHECK`
-//! call. When traffic is light a batch goes out at once, alone; under load the batches that
-//! arrive during one round trip share the next one. Nothing waits for a timer: the queue only
-//! fills while calls are already in flight.
+//! A request's batch waits in a queue; one task at a time takes batches from it and sends
+//! everything waiting, up to [`MAX_REQUESTS_PER_CALL`] requests, in one `CHECK` call. When
+//! traffic is light a batch goes out at once, alone; under load the batches that arrive during
+//! one round trip share the next one. Nothing waits for a timer: the queue only fills while a
+//! call is in flight.
 //!
 //! Every request stays all-or-nothing on its own (the script runs the batches one after the
 //! other), so merging changes nothing a caller can see but the number of calls. A request whose
@@ -19,8 +19,10 @@ use tollgate_core::BackendError;
 
 use crate::script::{Prepared, Reply};
 
-/// Tasks sending calls at the same time: one can be in Redis while the next is on its way.
-pub(crate) const MAX_CALLERS: usize = 2;
+/// Tasks sending calls at the same time. One: with two, calls carried fewer requests each and
+/// tollgate on Redis served fewer requests per second (0.33-0.36× bare axum against
+/// 0.41-0.43× with one, in `benches/run.sh`; see `docs/benchmarks.md`).
+pub(crate) const MAX_CALLERS: usize = 1;
 /// Requests merged into one call, at most: bounds how long one script holds Redis.
 pub(crate) const MAX_REQUESTS_PER_CALL: usize = 64;
 /// Requests waiting, at most; beyond, a request fails at once (its limits' failure policies
@@ -148,7 +150,7 @@ mod tests {
     }
 
     #[test]
-    fn starts_at_most_two_callers_and_merges_the_rest() {
+    fn one_caller_sends_every_waiting_batch_in_merged_calls() {
         let c = Coalescer::default();
         let mut receivers = Vec::new();
         let mut started = 0;
@@ -159,21 +161,18 @@ mod tests {
                 started += 1;
             }
         }
-        assert_eq!(started, MAX_CALLERS);
+        assert_eq!(started, 1);
         // A caller that gave up is skipped.
         receivers.remove(0);
-        let (mut first, mut second) = (c.caller(), c.caller());
+        let mut caller = c.caller();
         assert_eq!(
-            first.next_call().map(|v| v.len()),
+            caller.next_call().map(|v| v.len()),
             Some(MAX_REQUESTS_PER_CALL)
         );
-        assert_eq!(second.next_call().map(|v| v.len()), Some(100 - 1 - 64));
-        assert!(first.next_call().is_none());
-        assert!(second.next_call().is_none());
-        drop((first, second));
-        // Both callers stopped: the next batch starts one again, and only one.
-        let (w, _rx) = waiter();
-        assert!(matches!(c.push(w), Push::StartCaller));
+        assert_eq!(caller.next_call().map(|v| v.len()), Some(100 - 1 - 64));
+        assert!(caller.next_call().is_none());
+        drop(caller);
+        // The caller stopped: the next batch starts one again, and only one.
         let (w, _rx) = waiter();
         assert!(matches!(c.push(w), Push::StartCaller));
         let (w, _rx) = waiter();
@@ -186,7 +185,7 @@ mod tests {
         let (w, _rx) = waiter();
         assert!(matches!(c.push(w), Push::StartCaller));
         let (w, _rx2) = waiter();
-        assert!(matches!(c.push(w), Push::StartCaller));
+        assert!(matches!(c.push(w), Push::Waits));
         let mut caller = c.caller();
         assert!(caller.next_call().is_some());
         drop(caller); // its task was dropped with a call in flight

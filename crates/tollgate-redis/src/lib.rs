@@ -37,7 +37,7 @@
 //! agree. Scripts are called with `EVALSHA` and loaded again after a `NOSCRIPT`; they use only
 //! commands that Valkey has too.
 //!
-//! On a standalone server the batches of concurrent requests share calls: while calls are in
+//! On a standalone server the batches of concurrent requests share calls: while a call is in
 //! flight, new batches wait, and the next call carries all of them (up to 64), each still
 //! all-or-nothing on its own and run in arrival order. Nothing waits for a timer, so a lone
 //! request goes out at once; under load, Redis runs one script per round trip instead of one
