@@ -42,13 +42,20 @@ async fn concurrent_checks_on_two_backends_admit_exactly_the_limit() {
     assert_eq!(concurrent_admissions(&backends, &limit, 100).await, 10);
 }
 
+/// A GCRA, a fixed window and a sliding log, each far from its limit.
+fn one_of_each_algorithm() -> [tollgate_core::Limit; 3] {
+    [
+        gcra("burst", 1_000),
+        fixed("hourly", Quota::per_hour(1_000).unwrap()),
+        sliding("log", Quota::per_minute(1_000).unwrap()),
+    ]
+}
+
 #[tokio::test]
 async fn one_script_call_per_batch_whatever_the_number_of_limits() {
     let server = RedisServer::start();
     let backend = support::standalone(&server.url()).build().unwrap();
-    let burst = gcra("burst", 1_000);
-    let hourly = fixed("hourly", Quota::per_hour(1_000).unwrap());
-    let log = sliding("log", Quota::per_minute(1_000).unwrap());
+    let [burst, hourly, log] = one_of_each_algorithm();
     let limits = [&burst, &hourly, &log];
     // Load the script first: a NOSCRIPT round is not part of the steady state.
     assert!(admitted(&backend, &limits, b"warm-up").await);
@@ -400,9 +407,7 @@ async fn at_once(
 async fn concurrent_requests_share_one_script_call() {
     let server = RedisServer::start();
     let backend = support::standalone(&server.url()).build().unwrap();
-    let burst = gcra("burst", 1_000);
-    let hourly = fixed("hourly", Quota::per_hour(1_000).unwrap());
-    let log = sliding("log", Quota::per_minute(1_000).unwrap());
+    let [burst, hourly, log] = one_of_each_algorithm();
     let limits = [&burst, &hourly, &log];
     assert!(admitted(&backend, &limits, b"warm-up").await);
     server.reset_stats();
