@@ -82,13 +82,9 @@ impl Inner {
         permit: Permit,
     ) -> Result<Verdicts, BackendError> {
         let started = Instant::now();
-        let result = match tokio::time::timeout(self.deadline, self.call(batch, now)).await {
-            Ok(result) => result,
-            Err(_) => Err(BackendError::new(
-                BackendErrorKind::Timeout,
-                format!("no answer from Redis within {:?}", self.deadline),
-            )),
-        };
+        let result = self
+            .within_deadline(self.call(batch, now), "from Redis")
+            .await;
         metrics::histogram!("tollgate_backend_duration_seconds", "backend" => BACKEND)
             .record(started.elapsed().as_secs_f64());
         let (batch, outcome) = match result {
@@ -134,6 +130,23 @@ impl Inner {
             let _ = verdicts.push(verdict);
         }
         Ok(verdicts)
+    }
+
+    /// `call`'s answer, or a timeout once the deadline has passed; `what` names the answer
+    /// awaited, for the error.
+    async fn within_deadline<T>(
+        &self,
+        call: impl Future<Output = Result<T, BackendError>>,
+        what: &str,
+    ) -> Result<T, BackendError> {
+        tokio::time::timeout(self.deadline, call)
+            .await
+            .unwrap_or_else(|_| {
+                Err(BackendError::new(
+                    BackendErrorKind::Timeout,
+                    format!("no answer {what} within {:?}", self.deadline),
+                ))
+            })
     }
 
     fn answered(&self) {
@@ -203,14 +216,7 @@ impl Inner {
         while let Some(waiters) = caller.next_call() {
             let batches: Vec<&[Prepared]> = waiters.iter().map(|w| w.batch.as_slice()).collect();
             let call = self.eval_checks(&batches, None);
-            let result = match tokio::time::timeout(self.deadline, call).await {
-                Ok(result) => result,
-                Err(_) => Err(BackendError::new(
-                    BackendErrorKind::Timeout,
-                    format!("no answer from Redis within {:?}", self.deadline),
-                )),
-            };
-            match result {
+            match self.within_deadline(call, "from Redis").await {
                 Ok(replies) => {
                     for (w, reply) in waiters.into_iter().zip(replies) {
                         let _ = w.reply.send(Ok((w.batch, reply)));
@@ -494,13 +500,7 @@ impl RedisBackend {
                 }
             }
         };
-        let result = match tokio::time::timeout(inner.deadline, attempt).await {
-            Ok(r) => r,
-            Err(_) => Err(BackendError::new(
-                BackendErrorKind::Timeout,
-                format!("no answer to PING within {:?}", inner.deadline),
-            )),
-        };
+        let result = inner.within_deadline(attempt, "to PING").await;
         let up = if result.is_ok() { 1.0 } else { 0.0 };
         metrics::gauge!("tollgate_backend_up", "backend" => BACKEND).set(up);
         result.map(|()| started.elapsed())
