@@ -76,6 +76,15 @@ struct Entry {
     held: u32,
 }
 
+impl Entry {
+    /// Ends the lease: the next request takes a new one and asks Redis.
+    fn reopen(&mut self) {
+        self.until = Instant::now();
+        self.leased = false;
+        self.held = 0;
+    }
+}
+
 fn micros_until(t: Instant, now: Instant) -> Micros {
     u64::try_from(t.saturating_duration_since(now).as_micros()).unwrap_or(u64::MAX)
 }
@@ -184,9 +193,7 @@ impl DenyCache {
         if remaining >= u64::from(entry.held).saturating_add(1) * u64::from(cost) {
             shard.remove(digest);
         } else {
-            entry.until = Instant::now();
-            entry.leased = false;
-            entry.held = 0;
+            entry.reopen();
         }
     }
 
@@ -198,8 +205,7 @@ impl DenyCache {
         }
         if let Some(entry) = self.shard(digest).get_mut(digest) {
             if entry.leased {
-                entry.until = Instant::now();
-                entry.leased = false;
+                entry.reopen();
             }
         }
     }
