@@ -121,6 +121,17 @@ struct Shard {
     next_sweep: Micros,
 }
 
+/// Stores `state` for `fp`. Overwriting in place skips `insert`'s growth check and slot search
+/// for the common case, a key already tracked.
+fn store<S>(map: &mut FpMap<S>, fp: Fp, state: S) {
+    match map.get_mut(&fp) {
+        Some(slot) => *slot = state,
+        None => {
+            map.insert(fp, state);
+        }
+    }
+}
+
 impl Shard {
     fn len(&self) -> usize {
         self.gcra.len() + self.windows.len() + self.logs.len()
@@ -171,20 +182,8 @@ impl Shard {
     fn commit(&mut self, check: &Check<'_>, fp: Fp, pending: Pending, now: Micros) {
         match pending {
             Pending::None => {}
-            // Overwriting in place skips `insert`'s growth check and slot search for the
-            // common case, a key already tracked.
-            Pending::Tat(tat) => match self.gcra.get_mut(&fp) {
-                Some(slot) => *slot = tat,
-                None => {
-                    self.gcra.insert(fp, tat);
-                }
-            },
-            Pending::Window(state) => match self.windows.get_mut(&fp) {
-                Some(slot) => *slot = state,
-                None => {
-                    self.windows.insert(fp, state);
-                }
-            },
+            Pending::Tat(tat) => store(&mut self.gcra, fp, tat),
+            Pending::Window(state) => store(&mut self.windows, fp, state),
             Pending::Log { trim } => {
                 let period = check.limit.quota().period_micros();
                 let log = match self.logs.entry(fp) {
