@@ -251,14 +251,6 @@ enum Limits {
 impl FromIterator<LimitDecision> for Decision {
     fn from_iter<I: IntoIterator<Item = LimitDecision>>(iter: I) -> Self {
         let mut iter = iter.into_iter();
-        // A layer's parts come from an iterator of known length: one check of it suffices.
-        if iter.size_hint() == (1, Some(1)) {
-            if let Some(one) = iter.next() {
-                return Self {
-                    limits: Limits::One(one),
-                };
-            }
-        }
         let limits = match (iter.next(), iter.next()) {
             (Some(one), None) => Limits::One(one),
             (first, second) => Limits::Many(first.into_iter().chain(second).chain(iter).collect()),
