@@ -80,16 +80,30 @@ end
 local out = {now}
 local k = 0
 local argc = #ARGV
+-- The state of every GCRA and fixed-window key this call touched, read once and written once
+-- at the end: requests that share a key (a hot client, a tenant) cost one GET and one write
+-- per call, not per request. `false` stands for a key with no state. `written` lists the keys
+-- to write, in order; `ttl` holds a written window's TTL, `false` a GCRA key's.
+local state, first, written, ttl = {}, {}, {}, {}
+local function read(key, missing)
+  local v = state[key]
+  if v == nil then
+    v = tonumber(redis.call('GET', key) or '') or missing
+    state[key], first[key] = v, v
+  end
+  return v
+end
+-- What each admitting check of the current request would write: algorithm, key, value, TTL.
+local w_algo, w_key, w_val, w_ttl = {}, {}, {}, {}
 while a <= argc do
   local n = tonumber(ARGV[a])
   a = a + 1
   local head = #out + 1
   out[head] = 0
   local admits = true
-  -- What each admitting check would write: algorithm, key, value, TTL.
-  local w_algo, w_key, w_val, w_ttl = {}, {}, {}, {}
   for j = 1, n do
     k = k + 1
+    w_algo[j] = 0
     local code = tonumber(ARGV[a])
     a = a + 1
     local l = code % 1024
@@ -103,9 +117,9 @@ while a <= argc do
 
     if algo == 1 then
       local interval, tolerance, burst = p1, p2, p3
-      local tat = tonumber(redis.call('GET', key) or '')
+      local tat = read(key, false)
       local base = now
-      if tat ~= nil and tat > now then base = tat end
+      if tat and tat > now then base = tat end
       local used = base - now
       local left = 0
       if tolerance > used then left = idiv(tolerance - used, interval) end
@@ -127,7 +141,7 @@ while a <= argc do
       local period, limit = p1, p2
       local index = idiv(now, period)
       local wkey = key .. ':' .. fmt(index)
-      local count = tonumber(redis.call('GET', wkey) or '0') or 0
+      local count = read(wkey, 0)
       reset, extra = (index + 1) * period - now, index
       if limit > count then remaining = limit - count end
       if cost > limit then
@@ -136,10 +150,7 @@ while a <= argc do
         status, retry = 1, reset
       else
         remaining = limit - count - cost
-        -- The TTL is set once, by the first write of the window.
-        local ttl = 0
-        if count == 0 then ttl = reset end
-        w_algo[j], w_key[j], w_val[j], w_ttl[j] = 2, wkey, cost, ttl
+        w_algo[j], w_key[j], w_val[j], w_ttl[j] = 2, wkey, cost, reset
       end
 
     elseif algo == 3 then
@@ -176,10 +187,11 @@ while a <= argc do
     for j = 1, n do
       local algo, key = w_algo[j], w_key[j]
       if algo == 1 then
-        redis.call('SET', key, fmt(w_val[j]), 'PX', ttl_ms(w_ttl[j]))
+        state[key] = w_val[j]
+        if ttl[key] == nil then ttl[key] = false; written[#written + 1] = key end
       elseif algo == 2 then
-        redis.call('INCRBY', key, w_val[j])
-        if w_ttl[j] > 0 then redis.call('PEXPIRE', key, ttl_ms(w_ttl[j])) end
+        state[key] = state[key] + w_val[j]
+        if ttl[key] == nil then ttl[key] = w_ttl[j]; written[#written + 1] = key end
       elseif algo == 3 then
         local cost, period = w_val[j], w_ttl[j]
         redis.call('ZREMRANGEBYSCORE', key, '-inf', now - period)
@@ -196,6 +208,18 @@ while a <= argc do
       end
     end
     out[head] = 1
+  end
+end
+for i = 1, #written do
+  local key = written[i]
+  local v, window_ttl = state[key], ttl[key]
+  if not window_ttl then
+    -- A GCRA TAT lives until it is in the past.
+    redis.call('SET', key, fmt(v), 'PX', ttl_ms(v - now))
+  else
+    -- A window's count: its TTL (the time to the window's turn) is set by its first write.
+    redis.call('INCRBY', key, fmt(v - first[key]))
+    if first[key] == 0 then redis.call('PEXPIRE', key, ttl_ms(window_ttl)) end
   end
 end
 return struct.pack('<' .. string.rep('d', #out), unpack(out))
