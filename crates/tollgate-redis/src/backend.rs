@@ -4,7 +4,7 @@
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -20,7 +20,7 @@ use crate::coalesce::{Coalescer, Push, Waiter};
 use crate::conn::{breaks_connection, Connector};
 use crate::deny_cache::{DenyCache, Lookup};
 use crate::keys;
-use crate::script::{self, Answer, Prepared, Reply};
+use crate::script::{self, Answer, Prepared, Reply, Script};
 
 const BACKEND: &str = "redis";
 
@@ -40,10 +40,18 @@ pub(crate) struct Inner {
     connector: Arc<Connector>,
     breaker: Breaker,
     deny: DenyCache,
-    check_script: redis::Script,
-    refund_script: redis::Script,
+    check_script: Script,
+    refund_script: Script,
     /// Merges concurrent requests' batches into one call (standalone Redis only).
     coalescer: Coalescer,
+    /// Registered on the first call, like the layer's, so that a recorder installed after the
+    /// backend was built still receives them; after that a call only updates them.
+    metrics: OnceLock<Metrics>,
+}
+
+struct Metrics {
+    up: metrics::Gauge,
+    duration: metrics::Histogram,
 }
 
 /// What a batch came to, before the verdicts are finished.
@@ -68,10 +76,18 @@ impl Inner {
             connector,
             breaker,
             deny,
-            check_script: redis::Script::new(&format!("{}{}", script::PRELUDE, script::CHECK)),
-            refund_script: redis::Script::new(&format!("{}{}", script::PRELUDE, script::REFUND)),
+            check_script: Script::new(script::CHECK),
+            refund_script: Script::new(script::REFUND),
             coalescer: Coalescer::default(),
+            metrics: OnceLock::new(),
         }
+    }
+
+    fn metrics(&self) -> &Metrics {
+        self.metrics.get_or_init(|| Metrics {
+            up: metrics::gauge!("tollgate_backend_up", "backend" => BACKEND),
+            duration: metrics::histogram!("tollgate_backend_duration_seconds", "backend" => BACKEND),
+        })
     }
 
     /// Runs a batch under the deadline, and keeps the breaker, metrics and deny cache.
@@ -85,7 +101,8 @@ impl Inner {
         let result = self
             .within_deadline(self.call(batch, now), "from Redis")
             .await;
-        metrics::histogram!("tollgate_backend_duration_seconds", "backend" => BACKEND)
+        self.metrics()
+            .duration
             .record(started.elapsed().as_secs_f64());
         let (batch, outcome) = match result {
             Ok(answered) => {
@@ -98,7 +115,7 @@ impl Inner {
                     self.answered();
                 } else {
                     self.breaker.failure(permit);
-                    metrics::gauge!("tollgate_backend_up", "backend" => BACKEND).set(0.0);
+                    self.metrics().up.set(0.0);
                 }
                 tracing::debug!(backend = BACKEND, error = %e, "rate-limit check failed");
                 return Err(e);
@@ -151,7 +168,7 @@ impl Inner {
 
     fn answered(&self) {
         self.breaker.success();
-        metrics::gauge!("tollgate_backend_up", "backend" => BACKEND).set(1.0);
+        self.metrics().up.set(1.0);
     }
 
     async fn call(
@@ -249,15 +266,13 @@ impl Inner {
         batches: &[&[Prepared]],
         now: Option<Micros>,
     ) -> Result<Vec<Reply>, BackendError> {
-        let mut inv = self.check_script.prepare_invoke();
-        for p in batches.iter().flat_map(|b| b.iter()) {
-            inv.key(p.key.as_str());
-        }
-        inv.arg(now.map_or_else(String::new, |n| n.to_string()));
+        let checks = batches.iter().map(|b| b.len()).sum();
         // Each distinct limit's parameters once; each check refers to its limit by index.
         let mut limits: Vec<[u64; 4]> = Vec::new();
-        let mut refs = Vec::with_capacity(batches.iter().map(|b| b.len()).sum());
+        let mut refs = Vec::with_capacity(checks);
+        let mut key_bytes = 0;
         for p in batches.iter().flat_map(|b| b.iter()) {
+            key_bytes += p.key.len();
             let args = p.limit_args();
             let index = match limits.iter().position(|l| *l == args) {
                 Some(i) => i,
@@ -274,29 +289,40 @@ impl Inner {
                 format!("more than {} limits in one call", script::LIMITS_PER_CALL),
             ));
         }
-        inv.arg(limits.len());
+        // Keys, `now`, the limits, and per request its size and one number per check; numbers
+        // take at most 20 digits and each argument about 16 bytes of framing.
+        let args = checks + 2 + 4 * limits.len() + batches.len() + checks;
+        let mut call = self.check_script.call(checks, args, key_bytes + 36 * args);
+        for p in batches.iter().flat_map(|b| b.iter()) {
+            call.arg(p.key.as_str());
+        }
+        match now {
+            Some(now) => call.arg(now),
+            None => call.arg(""),
+        };
+        call.arg(limits.len());
         for l in &limits {
-            for a in l {
-                inv.arg(*a);
-            }
+            call.arg(l);
         }
         let mut refs = refs.into_iter();
         for batch in batches {
-            inv.arg(batch.len());
+            call.arg(batch.len());
             for (p, limit) in batch.iter().zip(refs.by_ref()) {
-                inv.arg(p.check_arg(limit));
+                call.arg(p.check_arg(limit));
             }
         }
-        let value = self.invoke(&inv).await?;
+        let value = self.invoke(&self.check_script, &call).await?;
         script::parse_replies(&value, batches.iter().map(|b| b.len()))
     }
 
+    /// Sends `call`, an `EVALSHA` of `script`.
     async fn invoke(
         &self,
-        inv: &redis::ScriptInvocation<'_>,
+        script: &Script,
+        call: &redis::Cmd,
     ) -> Result<redis::Value, BackendError> {
         let (generation, mut conn) = self.connector.get().await.map_err(map_error)?;
-        conn.invoke(inv).await.map_err(|e| {
+        conn.invoke(script, call).await.map_err(|e| {
             if breaks_connection(&e) {
                 self.connector.invalidate(generation);
             }
@@ -379,7 +405,6 @@ impl Inner {
         reply: &Reply,
         now: Option<Micros>,
     ) -> Result<(), BackendError> {
-        let mut inv = self.refund_script.prepare_invoke();
         let wrote: Vec<(&Prepared, &Answer)> = group
             .iter()
             .zip(&reply.answers)
@@ -388,16 +413,19 @@ impl Inner {
         if wrote.is_empty() {
             return Ok(());
         }
+        let args = wrote.len() * 5 + 1;
+        let mut call = self.refund_script.call(wrote.len(), args, 64 * args);
         for (p, _) in &wrote {
-            inv.key(p.key.as_str());
+            call.arg(p.key.as_str());
         }
-        inv.arg(now.map_or_else(String::new, |n| n.to_string()));
+        match now {
+            Some(now) => call.arg(now),
+            None => call.arg(""),
+        };
         for (p, answer) in &wrote {
-            for a in p.refund_args(reply.now, answer) {
-                inv.arg(a);
-            }
+            call.arg(&p.refund_args(reply.now, answer));
         }
-        self.invoke(&inv).await.map(drop)
+        self.invoke(&self.refund_script, &call).await.map(drop)
     }
 }
 
@@ -502,7 +530,7 @@ impl RedisBackend {
         };
         let result = inner.within_deadline(attempt, "to PING").await;
         let up = if result.is_ok() { 1.0 } else { 0.0 };
-        metrics::gauge!("tollgate_backend_up", "backend" => BACKEND).set(up);
+        inner.metrics().up.set(up);
         result.map(|()| started.elapsed())
     }
 

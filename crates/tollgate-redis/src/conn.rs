@@ -9,11 +9,13 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use redis::aio::{ConnectionLike, MultiplexedConnection};
+use redis::aio::MultiplexedConnection;
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
-use redis::{AsyncConnectionConfig, RedisError, RedisResult, ScriptInvocation, Value};
+use redis::{AsyncConnectionConfig, ErrorKind, RedisError, RedisResult, ServerErrorKind, Value};
 use tokio::sync::Notify;
+
+use crate::script::Script;
 
 /// Where to connect.
 #[derive(Debug, Clone)]
@@ -30,17 +32,27 @@ pub(crate) enum Conn {
 }
 
 impl Conn {
-    pub(crate) async fn invoke(&mut self, inv: &ScriptInvocation<'_>) -> RedisResult<Value> {
-        match self {
-            Self::Single(c) => inv.invoke_async(c).await,
-            Self::Cluster(c) => inv.invoke_async(c).await,
+    /// Sends `call`, an `EVALSHA` of `script`; if the server does not know the script (it
+    /// restarted, or was flushed), loads it and sends `call` again.
+    pub(crate) async fn invoke(
+        &mut self,
+        script: &Script,
+        call: &redis::Cmd,
+    ) -> RedisResult<Value> {
+        match self.query(call).await {
+            Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                self.query(&script.load()).await?;
+                self.query(call).await
+            }
+            other => other,
         }
     }
 
+    /// Sends `cmd`; an error reply is an `Err`.
     pub(crate) async fn query(&mut self, cmd: &redis::Cmd) -> RedisResult<Value> {
         match self {
-            Self::Single(c) => c.req_packed_command(cmd).await,
-            Self::Cluster(c) => c.req_packed_command(cmd).await,
+            Self::Single(c) => cmd.query_async(c).await,
+            Self::Cluster(c) => cmd.query_async(c).await,
         }
     }
 }

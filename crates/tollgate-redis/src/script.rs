@@ -263,6 +263,36 @@ end
 return 1
 ";
 
+/// A Lua script, called by its SHA-1 with `EVALSHA` (see `Conn::invoke`).
+pub(crate) struct Script {
+    code: String,
+    sha: String,
+}
+
+impl Script {
+    /// The script made of [`PRELUDE`] and `body`.
+    pub(crate) fn new(body: &str) -> Self {
+        let code = format!("{PRELUDE}{body}");
+        let sha = redis::Script::new(&code).get_hash().to_owned();
+        Self { code, sha }
+    }
+
+    /// An `EVALSHA` of this script with `keys` keys, with room for `args` keys and arguments
+    /// of `bytes` bytes in all; the caller adds the keys, then the arguments.
+    pub(crate) fn call(&self, keys: usize, args: usize, bytes: usize) -> redis::Cmd {
+        let mut cmd = redis::Cmd::with_capacity(3 + args, 64 + bytes);
+        cmd.arg("EVALSHA").arg(&self.sha).arg(keys);
+        cmd
+    }
+
+    /// `SCRIPT LOAD` of this script.
+    pub(crate) fn load(&self) -> redis::Cmd {
+        let mut cmd = redis::cmd("SCRIPT");
+        cmd.arg("LOAD").arg(&self.code);
+        cmd
+    }
+}
+
 /// Distinct limits one `CHECK` call can carry (the packing of a check's argument).
 pub(crate) const LIMITS_PER_CALL: usize = 1024;
 
