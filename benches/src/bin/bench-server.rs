@@ -17,6 +17,7 @@
 //! | `governor-allow` / `governor-deny` | tower_governor with the same two quotas |
 //! | `tollgate-redis-allow` | tollgate on Redis, a quota nothing reaches |
 //! | `tollgate-redis-allow3` | the same with 3 stacked limits (per IP GCRA, per IP daily window, global) |
+//! | `tollgate-redis-spread` | as `tollgate-redis-allow`, but each request counts under the next of 100,000 keys in turn |
 //! | `tollgate-redis-flood` | tollgate on Redis, GCRA `--flood-limit` per second per IP, flooded |
 //! | `tollgate-redis-flood-window` | the same with a fixed window of `--flood-limit` per second |
 //! | `naive-incr` | per-request `INCR` + `EXPIRE NX` on Redis, a limit nothing reaches |
@@ -25,6 +26,7 @@
 #![allow(clippy::unwrap_used)]
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use axum::routing::get;
@@ -102,6 +104,17 @@ fn redis(url: &str) -> RedisBackend {
     RedisBackend::builder().url(url).build().unwrap()
 }
 
+/// Every request under a key of its own among 100,000, taken in turn: the many-clients case,
+/// where requests merged into one Redis call share no key (every request here comes from one
+/// address).
+fn spread_keys() -> impl tollgate::key::KeyExtractor {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    tollgate::key::key_fn(|_| {
+        let n = NEXT.fetch_add(1, Ordering::Relaxed) % 100_000;
+        Some(n.to_be_bytes().to_vec())
+    })
+}
+
 async fn hello() -> &'static str {
     "hello\n"
 }
@@ -129,6 +142,16 @@ async fn app(args: &Args) -> Router {
                 .limit(
                     Limit::gcra("per-ip", unreachable_quota()).unwrap(),
                     ClientIp::peer(),
+                )
+                .backend(redis(&args.redis))
+                .build()
+                .unwrap(),
+        ),
+        "tollgate-redis-spread" => app.layer(
+            RateLimitLayer::builder()
+                .limit(
+                    Limit::gcra("per-client", unreachable_quota()).unwrap(),
+                    spread_keys(),
                 )
                 .backend(redis(&args.redis))
                 .build()
