@@ -41,7 +41,9 @@
 //! flight, new batches wait, and the next call carries all of them (up to 64), each still
 //! all-or-nothing on its own and run in arrival order. Nothing waits for a timer, so a lone
 //! request goes out at once; under load, Redis runs one script per round trip instead of one
-//! per request. In a cluster, each request's slot groups are their own calls.
+//! per request. Within a call, each GCRA or fixed-window key is read once and written once,
+//! however many of the call's requests it serves. In a cluster, each request's slot groups are
+//! their own calls.
 //!
 //! - **GCRA**: one string key holding the theoretical arrival time in microseconds, expiring
 //!   when the state becomes that of a fresh key.
