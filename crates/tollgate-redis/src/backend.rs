@@ -166,6 +166,11 @@ impl Inner {
             })
     }
 
+    /// The base key of `p`'s state.
+    fn key(&self, p: &Prepared) -> keys::BaseKey {
+        keys::BaseKey::new(&self.prefix, &p.name, &p.digest)
+    }
+
     fn answered(&self) {
         self.breaker.success();
         self.metrics().up.set(1.0);
@@ -180,11 +185,27 @@ impl Inner {
             committed: reply.committed,
             answers: reply.answers,
         };
+        if !self.cluster && now.is_none() {
+            let (batch, reply) = self.coalesced(batch).await?;
+            return Ok((batch, outcome(reply)));
+        }
+        // Boxed: the future of a direct call is large (over 1 KiB with the connection's), and
+        // kept inline it would make every request's future as large, and its allocation one
+        // that the allocator's per-thread cache does not serve.
+        Box::pin(self.call_direct(batch, now)).await
+    }
+
+    /// A call of its own for `batch`: at a fixed time (tests), or in a cluster.
+    async fn call_direct(
+        self: &Arc<Self>,
+        batch: Vec<Prepared>,
+        now: Option<Micros>,
+    ) -> Result<(Vec<Prepared>, Outcome), BackendError> {
+        let outcome = |reply: Reply| Outcome {
+            committed: reply.committed,
+            answers: reply.answers,
+        };
         if !self.cluster {
-            if now.is_none() {
-                let (batch, reply) = self.coalesced(batch).await?;
-                return Ok((batch, outcome(reply)));
-            }
             let reply = self.eval_check(&[batch.as_slice()], now).await?;
             return Ok((batch, outcome(reply)));
         }
@@ -272,7 +293,7 @@ impl Inner {
         let mut refs = Vec::with_capacity(checks);
         let mut key_bytes = 0;
         for p in batches.iter().flat_map(|b| b.iter()) {
-            key_bytes += p.key.len();
+            key_bytes += self.prefix.len() + p.name.len() + 36;
             let args = p.limit_args();
             let index = match limits.iter().position(|l| *l == args) {
                 Some(i) => i,
@@ -294,7 +315,7 @@ impl Inner {
         let args = checks + 2 + 4 * limits.len() + batches.len() + checks;
         let mut call = self.check_script.call(checks, args, key_bytes + 36 * args);
         for p in batches.iter().flat_map(|b| b.iter()) {
-            call.arg(p.key.as_str());
+            call.arg(self.key(p).as_bytes());
         }
         match now {
             Some(now) => call.arg(now),
@@ -416,7 +437,7 @@ impl Inner {
         let args = wrote.len() * 5 + 1;
         let mut call = self.refund_script.call(wrote.len(), args, 64 * args);
         for (p, _) in &wrote {
-            call.arg(p.key.as_str());
+            call.arg(self.key(p).as_bytes());
         }
         match now {
             Some(now) => call.arg(now),
@@ -433,7 +454,7 @@ impl Inner {
 fn slot_groups(batch: &[Prepared]) -> Vec<Vec<usize>> {
     let mut groups: Vec<(u16, Vec<usize>)> = Vec::new();
     for (i, p) in batch.iter().enumerate() {
-        let slot = keys::slot(&p.key);
+        let slot = keys::digest_slot(&p.digest);
         match groups.iter_mut().find(|(s, _)| *s == slot) {
             Some((_, g)) => g.push(i),
             None => groups.push((slot, vec![i])),
@@ -572,8 +593,7 @@ impl RedisBackend {
         }
         let mut batch = Vec::with_capacity(checks.len());
         for ((c, d), leased) in checks.iter().zip(&digests).zip(leased) {
-            let key = keys::base_key(&inner.prefix, c.limit.name(), d);
-            match Prepared::new(c, key, *d) {
+            match Prepared::new(c, *d) {
                 Ok(p) => batch.push(Prepared { leased, ..p }),
                 Err(e) => return ResponseFuture::ready(Err(e)),
             }

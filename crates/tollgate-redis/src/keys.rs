@@ -6,6 +6,7 @@
 //! cluster spreads identities over its slots.
 
 use sha2::{Digest, Sha256};
+use tollgate_core::MAX_NAME_LEN;
 
 /// The domain separator of version 1 of the key encoding.
 const DOMAIN: &[u8] = b"tollgate/v1\0";
@@ -39,18 +40,63 @@ fn len_be(len: usize) -> [u8; 4] {
 
 /// The base key of a limit's state for one identity: `<prefix>:<name>:{<hex digest>}`.
 pub(crate) fn base_key(prefix: &str, limit_name: &str, digest: &KeyDigest) -> String {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
-    let mut key = String::with_capacity(prefix.len() + limit_name.len() + 5 + 2 * DIGEST_LEN);
-    key.push_str(prefix);
-    key.push(':');
-    key.push_str(limit_name);
-    key.push_str(":{");
-    for b in digest {
-        key.push(char::from(HEX[usize::from(b >> 4)]));
-        key.push(char::from(HEX[usize::from(b & 0xf)]));
+    String::from_utf8_lossy(BaseKey::new(prefix, limit_name, digest).as_bytes()).into_owned()
+}
+
+/// The most bytes of a base key: prefix, `:`, name, `:{`, hex digest, `}`.
+const MAX_BASE_KEY_LEN: usize = MAX_PREFIX_LEN + 1 + MAX_NAME_LEN + 2 + 2 * DIGEST_LEN + 1;
+
+/// A base key written on the stack: every call writes each check's key, and a `String` per
+/// check would be an allocation per check.
+pub(crate) struct BaseKey {
+    buf: [u8; MAX_BASE_KEY_LEN],
+    len: usize,
+}
+
+impl BaseKey {
+    /// `<prefix>:<limit name>:{<hex digest>}`; a prefix or name longer than the checked maximum
+    /// (which the builders refuse) is cut.
+    pub(crate) fn new(prefix: &str, limit_name: &str, digest: &KeyDigest) -> Self {
+        let mut key = Self {
+            buf: [0; MAX_BASE_KEY_LEN],
+            len: 0,
+        };
+        key.push(&prefix.as_bytes()[..prefix.len().min(MAX_PREFIX_LEN)]);
+        key.push(b":");
+        key.push(&limit_name.as_bytes()[..limit_name.len().min(MAX_NAME_LEN)]);
+        key.push(b":{");
+        key.push(&hex(digest));
+        key.push(b"}");
+        key
     }
-    key.push('}');
-    key
+
+    fn push(&mut self, bytes: &[u8]) {
+        let end = self.len + bytes.len();
+        if let Some(dst) = self.buf.get_mut(self.len..end) {
+            dst.copy_from_slice(bytes);
+            self.len = end;
+        }
+    }
+
+    pub(crate) fn as_bytes(&self) -> &[u8] {
+        &self.buf[..self.len]
+    }
+}
+
+/// The digest in lowercase hex: the key's hash tag.
+fn hex(digest: &KeyDigest) -> [u8; 2 * DIGEST_LEN] {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut out = [0; 2 * DIGEST_LEN];
+    for (pair, b) in out.chunks_exact_mut(2).zip(digest) {
+        pair[0] = HEX[usize::from(b >> 4)];
+        pair[1] = HEX[usize::from(b & 0xf)];
+    }
+    out
+}
+
+/// The cluster hash slot of every key of `digest`: its hash tag is the hex digest.
+pub(crate) fn digest_slot(digest: &KeyDigest) -> u16 {
+    crc16(&hex(digest)) & 0x3fff
 }
 
 /// Whether `prefix` may start keys: 1 to 64 characters of `[A-Za-z0-9_.:-]` (no `{`, which
@@ -64,7 +110,9 @@ pub(crate) fn valid_prefix(prefix: &str) -> bool {
 }
 
 /// The Redis Cluster hash slot of a key, computed as Redis does: CRC16 (XMODEM) of the hash
-/// tag (the part between the first `{` and the next `}`, if not empty) modulo 16384.
+/// tag (the part between the first `{` and the next `}`, if not empty) modulo 16384. The
+/// backend needs only [`digest_slot`]; this checks it.
+#[cfg(test)]
 pub(crate) fn slot(key: &str) -> u16 {
     let bytes = key.as_bytes();
     let tagged = bytes
@@ -106,6 +154,14 @@ mod tests {
         assert_eq!(slot("{user1000}.following"), slot("{user1000}.followers"));
         assert_eq!(slot("foo{}{bar}"), slot("foo{}{bar}"));
         assert_eq!(slot("{}x"), crc16(b"{}x") & 0x3fff);
+    }
+
+    #[test]
+    fn the_slot_of_a_digest_is_that_of_its_keys() {
+        let d = digest("login", b"10.0.0.1");
+        let key = base_key("tollgate", "login", &d);
+        assert_eq!(digest_slot(&d), slot(&key));
+        assert_eq!(digest_slot(&d), slot(&format!("{key}:20000")));
     }
 
     #[test]

@@ -18,6 +18,8 @@ use tollgate_core::{
     Algorithm, BackendError, BackendErrorKind, Check, Micros, Quota, Status, Verdict,
 };
 
+use std::sync::Arc;
+
 use crate::keys::KeyDigest;
 
 /// Helpers and `now`, shared by both scripts (prepended to each).
@@ -299,7 +301,8 @@ pub(crate) const LIMITS_PER_CALL: usize = 1024;
 /// One check, ready for the scripts: owned, so the future that runs it can be `'static`.
 #[derive(Debug, Clone)]
 pub(crate) struct Prepared {
-    pub(crate) key: String,
+    /// The limit's name; with the digest and the backend's prefix, it makes the Redis key.
+    pub(crate) name: Arc<str>,
     pub(crate) digest: KeyDigest,
     pub(crate) algorithm: Algorithm,
     pub(crate) quota: Quota,
@@ -318,11 +321,7 @@ impl Prepared {
     /// # Errors
     ///
     /// [`BackendErrorKind::Protocol`] for an algorithm these scripts do not implement.
-    pub(crate) fn new(
-        check: &Check<'_>,
-        key: String,
-        digest: KeyDigest,
-    ) -> Result<Self, BackendError> {
+    pub(crate) fn new(check: &Check<'_>, digest: KeyDigest) -> Result<Self, BackendError> {
         let quota = check.limit.quota();
         let algorithm = check.limit.algorithm();
         let (code, params) = match algorithm {
@@ -341,7 +340,7 @@ impl Prepared {
             }
         };
         Ok(Self {
-            key,
+            name: Arc::clone(check.limit.name_arc()),
             digest,
             algorithm,
             quota: *quota,
