@@ -60,6 +60,15 @@ struct Outcome {
     answers: Vec<Answer>,
 }
 
+impl From<Reply> for Outcome {
+    fn from(reply: Reply) -> Self {
+        Self {
+            committed: reply.committed,
+            answers: reply.answers,
+        }
+    }
+}
+
 impl Inner {
     pub(crate) fn new(
         prefix: String,
@@ -181,13 +190,9 @@ impl Inner {
         batch: Vec<Prepared>,
         now: Option<Micros>,
     ) -> Result<(Vec<Prepared>, Outcome), BackendError> {
-        let outcome = |reply: Reply| Outcome {
-            committed: reply.committed,
-            answers: reply.answers,
-        };
         if !self.cluster && now.is_none() {
             let (batch, reply) = self.coalesced(batch).await?;
-            return Ok((batch, outcome(reply)));
+            return Ok((batch, reply.into()));
         }
         // Boxed: the future of a direct call is large (over 1 KiB with the connection's), and
         // kept inline it would make every request's future as large, and its allocation one
@@ -201,18 +206,14 @@ impl Inner {
         batch: Vec<Prepared>,
         now: Option<Micros>,
     ) -> Result<(Vec<Prepared>, Outcome), BackendError> {
-        let outcome = |reply: Reply| Outcome {
-            committed: reply.committed,
-            answers: reply.answers,
-        };
         if !self.cluster {
             let reply = self.eval_check(&[batch.as_slice()], now).await?;
-            return Ok((batch, outcome(reply)));
+            return Ok((batch, reply.into()));
         }
         let groups = slot_groups(&batch);
         if groups.len() == 1 {
             let reply = self.eval_check(&[batch.as_slice()], now).await?;
-            return Ok((batch, outcome(reply)));
+            return Ok((batch, reply.into()));
         }
         // Several slots: the consume and any refund run in a task of their own, so that a
         // caller that gives up at its deadline does not leave a half-consumed batch behind.
