@@ -440,6 +440,18 @@ async fn merged_requests_on_one_key_admit_exactly_the_limit_and_consume_nothing_
     // first wrote, once per key: the burst's TAT, the window's count and the window's TTL.
     assert_eq!(server.calls("get"), 2 * 2);
     assert_eq!(writes(&server), 3);
+    // The window's count, written once for ten admissions, got its TTL with that write.
+    let pattern = format!("{}:*", backend.key_for(&daily, b"abuser"));
+    let window_keys: Vec<String> = redis::cmd("KEYS")
+        .arg(&pattern)
+        .query(&mut server.client())
+        .unwrap();
+    assert_eq!(window_keys.len(), 1, "{window_keys:?}");
+    let ttl: i64 = redis::cmd("PTTL")
+        .arg(&window_keys[0])
+        .query(&mut server.client())
+        .unwrap();
+    assert!(ttl > 0, "the window's count has no TTL ({ttl})");
     // The 90 refused requests took nothing from the daily window.
     let v = check(&backend, &[&daily], b"abuser").await;
     assert_eq!(v[0].remaining, 1_000 - 10 - 1);
