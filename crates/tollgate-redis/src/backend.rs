@@ -138,7 +138,7 @@ impl Inner {
             }
             if now.is_none() && p.enforce {
                 match foreseen_denial(p.algorithm, &p.quota, p.cost, &verdict) {
-                    Some(denial) => self.deny.insert(&p.digest, p.cost, &denial),
+                    Some(denial) => self.deny.insert(&p.digest, &p.name, p.cost, &denial),
                     // Only the request that held a run-out denial's lease settles it.
                     // An answer that tells nothing of the room left (the check was not
                     // run, or can never pass) ends the wait.
@@ -636,11 +636,6 @@ impl RedisBackend {
                 self.inner.deny.release(digest);
             }
         }
-        metrics::counter!(
-            "tollgate_deny_cache_hits_total",
-            "limit" => Arc::clone(checks[hit].limit.name_arc())
-        )
-        .increment(1);
         Some(
             (0..checks.len())
                 .map(|i| if i == hit { verdict } else { NOT_CHECKED })

@@ -24,9 +24,10 @@
 //!   there. The cache forgets the key once Redis reports room for all of them.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use metrics::Counter;
 use tokio::time::Instant;
 use tollgate_core::{Micros, Status, Verdict};
 
@@ -64,8 +65,12 @@ impl Lookup {
     }
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Entry {
+    /// `tollgate_deny_cache_hits_total` of the entry's limit, registered when the entry is
+    /// made: a hit increments it under the shard's lock it already holds, with no registry
+    /// lookup.
+    hits: Counter,
     until: Instant,
     reset_at: Instant,
     remaining: u64,
@@ -131,6 +136,7 @@ impl DenyCache {
         if entry.leased {
             entry.held = entry.held.saturating_add(1);
         }
+        entry.hits.increment(1);
         Lookup::Denied(Verdict {
             status: Status::Denied {
                 retry_after: micros_until(entry.until, now),
@@ -140,8 +146,15 @@ impl DenyCache {
         })
     }
 
-    /// Remembers that Redis denied `digest` for a request of `cost` with `verdict`.
-    pub(crate) fn insert(&self, digest: &KeyDigest, cost: u32, verdict: &Verdict) {
+    /// Remembers that Redis denied `digest`, a key of limit `limit`, for a request of `cost`
+    /// with `verdict`.
+    pub(crate) fn insert(
+        &self,
+        digest: &KeyDigest,
+        limit: &Arc<str>,
+        cost: u32,
+        verdict: &Verdict,
+    ) {
         let Status::Denied { retry_after } = verdict.status else {
             return;
         };
@@ -149,7 +162,8 @@ impl DenyCache {
             return;
         }
         let now = Instant::now();
-        let entry = Entry {
+        let mut entry = Entry {
+            hits: Counter::noop(),
             until: now + Duration::from_micros(retry_after),
             reset_at: now + Duration::from_micros(verdict.reset),
             remaining: verdict.remaining,
@@ -162,6 +176,7 @@ impl DenyCache {
             // Keep the denial that covers the most requests: the lowest cost (an answer always
             // replaces the lease its request held).
             if entry.cost <= old.cost || old.until <= now + self.lease {
+                entry.hits = old.hits.clone();
                 *old = entry;
             }
             return;
@@ -172,6 +187,8 @@ impl DenyCache {
                 return;
             }
         }
+        entry.hits =
+            metrics::counter!("tollgate_deny_cache_hits_total", "limit" => Arc::clone(limit));
         shard.insert(*digest, entry);
     }
 
@@ -223,6 +240,10 @@ impl DenyCache {
 mod tests {
     use super::*;
 
+    fn limit() -> Arc<str> {
+        Arc::from("login")
+    }
+
     fn denied(retry_after: Micros) -> Verdict {
         Verdict {
             status: Status::Denied { retry_after },
@@ -235,7 +256,7 @@ mod tests {
     async fn denies_until_the_time_redis_gave() {
         let cache = DenyCache::new(100, Duration::from_millis(50));
         let d = [1u8; 16];
-        cache.insert(&d, 1, &denied(1_000_000));
+        cache.insert(&d, &limit(), 1, &denied(1_000_000));
         let v = cache.lookup(&d, 1).denial().unwrap();
         assert_eq!(
             v.status,
@@ -270,7 +291,7 @@ mod tests {
     async fn room_for_fewer_than_were_held_back_lets_one_more_ask_alone() {
         let cache = DenyCache::new(100, Duration::from_millis(50));
         let d = [4u8; 16];
-        cache.insert(&d, 1, &denied(1_000));
+        cache.insert(&d, &limit(), 1, &denied(1_000));
         tokio::time::advance(Duration::from_millis(1)).await;
         assert_eq!(cache.lookup(&d, 1), Lookup::Leased);
         for _ in 0..3 {
@@ -284,7 +305,7 @@ mod tests {
         cache.settle(&d, 1, 2);
         assert_eq!(cache.lookup(&d, 1), Lookup::Miss);
         // A newer denial is not undone by a late settle.
-        cache.insert(&d, 1, &denied(1_000));
+        cache.insert(&d, &limit(), 1, &denied(1_000));
         cache.settle(&d, 1, 100);
         assert!(cache.lookup(&d, 1).denial().is_some());
     }
@@ -293,7 +314,7 @@ mod tests {
     async fn a_lease_whose_answer_never_came_runs_out() {
         let cache = DenyCache::new(100, Duration::from_millis(50));
         let d = [2u8; 16];
-        cache.insert(&d, 1, &denied(1_000));
+        cache.insert(&d, &limit(), 1, &denied(1_000));
         tokio::time::advance(Duration::from_millis(1)).await;
         assert_eq!(cache.lookup(&d, 1), Lookup::Leased); // then fails (no answer)
         tokio::time::advance(Duration::from_micros(49_999)).await;
@@ -306,7 +327,7 @@ mod tests {
     async fn a_released_lease_goes_to_the_next_request() {
         let cache = DenyCache::new(100, Duration::from_millis(50));
         let d = [5u8; 16];
-        cache.insert(&d, 1, &denied(1_000));
+        cache.insert(&d, &limit(), 1, &denied(1_000));
         tokio::time::advance(Duration::from_millis(1)).await;
         assert_eq!(cache.lookup(&d, 1), Lookup::Leased);
         assert!(cache.lookup(&d, 1).denial().is_some());
@@ -318,16 +339,17 @@ mod tests {
     async fn a_denial_covers_higher_costs_only() {
         let cache = DenyCache::new(100, Duration::from_millis(50));
         let d = [2u8; 16];
-        cache.insert(&d, 3, &denied(1_000));
+        cache.insert(&d, &limit(), 3, &denied(1_000));
         assert!(cache.lookup(&d, 3).denial().is_some());
         assert!(cache.lookup(&d, 5).denial().is_some());
         assert!(cache.lookup(&d, 1).denial().is_none());
-        cache.insert(&d, 1, &denied(1_000));
+        cache.insert(&d, &limit(), 1, &denied(1_000));
         assert!(cache.lookup(&d, 1).denial().is_some());
         // Allowed verdicts are not cached.
         let e = [3u8; 16];
         cache.insert(
             &e,
+            &limit(),
             1,
             &Verdict {
                 status: Status::Allowed,
@@ -349,19 +371,19 @@ mod tests {
                 d
             })
             .collect();
-        cache.insert(&ds[0], 1, &denied(1_000));
-        cache.insert(&ds[1], 1, &denied(5_000));
-        cache.insert(&ds[2], 1, &denied(5_000));
+        cache.insert(&ds[0], &limit(), 1, &denied(1_000));
+        cache.insert(&ds[1], &limit(), 1, &denied(5_000));
+        cache.insert(&ds[2], &limit(), 1, &denied(5_000));
         assert!(cache.lookup(&ds[2], 1).denial().is_none());
         assert_eq!(cache.len(), 2);
         // Once one has expired, a new one takes its place.
         tokio::time::advance(Duration::from_millis(1)).await;
-        cache.insert(&ds[2], 1, &denied(5_000));
+        cache.insert(&ds[2], &limit(), 1, &denied(5_000));
         assert!(cache.lookup(&ds[2], 1).denial().is_some());
         assert_eq!(cache.len(), 2);
         // Disabled.
         let off = DenyCache::new(0, Duration::from_millis(50));
-        off.insert(&ds[0], 1, &denied(1_000));
+        off.insert(&ds[0], &limit(), 1, &denied(1_000));
         assert!(off.lookup(&ds[0], 1).denial().is_none());
     }
 }
