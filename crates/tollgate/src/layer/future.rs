@@ -81,12 +81,25 @@ where
         }
     }
 
-    pub(crate) fn calling(call: S::Future, decision: Decision, shared: Arc<Shared<B>>) -> Self {
-        Self {
-            state: State::Calling {
-                call,
-                finish: Some((decision, shared)),
-            },
+    /// What follows the backend's answer: an admitted request goes to `inner` with the
+    /// decision in its extensions; a refused one gets its response.
+    pub(crate) fn decided(
+        decided: Decided,
+        mut req: Request<ReqBody>,
+        inner: &mut S,
+        shared: Arc<Shared<B>>,
+    ) -> Self {
+        match decided {
+            Decided::Admit(decision) => {
+                req.extensions_mut().insert(decision.clone());
+                Self {
+                    state: State::Calling {
+                        call: inner.call(req),
+                        finish: Some((decision, shared)),
+                    },
+                }
+            }
+            Decided::Refuse(response) => Self::refused(response),
         }
     }
 
@@ -121,25 +134,15 @@ where
                         panic!("{DONE}");
                     };
                     let Checking {
-                        mut req,
+                        req,
                         mut inner,
                         plan,
                         shared,
                         ..
                     } = *waiting;
-                    match shared.decide(&result, &req, &plan) {
-                        Decided::Admit(decision) => {
-                            req.extensions_mut().insert(decision.clone());
-                            let call = inner.call(req);
-                            this.state.set(State::Calling {
-                                call,
-                                finish: Some((decision, shared)),
-                            });
-                        }
-                        Decided::Refuse(response) => this.state.set(State::Refused {
-                            response: Some(response),
-                        }),
-                    }
+                    let decided = shared.decide(&result, &req, &plan);
+                    this.state
+                        .set(Self::decided(decided, req, &mut inner, shared).state);
                 }
                 StateProj::Calling { call, finish } => {
                     let mut response = ready!(call.poll(cx))?;

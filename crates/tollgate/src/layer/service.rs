@@ -9,7 +9,7 @@ use tollgate_core::{Backend, MemoryBackend};
 use tower_service::Service;
 
 use super::future::ResponseFuture;
-use super::{Decided, Prepared, Shared};
+use super::{Prepared, Shared};
 
 /// The service a [`RateLimitLayer`](super::RateLimitLayer) wraps around `S`.
 ///
@@ -54,7 +54,7 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, mut req: Request<ReqBody>) -> Self::Future {
+    fn call(&mut self, req: Request<ReqBody>) -> Self::Future {
         let (mut check, plan) = match self.shared.prepare(&req) {
             Prepared::Refuse(response) => return ResponseFuture::refused(response),
             Prepared::Check(check, plan) => (check, plan),
@@ -65,14 +65,10 @@ where
         // the task's waker, by the future.
         let answer = Pin::new(&mut check).poll(&mut Context::from_waker(Waker::noop()));
         match answer {
-            Poll::Ready(result) => match self.shared.decide(&result, &req, &plan) {
-                Decided::Admit(decision) => {
-                    req.extensions_mut().insert(decision.clone());
-                    let call = self.inner.call(req);
-                    ResponseFuture::calling(call, decision, Arc::clone(&self.shared))
-                }
-                Decided::Refuse(response) => ResponseFuture::refused(response),
-            },
+            Poll::Ready(result) => {
+                let decided = self.shared.decide(&result, &req, &plan);
+                ResponseFuture::decided(decided, req, &mut self.inner, Arc::clone(&self.shared))
+            }
             Poll::Pending => {
                 // Call the service that was polled ready later, leave a fresh clone in its place.
                 let clone = self.inner.clone();
