@@ -175,9 +175,32 @@ impl Inner {
             })
     }
 
-    /// The base key of `p`'s state.
-    fn key(&self, p: &Prepared) -> keys::BaseKey {
-        keys::BaseKey::new(&self.prefix, &p.name, &p.digest)
+    /// An `EVALSHA` of `script` with what both scripts take first: the base keys of `checks`,
+    /// then `now` (empty for the server's `TIME`). The caller adds `args` more numbers.
+    fn script_call<'p>(
+        &self,
+        script: &Script,
+        checks: impl Iterator<Item = &'p Prepared> + Clone,
+        now: Option<Micros>,
+        args: usize,
+    ) -> redis::Cmd {
+        // Room for every argument: each takes about 16 bytes of framing; a key is the prefix,
+        // the limit's name and 36 more bytes, a number at most 20 digits.
+        const NUMBER: usize = 16 + 20;
+        let keys = checks.clone().count();
+        let key_bytes: usize = checks
+            .clone()
+            .map(|p| 16 + self.prefix.len() + p.name.len() + 36)
+            .sum();
+        let mut call = script.call(keys, keys + 1 + args, key_bytes + NUMBER * (1 + args));
+        for p in checks {
+            call.arg(keys::BaseKey::new(&self.prefix, &p.name, &p.digest).as_bytes());
+        }
+        match now {
+            Some(now) => call.arg(now),
+            None => call.arg(""),
+        };
+        call
     }
 
     fn answered(&self) {
@@ -288,13 +311,12 @@ impl Inner {
         batches: &[&[Prepared]],
         now: Option<Micros>,
     ) -> Result<Vec<Reply>, BackendError> {
+        let all = || batches.iter().flat_map(|b| b.iter());
         let checks = batches.iter().map(|b| b.len()).sum();
         // Each distinct limit's parameters once; each check refers to its limit by index.
         let mut limits: Vec<[u64; 4]> = Vec::new();
         let mut refs = Vec::with_capacity(checks);
-        let mut key_bytes = 0;
-        for p in batches.iter().flat_map(|b| b.iter()) {
-            key_bytes += self.prefix.len() + p.name.len() + 36;
+        for p in all() {
             let args = p.limit_args();
             let index = match limits.iter().position(|l| *l == args) {
                 Some(i) => i,
@@ -311,17 +333,9 @@ impl Inner {
                 format!("more than {} limits in one call", script::LIMITS_PER_CALL),
             ));
         }
-        // Keys, `now`, the limits, and per request its size and one number per check; numbers
-        // take at most 20 digits and each argument about 16 bytes of framing.
-        let args = checks + 2 + 4 * limits.len() + batches.len() + checks;
-        let mut call = self.check_script.call(checks, args, key_bytes + 36 * args);
-        for p in batches.iter().flat_map(|b| b.iter()) {
-            call.arg(self.key(p).as_bytes());
-        }
-        match now {
-            Some(now) => call.arg(now),
-            None => call.arg(""),
-        };
+        // The limits, and per request its size and one number per check.
+        let args = 1 + 4 * limits.len() + batches.len() + checks;
+        let mut call = self.script_call(&self.check_script, all(), now, args);
         call.arg(limits.len());
         for l in &limits {
             call.arg(l);
@@ -435,15 +449,9 @@ impl Inner {
         if wrote.is_empty() {
             return Ok(());
         }
-        let args = wrote.len() * 5 + 1;
-        let mut call = self.refund_script.call(wrote.len(), args, 64 * args);
-        for (p, _) in &wrote {
-            call.arg(self.key(p).as_bytes());
-        }
-        match now {
-            Some(now) => call.arg(now),
-            None => call.arg(""),
-        };
+        let args = 4 * wrote.len();
+        let checks = wrote.iter().map(|(p, _)| *p);
+        let mut call = self.script_call(&self.refund_script, checks, now, args);
         for (p, answer) in &wrote {
             call.arg(&p.refund_args(reply.now, answer));
         }

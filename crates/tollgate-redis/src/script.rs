@@ -14,11 +14,11 @@
 //! commands, so `CHECK` takes each distinct limit's parameters once per call and one packed
 //! number per check.
 
+use std::sync::Arc;
+
 use tollgate_core::{
     Algorithm, BackendError, BackendErrorKind, Check, Micros, Quota, Status, Verdict,
 };
-
-use std::sync::Arc;
 
 use crate::keys::KeyDigest;
 
