@@ -104,6 +104,19 @@ fn redis(url: &str) -> RedisBackend {
     RedisBackend::builder().url(url).build().unwrap()
 }
 
+/// One limit, keyed by `key`, on the Redis at `url`.
+fn on_redis(
+    limit: Limit,
+    key: impl tollgate::key::KeyExtractor,
+    url: &str,
+) -> RateLimitLayer<RedisBackend> {
+    RateLimitLayer::builder()
+        .limit(limit, key)
+        .backend(redis(url))
+        .build()
+        .unwrap()
+}
+
 /// Every request under a key of its own among 100,000, taken in turn: the many-clients case,
 /// where requests merged into one Redis call share no key (every request here comes from one
 /// address).
@@ -137,26 +150,16 @@ async fn app(args: &Args) -> Router {
         "tollgate-mem-deny" => app.layer(per_ip(Quota::per_day(1).unwrap())),
         "governor-allow" => app.layer(governor(Duration::from_micros(1), u32::MAX)),
         "governor-deny" => app.layer(governor(Duration::from_secs(86_400), 1)),
-        "tollgate-redis-allow" => app.layer(
-            RateLimitLayer::builder()
-                .limit(
-                    Limit::gcra("per-ip", unreachable_quota()).unwrap(),
-                    ClientIp::peer(),
-                )
-                .backend(redis(&args.redis))
-                .build()
-                .unwrap(),
-        ),
-        "tollgate-redis-spread" => app.layer(
-            RateLimitLayer::builder()
-                .limit(
-                    Limit::gcra("per-client", unreachable_quota()).unwrap(),
-                    spread_keys(),
-                )
-                .backend(redis(&args.redis))
-                .build()
-                .unwrap(),
-        ),
+        "tollgate-redis-allow" => app.layer(on_redis(
+            Limit::gcra("per-ip", unreachable_quota()).unwrap(),
+            ClientIp::peer(),
+            &args.redis,
+        )),
+        "tollgate-redis-spread" => app.layer(on_redis(
+            Limit::gcra("per-client", unreachable_quota()).unwrap(),
+            spread_keys(),
+            &args.redis,
+        )),
         "tollgate-redis-allow3" => app.layer(
             RateLimitLayer::builder()
                 .limit(
@@ -172,27 +175,16 @@ async fn app(args: &Args) -> Router {
                 .build()
                 .unwrap(),
         ),
-        "tollgate-redis-flood" => app.layer(
-            RateLimitLayer::builder()
-                .limit(
-                    Limit::gcra("per-ip", Quota::per_second(args.flood_limit).unwrap()).unwrap(),
-                    ClientIp::peer(),
-                )
-                .backend(redis(&args.redis))
-                .build()
-                .unwrap(),
-        ),
-        "tollgate-redis-flood-window" => app.layer(
-            RateLimitLayer::builder()
-                .limit(
-                    Limit::fixed_window("per-ip", Quota::per_second(args.flood_limit).unwrap())
-                        .unwrap(),
-                    ClientIp::peer(),
-                )
-                .backend(redis(&args.redis))
-                .build()
-                .unwrap(),
-        ),
+        "tollgate-redis-flood" => app.layer(on_redis(
+            Limit::gcra("per-ip", Quota::per_second(args.flood_limit).unwrap()).unwrap(),
+            ClientIp::peer(),
+            &args.redis,
+        )),
+        "tollgate-redis-flood-window" => app.layer(on_redis(
+            Limit::fixed_window("per-ip", Quota::per_second(args.flood_limit).unwrap()).unwrap(),
+            ClientIp::peer(),
+            &args.redis,
+        )),
         "naive-incr" => {
             let naive = NaiveIncr::connect(&args.redis, u64::MAX).await.unwrap();
             app.layer(axum::middleware::from_fn_with_state(
