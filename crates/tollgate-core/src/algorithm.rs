@@ -27,6 +27,7 @@ use crate::limit::{Algorithm, Quota};
 /// assert_eq!(tat, Some(12_000_000));
 /// # Ok::<(), tollgate_core::ConfigError>(())
 /// ```
+#[inline]
 pub fn gcra(
     quota: &Quota,
     tat: Option<Micros>,

@@ -59,6 +59,7 @@ impl Default for SystemClock {
 }
 
 impl Clock for SystemClock {
+    #[inline]
     fn now(&self) -> Micros {
         let elapsed = monotonic_nanos().saturating_sub(self.base_nanos) / 1_000;
         self.base_unix.saturating_add(elapsed)
@@ -125,6 +126,7 @@ thread_local! {
 }
 
 /// [`kernel_nanos`], extrapolated with the time-stamp counter for up to [`REANCHOR_NANOS`].
+#[inline]
 fn monotonic_nanos() -> u64 {
     let counter = counter();
     let raw = counter.raw();
