@@ -1,14 +1,18 @@
 //! The bounded, sharded in-memory backend.
 //!
-//! State lives in shards, each a mutex over three hash maps (one per algorithm). A key is stored
-//! as a 64-bit keyed fingerprint of (limit, key bytes) (SipHash-1-3 with random per-process
-//! keys), never as the key itself, so every entry has the same small size whatever the key. Two
-//! tracked keys share a fingerprint with a probability of about n²/2⁶⁵ (three in a hundred
-//! million at a million keys), and nobody who does not know the process's random keys can aim a
-//! collision; a collision merges two buckets, which errs on the side of limiting.
+//! State lives in shards, each a read-write lock over three hash maps (one per algorithm). A
+//! key is stored as a 64-bit keyed fingerprint of (limit, key bytes) (SipHash-1-3 with random
+//! per-process keys), never as the key itself, so every entry has the same small size whatever
+//! the key. Two tracked keys share a fingerprint with a probability of about n²/2⁶⁵ (three in a
+//! hundred million at a million keys), and nobody who does not know the process's random keys
+//! can aim a collision; a collision merges two buckets, which errs on the side of limiting.
 //!
-//! A batch locks the shards it touches in ascending order (no deadlock), evaluates every check,
-//! and writes only if every enforced check admits: one critical section per request.
+//! A batch write-locks the shards it touches in ascending order (no deadlock), evaluates every
+//! check, and writes only if every enforced check admits: one critical section per request. A
+//! lone GCRA check of a tracked key, the most common request, only read-locks its shard and
+//! swaps the key's TAT in with a compare-and-swap: lone checks of one hot key never wait for
+//! each other, and a batch, which holds the write lock, still sees and writes every key of the
+//! batch at one instant.
 //!
 //! Memory is bounded by a hard cap on tracked keys. A new key past the cap is refused
 //! ([`Status::AtCapacity`]) while tracked keys keep their state: a spray of unique keys can
@@ -21,7 +25,7 @@ use std::collections::{HashMap, VecDeque};
 use std::future::{ready, Ready};
 use std::hash::{BuildHasherDefault, Hash, Hasher};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, PoisonError, RwLock, RwLockWriteGuard};
 use std::time::Duration;
 
 use crate::algorithm::{self, WindowState};
@@ -57,7 +61,7 @@ pub struct MemoryBackend<C: Clock = SystemClock> {
 }
 
 struct Inner<C> {
-    shards: Box<[Mutex<Shard>]>,
+    shards: Box<[RwLock<Shard>]>,
     clock: C,
     max_keys: usize,
     tracked: AtomicUsize,
@@ -112,22 +116,52 @@ struct Log {
 
 /// Aligned (and so sized) to 128 bytes, the span the adjacent-line prefetcher pulls in: two
 /// threads on neighbouring shards do not bounce one cache line between their cores.
+///
+/// GCRA's TATs and the time of the next sweep are atomics, so that a lone GCRA check can read
+/// and update them under the read lock; under the write lock they are plain values.
 #[derive(Default)]
 #[repr(align(128))]
 struct Shard {
-    gcra: FpMap<Micros>,
+    gcra: FpMap<AtomicU64>,
     windows: FpMap<WindowState>,
     logs: FpMap<Log>,
-    next_sweep: Micros,
+    next_sweep: AtomicU64,
+}
+
+/// A map value holding an algorithm's state, read and written under the shard's write lock.
+trait Slot {
+    type State: Copy;
+    fn new(state: Self::State) -> Self;
+    fn get(&mut self) -> Self::State;
+}
+
+impl Slot for AtomicU64 {
+    type State = Micros;
+    fn new(tat: Micros) -> Self {
+        AtomicU64::new(tat)
+    }
+    fn get(&mut self) -> Micros {
+        *self.get_mut()
+    }
+}
+
+impl Slot for WindowState {
+    type State = WindowState;
+    fn new(state: WindowState) -> Self {
+        state
+    }
+    fn get(&mut self) -> WindowState {
+        *self
+    }
 }
 
 /// Stores `state` for `fp`. Overwriting in place skips `insert`'s growth check and slot search
 /// for the common case, a key already tracked.
-fn store<S>(map: &mut FpMap<S>, fp: Fp, state: S) {
+fn store<S: Slot>(map: &mut FpMap<S>, fp: Fp, state: S::State) {
     match map.get_mut(&fp) {
-        Some(slot) => *slot = state,
+        Some(slot) => *slot = S::new(state),
         None => {
-            map.insert(fp, state);
+            map.insert(fp, S::new(state));
         }
     }
 }
@@ -140,7 +174,7 @@ impl Shard {
     /// Drops every entry whose state equals a fresh key's; returns how many.
     fn sweep(&mut self, now: Micros) -> usize {
         let before = self.len();
-        self.gcra.retain(|_, tat| *tat > now);
+        self.gcra.retain(|_, tat| *tat.get_mut() > now);
         self.windows.retain(|_, w| w.window_end > now);
         self.logs
             .retain(|_, log| log.entries.back().is_some_and(|&t| t + log.period > now));
@@ -153,7 +187,7 @@ impl Shard {
         let quota = check.limit.quota();
         match check.limit.algorithm() {
             Algorithm::Gcra => {
-                let tat = self.gcra.get(fp).copied();
+                let tat = self.gcra.get_mut(fp).map(Slot::get);
                 let (v, next) = algorithm::gcra(quota, tat, now, check.cost);
                 (v, next.map_or(Pending::None, Pending::Tat), tat.is_none())
             }
@@ -268,7 +302,7 @@ impl<C: Clock> MemoryBackend<C> {
         let mut order = shard_of;
         order[..n].sort_unstable();
         let mut locked = [0usize; MAX_CHECKS];
-        let mut guards: [Option<MutexGuard<'_, Shard>>; MAX_CHECKS] = Default::default();
+        let mut guards: [Option<RwLockWriteGuard<'_, Shard>>; MAX_CHECKS] = Default::default();
         let mut held = 0;
         for &s in &order[..n] {
             if held > 0 && locked[held - 1] == s {
@@ -344,34 +378,65 @@ impl<C: Clock> MemoryBackend<C> {
 }
 
 impl<C> Inner<C> {
-    /// Locks shard `s`, first dropping its expired state if its sweep is due.
-    fn lock(&self, s: usize, now: Micros) -> MutexGuard<'_, Shard> {
-        let mut guard = self.shards[s].lock().unwrap_or_else(|e| e.into_inner());
-        if now >= guard.next_sweep {
+    /// Write-locks shard `s`, first dropping its expired state if its sweep is due.
+    #[inline]
+    fn lock(&self, s: usize, now: Micros) -> RwLockWriteGuard<'_, Shard> {
+        let mut guard = self.shards[s]
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        let next_sweep = guard.next_sweep.get_mut();
+        if now >= *next_sweep {
+            *next_sweep = now.saturating_add(self.sweep_interval);
             let freed = guard.sweep(now);
             self.tracked.fetch_sub(freed, Ordering::Relaxed);
-            guard.next_sweep = now.saturating_add(self.sweep_interval);
         }
         guard
+    }
+
+    /// A lone GCRA check of a tracked key under shard `s`'s read lock: the new TAT goes in with
+    /// a compare-and-swap against the one the verdict was computed from, and the verdict is
+    /// computed again from the newer TAT if another check got there first. `None` when the
+    /// check needs the write lock: the key is new, or the shard's sweep is due.
+    #[inline]
+    fn gcra_shared(&self, s: usize, fp: Fp, check: &Check<'_>, now: Micros) -> Option<Verdict> {
+        let guard = self.shards[s]
+            .read()
+            .unwrap_or_else(PoisonError::into_inner);
+        if now >= guard.next_sweep.load(Ordering::Relaxed) {
+            return None;
+        }
+        let tat = guard.gcra.get(&fp)?;
+        let quota = check.limit.quota();
+        let mut current = tat.load(Ordering::Relaxed);
+        loop {
+            let (verdict, next) = algorithm::gcra(quota, Some(current), now, check.cost);
+            let Some(next) = next else {
+                return Some(verdict);
+            };
+            match tat.compare_exchange_weak(current, next, Ordering::Relaxed, Ordering::Relaxed) {
+                Ok(_) => return Some(verdict),
+                Err(newer) => current = newer,
+            }
+        }
     }
 
     /// A batch of one check: the same rules without the batch's arrays and lock ordering.
     /// Runs `algorithm` on the state `fp` holds in `map` and stores what it returns, through
     /// one lookup for a tracked key; a new key takes a place under the cap, or is refused.
     #[inline]
-    fn step<S: Copy>(
+    fn step<S: Slot>(
         &self,
         map: &mut FpMap<S>,
         fp: Fp,
-        algorithm: impl FnOnce(Option<S>) -> (Verdict, Option<S>),
+        algorithm: impl FnOnce(Option<S::State>) -> (Verdict, Option<S::State>),
     ) -> Verdict {
-        let slot = map.get_mut(&fp);
-        let (mut verdict, next) = algorithm(slot.as_deref().copied());
+        let mut slot = map.get_mut(&fp);
+        let (mut verdict, next) = algorithm(slot.as_deref_mut().map(Slot::get));
         match (slot, next) {
-            (Some(slot), Some(next)) => *slot = next,
+            (Some(slot), Some(next)) => *slot = S::new(next),
             (None, Some(next)) => {
                 if self.reserve() {
-                    map.insert(fp, next);
+                    map.insert(fp, S::new(next));
                 } else {
                     verdict.status = self.at_capacity();
                 }
@@ -384,11 +449,28 @@ impl<C> Inner<C> {
     #[inline]
     fn check_one(&self, check: &Check<'_>, now: Micros, mask: usize) -> Verdicts {
         let fp = self.fingerprint(check);
-        let mut guard = self.lock(fp.shard(mask), now);
+        let s = fp.shard(mask);
+        let shared = match check.limit.algorithm() {
+            Algorithm::Gcra => self.gcra_shared(s, fp, check, now),
+            Algorithm::FixedWindow | Algorithm::SlidingLog => None,
+        };
+        let verdict = match shared {
+            Some(verdict) => verdict,
+            None => self.check_locked(check, fp, s, now),
+        };
+        let mut verdicts = Verdicts::new();
+        let _ = verdicts.push(verdict);
+        verdicts
+    }
+
+    /// A lone check under the shard's write lock.
+    #[inline]
+    fn check_locked(&self, check: &Check<'_>, fp: Fp, s: usize, now: Micros) -> Verdict {
+        let mut guard = self.lock(s, now);
         let shard = &mut *guard;
         let quota = check.limit.quota();
         // GCRA and fixed window read and write a tracked key's state through one lookup.
-        let verdict = match check.limit.algorithm() {
+        match check.limit.algorithm() {
             Algorithm::Gcra => self.step(&mut shard.gcra, fp, |state| {
                 algorithm::gcra(quota, state, now, check.cost)
             }),
@@ -405,11 +487,7 @@ impl<C> Inner<C> {
                 }
                 verdict
             }
-        };
-        drop(guard);
-        let mut verdicts = Verdicts::new();
-        let _ = verdicts.push(verdict);
-        verdicts
+        }
     }
 
     /// The refusal of a new key while every place is taken.
@@ -437,7 +515,7 @@ impl<C> Inner<C> {
             return;
         }
         for shard in self.shards.iter() {
-            let mut guard = shard.lock().unwrap_or_else(|e| e.into_inner());
+            let mut guard = shard.write().unwrap_or_else(PoisonError::into_inner);
             let freed = guard.sweep(now);
             self.tracked.fetch_sub(freed, Ordering::Relaxed);
         }
@@ -534,7 +612,7 @@ impl<C: Clock> MemoryBackendBuilder<C> {
             .next_power_of_two();
         MemoryBackend {
             inner: Arc::new(Inner {
-                shards: (0..shards).map(|_| Mutex::default()).collect(),
+                shards: (0..shards).map(|_| RwLock::default()).collect(),
                 clock: self.clock,
                 max_keys: self.max_keys,
                 tracked: AtomicUsize::new(0),

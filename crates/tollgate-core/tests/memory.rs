@@ -94,3 +94,55 @@ fn sixty_four_threads_against_a_limit_of_ten_admit_exactly_ten() {
         assert_eq!(backend.check_now(&checks).unwrap()[0].remaining, 1_000 - 11);
     }
 }
+
+#[test]
+fn lone_checks_of_a_tracked_key_racing_batches_admit_exactly_the_quota() {
+    // A lone GCRA check of a tracked key updates it under the shard's read lock with a
+    // compare-and-swap; a batch holds the write lock. Half the threads send each.
+    for round in 0..100 {
+        let clock = FakeClock::new(1_700_000_000_000_000);
+        let backend = MemoryBackend::builder().clock(clock).build();
+        let burst = Arc::new(Limit::gcra("burst", Quota::per_hour(10).unwrap()).unwrap());
+        let daily = Arc::new(Limit::fixed_window("daily", Quota::per_day(1_000).unwrap()).unwrap());
+        // Tracks the key (a new key takes the write lock): 9 of 10 left.
+        assert!(backend.check_now(&[Check::new(&burst, b"k")]).unwrap()[0].is_allowed());
+        let barrier = Arc::new(Barrier::new(64));
+        let threads: Vec<_> = (0..64)
+            .map(|i| {
+                let (backend, burst, daily, barrier) = (
+                    backend.clone(),
+                    burst.clone(),
+                    daily.clone(),
+                    barrier.clone(),
+                );
+                std::thread::spawn(move || {
+                    barrier.wait();
+                    let mut lone = 0;
+                    let mut batched = 0;
+                    for _ in 0..4 {
+                        if i % 2 == 0 {
+                            let v = backend.check_now(&[Check::new(&burst, b"k")]).unwrap();
+                            lone += usize::from(v[0].is_allowed());
+                        } else {
+                            let checks = [Check::new(&burst, b"k"), Check::new(&daily, b"shop")];
+                            let v = backend.check_now(&checks).unwrap();
+                            batched += usize::from(v.admits(&checks));
+                        }
+                    }
+                    (lone, batched)
+                })
+            })
+            .collect();
+        let (lone, batched) = threads
+            .into_iter()
+            .map(|t| t.join().unwrap())
+            .fold((0, 0), |(a, b), (l, m)| (a + l, b + m));
+        assert_eq!(lone + batched, 9, "round {round}");
+        // Each admitted batch took exactly one of the daily quota, and no refused one did.
+        let v = backend.check_now(&[Check::new(&daily, b"shop")]).unwrap()[0];
+        assert_eq!(v.remaining, 1_000 - batched as u64 - 1, "round {round}");
+        // The burst is used up for lone checks too.
+        let v = backend.check_now(&[Check::new(&burst, b"k")]).unwrap()[0];
+        assert!(!v.is_allowed(), "round {round}");
+    }
+}
