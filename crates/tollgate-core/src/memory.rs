@@ -183,7 +183,7 @@ impl Shard {
 
     /// The check's verdict, what to write if the batch commits, and whether the key is new
     /// (one lookup: the same answers the capacity check).
-    #[inline]
+    #[inline(always)]
     fn evaluate(&mut self, check: &Check<'_>, fp: &Fp, now: Micros) -> (Verdict, Pending, bool) {
         let quota = check.limit.quota();
         match check.limit.algorithm() {
@@ -214,7 +214,7 @@ impl Shard {
         }
     }
 
-    #[inline]
+    #[inline(always)]
     fn commit(&mut self, check: &Check<'_>, fp: Fp, pending: Pending, now: Micros) {
         match pending {
             Pending::None => {}
