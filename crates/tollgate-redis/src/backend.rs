@@ -107,9 +107,7 @@ impl Inner {
         permit: Permit,
     ) -> Result<Verdicts, BackendError> {
         let started = Instant::now();
-        let result = self
-            .within_deadline(self.call(batch, now), "from Redis")
-            .await;
+        let result = self.call(batch, now, started + self.deadline).await;
         self.metrics()
             .duration
             .record(started.elapsed().as_secs_f64());
@@ -165,14 +163,26 @@ impl Inner {
         call: impl Future<Output = Result<T, BackendError>>,
         what: &str,
     ) -> Result<T, BackendError> {
-        tokio::time::timeout(self.deadline, call)
+        self.until(Instant::now() + self.deadline, call, what).await
+    }
+
+    /// `call`'s answer, or a timeout at `deadline`.
+    async fn until<T>(
+        &self,
+        deadline: Instant,
+        call: impl Future<Output = Result<T, BackendError>>,
+        what: &str,
+    ) -> Result<T, BackendError> {
+        tokio::time::timeout_at(deadline, call)
             .await
-            .unwrap_or_else(|_| {
-                Err(BackendError::new(
-                    BackendErrorKind::Timeout,
-                    format!("no answer {what} within {:?}", self.deadline),
-                ))
-            })
+            .unwrap_or_else(|_| Err(self.timed_out(what)))
+    }
+
+    fn timed_out(&self, what: &str) -> BackendError {
+        BackendError::new(
+            BackendErrorKind::Timeout,
+            format!("no answer {what} within {:?}", self.deadline),
+        )
     }
 
     /// An `EVALSHA` of `script` with what both scripts take first: the base keys of `checks`,
@@ -208,19 +218,23 @@ impl Inner {
         self.metrics().up.set(1.0);
     }
 
+    /// `batch`'s answer by `deadline`, or a timeout.
     async fn call(
         self: &Arc<Self>,
         batch: Vec<Prepared>,
         now: Option<Micros>,
+        deadline: Instant,
     ) -> Result<(Vec<Prepared>, Outcome), BackendError> {
         if !self.cluster && now.is_none() {
-            let (batch, reply) = self.coalesced(batch).await?;
+            // The task sending merged calls keeps the deadline: one timer per call, not one
+            // per request.
+            let (batch, reply) = self.coalesced(batch, deadline).await?;
             return Ok((batch, reply.into()));
         }
         // Boxed: the future of a direct call is large (over 1 KiB with the connection's), and
         // kept inline it would make every request's future as large, and its allocation one
         // that the allocator's per-thread cache does not serve.
-        Box::pin(self.call_direct(batch, now)).await
+        Box::pin(self.until(deadline, self.call_direct(batch, now), "from Redis")).await
     }
 
     /// A call of its own for `batch`: at a fixed time (tests), or in a cluster.
@@ -249,13 +263,19 @@ impl Inner {
         .unwrap_or_else(|e| Err(unavailable(format!("rate-limit task failed: {e}"))))
     }
 
-    /// Queues `batch` for the next merged call and waits for its answer.
+    /// Queues `batch` for the next merged call and waits for its answer, which comes by
+    /// `deadline` (see [`send_merged`](Self::send_merged)).
     async fn coalesced(
         self: &Arc<Self>,
         batch: Vec<Prepared>,
+        deadline: Instant,
     ) -> Result<(Vec<Prepared>, Reply), BackendError> {
         let (reply, answer) = tokio::sync::oneshot::channel();
-        match self.coalescer.push(Waiter { batch, reply }) {
+        match self.coalescer.push(Waiter {
+            batch,
+            reply,
+            deadline,
+        }) {
             Push::Waits => {}
             Push::StartCaller => {
                 let this = Arc::clone(self);
@@ -273,12 +293,29 @@ impl Inner {
     }
 
     /// Sends what waits in the coalescer, one merged call after the other, until nothing does.
+    ///
+    /// Every request gets its answer by its deadline: one whose deadline passed while it
+    /// waited is answered with a timeout and not sent (so it consumes nothing), and a call
+    /// times out at the earliest deadline of the requests it carries.
     async fn send_merged(self: Arc<Self>) {
         let mut caller = self.coalescer.caller();
-        while let Some(waiters) = caller.next_call() {
+        while let Some(mut waiters) = caller.next_call() {
+            let now = Instant::now();
+            let mut i = 0;
+            while i < waiters.len() {
+                if waiters[i].deadline <= now {
+                    let late = waiters.remove(i);
+                    let _ = late.reply.send(Err(self.timed_out("from Redis")));
+                } else {
+                    i += 1;
+                }
+            }
+            let Some(deadline) = waiters.iter().map(|w| w.deadline).min() else {
+                continue;
+            };
             let batches: Vec<&[Prepared]> = waiters.iter().map(|w| w.batch.as_slice()).collect();
             let call = self.eval_checks(&batches, None);
-            match self.within_deadline(call, "from Redis").await {
+            match self.until(deadline, call, "from Redis").await {
                 Ok(replies) => {
                     for (w, reply) in waiters.into_iter().zip(replies) {
                         let _ = w.reply.send(Ok((w.batch, reply)));

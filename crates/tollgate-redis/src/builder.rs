@@ -13,7 +13,7 @@ use crate::keys;
 
 /// The default key prefix.
 pub const DEFAULT_PREFIX: &str = "tollgate";
-/// The default deadline of one call.
+/// The default deadline of one check.
 pub const DEFAULT_DEADLINE: Duration = Duration::from_millis(50);
 /// The default number of entries of the local deny cache.
 pub const DEFAULT_DENY_CACHE_CAPACITY: usize = 10_000;
@@ -100,8 +100,9 @@ impl RedisBackendBuilder {
         self
     }
 
-    /// How long one call may take, connection included (default 50 ms). A slower answer is a
-    /// failure: [`tollgate_core::BackendErrorKind::Timeout`].
+    /// How long a check may take from when it is made, waiting for a merged call and connecting
+    /// included (default 50 ms). A slower answer is a failure:
+    /// [`tollgate_core::BackendErrorKind::Timeout`].
     pub fn deadline(mut self, deadline: Duration) -> Self {
         self.deadline = deadline;
         self

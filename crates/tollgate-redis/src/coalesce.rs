@@ -7,14 +7,17 @@
 //! call is in flight.
 //!
 //! Every request stays all-or-nothing on its own (the script runs the batches one after the
-//! other), so merging changes nothing a caller can see but the number of calls. A request whose
-//! caller gave up (its deadline passed) before its batch was sent is dropped from the queue, so
-//! it consumes nothing.
+//! other), so merging changes nothing a caller can see but the number of calls. A waiting
+//! request carries its deadline, and the sending task keeps it: a request whose deadline
+//! passed before its batch was sent gets a timeout and is not sent, so it consumes nothing,
+//! and a call times out at the earliest deadline of its requests. One timer per call, not one
+//! per request. A request whose caller went away is dropped from the queue.
 
 use std::collections::VecDeque;
 use std::sync::Mutex;
 
 use tokio::sync::oneshot;
+use tokio::time::Instant;
 use tollgate_core::BackendError;
 
 use crate::script::{Prepared, Reply};
@@ -36,6 +39,8 @@ pub(crate) type Answer = Result<(Vec<Prepared>, Reply), BackendError>;
 pub(crate) struct Waiter {
     pub(crate) batch: Vec<Prepared>,
     pub(crate) reply: oneshot::Sender<Answer>,
+    /// When the request's answer is due, a timeout if need be.
+    pub(crate) deadline: Instant,
 }
 
 #[derive(Default)]
@@ -144,6 +149,7 @@ mod tests {
             Waiter {
                 batch: Vec::new(),
                 reply,
+                deadline: Instant::now(),
             },
             rx,
         )

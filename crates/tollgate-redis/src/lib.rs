@@ -82,7 +82,8 @@
 //!
 //! # Failures
 //!
-//! Every call has a deadline (default 50 ms, connection included): a slow answer is a
+//! Every check has a deadline (default 50 ms, counted from when the check is made, waiting for
+//! a merged call and connecting included): a slow answer is a
 //! [`BackendErrorKind::Timeout`](tollgate_core::BackendErrorKind::Timeout); an unreachable or
 //! unusable server is `Unavailable`; an answer that makes no sense is `Protocol`. Building the
 //! backend makes no connection: the first call connects in the background, and a broken

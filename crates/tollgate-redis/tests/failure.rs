@@ -139,3 +139,44 @@ async fn a_frozen_redis_costs_at_most_the_deadline() {
     // The canary sees Redis back at once, whatever the breaker says.
     assert!(backend.ping().await.is_ok());
 }
+
+#[tokio::test]
+async fn requests_queued_behind_a_frozen_call_get_their_answer_by_their_own_deadline() {
+    let mut server = RedisServer::start();
+    // Long against the margin: a request queued behind the frozen call that waited a whole
+    // deadline of its own once that call gave up would take twice as long.
+    let deadline = Duration::from_secs(1);
+    let backend = RedisBackend::builder()
+        .url(server.url())
+        .deadline(deadline)
+        .breaker_threshold(0) // off: every request goes to Redis
+        .build()
+        .unwrap();
+    let limit = std::sync::Arc::new(gcra("l", 10));
+    assert!(backend.check(&[Check::new(&limit, b"k")]).await.is_ok());
+
+    server.pause();
+    let spawn_check = || {
+        let (backend, limit) = (backend.clone(), limit.clone());
+        tokio::spawn(async move {
+            let started = std::time::Instant::now();
+            let result = backend.check(&[Check::new(&limit, b"k")]).await;
+            (result.map(|_| ()), started.elapsed())
+        })
+    };
+    // One request first, and (on this single-threaded runtime) time for its call to go out
+    // alone; the others then queue behind that call.
+    let mut tasks = vec![spawn_check()];
+    for _ in 0..20 {
+        tokio::task::yield_now().await;
+    }
+    tasks.extend((0..31).map(|_| spawn_check()));
+    let margin = Duration::from_millis(400);
+    for task in tasks {
+        let (result, took) = task.await.unwrap();
+        let err = result.unwrap_err();
+        assert_eq!(err.kind(), BackendErrorKind::Timeout, "{err}");
+        assert!(took >= deadline && took < deadline + margin, "{took:?}");
+    }
+    server.resume();
+}
