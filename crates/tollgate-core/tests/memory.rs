@@ -2,7 +2,7 @@
 
 #![allow(clippy::unwrap_used)]
 
-use std::sync::{Arc, Barrier};
+use std::sync::Barrier;
 use std::time::Duration;
 
 use tollgate_core::{Check, FakeClock, Limit, MemoryBackend, Quota, Status};
@@ -63,32 +63,35 @@ fn expired_keys_are_reclaimed_without_a_thread() {
     assert_eq!(backend.stats().tracked_keys, 1);
 }
 
+/// Runs `body(i)` on 64 threads, `i` in `0..64`, released together; their answers.
+fn on_64_threads<T: Send>(body: impl Fn(usize) -> T + Sync) -> Vec<T> {
+    let barrier = Barrier::new(64);
+    std::thread::scope(|s| {
+        let threads: Vec<_> = (0..64)
+            .map(|i| {
+                let (barrier, body) = (&barrier, &body);
+                s.spawn(move || {
+                    barrier.wait();
+                    body(i)
+                })
+            })
+            .collect();
+        threads.into_iter().map(|t| t.join().unwrap()).collect()
+    })
+}
+
 #[test]
 fn sixty_four_threads_against_a_limit_of_ten_admit_exactly_ten() {
     for round in 0..100 {
         let backend = MemoryBackend::new();
-        let burst = Arc::new(Limit::gcra("burst", Quota::per_hour(10).unwrap()).unwrap());
-        let daily = Arc::new(Limit::fixed_window("daily", Quota::per_day(1_000).unwrap()).unwrap());
-        let barrier = Arc::new(Barrier::new(64));
-        let threads: Vec<_> = (0..64)
-            .map(|_| {
-                let (backend, burst, daily, barrier) = (
-                    backend.clone(),
-                    burst.clone(),
-                    daily.clone(),
-                    barrier.clone(),
-                );
-                std::thread::spawn(move || {
-                    barrier.wait();
-                    let checks = [Check::new(&burst, b"k"), Check::new(&daily, b"shop")];
-                    backend.check_now(&checks).unwrap().admits(&checks)
-                })
-            })
-            .collect();
-        let admitted = threads
-            .into_iter()
-            .map(|t| usize::from(t.join().unwrap()))
-            .sum::<usize>();
+        let burst = Limit::gcra("burst", Quota::per_hour(10).unwrap()).unwrap();
+        let daily = Limit::fixed_window("daily", Quota::per_day(1_000).unwrap()).unwrap();
+        let admitted: usize = on_64_threads(|_| {
+            let checks = [Check::new(&burst, b"k"), Check::new(&daily, b"shop")];
+            usize::from(backend.check_now(&checks).unwrap().admits(&checks))
+        })
+        .into_iter()
+        .sum();
         assert_eq!(admitted, 10, "round {round}");
         let checks = [Check::new(&daily, b"shop")];
         assert_eq!(backend.check_now(&checks).unwrap()[0].remaining, 1_000 - 11);
@@ -102,41 +105,26 @@ fn lone_checks_of_a_tracked_key_racing_batches_admit_exactly_the_quota() {
     for round in 0..100 {
         let clock = FakeClock::new(1_700_000_000_000_000);
         let backend = MemoryBackend::builder().clock(clock).build();
-        let burst = Arc::new(Limit::gcra("burst", Quota::per_hour(10).unwrap()).unwrap());
-        let daily = Arc::new(Limit::fixed_window("daily", Quota::per_day(1_000).unwrap()).unwrap());
+        let burst = Limit::gcra("burst", Quota::per_hour(10).unwrap()).unwrap();
+        let daily = Limit::fixed_window("daily", Quota::per_day(1_000).unwrap()).unwrap();
         // Tracks the key (a new key takes the write lock): 9 of 10 left.
         assert!(backend.check_now(&[Check::new(&burst, b"k")]).unwrap()[0].is_allowed());
-        let barrier = Arc::new(Barrier::new(64));
-        let threads: Vec<_> = (0..64)
-            .map(|i| {
-                let (backend, burst, daily, barrier) = (
-                    backend.clone(),
-                    burst.clone(),
-                    daily.clone(),
-                    barrier.clone(),
-                );
-                std::thread::spawn(move || {
-                    barrier.wait();
-                    let mut lone = 0;
-                    let mut batched = 0;
-                    for _ in 0..4 {
-                        if i % 2 == 0 {
-                            let v = backend.check_now(&[Check::new(&burst, b"k")]).unwrap();
-                            lone += usize::from(v[0].is_allowed());
-                        } else {
-                            let checks = [Check::new(&burst, b"k"), Check::new(&daily, b"shop")];
-                            let v = backend.check_now(&checks).unwrap();
-                            batched += usize::from(v.admits(&checks));
-                        }
-                    }
-                    (lone, batched)
-                })
-            })
-            .collect();
-        let (lone, batched) = threads
-            .into_iter()
-            .map(|t| t.join().unwrap())
-            .fold((0, 0), |(a, b), (l, m)| (a + l, b + m));
+        let (lone, batched) = on_64_threads(|i| {
+            let (mut lone, mut batched) = (0, 0);
+            for _ in 0..4 {
+                if i % 2 == 0 {
+                    let v = backend.check_now(&[Check::new(&burst, b"k")]).unwrap();
+                    lone += usize::from(v[0].is_allowed());
+                } else {
+                    let checks = [Check::new(&burst, b"k"), Check::new(&daily, b"shop")];
+                    let v = backend.check_now(&checks).unwrap();
+                    batched += usize::from(v.admits(&checks));
+                }
+            }
+            (lone, batched)
+        })
+        .into_iter()
+        .fold((0, 0), |(a, b), (l, m)| (a + l, b + m));
         assert_eq!(lone + batched, 9, "round {round}");
         // Each admitted batch took exactly one of the daily quota, and no refused one did.
         let v = backend.check_now(&[Check::new(&daily, b"shop")]).unwrap()[0];
