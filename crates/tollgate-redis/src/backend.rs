@@ -299,17 +299,11 @@ impl Inner {
     /// times out at the earliest deadline of the requests it carries.
     async fn send_merged(self: Arc<Self>) {
         let mut caller = self.coalescer.caller();
-        while let Some(mut waiters) = caller.next_call() {
-            let now = Instant::now();
-            let mut i = 0;
-            while i < waiters.len() {
-                if waiters[i].deadline <= now {
-                    let late = waiters.remove(i);
-                    let _ = late.reply.send(Err(self.timed_out("from Redis")));
-                } else {
-                    i += 1;
-                }
+        while let Some(call) = caller.next_call(Instant::now()) {
+            for late in call.late {
+                let _ = late.reply.send(Err(self.timed_out("from Redis")));
             }
+            let waiters = call.send;
             let Some(deadline) = waiters.iter().map(|w| w.deadline).min() else {
                 continue;
             };

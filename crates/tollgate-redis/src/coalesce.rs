@@ -94,25 +94,43 @@ impl Coalescer {
         }
     }
 
-    /// The batches for the next call, oldest first, skipping those whose caller gave up; `None`
-    /// when nothing waits, and then the calling task must stop (it has been counted out).
-    fn next_call(&self) -> Option<Vec<Waiter>> {
+    /// The batches for the next call, oldest first, skipping those whose caller gave up and
+    /// setting apart those whose deadline is not after `now`; `None` when nothing waits, and
+    /// then the calling task must stop (it has been counted out).
+    fn next_call(&self, now: Instant) -> Option<Call> {
         let mut q = self.lock();
-        let mut call = Vec::new();
-        while call.len() < MAX_REQUESTS_PER_CALL {
+        let mut call = Call {
+            send: Vec::new(),
+            late: Vec::new(),
+        };
+        while call.send.len() < MAX_REQUESTS_PER_CALL {
             let Some(w) = q.waiting.pop_front() else {
                 break;
             };
-            if !w.reply.is_closed() {
-                call.push(w);
+            if w.reply.is_closed() {
+                continue;
+            }
+            if w.deadline <= now {
+                call.late.push(w);
+            } else {
+                call.send.push(w);
             }
         }
-        if call.is_empty() {
+        if call.send.is_empty() && call.late.is_empty() {
             q.callers = q.callers.saturating_sub(1);
             return None;
         }
         Some(call)
     }
+}
+
+/// What a calling task takes from the queue at once.
+pub(crate) struct Call {
+    /// The batches to send in one call.
+    pub(crate) send: Vec<Waiter>,
+    /// Requests whose deadline passed while they waited: to be answered with a timeout, and
+    /// not sent, so that they consume nothing.
+    pub(crate) late: Vec<Waiter>,
 }
 
 /// A task sending merged calls; see [`Coalescer::caller`].
@@ -122,9 +140,10 @@ pub(crate) struct Caller<'a> {
 }
 
 impl Caller<'_> {
-    /// The batches for the next call; `None` when nothing waits, and the task must stop.
-    pub(crate) fn next_call(&mut self) -> Option<Vec<Waiter>> {
-        let call = self.coalescer.next_call();
+    /// The batches for the next call, at `now`; `None` when nothing waits, and the task must
+    /// stop.
+    pub(crate) fn next_call(&mut self, now: Instant) -> Option<Call> {
+        let call = self.coalescer.next_call(now);
         self.stopped = call.is_none();
         call
     }
@@ -143,16 +162,24 @@ impl Drop for Caller<'_> {
 mod tests {
     use super::*;
 
-    fn waiter() -> (Waiter, oneshot::Receiver<Answer>) {
+    fn waiter_until(deadline: Instant) -> (Waiter, oneshot::Receiver<Answer>) {
         let (reply, rx) = oneshot::channel();
         (
             Waiter {
                 batch: Vec::new(),
                 reply,
-                deadline: Instant::now(),
+                deadline,
             },
             rx,
         )
+    }
+
+    fn waiter() -> (Waiter, oneshot::Receiver<Answer>) {
+        waiter_until(Instant::now() + std::time::Duration::from_secs(3_600))
+    }
+
+    fn sent(call: Option<Call>) -> Option<usize> {
+        call.map(|c| c.send.len())
     }
 
     #[test]
@@ -171,12 +198,10 @@ mod tests {
         // A caller that gave up is skipped.
         receivers.remove(0);
         let mut caller = c.caller();
-        assert_eq!(
-            caller.next_call().map(|v| v.len()),
-            Some(MAX_REQUESTS_PER_CALL)
-        );
-        assert_eq!(caller.next_call().map(|v| v.len()), Some(100 - 1 - 64));
-        assert!(caller.next_call().is_none());
+        let now = Instant::now();
+        assert_eq!(sent(caller.next_call(now)), Some(MAX_REQUESTS_PER_CALL));
+        assert_eq!(sent(caller.next_call(now)), Some(100 - 1 - 64));
+        assert!(caller.next_call(now).is_none());
         drop(caller);
         // The caller stopped: the next batch starts one again, and only one.
         let (w, _rx) = waiter();
@@ -193,10 +218,29 @@ mod tests {
         let (w, _rx2) = waiter();
         assert!(matches!(c.push(w), Push::Waits));
         let mut caller = c.caller();
-        assert!(caller.next_call().is_some());
+        assert!(caller.next_call(Instant::now()).is_some());
         drop(caller); // its task was dropped with a call in flight
         let (w, _rx3) = waiter();
         assert!(matches!(c.push(w), Push::StartCaller));
+    }
+
+    #[test]
+    fn requests_whose_deadline_passed_are_set_apart_not_sent() {
+        let c = Coalescer::default();
+        let second = std::time::Duration::from_secs(1);
+        let now = Instant::now() + second;
+        let mut receivers = Vec::new();
+        for deadline in [now, now + second, now - second, now + second] {
+            let (w, rx) = waiter_until(deadline);
+            receivers.push(rx);
+            c.push(w);
+        }
+        let mut caller = c.caller();
+        let call = caller.next_call(now).unwrap();
+        let deadlines = |ws: &[Waiter]| ws.iter().map(|w| w.deadline).collect::<Vec<_>>();
+        assert_eq!(deadlines(&call.send), [now + second, now + second]);
+        assert_eq!(deadlines(&call.late), [now, now - second]);
+        assert!(caller.next_call(now).is_none());
     }
 
     #[test]
