@@ -24,8 +24,9 @@ use crate::keys::KeyDigest;
 
 /// Helpers and `now`, shared by both scripts (prepended to each).
 pub(crate) const PRELUDE: &str = r"
+local floor = math.floor
 local function idiv(a, b)
-  local q = math.floor(a / b)
+  local q = floor(a / b)
   if q * b > a then q = q - 1 elseif (q + 1) * b <= a then q = q + 1 end
   return q
 end
@@ -51,8 +52,8 @@ end
 /// exactly as if each had been its own call. Merging the batches of concurrent requests into one
 /// call saves a round trip and the script's set-up per request.
 ///
-/// `KEYS`: the base key of every check, request after request. A fixed window's key is the base
-/// key with `:<window index>` appended, and a sliding log keeps a sequence counter at
+/// `KEYS`: the base keys of the call's checks, each distinct key once. A fixed window's key is
+/// the base key with `:<window index>` appended, and a sliding log keeps a sequence counter at
 /// `<base>:seq`; both share the base key's hash tag, so the same slot.
 ///
 /// `ARGV[1]`: `now` in microseconds, or empty to read the server's `TIME`. The override exists
@@ -62,8 +63,14 @@ end
 /// algorithm (1 GCRA, 2 fixed window, 3 sliding log) and three parameters (GCRA: emission
 /// interval, tolerance, burst; the others: period, limit, 0).
 ///
-/// Then per request: its number of checks `n`, then one number per check, `(cost × 2 + e) ×
-/// 1024 + l`, where `e` is 1 if the check is enforced and `l` the index of its limit (from 0).
+/// The last argument: one string of little-endian doubles (integers below 2^53), per request
+/// its number of checks `n`, then per check two figures: `(cost × 2 + e) × 1024 + l`, where `e`
+/// is 1 if the check is enforced and `l` the index of its limit (from 0), and the number of its
+/// key in `KEYS` (from 1). One string rather than an argument per figure: Redis handles each
+/// argument of a call as a string of its own and Lua's `tonumber` reads each with the C
+/// library's `strtod`, while `struct.unpack` decodes the whole string in one call. Together
+/// with each key sent once, that takes about a quarter off Redis' work per request when
+/// requests share keys.
 ///
 /// Reply: one string of little-endian doubles (all integers below 2^53): `now`, then per
 /// request `committed` and per check `status (0 allowed, 1 denied, 2 cost too high),
@@ -79,9 +86,13 @@ for l = 1, tonumber(ARGV[2]) do
     tonumber(ARGV[a + 3])}
   a = a + 4
 end
-local out = {now}
-local k = 0
-local argc = #ARGV
+-- The requests: sizes, check numbers and key numbers, decoded in one call.
+local packed = ARGV[a]
+local figures = #packed / 8
+local fig = {struct.unpack('<' .. string.rep('d', figures), packed)}
+local i = 1
+-- The reply, and the index of its last figure.
+local out, o = {now}, 1
 -- The state of every GCRA and fixed-window key this call touched, read once and written once
 -- at the end: requests that share a key (a hot client, a tenant) cost one GET and one write
 -- per call, not per request. `false` stands for a key with no state. `written` lists the keys
@@ -97,46 +108,43 @@ local function read(key, missing)
 end
 -- What each admitting check of the current request would write: algorithm, key, value, TTL.
 local w_algo, w_key, w_val, w_ttl = {}, {}, {}, {}
-while a <= argc do
-  local n = tonumber(ARGV[a])
-  a = a + 1
-  local head = #out + 1
+while i <= figures do
+  local n = fig[i]
+  i = i + 1
+  o = o + 1
+  local head = o
   out[head] = 0
   local admits = true
   for j = 1, n do
-    k = k + 1
     w_algo[j] = 0
-    local code = tonumber(ARGV[a])
-    a = a + 1
+    local code, key = fig[i], KEYS[fig[i + 1]]
+    i = i + 2
     local l = code % 1024
     code = (code - l) / 1024
     local enforce = code % 2 == 1
     local cost = (code - code % 2) / 2
     local limit = limits[l + 1]
     local algo, p1, p2, p3 = limit[1], limit[2], limit[3], limit[4]
-    local key = KEYS[k]
     local status, remaining, reset, retry, extra = 0, 0, 0, 0, 0
 
     if algo == 1 then
       local interval, tolerance, burst = p1, p2, p3
-      local tat = read(key, false)
+      local tat = state[key]
+      if tat == nil then tat = read(key, false) end
       local base = now
       if tat and tat > now then base = tat end
       local used = base - now
-      local left = 0
-      if tolerance > used then left = idiv(tolerance - used, interval) end
-      if cost > burst then
-        status, remaining, reset = 2, left, used
+      local new_tat = base + interval * cost
+      if cost > burst or new_tat - now > tolerance then
+        -- Refused: what is left is what the stored state leaves.
+        if tolerance > used then remaining = idiv(tolerance - used, interval) end
+        reset = used
+        if cost > burst then status = 2 else status, retry = 1, new_tat - tolerance - now end
       else
-        local new_tat = base + interval * cost
-        if new_tat - now > tolerance then
-          status, remaining, reset, retry = 1, left, used, new_tat - tolerance - now
-        else
-          local after = new_tat - now
-          if tolerance > after then remaining = idiv(tolerance - after, interval) end
-          reset = after
-          w_algo[j], w_key[j], w_val[j], w_ttl[j] = 1, key, new_tat, after
-        end
+        local after = new_tat - now
+        if tolerance > after then remaining = idiv(tolerance - after, interval) end
+        reset = after
+        w_algo[j], w_key[j], w_val[j], w_ttl[j] = 1, key, new_tat, after
       end
 
     elseif algo == 2 then
@@ -181,8 +189,8 @@ while a <= argc do
     end
 
     if status ~= 0 and enforce then admits = false end
-    local o = #out
     out[o + 1], out[o + 2], out[o + 3], out[o + 4], out[o + 5] = status, remaining, reset, retry, extra
+    o = o + 5
   end
 
   if admits then
@@ -224,7 +232,7 @@ for i = 1, #written do
     if first[key] == 0 then redis.call('PEXPIRE', key, ttl_ms(window_ttl)) end
   end
 end
-return struct.pack('<' .. string.rep('d', #out), unpack(out))
+return struct.pack('<' .. string.rep('d', o), unpack(out, 1, o))
 ";
 
 /// Undoes what one `CHECK` call wrote.
@@ -465,6 +473,13 @@ pub(crate) fn parse_replies(
         });
     }
     Ok(replies)
+}
+
+/// A figure of a `CHECK` call's packed argument: a little-endian double. Every figure sent
+/// (a request's size, a check's number, a key's number) is below 2^53, so exact.
+pub(crate) fn figure_bytes(x: u64) -> [u8; 8] {
+    #[allow(clippy::cast_precision_loss)]
+    (x as f64).to_le_bytes()
 }
 
 /// A figure of a reply: a whole number of at most 2^53, the range in which Lua is exact.
