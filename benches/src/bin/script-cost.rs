@@ -1,0 +1,100 @@
+//! Merged calls of tollgate's Redis check script, each carrying the same number of requests,
+//! for `benches/script-cost.sh`, which counts the instructions Redis spends on them.
+//!
+//! ```text
+//! script-cost --redis redis://127.0.0.1:6379/ --mode one|distinct|three [--calls 100]
+//!             [--per-call 16]
+//! ```
+//!
+//! Modes: `one`, one GCRA limit and every request on one key (a busy client, a tenant);
+//! `distinct`, one GCRA limit and a key never seen before per request; `three`, three GCRA
+//! limits, each with one key for every request. No quota is reached. It prints the requests
+//! it made and the script calls Redis counted for them.
+
+// A measurement tool: a bad flag or an unreachable Redis should stop it loudly.
+#![allow(clippy::unwrap_used)]
+
+use std::time::Duration;
+
+use tollgate_core::{Backend, Check, Limit, Quota};
+use tollgate_redis::RedisBackend;
+
+fn main() {
+    let mut url = "redis://127.0.0.1:6379/".to_owned();
+    let mut mode = String::new();
+    let (mut calls, mut per_call) = (100_usize, 16_usize);
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let value = it.next().unwrap_or_default();
+        match flag.as_str() {
+            "--redis" => url = value,
+            "--mode" => mode = value,
+            "--calls" => calls = value.parse().unwrap(),
+            "--per-call" => per_call = value.parse().unwrap(),
+            other => panic!("unknown flag {other}"),
+        }
+    }
+    let quota = Quota::per_second(1_000_000)
+        .unwrap()
+        .with_burst(u32::MAX)
+        .unwrap();
+    let limits: Vec<Limit> = match mode.as_str() {
+        "one" | "distinct" => vec![Limit::gcra("per-ip", quota).unwrap()],
+        "three" => ["a", "b", "c"]
+            .into_iter()
+            .map(|name| Limit::gcra(name, quota).unwrap())
+            .collect(),
+        other => panic!("unknown mode {other:?}"),
+    };
+    // One thread: the requests of a round are all queued before the task that sends merged
+    // calls first runs, so each round is exactly one call.
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        // Redis runs under valgrind, many times slower than natively.
+        let backend = RedisBackend::builder()
+            .url(&url)
+            .deadline(Duration::from_secs(30))
+            .build()
+            .unwrap();
+        let before = evalsha_calls(&url).await;
+        for round in 0..calls {
+            let answers: Vec<_> = (0..per_call)
+                .map(|r| {
+                    let n = if mode == "distinct" {
+                        round * per_call + r
+                    } else {
+                        0
+                    };
+                    let key = (n as u64).to_be_bytes();
+                    let checks: Vec<Check<'_>> =
+                        limits.iter().map(|l| Check::new(l, &key)).collect();
+                    tokio::spawn(backend.check(&checks))
+                })
+                .collect();
+            for answer in answers {
+                let verdicts = answer.await.unwrap().unwrap();
+                assert!(verdicts.iter().all(|v| v.is_allowed()));
+            }
+        }
+        let sent = evalsha_calls(&url).await - before;
+        println!("requests {} calls {sent}", calls * per_call);
+    });
+}
+
+/// The `EVALSHA` calls Redis has counted since it started.
+async fn evalsha_calls(url: &str) -> u64 {
+    let client = redis::Client::open(url).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    info.lines()
+        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
+        .and_then(|rest| rest.split(',').next())
+        .map_or(0, |n| n.parse().unwrap())
+}
