@@ -86,6 +86,11 @@ pub fn window_index(quota: &Quota, now: Micros) -> u64 {
     now / quota.period_micros()
 }
 
+/// When the window that holds `now` ends.
+pub fn window_end(quota: &Quota, now: Micros) -> Micros {
+    (window_index(quota, now) + 1) * quota.period_micros()
+}
+
 /// Fixed window. `state` from another (older) window counts as empty.
 ///
 /// Returns the verdict and, when admitted, the new state.
@@ -95,8 +100,7 @@ pub fn fixed_window(
     now: Micros,
     cost: u32,
 ) -> (Verdict, Option<WindowState>) {
-    let period = quota.period_micros();
-    let window_end = (window_index(quota, now) + 1) * period;
+    let window_end = window_end(quota, now);
     let count = match state {
         Some(s) if s.window_end == window_end => s.count,
         _ => 0,

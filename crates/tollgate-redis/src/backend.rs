@@ -400,7 +400,7 @@ impl Inner {
         }
         call.arg(packed);
         let value = self.invoke(&self.check_script, &call).await?;
-        script::parse_replies(&value, batches.iter().map(|b| b.len()))
+        script::parse_replies(&value, batches)
     }
 
     /// Sends `call`, an `EVALSHA` of `script`.

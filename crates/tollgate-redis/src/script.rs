@@ -10,12 +10,14 @@
 //! Redis formats a number passed to `redis.call` as a double (`%.17g`, slow in the C library),
 //! so numbers that become strings go through `fmt`, an integer format (`%d`, a C `long`).
 //!
-//! What a check costs Redis is mostly turning strings into numbers and back and calling
-//! commands, so `CHECK` takes each distinct limit's parameters once per call and one packed
-//! number per check.
+//! What a check costs Redis is mostly handling arguments, turning strings into numbers and
+//! back, Lua's interpreter and calling commands, so `CHECK` takes each distinct limit's
+//! parameters and each distinct key once per call, every request's figures in one packed
+//! string, and answers with the state it read rather than the figures computed from it.
 
 use std::sync::Arc;
 
+use tollgate_core::algorithm::{self, WindowState};
 use tollgate_core::{
     Algorithm, BackendError, BackendErrorKind, Check, Micros, Quota, Status, Verdict,
 };
@@ -73,11 +75,18 @@ end
 /// requests share keys.
 ///
 /// Reply: one string of little-endian doubles (all integers below 2^53): `now`, then per
-/// request `committed` and per check `status (0 allowed, 1 denied, 2 cost too high),
-/// remaining, reset, retry_after, extra`, where extra is what a refund needs (the window index
-/// of a fixed window, the last sequence number written to a sliding log). One string rather
-/// than an array of integers: packing it is one call in Lua, and the client reads it without a
-/// parser per item.
+/// request `committed` and per check its `status` (0 allowed, 1 denied, 2 cost too high) and:
+/// - GCRA: the TAT the check read (0 for none);
+/// - fixed window: the count the check read in the window that holds `now`;
+/// - sliding log: `remaining, reset, retry_after` and the last sequence number the check wrote
+///   (what a refund needs).
+///
+/// The client computes a GCRA or fixed-window verdict from that state with
+/// `tollgate_core::algorithm` and checks the status against it: the script only decides,
+/// which spares it the arithmetic of the figures and half the reply (about a fifth of its work
+/// per request). A sliding log's figures need the log, so the script sends them. One string
+/// rather than an array of integers: packing it is one call in Lua, and the client reads it
+/// without a parser per item.
 pub(crate) const CHECK: &str = r"
 local limits = {}
 local a = 3
@@ -106,8 +115,9 @@ local function read(key, missing)
   end
   return v
 end
--- What each admitting check of the current request would write: algorithm, key, value, TTL.
-local w_algo, w_key, w_val, w_ttl = {}, {}, {}, {}
+-- What each admitting check of the current request would write: algorithm, key, value, TTL
+-- (of a window), and where a sliding log's reply takes the sequence number the write makes.
+local w_algo, w_key, w_val, w_ttl, w_seq = {}, {}, {}, {}, {}
 while i <= figures do
   local n = fig[i]
   i = i + 1
@@ -125,46 +135,43 @@ while i <= figures do
     local cost = (code - code % 2) / 2
     local limit = limits[l + 1]
     local algo, p1, p2, p3 = limit[1], limit[2], limit[3], limit[4]
-    local status, remaining, reset, retry, extra = 0, 0, 0, 0, 0
+    local status = 0
 
     if algo == 1 then
-      local interval, tolerance, burst = p1, p2, p3
+      local interval, burst, tolerance = p1, p3, p2
       local tat = state[key]
       if tat == nil then tat = read(key, false) end
       local base = now
       if tat and tat > now then base = tat end
-      local used = base - now
       local new_tat = base + interval * cost
-      if cost > burst or new_tat - now > tolerance then
-        -- Refused: what is left is what the stored state leaves.
-        if tolerance > used then remaining = idiv(tolerance - used, interval) end
-        reset = used
-        if cost > burst then status = 2 else status, retry = 1, new_tat - tolerance - now end
+      if cost > burst then
+        status = 2
+      elseif new_tat - now > tolerance then
+        status = 1
       else
-        local after = new_tat - now
-        if tolerance > after then remaining = idiv(tolerance - after, interval) end
-        reset = after
-        w_algo[j], w_key[j], w_val[j], w_ttl[j] = 1, key, new_tat, after
+        w_algo[j], w_key[j], w_val[j] = 1, key, new_tat
       end
+      out[o + 1], out[o + 2] = status, tat or 0
+      o = o + 2
 
     elseif algo == 2 then
       local period, limit = p1, p2
       local index = idiv(now, period)
       local wkey = key .. ':' .. fmt(index)
       local count = read(wkey, 0)
-      reset, extra = (index + 1) * period - now, index
-      if limit > count then remaining = limit - count end
       if cost > limit then
         status = 2
       elseif count + cost > limit then
-        status, retry = 1, reset
+        status = 1
       else
-        remaining = limit - count - cost
-        w_algo[j], w_key[j], w_val[j], w_ttl[j] = 2, wkey, cost, reset
+        w_algo[j], w_key[j], w_val[j], w_ttl[j] = 2, wkey, cost, (index + 1) * period - now
       end
+      out[o + 1], out[o + 2] = status, count
+      o = o + 2
 
     elseif algo == 3 then
       local period, limit = p1, p2
+      local remaining, reset, retry = 0, 0, 0
       -- An entry at t counts while t + period > now.
       local oldest = fmt(now - period)
       local count = redis.call('ZCOUNT', key, '(' .. oldest, '+inf')
@@ -181,16 +188,16 @@ while i <= figures do
         status, retry = 1, tonumber(nth[2]) + period - now
       else
         remaining, reset = limit - count - cost, period
-        w_algo[j], w_key[j], w_val[j], w_ttl[j] = 3, key, cost, period
+        w_algo[j], w_key[j], w_val[j], w_ttl[j], w_seq[j] = 3, key, cost, period, o + 5
       end
+      out[o + 1], out[o + 2], out[o + 3], out[o + 4], out[o + 5] = status, remaining, reset, retry, 0
+      o = o + 5
 
     else
       return redis.error_reply('tollgate: unknown algorithm ' .. tostring(algo))
     end
 
     if status ~= 0 and enforce then admits = false end
-    out[o + 1], out[o + 2], out[o + 3], out[o + 4], out[o + 5] = status, remaining, reset, retry, extra
-    o = o + 5
   end
 
   if admits then
@@ -214,7 +221,7 @@ while i <= figures do
         end
         redis.call('PEXPIRE', key, ttl_ms(period))
         redis.call('PEXPIRE', seq_key, ttl_ms(period))
-        out[head + (j - 1) * 5 + 5] = last
+        out[w_seq[j]] = last
       end
     end
     out[head] = 1
@@ -402,30 +409,44 @@ fn protocol(msg: impl Into<String>) -> BackendError {
     BackendError::new(BackendErrorKind::Protocol, msg)
 }
 
-/// Decodes a `CHECK` reply for one request of `checks` checks.
+/// Decodes a `CHECK` reply for one request.
 ///
 /// # Errors
 ///
-/// [`BackendErrorKind::Protocol`] for anything but the expected array of integers.
+/// [`BackendErrorKind::Protocol`] for anything but the expected figures.
 #[cfg(test)]
-pub(crate) fn parse_reply(value: &redis::Value, checks: usize) -> Result<Reply, BackendError> {
-    let mut replies = parse_replies(value, [checks])?;
+pub(crate) fn parse_reply(value: &redis::Value, batch: &[Prepared]) -> Result<Reply, BackendError> {
+    let mut replies = parse_replies(value, &[batch])?;
     replies.pop().ok_or_else(|| protocol("empty script reply"))
 }
 
-/// Decodes a `CHECK` reply for requests of `sizes` checks each, in order.
+/// The figures of one check's answer in a `CHECK` reply.
+fn answer_len(p: &Prepared) -> usize {
+    match p.algorithm {
+        Algorithm::Gcra | Algorithm::FixedWindow => 2,
+        _ => 5,
+    }
+}
+
+/// Decodes a `CHECK` reply for the requests of `batches`, in order.
+///
+/// A GCRA or fixed-window check's verdict is computed here, by `tollgate_core::algorithm`,
+/// from the state the script read for it; the script's status must agree with it.
 ///
 /// # Errors
 ///
 /// [`BackendErrorKind::Protocol`] for anything but a string of the expected figures.
 pub(crate) fn parse_replies(
     value: &redis::Value,
-    sizes: impl IntoIterator<Item = usize> + Clone,
+    batches: &[&[Prepared]],
 ) -> Result<Vec<Reply>, BackendError> {
     let redis::Value::BulkString(bytes) = value else {
         return Err(protocol(format!("unexpected script reply {value:?}")));
     };
-    let expected = 1 + sizes.clone().into_iter().map(|n| 1 + 5 * n).sum::<usize>();
+    let expected = 1 + batches
+        .iter()
+        .map(|b| 1 + b.iter().map(answer_len).sum::<usize>())
+        .sum::<usize>();
     if bytes.len() != 8 * expected {
         return Err(protocol(format!(
             "script reply of {} bytes where {} figures were expected",
@@ -444,27 +465,51 @@ pub(crate) fn parse_replies(
             .unwrap_or_else(|| Err(protocol("script reply too short")))
     };
     let now = next()?;
-    let mut replies = Vec::new();
-    for n in sizes {
+    let mut replies = Vec::with_capacity(batches.len());
+    for batch in batches {
         let committed = next()? == 1;
-        let mut answers = Vec::with_capacity(n);
-        for _ in 0..n {
-            let [status, remaining, reset, retry_after, extra] =
-                [next()?, next()?, next()?, next()?, next()?];
-            let status = match status {
-                0 => Status::Allowed,
-                1 => Status::Denied { retry_after },
-                2 => Status::CostTooHigh,
-                other => return Err(protocol(format!("unknown status {other} in reply"))),
+        let mut answers = Vec::with_capacity(batch.len());
+        for p in batch.iter() {
+            let status = next()?;
+            let answer = match p.algorithm {
+                Algorithm::Gcra => {
+                    let tat = Some(next()?).filter(|&t| t != 0);
+                    let (verdict, _) = algorithm::gcra(&p.quota, tat, now, p.cost);
+                    Answer { verdict, extra: 0 }
+                }
+                Algorithm::FixedWindow => {
+                    let state = WindowState {
+                        window_end: algorithm::window_end(&p.quota, now),
+                        count: next()?,
+                    };
+                    let (verdict, _) = algorithm::fixed_window(&p.quota, Some(state), now, p.cost);
+                    let extra = algorithm::window_index(&p.quota, now);
+                    Answer { verdict, extra }
+                }
+                _ => {
+                    let [remaining, reset, retry_after, extra] =
+                        [next()?, next()?, next()?, next()?];
+                    let status = match status {
+                        0 => Status::Allowed,
+                        1 => Status::Denied { retry_after },
+                        2 => Status::CostTooHigh,
+                        other => return Err(protocol(format!("unknown status {other} in reply"))),
+                    };
+                    let verdict = Verdict {
+                        status,
+                        remaining,
+                        reset,
+                    };
+                    Answer { verdict, extra }
+                }
             };
-            answers.push(Answer {
-                verdict: Verdict {
-                    status,
-                    remaining,
-                    reset,
-                },
-                extra,
-            });
+            if status_code(answer.verdict.status) != status {
+                return Err(protocol(format!(
+                    "the script answered status {status} where {:?} was expected",
+                    answer.verdict.status
+                )));
+            }
+            answers.push(answer);
         }
         replies.push(Reply {
             committed,
@@ -473,6 +518,17 @@ pub(crate) fn parse_replies(
         });
     }
     Ok(replies)
+}
+
+/// A status as the script writes it.
+fn status_code(status: Status) -> u64 {
+    match status {
+        Status::Allowed => 0,
+        Status::Denied { .. } => 1,
+        Status::CostTooHigh => 2,
+        // No status the script writes.
+        _ => u64::MAX,
+    }
 }
 
 /// A figure of a `CHECK` call's packed argument: a little-endian double. Every figure sent
@@ -500,55 +556,107 @@ fn figure(x: f64) -> Result<u64, BackendError> {
 mod tests {
     use super::*;
     use redis::Value;
+    use tollgate_core::Limit;
 
     fn packed(figures: &[f64]) -> Value {
         Value::BulkString(figures.iter().flat_map(|f| f.to_le_bytes()).collect())
     }
 
+    const NOW: f64 = 1_000_000_000_000.;
+
+    fn prepared(algorithm: Algorithm, cost: u32) -> Prepared {
+        let limit = Limit::new("l", algorithm, Quota::per_minute(5).unwrap()).unwrap();
+        let mut check = Check::new(&limit, b"k");
+        check.cost = cost;
+        Prepared::new(&check, [0; 16]).unwrap()
+    }
+
     #[test]
-    fn parses_a_reply() {
-        let v = packed(&[
-            99., 1., 0., 4., 12., 0., 0., 1., 0., 5., 7., 0., 2., 3., 0., 0., 0.,
-        ]);
-        let r = parse_reply(&v, 3).unwrap();
+    fn computes_gcra_and_window_verdicts_from_the_state_the_script_read() {
+        let batch = [
+            prepared(Algorithm::Gcra, 1),
+            prepared(Algorithm::FixedWindow, 1),
+            prepared(Algorithm::SlidingLog, 6),
+        ];
+        // now; committed; GCRA allowed on a key never seen; the window refused with its 5
+        // units used; the log: cost too high, 3 left.
+        let figures = [NOW, 1., 0., 0., 1., 5., 2., 3., 0., 0., 0.];
+        let r = parse_reply(&packed(&figures), &batch).unwrap();
         assert!(r.committed);
-        assert_eq!(r.now, 99);
-        assert_eq!(r.answers[0].verdict.status, Status::Allowed);
+        assert_eq!(r.now, 1_000_000_000_000);
+        let gcra = r.answers[0].verdict;
         assert_eq!(
-            r.answers[1].verdict.status,
-            Status::Denied { retry_after: 7 }
+            (gcra.status, gcra.remaining, gcra.reset),
+            (Status::Allowed, 4, 12_000_000)
+        );
+        // The minute's window that holds now ends 20 s later.
+        let window = r.answers[1];
+        assert_eq!(
+            (
+                window.verdict.status,
+                window.verdict.remaining,
+                window.extra
+            ),
+            (
+                Status::Denied {
+                    retry_after: 20_000_000
+                },
+                0,
+                16_666
+            )
         );
         assert_eq!(r.answers[2].verdict.status, Status::CostTooHigh);
-        assert!(parse_reply(&v, 2).is_err());
-        assert!(parse_reply(&Value::Nil, 0).is_err());
-        assert!(parse_reply(&packed(&[-1., 0.]), 0).is_err());
-        assert!(parse_reply(&packed(&[0.5, 0.]), 0).is_err());
-        assert!(parse_reply(&packed(&[f64::NAN, 0.]), 0).is_err());
-        assert!(parse_reply(&packed(&[2f64.powi(54), 0.]), 0).is_err());
+        assert_eq!(r.answers[2].verdict.remaining, 3);
+
+        // A TAT 40 s ahead leaves 1 unit, then none.
+        let ahead = [NOW, 1., 0., NOW + 40e6, 1., 5., 2., 3., 0., 0., 0.];
+        let gcra = parse_reply(&packed(&ahead), &batch).unwrap().answers[0].verdict;
+        assert_eq!((gcra.remaining, gcra.reset), (0, 52_000_000));
+    }
+
+    #[test]
+    fn a_status_that_disagrees_with_the_state_is_a_protocol_error() {
+        let batch = [prepared(Algorithm::Gcra, 1)];
+        assert!(parse_reply(&packed(&[NOW, 1., 0., 0.]), &batch).is_ok());
+        // Refused, on a key never seen.
+        assert!(parse_reply(&packed(&[NOW, 1., 1., 0.]), &batch).is_err());
+        // Allowed, with the bucket full for the next 60 s.
+        assert!(parse_reply(&packed(&[NOW, 1., 0., NOW + 60e6]), &batch).is_err());
+        let log = [prepared(Algorithm::SlidingLog, 1)];
+        assert!(parse_reply(&packed(&[NOW, 1., 3., 0., 0., 0., 0.]), &log).is_err());
+    }
+
+    #[test]
+    fn only_whole_figures_of_the_expected_number_are_read() {
+        let batch = [prepared(Algorithm::Gcra, 1)];
+        assert!(parse_reply(&packed(&[NOW, 1., 0.]), &batch).is_err());
+        assert!(parse_reply(&packed(&[NOW, 1., 0., 0., 0.]), &batch).is_err());
+        assert!(parse_reply(&Value::Nil, &[]).is_err());
+        assert!(parse_reply(&packed(&[-1., 0.]), &[]).is_err());
+        assert!(parse_reply(&packed(&[0.5, 0.]), &[]).is_err());
+        assert!(parse_reply(&packed(&[f64::NAN, 0.]), &[]).is_err());
+        assert!(parse_reply(&packed(&[2f64.powi(54), 0.]), &[]).is_err());
         assert_eq!(
-            parse_reply(&packed(&[2f64.powi(53), 0.]), 0).unwrap().now,
+            parse_reply(&packed(&[2f64.powi(53), 0.]), &[]).unwrap().now,
             1 << 53
         );
-        assert!(parse_reply(&Value::BulkString(vec![0; 15]), 0).is_err());
+        assert!(parse_reply(&Value::BulkString(vec![0; 15]), &[]).is_err());
     }
 
     #[test]
     fn parses_the_reply_of_several_requests() {
-        // now 7; a committed request of one check, a refused one of two.
-        let v = packed(&[
-            7., 1., 0., 3., 10., 0., 0., 0., 1., 0., 20., 20., 0., 0., 0., 0., 0., 0.,
-        ]);
-        let r = parse_replies(&v, [1, 2]).unwrap();
+        let one = [prepared(Algorithm::Gcra, 1)];
+        let two = [prepared(Algorithm::Gcra, 6), prepared(Algorithm::Gcra, 1)];
+        // A committed request of one check, a refused one of two (the first costs too much).
+        let v = packed(&[NOW, 1., 0., 0., 0., 2., 0., 0., 0.]);
+        let r = parse_replies(&v, &[&one, &two]).unwrap();
         assert_eq!(r.len(), 2);
         assert!(r[0].committed && !r[1].committed);
-        assert_eq!((r[0].now, r[1].now), (7, 7));
-        assert_eq!(r[0].answers[0].verdict.remaining, 3);
-        assert_eq!(
-            r[1].answers[0].verdict.status,
-            Status::Denied { retry_after: 20 }
-        );
+        assert_eq!((r[0].now, r[1].now), (1_000_000_000_000, 1_000_000_000_000));
+        assert_eq!(r[0].answers[0].verdict.remaining, 4);
+        assert_eq!(r[1].answers[0].verdict.status, Status::CostTooHigh);
         assert_eq!(r[1].answers[1].verdict.status, Status::Allowed);
-        assert!(parse_replies(&v, [2, 1, 0]).is_err());
-        assert!(parse_replies(&v, [1]).is_err());
+        assert!(parse_replies(&v, &[&two, &one]).is_err());
+        assert!(parse_replies(&v, &[&one]).is_err());
     }
 }
