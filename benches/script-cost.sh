@@ -26,7 +26,8 @@ done
 source "$ROOT/benches/common.sh"
 
 OUT=$(mktemp -d /tmp/tollgate-script-cost.XXXXXX)
-trap 'rm -rf "$OUT"' EXIT
+pid=
+trap '[[ -n $pid ]] && kill "$pid" 2>/dev/null; rm -rf "$OUT"' EXIT
 printf '%-10s %10s %8s %16s\n' mode requests calls instr/request
 for mode in "${MODES[@]}"; do
     port=$(free_port)
@@ -46,4 +47,5 @@ for mode in "${MODES[@]}"; do
         awk '/PROGRAM TOTALS/{gsub(",", "", $1); print $1; exit}')
     printf '%-10s %10d %8d %16d\n' "$mode" "$requests" "$calls" $((instr / requests))
     rm -f "$OUT"/redis.*.out*
+    pid=
 done
