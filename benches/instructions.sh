@@ -5,9 +5,10 @@
 #   benches/instructions.sh [MODE...]    # default: the in-memory modes and bare
 #
 # Counts user-space instructions only (the kernel's TCP work is not in them) between a warm-up
-# and the end of a DURATION-second wrk run at low concurrency, divided by the requests. With
-# KEEP=1 the callgrind files stay in OUT for callgrind_annotate. Builds the server with line
-# tables (in CARGO_TARGET_DIR, default target/) so that the profile names functions.
+# and the end of a DURATION-second wrk run at CONNS connections (8 unless set), divided by the
+# requests. With KEEP=1 the callgrind files stay in OUT for callgrind_annotate. Builds the
+# server with line tables (in CARGO_TARGET_DIR, default target/) so that the profile names
+# functions.
 # Only 127.0.0.1 is ever contacted.
 set -euo pipefail
 
@@ -45,9 +46,9 @@ for mode in "${MODES[@]}"; do
         >"$OUT/$mode.log" 2>&1 &
     pid=$!
     for _ in $(seq 200); do curl -s -o /dev/null "http://127.0.0.1:$port/" && break; sleep 0.1; done
-    wrk -t1 -c8 -d2s "http://127.0.0.1:$port/" >/dev/null
+    wrk -t1 -c"${CONNS:-8}" -d2s "http://127.0.0.1:$port/" >/dev/null
     callgrind_control --zero "$pid" >/dev/null 2>&1
-    wrk -t1 -c8 -d"${DURATION}s" "http://127.0.0.1:$port/" >"$OUT/$mode.wrk"
+    wrk -t1 -c"${CONNS:-8}" -d"${DURATION}s" "http://127.0.0.1:$port/" >"$OUT/$mode.wrk"
     callgrind_control --dump "$pid" >/dev/null 2>&1
     kill "$pid"; wait "$pid" 2>/dev/null || true
     requests=$(awk '/ requests in /{print $1}' "$OUT/$mode.wrk")
