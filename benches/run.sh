@@ -8,7 +8,8 @@
 # Settings (environment): ROUNDS (5), DURATION seconds per run (7), WARMUP seconds (1),
 # CONNS wrk connections (64), MODES (all), SERVER_CPU (0), LOAD_CPU (1), REDIS_CPU (0),
 # QUIET_PCT (20) and QUIET_MAX (30): see quiet() below, OUT directory for the raw results (a new
-# one under /tmp). Only 127.0.0.1 is ever contacted.
+# one under /tmp), SERVER_OLD a second bench-server binary that modes named old-<mode> run (an
+# A/B of two builds in the same rounds). Only 127.0.0.1 is ever contacted.
 #
 # Per run: a fresh bench-server pinned to SERVER_CPU, wrk pinned to LOAD_CPU, a warm-up, then
 # wrk --latency for DURATION; requests/s and p99 from wrk, server CPU per request from the
@@ -180,7 +181,10 @@ run_one() {
     [[ $mode == *redis* || $mode == *naive* ]] && redis_mode=1
     ((redis_mode)) && rcli flushall >/dev/null
     quiet
-    taskset -c "$SERVER_CPU" "$SERVER" --mode "$mode" --port "$port" \
+    # A mode named old-<mode> runs <mode> on the SERVER_OLD binary: two builds in one run.
+    local bin=$SERVER real=$mode
+    [[ $mode == old-* ]] && bin=${SERVER_OLD:?old- modes need SERVER_OLD} && real=${mode#old-}
+    taskset -c "$SERVER_CPU" "$bin" --mode "$real" --port "$port" \
         --redis "${REDIS_URL:-redis://127.0.0.1:6379/}" --flood-limit "${FLOOD_LIMIT:-100}" \
         2>>"$OUT/server.log" &
     SERVER_PID=$!
