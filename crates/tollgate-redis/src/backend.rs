@@ -342,63 +342,18 @@ impl Inner {
         batches: &[&[Prepared]],
         now: Option<Micros>,
     ) -> Result<Vec<Reply>, BackendError> {
-        let all: Vec<&Prepared> = batches.iter().flat_map(|b| b.iter()).collect();
-        // Each distinct limit's parameters once; each check refers to its limit by index.
-        let mut limits: Vec<[u64; 4]> = Vec::new();
-        let mut refs = Vec::with_capacity(all.len());
-        for p in &all {
-            let args = p.limit_args();
-            let index = match limits.iter().position(|l| *l == args) {
-                Some(i) => i,
-                None => {
-                    limits.push(args);
-                    limits.len() - 1
-                }
-            };
-            refs.push(index);
-        }
-        if limits.len() > script::LIMITS_PER_CALL {
-            return Err(BackendError::new(
-                BackendErrorKind::Protocol,
-                format!("more than {} limits in one call", script::LIMITS_PER_CALL),
-            ));
-        }
-        // Each distinct key once, and each check refers to its key by number: requests that
-        // share a key (one client, one tenant) send it once per call. The digest covers the
-        // limit's name, so equal digests are the same key; sorting finds them in O(n log n)
-        // whatever the keys.
-        let mut by_key: Vec<usize> = (0..all.len()).collect();
-        by_key.sort_unstable_by_key(|&i| all[i].digest);
-        let mut keys: Vec<&Prepared> = Vec::new();
-        let mut key_of = vec![0; all.len()];
-        for i in by_key {
-            if keys.last().is_none_or(|k| k.digest != all[i].digest) {
-                keys.push(all[i]);
-            }
-            key_of[i] = keys.len();
-        }
+        let args = script::CheckArgs::new(batches)?;
         let mut call = self.script_call(
             &self.check_script,
-            keys.iter().copied(),
+            args.keys.iter().copied(),
             now,
-            2 + 4 * limits.len(),
+            2 + 4 * args.limits.len(),
         );
-        call.arg(limits.len());
-        for l in &limits {
+        call.arg(args.limits.len());
+        for l in &args.limits {
             call.arg(l);
         }
-        // Per request its size, then per check its number and its key's: one string of
-        // little-endian doubles, which the script decodes in one call.
-        let mut packed = Vec::with_capacity(8 * (batches.len() + 2 * all.len()));
-        let mut checks = all.iter().zip(refs).zip(key_of);
-        for batch in batches {
-            packed.extend_from_slice(&script::figure_bytes(batch.len() as u64));
-            for ((p, limit), key) in checks.by_ref().take(batch.len()) {
-                packed.extend_from_slice(&script::figure_bytes(p.check_arg(limit)));
-                packed.extend_from_slice(&script::figure_bytes(key as u64));
-            }
-        }
-        call.arg(packed);
+        call.arg(args.packed);
         let value = self.invoke(&self.check_script, &call).await?;
         script::parse_replies(&value, batches)
     }

@@ -390,6 +390,73 @@ impl Prepared {
     }
 }
 
+/// What one `CHECK` call sends for the batches of several requests (see [`CHECK`]).
+pub(crate) struct CheckArgs<'p> {
+    /// Each distinct limit's parameters, once.
+    pub(crate) limits: Vec<[u64; 4]>,
+    /// A check of each distinct key, once: the call's `KEYS`.
+    pub(crate) keys: Vec<&'p Prepared>,
+    /// Per request its size, then per check its number and its key's, as little-endian doubles.
+    pub(crate) packed: Vec<u8>,
+}
+
+impl<'p> CheckArgs<'p> {
+    /// Encodes `batches`, one per request, in order.
+    ///
+    /// # Errors
+    ///
+    /// [`BackendErrorKind::Protocol`] for more than [`LIMITS_PER_CALL`] distinct limits.
+    pub(crate) fn new(batches: &[&'p [Prepared]]) -> Result<Self, BackendError> {
+        let all: Vec<&Prepared> = batches.iter().flat_map(|b| b.iter()).collect();
+        // Each check refers to its limit by index.
+        let mut limits: Vec<[u64; 4]> = Vec::new();
+        let mut limit_of = Vec::with_capacity(all.len());
+        for p in &all {
+            let args = p.limit_args();
+            let index = match limits.iter().position(|l| *l == args) {
+                Some(i) => i,
+                None => {
+                    limits.push(args);
+                    limits.len() - 1
+                }
+            };
+            limit_of.push(index);
+        }
+        if limits.len() > LIMITS_PER_CALL {
+            return Err(protocol(format!(
+                "more than {LIMITS_PER_CALL} limits in one call"
+            )));
+        }
+        // Each check refers to its key by number: requests that share a key (one client, one
+        // tenant) send it once per call. The digest covers the limit's name, so equal digests
+        // are the same key; sorting finds them in O(n log n) whatever the keys.
+        let mut by_key: Vec<usize> = (0..all.len()).collect();
+        by_key.sort_unstable_by_key(|&i| all[i].digest);
+        let mut keys: Vec<&Prepared> = Vec::new();
+        let mut key_of = vec![0; all.len()];
+        for i in by_key {
+            if keys.last().is_none_or(|k| k.digest != all[i].digest) {
+                keys.push(all[i]);
+            }
+            key_of[i] = keys.len();
+        }
+        let mut packed = Vec::with_capacity(8 * (batches.len() + 2 * all.len()));
+        let mut checks = all.iter().zip(limit_of).zip(key_of);
+        for batch in batches {
+            packed.extend_from_slice(&figure_bytes(batch.len() as u64));
+            for ((p, limit), key) in checks.by_ref().take(batch.len()) {
+                packed.extend_from_slice(&figure_bytes(p.check_arg(limit)));
+                packed.extend_from_slice(&figure_bytes(key as u64));
+            }
+        }
+        Ok(Self {
+            limits,
+            keys,
+            packed,
+        })
+    }
+}
+
 /// What `CHECK` answered for one check.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Answer {
@@ -533,7 +600,7 @@ fn status_code(status: Status) -> u64 {
 
 /// A figure of a `CHECK` call's packed argument: a little-endian double. Every figure sent
 /// (a request's size, a check's number, a key's number) is below 2^53, so exact.
-pub(crate) fn figure_bytes(x: u64) -> [u8; 8] {
+fn figure_bytes(x: u64) -> [u8; 8] {
     #[allow(clippy::cast_precision_loss)]
     (x as f64).to_le_bytes()
 }
@@ -558,6 +625,8 @@ mod tests {
     use redis::Value;
     use tollgate_core::Limit;
 
+    use crate::keys;
+
     fn packed(figures: &[f64]) -> Value {
         Value::BulkString(figures.iter().flat_map(|f| f.to_le_bytes()).collect())
     }
@@ -569,6 +638,50 @@ mod tests {
         let mut check = Check::new(&limit, b"k");
         check.cost = cost;
         Prepared::new(&check, [0; 16]).unwrap()
+    }
+
+    #[test]
+    fn a_call_sends_each_limit_and_each_key_once() {
+        let per_ip = Limit::new("ip", Algorithm::Gcra, Quota::per_minute(5).unwrap()).unwrap();
+        let daily = Limit::new("day", Algorithm::FixedWindow, Quota::per_day(9).unwrap()).unwrap();
+        let check = |limit: &Limit, key: &[u8], cost| {
+            let mut check = Check::new(limit, key);
+            check.cost = cost;
+            Prepared::new(&check, keys::digest(limit.name(), key)).unwrap()
+        };
+        let first = [check(&per_ip, b"a", 1)];
+        let second = [check(&per_ip, b"a", 2), check(&daily, b"a", 1)];
+        let third = [check(&per_ip, b"b", 1)];
+        let args = CheckArgs::new(&[&first, &second, &third]).unwrap();
+        assert_eq!(args.limits.len(), 2);
+        // (ip, a), (day, a), (ip, b).
+        assert_eq!(args.keys.len(), 3);
+        let key = |p: &Prepared| {
+            let i = args.keys.iter().position(|k| k.digest == p.digest).unwrap();
+            (i + 1) as f64
+        };
+        let figures: Vec<f64> = args
+            .packed
+            .chunks_exact(8)
+            .map(|c| f64::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        // Per request its size; per check (cost × 2 + enforced) × 1024 + limit, and its key.
+        let expected = [
+            1.,
+            3072.,
+            key(&first[0]),
+            2.,
+            5120.,
+            key(&second[0]),
+            3073.,
+            key(&second[1]),
+            1.,
+            3072.,
+            key(&third[0]),
+        ];
+        assert_eq!(figures, expected);
+        assert_eq!(key(&first[0]), key(&second[0]));
+        assert_ne!(key(&first[0]), key(&third[0]));
     }
 
     #[test]
