@@ -59,7 +59,7 @@ fn main() {
             .deadline(Duration::from_secs(30))
             .build()
             .unwrap();
-        let before = evalsha_calls(&url).await;
+        let before = evalsha_calls(&url);
         for round in 0..calls {
             let answers: Vec<_> = (0..per_call)
                 .map(|r| {
@@ -79,22 +79,22 @@ fn main() {
                 assert!(verdicts.iter().all(|v| v.is_allowed()));
             }
         }
-        let sent = evalsha_calls(&url).await - before;
+        let sent = evalsha_calls(&url) - before;
         println!("requests {} calls {sent}", calls * per_call);
     });
 }
 
 /// The `EVALSHA` calls Redis has counted since it started.
-async fn evalsha_calls(url: &str) -> u64 {
-    let client = redis::Client::open(url).unwrap();
-    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+fn evalsha_calls(url: &str) -> u64 {
+    let mut conn = redis::Client::open(url)
+        .and_then(|c| c.get_connection())
+        .unwrap();
     let info: String = redis::cmd("INFO")
         .arg("commandstats")
-        .query_async(&mut conn)
-        .await
+        .query(&mut conn)
         .unwrap();
-    info.lines()
-        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
-        .and_then(|rest| rest.split(',').next())
-        .map_or(0, |n| n.parse().unwrap())
+    tollgate_testsupport::parse_command_stats(&info)
+        .get("evalsha")
+        .copied()
+        .unwrap_or(0)
 }

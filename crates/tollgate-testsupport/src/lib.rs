@@ -366,8 +366,9 @@ impl Drop for RedisServer {
     }
 }
 
-/// Parses `INFO commandstats`: lines such as `cmdstat_evalsha:calls=3,usec=...`.
-fn parse_command_stats(info: &str) -> HashMap<String, u64> {
+/// Calls per command, keyed by lowercase command name, from the text of `INFO commandstats`:
+/// lines such as `cmdstat_evalsha:calls=3,usec=...`.
+pub fn parse_command_stats(info: &str) -> HashMap<String, u64> {
     info.lines()
         .filter_map(|line| {
             let (name, fields) = line.trim().strip_prefix("cmdstat_")?.split_once(':')?;
