@@ -8,6 +8,10 @@ pub enum ConfigError {
     ZeroLimit,
     /// A period shorter than one microsecond per admitted request.
     PeriodTooShort,
+    /// A period, or the time a GCRA burst takes to refill, longer than [`crate::MAX_PERIOD`].
+    PeriodTooLong,
+    /// A GCRA rate that whole microseconds cannot space within 1% (see [`crate::Limit::new`]).
+    ImpreciseRate,
     /// A burst of zero, or a burst set on an algorithm that has none.
     InvalidBurst,
     /// A fixed cost of zero, or larger than the quota admits at once.
@@ -36,6 +40,13 @@ impl fmt::Display for ConfigError {
             Self::PeriodTooShort => {
                 f.write_str("the period must last at least one microsecond per admitted request")
             }
+            Self::PeriodTooLong => {
+                f.write_str("the period (and a GCRA burst's refill time) must not exceed 100 years")
+            }
+            Self::ImpreciseRate => f.write_str(
+                "GCRA spaces requests by whole microseconds, and this rate would run over 1% \
+                 fast: make the period a multiple of the limit, or lower the rate",
+            ),
             Self::InvalidBurst => f.write_str("burst must be at least 1, and only GCRA has one"),
             Self::InvalidCost { cost, max } => {
                 write!(f, "cost {cost} is invalid: it must be between 1 and {max}")

@@ -8,10 +8,20 @@ use crate::ConfigError;
 /// The longest limit name, in bytes.
 pub const MAX_NAME_LEN: usize = 64;
 
+/// The longest period a quota may have (and the longest a GCRA burst may take to refill):
+/// 100 years of 365.25 days. Times stay far below 2^53 microseconds, where the Redis scripts'
+/// numbers stop being exact, and no sum of a time and a period can overflow.
+pub const MAX_PERIOD: Duration = Duration::from_secs(36_525 * 86_400);
+
+/// The most a GCRA limit's rate may exceed its quota through the rounding of its emission
+/// interval to whole microseconds: 1%, in parts per 10,000.
+const MAX_RATE_EXCESS_BP: u64 = 100;
+
 /// How many requests a limit admits in how long.
 ///
 /// "100 per minute" is written `Quota::per_minute(100)` and means exactly that. A quota cannot be
-/// zero, and its period must leave at least one microsecond per request.
+/// zero, its period must leave at least one microsecond per request and last at most
+/// [`MAX_PERIOD`].
 ///
 /// # Examples
 ///
@@ -40,9 +50,13 @@ impl Quota {
     /// # Errors
     ///
     /// [`ConfigError::ZeroLimit`] for a limit of 0; [`ConfigError::PeriodTooShort`] when the
-    /// period has fewer microseconds than the limit has requests.
+    /// period has fewer microseconds than the limit has requests;
+    /// [`ConfigError::PeriodTooLong`] for a period longer than [`MAX_PERIOD`].
     pub fn new(limit: u32, period: Duration) -> Result<Self, ConfigError> {
         let limit = NonZeroU32::new(limit).ok_or(ConfigError::ZeroLimit)?;
+        if period > MAX_PERIOD {
+            return Err(ConfigError::PeriodTooLong);
+        }
         let period = micros(period);
         if period < u64::from(limit.get()) {
             return Err(ConfigError::PeriodTooShort);
@@ -97,10 +111,23 @@ impl Quota {
     ///
     /// # Errors
     ///
-    /// [`ConfigError::InvalidBurst`] for a burst of 0.
+    /// [`ConfigError::InvalidBurst`] for a burst of 0; [`ConfigError::PeriodTooLong`] when
+    /// refilling the whole burst would take longer than [`MAX_PERIOD`].
     pub fn with_burst(mut self, burst: u32) -> Result<Self, ConfigError> {
         self.burst = NonZeroU32::new(burst).ok_or(ConfigError::InvalidBurst)?;
+        if self.interval.saturating_mul(u64::from(burst)) > micros(MAX_PERIOD) {
+            return Err(ConfigError::PeriodTooLong);
+        }
         Ok(self)
+    }
+
+    /// How far GCRA's whole-microsecond emission interval lets the long-run rate exceed
+    /// `limit / period`, in parts per 10,000 (rounded up).
+    fn rate_excess_bp(&self) -> u64 {
+        let counted = u64::from(self.limit.get()) * self.interval;
+        (self.period - counted)
+            .saturating_mul(10_000)
+            .div_ceil(counted)
     }
 
     /// Requests admitted per period.
@@ -237,7 +264,12 @@ impl Limit {
     /// # Errors
     ///
     /// [`ConfigError::InvalidName`] unless the name is 1 to [`MAX_NAME_LEN`] characters of
-    /// `[A-Za-z0-9_.-]` (names appear in headers, metric labels and Redis keys).
+    /// `[A-Za-z0-9_.-]` (names appear in headers, metric labels and Redis keys);
+    /// [`ConfigError::InvalidBurst`] for a burst on an algorithm other than GCRA;
+    /// [`ConfigError::ImpreciseRate`] for a GCRA quota whose emission interval (the period
+    /// divided by the limit) rounds down to whole microseconds by more than 1% of itself, as
+    /// `Quota::per_second(600_000)` does (the period is then a multiple of the limit, or the
+    /// limit lower).
     pub fn new(name: &str, algorithm: Algorithm, quota: Quota) -> Result<Self, ConfigError> {
         let valid = !name.is_empty()
             && name.len() <= MAX_NAME_LEN
@@ -249,6 +281,12 @@ impl Limit {
         }
         if algorithm != Algorithm::Gcra && quota.burst != quota.limit {
             return Err(ConfigError::InvalidBurst);
+        }
+        // GCRA spaces requests by a whole number of microseconds, rounded down: at high rates
+        // (600,000 a second is one every 1.67 µs, counted as 1) that would admit far more
+        // than the quota says.
+        if algorithm == Algorithm::Gcra && quota.rate_excess_bp() > MAX_RATE_EXCESS_BP {
+            return Err(ConfigError::ImpreciseRate);
         }
         Ok(Self {
             name: name.into(),
@@ -327,7 +365,9 @@ impl Limit {
         self
     }
 
-    /// Shadow (dry-run) mode: count and report would-be denials, but never deny.
+    /// Shadow (dry-run) mode: count and report would-be denials, but never deny. Nothing
+    /// about a shadow limit refuses a request: a request without its key skips it (whatever
+    /// the missing-key policy), and its backend failing never answers 503.
     pub fn shadow(mut self) -> Self {
         self.shadow = true;
         self
@@ -400,4 +440,48 @@ fn name_id(name: &str) -> u64 {
     name.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
         (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn periods_and_bursts_longer_than_a_century_are_refused() {
+        assert!(Quota::new(1, MAX_PERIOD).is_ok());
+        let longer = MAX_PERIOD + Duration::from_micros(1);
+        assert_eq!(Quota::new(1, longer), Err(ConfigError::PeriodTooLong));
+        assert_eq!(
+            Quota::new(1, Duration::MAX),
+            Err(ConfigError::PeriodTooLong)
+        );
+        // A burst that takes longer than that to refill: 3 a day, 200,000 at once (183 years).
+        let day = Quota::per_day(3).unwrap();
+        assert_eq!(day.with_burst(200_000), Err(ConfigError::PeriodTooLong));
+        assert!(day.with_burst(100_000).is_ok());
+    }
+
+    #[test]
+    fn gcra_refuses_rates_that_whole_microseconds_cannot_space() {
+        let gcra = |q: Result<Quota, ConfigError>| Limit::gcra("r", q.unwrap()).map(|_| ());
+        // One every 1.67 µs would be counted as one every 1 µs: 67% fast.
+        assert_eq!(
+            gcra(Quota::per_second(600_000)),
+            Err(ConfigError::ImpreciseRate)
+        );
+        // 33.33 µs counted as 33: 1.01% fast.
+        assert_eq!(
+            gcra(Quota::per_second(30_000)),
+            Err(ConfigError::ImpreciseRate)
+        );
+        // Exact, or within 1%.
+        assert_eq!(gcra(Quota::per_second(1_000_000)), Ok(()));
+        assert_eq!(gcra(Quota::per_second(25_000)), Ok(()));
+        assert_eq!(gcra(Quota::per_second(9_000)), Ok(()));
+        assert_eq!(gcra(Quota::per_day(u32::MAX)), Ok(()));
+        // Windows and logs have no interval: any rate is exact.
+        let q = Quota::per_second(600_000).unwrap();
+        assert!(Limit::fixed_window("w", q).is_ok());
+        assert!(Limit::sliding_log("l", q).is_ok());
+    }
 }
