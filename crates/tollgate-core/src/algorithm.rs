@@ -88,10 +88,16 @@ pub fn window_index(quota: &Quota, now: Micros) -> u64 {
 
 /// When the window that holds `now` ends.
 pub fn window_end(quota: &Quota, now: Micros) -> Micros {
-    (window_index(quota, now) + 1) * quota.period_micros()
+    (window_index(quota, now) + 1).saturating_mul(quota.period_micros())
 }
 
-/// Fixed window. `state` from another (older) window counts as empty.
+/// Fixed window. `state` from an older window counts as empty.
+///
+/// `state` from a later window means that another check read the clock after this one and
+/// wrote first (checks read `now` before they take their lock, and threads' clocks may differ
+/// by a fraction of a microsecond): this check is counted in that later window. Counting it in
+/// its own, older window would overwrite the later window's count with this one, and that
+/// window would admit its whole quota again.
 ///
 /// Returns the verdict and, when admitted, the new state.
 pub fn fixed_window(
@@ -101,9 +107,9 @@ pub fn fixed_window(
     cost: u32,
 ) -> (Verdict, Option<WindowState>) {
     let window_end = window_end(quota, now);
-    let count = match state {
-        Some(s) if s.window_end == window_end => s.count,
-        _ => 0,
+    let (window_end, count) = match state {
+        Some(s) if s.window_end >= window_end => (s.window_end, s.count),
+        _ => (window_end, 0),
     };
     let limit = u64::from(quota.limit());
     let reset = window_end - now;
@@ -182,19 +188,25 @@ fn too_costly(remaining: u64, reset: Micros) -> Verdict {
 
 /// The verdict an admitted check reports when its batch was refused by another limit and it
 /// consumed nothing after all.
+///
+/// A sliding log's admission says only how many units its log held, not when the newest of
+/// them leaves: an empty log's quota is whole now (reset 0); otherwise the reset stays the
+/// period, the latest the log can be whole again.
 pub fn unconsumed(algorithm: Algorithm, quota: &Quota, verdict: Verdict, cost: u32) -> Verdict {
     if !verdict.is_allowed() {
         return verdict;
     }
+    let remaining = verdict.remaining + u64::from(cost);
     let reset = match algorithm {
         Algorithm::Gcra => verdict
             .reset
             .saturating_sub(quota.emission_interval() * u64::from(cost)),
+        Algorithm::SlidingLog if remaining >= u64::from(quota.limit()) => 0,
         Algorithm::FixedWindow | Algorithm::SlidingLog => verdict.reset,
     };
     Verdict {
         status: Status::Allowed,
-        remaining: verdict.remaining + u64::from(cost),
+        remaining,
         reset,
     }
 }
@@ -314,5 +326,45 @@ mod tests {
         let (v, _) = gcra(&q, None, 0, 2);
         let u = unconsumed(Algorithm::Gcra, &q, v, 2);
         assert_eq!((u.remaining, u.reset), (5, 0));
+    }
+
+    #[test]
+    fn unconsumed_sliding_log_reset_is_the_untouched_logs() {
+        let q = Quota::per_minute(5).unwrap();
+        // An empty log: whole now.
+        let (v, _) = sliding_log(&q, &[], 100 * S, 2);
+        let u = unconsumed(Algorithm::SlidingLog, &q, v, 2);
+        assert_eq!((u.remaining, u.reset), (5, 0));
+        // A log holding a unit: whole again at the latest a period from now.
+        let (v, _) = sliding_log(&q, &[90 * S], 100 * S, 2);
+        let u = unconsumed(Algorithm::SlidingLog, &q, v, 2);
+        assert_eq!((u.remaining, u.reset), (4, 60 * S));
+    }
+
+    #[test]
+    fn a_later_windows_state_is_counted_in_not_wiped() {
+        let q = Quota::per_minute(2).unwrap();
+        let later = WindowState {
+            window_end: 120 * S,
+            count: 2,
+        };
+        // `now` in the window before `later`'s: refused, the later window being full.
+        let (v, next) = fixed_window(&q, Some(later), 60 * S - 1, 1);
+        assert_eq!((retry(v), v.remaining, next), (60 * S + 1, 0, None));
+        let room = WindowState { count: 1, ..later };
+        let (v, next) = fixed_window(&q, Some(room), 60 * S - 1, 1);
+        assert_eq!((v.status, v.remaining), (Status::Allowed, 0));
+        assert_eq!(next, Some(WindowState { count: 2, ..later }));
+        // An older window's state still counts as empty.
+        let (v, _) = fixed_window(&q, Some(room), 120 * S, 1);
+        assert_eq!(v.remaining, 1);
+    }
+
+    #[test]
+    fn the_last_window_before_the_end_of_time_does_not_overflow() {
+        let q = Quota::per_minute(1).unwrap();
+        let (v, next) = fixed_window(&q, None, u64::MAX - 1, 1);
+        assert!(v.is_allowed());
+        assert_eq!(next.map(|s| s.window_end), Some(u64::MAX));
     }
 }

@@ -230,8 +230,12 @@ impl Shard {
                     }),
                 };
                 log.entries.drain(..trim.min(log.entries.len()));
+                // The log stays ascending (the algorithm's search and the sweep rely on it):
+                // a check that read the clock before the newest entry was written records its
+                // units at that entry's time, which errs toward limiting by the difference.
+                let at = log.entries.back().map_or(now, |&newest| newest.max(now));
                 log.entries
-                    .extend(std::iter::repeat_n(now, check.cost as usize));
+                    .extend(std::iter::repeat_n(at, check.cost as usize));
             }
         }
     }

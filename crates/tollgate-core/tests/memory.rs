@@ -134,3 +134,90 @@ fn lone_checks_of_a_tracked_key_racing_batches_admit_exactly_the_quota() {
         assert!(!v.is_allowed(), "round {round}");
     }
 }
+
+// A check reads the clock before it takes its shard's lock, so under load a check whose `now`
+// is a little older than the state it finds can commit after it. Setting the fake clock back
+// replays that order deterministically.
+
+#[test]
+fn a_check_with_an_older_now_does_not_reset_a_later_fixed_window() {
+    let boundary = 28_333_334 * 60 * 1_000_000; // a minute boundary, in microseconds
+    let clock = FakeClock::new(boundary);
+    let backend = MemoryBackend::builder().clock(clock.clone()).build();
+    let limit = Limit::fixed_window("per-minute", Quota::per_minute(2).unwrap()).unwrap();
+    let check = |now| {
+        clock.set(now);
+        backend.check_now(&[Check::new(&limit, b"k")]).unwrap()[0].is_allowed()
+    };
+    let in_window = [boundary, boundary, boundary];
+    let mut admitted: usize = in_window.iter().map(|&t| usize::from(check(t))).sum();
+    // Read 1 µs before the boundary, committed after the new window's two admissions: it is
+    // counted in the new window (refused, which is full), and the window keeps its count.
+    assert!(!check(boundary - 1));
+    for _ in 0..3 {
+        admitted += usize::from(check(boundary + 1_000_000));
+    }
+    assert_eq!(
+        admitted, 2,
+        "the window starting at the boundary admits exactly 2"
+    );
+}
+
+#[test]
+fn a_check_with_an_older_now_keeps_a_sliding_log_exact() {
+    let t = 1_000_000_000;
+    let period = 10_000_000;
+    let clock = FakeClock::new(t);
+    let backend = MemoryBackend::builder().clock(clock.clone()).build();
+    let quota = Quota::new(2, Duration::from_micros(period)).unwrap();
+    let limit = Limit::sliding_log("log", quota).unwrap();
+    let mut admitted_at = Vec::new();
+    for now in [t, t - 1, t - 1 + period, t - 1 + period, t + period] {
+        clock.set(now);
+        if backend.check_now(&[Check::new(&limit, b"k")]).unwrap()[0].is_allowed() {
+            admitted_at.push(now);
+        }
+    }
+    // The late check is recorded at t, not t - 1: the log admits again only at t + period,
+    // and never more than 2 in any period.
+    assert_eq!(admitted_at, [t, t - 1, t + period]);
+}
+
+#[test]
+fn a_sliding_log_refused_by_another_limit_reports_its_untouched_reset() {
+    let clock = FakeClock::new(1_700_000_000_000_000);
+    let backend = MemoryBackend::builder().clock(clock).build();
+    let log = Limit::sliding_log("log", Quota::per_minute(5).unwrap()).unwrap();
+    let shut = Limit::gcra("shut", Quota::per_minute(1).unwrap()).unwrap();
+    assert!(backend.check_now(&[Check::new(&shut, b"x")]).unwrap()[0].is_allowed());
+    let v = backend
+        .check_now(&[Check::new(&log, b"k"), Check::new(&shut, b"x")])
+        .unwrap();
+    assert!(matches!(v[1].status, Status::Denied { .. }));
+    // Nothing was consumed: the empty log's quota is whole now.
+    assert_eq!(
+        (v[0].status, v[0].remaining, v[0].reset),
+        (Status::Allowed, 5, 0)
+    );
+}
+
+#[test]
+fn the_longest_periods_admit_once_and_survive_sweeps() {
+    let clock = FakeClock::new(1_700_000_000_000_000);
+    let backend = MemoryBackend::builder().clock(clock.clone()).build();
+    let quota = Quota::new(1, tollgate_core::MAX_PERIOD).unwrap();
+    let limits = [
+        Limit::gcra("once", quota).unwrap(),
+        Limit::fixed_window("once-window", quota).unwrap(),
+        Limit::sliding_log("once-log", quota).unwrap(),
+    ];
+    for limit in &limits {
+        let mut admitted = 0;
+        for _ in 0..5 {
+            let v = backend.check_now(&[Check::new(limit, b"k")]).unwrap()[0];
+            admitted += usize::from(v.is_allowed());
+            clock.advance(Duration::from_secs(2)); // past the sweep interval
+        }
+        assert_eq!(admitted, 1, "{}", limit.name());
+    }
+}
