@@ -168,11 +168,14 @@ fn extension_str<T: AsRef<str> + Send + Sync + 'static>(extensions: &Extensions)
 
 /// The value of `param` in `query`. A repeated parameter is invalid: the application behind the
 /// limiter may read the other occurrence, and the two must not disagree about the tenant.
+/// Names are compared as the application's query parser reads them, decoded: `sh%6Fp` is
+/// `shop`, or a client could send a decoy under the plain name and be served under the
+/// encoded one. (Values are not decoded: a `%` or `+` in a value makes the tenant invalid.)
 fn query_value<'q>(query: &'q str, param: &str) -> Result<&'q [u8], MissingKey> {
     let mut found = None;
     for pair in query.split('&') {
         let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
-        if name == param {
+        if decodes_to(name.as_bytes(), param.as_bytes()) {
             if found.is_some() {
                 return Err(MissingKey::Invalid);
             }
@@ -180,6 +183,33 @@ fn query_value<'q>(query: &'q str, param: &str) -> Result<&'q [u8], MissingKey> 
         }
     }
     found.ok_or(MissingKey::Absent)
+}
+
+/// Whether `raw`, decoded as `application/x-www-form-urlencoded` (`+` is a space, `%XX` a
+/// byte, a `%` not followed by two hex digits itself), is `want`.
+fn decodes_to(raw: &[u8], want: &[u8]) -> bool {
+    let hex = |b: Option<&u8>| b.and_then(|&b| char::from(b).to_digit(16));
+    let mut want = want.iter();
+    let mut i = 0;
+    while let Some(&b) = raw.get(i) {
+        let decoded = match b {
+            b'+' => b' ',
+            b'%' => match (hex(raw.get(i + 1)), hex(raw.get(i + 2))) {
+                (Some(hi), Some(lo)) => {
+                    i += 2;
+                    // Two hex digits: at most 0xff.
+                    (hi * 16 + lo) as u8
+                }
+                _ => b'%',
+            },
+            b => b,
+        };
+        i += 1;
+        if want.next() != Some(&decoded) {
+            return false;
+        }
+    }
+    want.next().is_none()
 }
 
 /// Trims, lowercases and validates; borrows when the value is already in normal form.
@@ -339,6 +369,14 @@ mod tests {
             ("/?shop=%41cme", Err(MissingKey::Invalid)),
             ("/?shop=acme+x", Err(MissingKey::Invalid)),
             ("/?shop=a=b", Err(MissingKey::Invalid)),
+            // Names are decoded, as the application's query parser decodes them: an encoded
+            // name is the same parameter, and a second occurrence of it is one too many.
+            ("/?sh%6Fp=acme", Ok(b"acme")),
+            ("/?%73%68%6f%70=acme", Ok(b"acme")),
+            ("/?shop=decoy&sh%6Fp=victim", Err(MissingKey::Invalid)),
+            ("/?sh%6=acme", Err(MissingKey::Absent)),
+            ("/?shop%=acme", Err(MissingKey::Absent)),
+            ("/?sho+=acme", Err(MissingKey::Absent)),
         ];
         let ex = Tenant::query("shop");
         for (uri, want) in cases {
