@@ -289,6 +289,22 @@ async fn shadow_limits_report_without_refusing() {
     let d = res.extensions().get::<Decision>().unwrap();
     assert!(d.is_admitted());
     assert_eq!(d.get("new-limit").unwrap().label(), "shadow_denied");
+
+    // A shadow limit never refuses, not even a request without its key (whose policy is the
+    // default, Reject): the limit is skipped.
+    let layer = RateLimitLayer::builder()
+        .limit(
+            Limit::fixed_window("shop-daily", Quota::per_day(500).unwrap())
+                .unwrap()
+                .shadow(),
+            Tenant::header("x-shop-domain"),
+        )
+        .build()
+        .unwrap();
+    let res = send(&mut app(layer), from([1, 1, 1, 1])).await;
+    assert_eq!(res.status(), StatusCode::OK);
+    let d = res.extensions().get::<Decision>().unwrap();
+    assert_eq!(d.get("shop-daily").unwrap().label(), "skipped");
 }
 
 #[tokio::test]
@@ -402,6 +418,29 @@ async fn a_failed_backend_applies_each_limits_policy() {
             let d = res.extensions().get::<Decision>().unwrap();
             assert_eq!(d.get("local").unwrap().source(), Source::Fallback);
             assert_eq!(d.get("local").unwrap().label(), "fallback");
+        }
+        codes.push(res.status().as_u16());
+    }
+    assert_eq!(codes, [200, 200, 429, 429]);
+
+    // A shadow fail-closed limit refuses nothing, and leaves the fallback beside it on.
+    let layer = RateLimitLayer::builder()
+        .limit(limit("new-global").fail_closed().shadow(), Global)
+        .limit(
+            limit("per-ip").fallback(2.try_into().unwrap()),
+            ClientIp::peer(),
+        )
+        .backend(Down(BackendErrorKind::Unavailable))
+        .fallback_clock(clock)
+        .build()
+        .unwrap();
+    let mut svc = app(layer);
+    let mut codes = Vec::new();
+    for _ in 0..4 {
+        let res = send(&mut svc, from([1, 1, 1, 1])).await;
+        if res.status() == StatusCode::OK {
+            let d = res.extensions().get::<Decision>().unwrap();
+            assert_eq!(d.get("per-ip").unwrap().label(), "fallback");
         }
         codes.push(res.status().as_u16());
     }

@@ -459,7 +459,9 @@ impl<B: Backend> Shared<B> {
         for &i in &plan.limit_of[..plan.n] {
             outcomes[i].0 = match self.limits[i].limit.failure_policy() {
                 FailurePolicy::FailClosed => {
-                    closed = true;
+                    // A shadow limit refuses nothing, so it must not switch off the fallback
+                    // of the enforced limits beside it either.
+                    closed |= !self.limits[i].limit.is_shadow();
                     Outcome::Denied {
                         retry_after: Some(self.unavailable_retry_after),
                         remaining: 0,
@@ -552,6 +554,8 @@ fn key_of<'r>(entry: &Entry, view: &RequestView<'r>) -> Result<Option<Key<'r>>, 
     match entry.key.extract(view) {
         Ok(key) => Ok(Some(key)),
         Err(missing) => match entry.limit.missing_key_policy() {
+            // A shadow limit never refuses a request, not even one without its key.
+            _ if entry.limit.is_shadow() => Ok(None),
             MissingKeyPolicy::Skip => Ok(None),
             MissingKeyPolicy::SharedBucket => Key::borrowed(SHARED_BUCKET).map(Some),
             _ => Err(missing),
