@@ -292,6 +292,15 @@ impl Decision {
         }
     }
 
+    /// This decision's limits followed by `inner`'s: what two stacked layers decided.
+    pub(crate) fn then(&self, inner: &Decision) -> Decision {
+        self.limits()
+            .iter()
+            .chain(inner.limits())
+            .cloned()
+            .collect()
+    }
+
     /// One limit's part, by name.
     pub fn get(&self, name: &str) -> Option<&LimitDecision> {
         self.limits().iter().find(|l| l.name() == name)

@@ -16,7 +16,7 @@ use bytes::Bytes;
 use http::header::{HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AFTER};
 use http::{HeaderMap, Response, StatusCode};
 
-use tollgate_core::MAX_CHECKS;
+use tollgate_core::{Quota, MAX_CHECKS};
 
 use crate::decision::{Decision, DenyReason, Outcome};
 use crate::key::MissingKey;
@@ -193,15 +193,28 @@ pub(crate) fn policy_value<'a>(
         if !out.is_empty() {
             out.push_str(", ");
         }
+        let (quota, window) = policy_of(limit.quota());
         let _ = write!(
             out,
-            "\"{}\";q={};w={}",
+            "\"{}\";q={quota};w={}",
             limit.name(),
-            limit.quota().limit(),
-            reset_seconds(limit.quota().period())
+            reset_seconds(window)
         );
     }
     HeaderValue::try_from(out).ok()
+}
+
+/// The quota and window a policy advertises. A GCRA burst larger than the limit is the same
+/// rate over a longer window (burst units per burst × interval), so that the remaining units,
+/// up to the burst, never exceed the advertised quota.
+fn policy_of(quota: &Quota) -> (u32, Duration) {
+    if quota.burst() == quota.limit() {
+        return (quota.limit(), quota.period());
+    }
+    let window = quota
+        .emission_interval()
+        .saturating_mul(u64::from(quota.burst()));
+    (quota.burst(), Duration::from_micros(window))
 }
 
 /// Writes the rate-limit fields of `decision` into `headers`.
@@ -242,11 +255,14 @@ pub(crate) fn write_headers(
         // `, "name";r=R;t=T` (no separator before the first item).
         len += 2 + limit.name().len() + 8 + decimal_len(remaining) + decimal_len(seconds);
         if tightest.is_none_or(|(r, _, _)| remaining < r) {
-            tightest = Some((remaining, seconds, limit.quota().limit()));
+            tightest = Some((remaining, seconds, policy_of(limit.quota()).0));
         }
     }
+    // Appended, not inserted: under stacked layers each adds its own items to the lists (the
+    // draft lets a list span several field lines), and an outer layer must not hide the
+    // limit of an inner one that refused.
     if let Some(policy) = policy {
-        headers.insert(RATELIMIT_POLICY.clone(), policy.clone());
+        headers.append(RATELIMIT_POLICY.clone(), policy.clone());
     }
     if n > 0 {
         let mut out = Vec::with_capacity(len - 2);
@@ -259,10 +275,20 @@ pub(crate) fn write_headers(
             out.extend_from_slice(digits(seconds, &mut [0; 20]));
         }
         if let Ok(v) = HeaderValue::from_maybe_shared(Bytes::from(out)) {
-            headers.insert(RATELIMIT.clone(), v);
+            headers.append(RATELIMIT.clone(), v);
         }
     }
+    // The legacy fields hold one limit: the tightest, also across stacked layers.
+    let tighter_inside = |remaining: u64| {
+        headers
+            .get(&X_REMAINING)
+            .and_then(|v| v.to_str().ok()?.parse::<u64>().ok())
+            .is_some_and(|inside| inside <= remaining)
+    };
     if let (true, Some((remaining, seconds, limit))) = (config.legacy, tightest) {
+        if tighter_inside(remaining) {
+            return;
+        }
         headers.insert(X_LIMIT.clone(), HeaderValue::from(limit));
         headers.insert(X_REMAINING.clone(), HeaderValue::from(remaining));
         headers.insert(X_RESET.clone(), HeaderValue::from(seconds));

@@ -172,44 +172,78 @@ async fn stacked_limits_are_all_or_nothing() {
 }
 
 #[tokio::test]
-async fn two_stacked_layers_each_decide() {
+async fn two_stacked_layers_each_decide_and_report_together() {
     let (backend, _) = memory();
-    let outer = RateLimitLayer::builder()
-        .limit(
-            Limit::gcra("outer", Quota::per_minute(3).unwrap()).unwrap(),
-            Global,
-        )
-        .backend(backend.clone())
-        .build()
-        .unwrap();
-    let inner = RateLimitLayer::builder()
-        .limit(
-            Limit::gcra("inner", Quota::per_minute(1).unwrap()).unwrap(),
-            Global,
-        )
-        .backend(backend)
-        .build()
-        .unwrap();
-    let handler = service_fn(|_req: Request<Body>| async {
-        Ok::<_, Infallible>(Response::new(Body::empty()))
+    let layer = |name, per_minute| {
+        RateLimitLayer::builder()
+            .limit(
+                Limit::gcra(name, Quota::per_minute(per_minute).unwrap()).unwrap(),
+                Global,
+            )
+            .backend(backend.clone())
+            .build()
+            .unwrap()
+    };
+    // The handler answers with the names of the limits in the request's decision.
+    let handler = service_fn(|req: Request<Body>| async move {
+        let names = req.extensions().get::<Decision>().map(|d| {
+            d.limits()
+                .iter()
+                .map(|l| l.name().to_owned())
+                .collect::<Vec<_>>()
+                .join(",")
+        });
+        Ok::<_, Infallible>(Response::new(Body::from(names.unwrap_or_default())))
     });
-    let mut svc = outer.layer(inner.layer(handler));
-    let codes: Vec<u16> = {
-        let mut v = Vec::new();
-        for _ in 0..4 {
-            let res = svc
-                .ready()
+    let mut svc = layer("outer", 3).layer(layer("inner", 1).layer(handler));
+    let mut responses = Vec::new();
+    for _ in 0..4 {
+        responses.push(
+            svc.ready()
                 .await
                 .unwrap()
                 .call(from([1, 2, 3, 4]))
                 .await
-                .unwrap();
-            v.push(res.status().as_u16());
-        }
-        v
-    };
+                .unwrap(),
+        );
+    }
+    let codes: Vec<u16> = responses.iter().map(|r| r.status().as_u16()).collect();
     // Separate layers are not jointly atomic: the outer one counts requests the inner refuses.
     assert_eq!(codes, [200, 429, 429, 429]);
+
+    let fields = |res: &Response<Body>, name: &str| -> Vec<String> {
+        let values = res.headers().get_all(name).iter();
+        values.map(|v| v.to_str().unwrap().to_owned()).collect()
+    };
+    // The inner layer's refusal keeps its own fields; the outer one adds its items.
+    let refused = &responses[1];
+    assert_eq!(header(refused, "retry-after"), Some("60"));
+    assert_eq!(
+        fields(refused, "ratelimit"),
+        ["\"inner\";r=0;t=60", "\"outer\";r=1;t=40"]
+    );
+    assert_eq!(
+        fields(refused, "ratelimit-policy"),
+        ["\"inner\";q=1;w=60", "\"outer\";q=3;w=60"]
+    );
+    let decision = refused.extensions().get::<Decision>().unwrap();
+    assert!(!decision.is_admitted());
+    assert_eq!(decision.get("inner").unwrap().label(), "denied");
+    assert_eq!(decision.get("outer").unwrap().label(), "allowed");
+    assert_eq!(decision.limits()[0].name(), "outer");
+
+    // Admitted: the handler saw both layers' limits, outer first; so does the response.
+    let admitted = responses.swap_remove(0);
+    let names: Vec<&str> = admitted
+        .extensions()
+        .get::<Decision>()
+        .unwrap()
+        .limits()
+        .iter()
+        .map(|l| l.name())
+        .collect();
+    assert_eq!(names, ["outer", "inner"]);
+    assert_eq!(body(admitted).await, "outer,inner");
 }
 
 #[tokio::test]
@@ -305,6 +339,23 @@ async fn shadow_limits_report_without_refusing() {
     assert_eq!(res.status(), StatusCode::OK);
     let d = res.extensions().get::<Decision>().unwrap();
     assert_eq!(d.get("shop-daily").unwrap().label(), "skipped");
+}
+
+#[tokio::test]
+async fn a_gcra_burst_is_advertised_as_the_same_rate_over_its_refill_time() {
+    let (backend, _) = memory();
+    let quota = Quota::per_minute(2).unwrap().with_burst(10).unwrap();
+    let layer = RateLimitLayer::builder()
+        .limit(Limit::gcra("b", quota).unwrap(), Global)
+        .backend(backend)
+        .legacy_headers(true)
+        .build()
+        .unwrap();
+    let res = send(&mut app(layer), from([1, 1, 1, 1])).await;
+    // 10 at once, refilled at 2 a minute: 10 per 300 s, never fewer than the 9 remaining.
+    assert_eq!(header(&res, "ratelimit-policy"), Some("\"b\";q=10;w=300"));
+    assert_eq!(header(&res, "ratelimit"), Some("\"b\";r=9;t=30"));
+    assert_eq!(header(&res, "x-ratelimit-limit"), Some("10"));
 }
 
 #[tokio::test]

@@ -91,7 +91,10 @@ where
     ) -> Self {
         match decided {
             Decided::Admit(decision) => {
-                req.extensions_mut().insert(decision.clone());
+                // Under an outer `RateLimitLayer`, the handler sees both layers' limits.
+                if let Some(outer) = req.extensions_mut().insert(decision.clone()) {
+                    req.extensions_mut().insert(outer.then(&decision));
+                }
                 Self {
                     state: State::Calling {
                         call: inner.call(req),

@@ -533,7 +533,13 @@ impl<B: Backend> Shared<B> {
                 self.headers,
             );
         }
-        response.extensions_mut().insert(decision);
+        // Under this layer, another one decided too (it refused, or admitted): the response
+        // carries both layers' limits, this one's first, as its fields do.
+        if let Some(inner) = response.extensions_mut().insert(decision) {
+            if let Some(mine) = response.extensions_mut().remove::<Decision>() {
+                response.extensions_mut().insert(mine.then(&inner));
+            }
+        }
     }
 }
 
