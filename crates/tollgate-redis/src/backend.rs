@@ -121,7 +121,9 @@ impl Inner {
                     // Redis answered, with something we did not expect: it is up.
                     self.answered();
                 } else {
-                    self.breaker.failure(permit);
+                    if self.breaker.failure(permit) {
+                        self.connector.replace();
+                    }
                     self.metrics().up.set(0.0);
                 }
                 tracing::debug!(backend = BACKEND, error = %e, "rate-limit check failed");
@@ -278,8 +280,8 @@ impl Inner {
         }) {
             Push::Waits => {}
             Push::StartCaller => {
-                let this = Arc::clone(self);
-                tokio::spawn(async move { this.send_merged().await });
+                let task = Unstarted(Some(Arc::clone(self)));
+                tokio::spawn(async move { task.start().send_merged().await });
             }
             Push::Full => {
                 return Err(unavailable(
@@ -517,6 +519,29 @@ fn map_error(e: redis::RedisError) -> BackendError {
         }
     };
     BackendError::new(kind, e.to_string())
+}
+
+/// A sending task that has not run yet. [`Push::StartCaller`] counted it as started; dropped
+/// before it first runs (its runtime shutting down), it counts itself out, so that the next
+/// request starts a new one instead of waiting, unanswered, for one that never runs.
+struct Unstarted(Option<Arc<Inner>>);
+
+impl Unstarted {
+    fn start(mut self) -> Arc<Inner> {
+        match self.0.take() {
+            Some(inner) => inner,
+            None => unreachable!("a task starts once"),
+        }
+    }
+}
+
+impl Drop for Unstarted {
+    fn drop(&mut self) {
+        if let Some(inner) = self.0.take() {
+            // A caller dropped before it is told to stop counts itself out.
+            drop(inner.coalescer.caller());
+        }
+    }
 }
 
 impl RedisBackend {

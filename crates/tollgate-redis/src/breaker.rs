@@ -101,10 +101,13 @@ impl Breaker {
         s.interval = self.config.open_for;
     }
 
-    /// Redis did not answer (in time).
-    pub(crate) fn failure(&self, permit: Permit) {
+    /// Redis did not answer (in time). Returns whether the connection should be replaced: when
+    /// the breaker (re)opens, or on every failure when the breaker is off. A connection can die
+    /// without an error (a NAT entry or a failover that drops it silently), and calls on it
+    /// then only time out; without this, probes would keep timing out on the dead one.
+    pub(crate) fn failure(&self, permit: Permit) -> bool {
         if self.config.threshold == 0 {
-            return;
+            return true;
         }
         let now = Instant::now();
         let mut s = self.lock();
@@ -118,6 +121,7 @@ impl Breaker {
                 open_for_ms = s.interval.as_millis() as u64,
                 "circuit breaker probe failed: open again"
             );
+            true
         } else if s.open_until.is_none() && s.failures >= self.config.threshold {
             s.interval = self.config.open_for;
             s.open_until = Some(now + s.interval);
@@ -127,6 +131,9 @@ impl Breaker {
                 open_for_ms = s.interval.as_millis() as u64,
                 "circuit breaker opened: Redis is failing"
             );
+            true
+        } else {
+            false
         }
     }
 

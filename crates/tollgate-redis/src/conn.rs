@@ -123,9 +123,12 @@ impl Connector {
                         let notify = Arc::new(Notify::new());
                         *slot = Slot::Connecting(Arc::clone(&notify));
                         started = true;
-                        let this = Arc::clone(self);
-                        let wake = Arc::clone(&notify);
-                        tokio::spawn(async move { this.connect(wake).await });
+                        let attempt = Attempt {
+                            connector: Arc::clone(self),
+                            notify: Arc::clone(&notify),
+                        };
+                        // The attempt wakes the waiters when it is dropped: done or not.
+                        tokio::spawn(async move { attempt.connector.connect().await });
                         notify
                     }
                     Slot::Connecting(notify) => {
@@ -143,7 +146,7 @@ impl Connector {
         }
     }
 
-    async fn connect(&self, notify: Arc<Notify>) {
+    async fn connect(&self) {
         let attempt = async {
             match &self.target {
                 Target::Single(client) => {
@@ -184,7 +187,14 @@ impl Connector {
                 }
             };
         }
-        notify.notify_waiters();
+    }
+
+    /// Drops the current connection, whichever it is: the next call makes a new one.
+    pub(crate) fn replace(&self) {
+        let mut slot = self.lock();
+        if matches!(&*slot, Slot::Ready { .. }) {
+            *slot = Slot::Idle { last_error: None };
+        }
     }
 
     /// Drops the connection of `generation` after an error that broke it.
@@ -193,6 +203,26 @@ impl Connector {
         if matches!(&*slot, Slot::Ready { generation: g, .. } if *g == generation) {
             *slot = Slot::Idle { last_error: None };
         }
+    }
+}
+
+/// A connection attempt's task. Dropped, it wakes the calls waiting for the attempt; dropped
+/// before the attempt ended (its runtime shut down), it first puts the slot back to idle, so
+/// that the next call starts a new attempt instead of waiting for this one forever.
+struct Attempt {
+    connector: Arc<Connector>,
+    notify: Arc<Notify>,
+}
+
+impl Drop for Attempt {
+    fn drop(&mut self) {
+        {
+            let mut slot = self.connector.lock();
+            if matches!(&*slot, Slot::Connecting(n) if Arc::ptr_eq(n, &self.notify)) {
+                *slot = Slot::Idle { last_error: None };
+            }
+        }
+        self.notify.notify_waiters();
     }
 }
 

@@ -180,3 +180,74 @@ async fn requests_queued_behind_a_frozen_call_get_their_answer_by_their_own_dead
     }
     server.resume();
 }
+
+#[tokio::test]
+async fn a_connection_that_went_silent_is_replaced_when_the_breaker_opens() {
+    let server = RedisServer::start();
+    let relay = support::SilentRelay::start(server.port());
+    let open_for = Duration::from_secs(30);
+    let backend = RedisBackend::builder()
+        .url(relay.url())
+        .deadline(Duration::from_millis(100))
+        .breaker_threshold(3)
+        .breaker_open_for(open_for)
+        .build()
+        .unwrap();
+    let limit = gcra("l", 10);
+    let check = || backend.check(&[Check::new(&limit, b"k")]);
+    assert_eq!(check().await.unwrap()[0].remaining, 9);
+
+    // The connection dies without an error: calls on it only time out.
+    relay.silence_existing();
+    for _ in 0..3 {
+        assert!(check().await.unwrap_err().is_timeout());
+    }
+    assert_eq!(backend.circuit_state(), CircuitState::Open);
+    tokio::time::pause();
+    tokio::time::advance(open_for).await;
+    tokio::time::resume();
+    // The probe goes out on a new connection, which Redis answers (the calls that timed out
+    // never reached it).
+    let v = check().await.unwrap();
+    assert_eq!(v[0].remaining, 8);
+    assert_eq!(backend.circuit_state(), CircuitState::Closed);
+}
+
+/// Polls `fut` once, so that it starts what it starts, and drops it.
+fn poll_once<F: std::future::Future>(fut: F) {
+    let mut fut = std::pin::pin!(fut);
+    let waker = futures_util::task::noop_waker();
+    let mut cx = std::task::Context::from_waker(&waker);
+    assert!(fut.as_mut().poll(&mut cx).is_pending());
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+#[test]
+fn tasks_dropped_with_their_runtime_before_they_ran_leave_the_backend_working() {
+    let server = RedisServer::start();
+    let backend = support::standalone(&server.url())
+        .breaker_threshold(0)
+        .build()
+        .unwrap();
+    let limit = gcra("l", 10);
+    // A connection attempt, then a sending task, each spawned on a runtime that shuts down
+    // before they run.
+    runtime().block_on(async { poll_once(backend.ping()) });
+    runtime().block_on(async { poll_once(backend.check(&[Check::new(&limit, b"k")])) });
+    // Another runtime: the backend connects and sends again, and the first check, never
+    // sent, consumed nothing.
+    runtime().block_on(async {
+        let check = backend.check(&[Check::new(&limit, b"k")]);
+        let answer = tokio::time::timeout(support::DEADLINE * 2, check).await;
+        let v = answer
+            .expect("no answer: the request was never sent")
+            .unwrap();
+        assert_eq!(v[0].remaining, 9);
+    });
+}

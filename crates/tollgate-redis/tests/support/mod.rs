@@ -63,3 +63,70 @@ pub async fn concurrent_admissions(backends: &[RedisBackend], limit: &Limit, n: 
     }
     count
 }
+
+/// A TCP relay to a Redis server that can go silent on the connections it has relayed so far:
+/// their bytes are swallowed, with no error and no close, as when a NAT entry is forgotten or
+/// a failover moves the address. Connections made afterwards are relayed.
+pub struct SilentRelay {
+    port: u16,
+    accepted: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    silenced: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl SilentRelay {
+    pub fn start(upstream: u16) -> Self {
+        use std::io::{Read, Write};
+        use std::net::{TcpListener, TcpStream};
+        use std::sync::atomic::{AtomicU64, Ordering};
+        use std::sync::Arc;
+
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let accepted = Arc::new(AtomicU64::new(0));
+        let silenced = Arc::new(AtomicU64::new(0));
+        let (count, below) = (Arc::clone(&accepted), Arc::clone(&silenced));
+        std::thread::spawn(move || {
+            for client in listener.incoming() {
+                let Ok(client) = client else { return };
+                let id = count.fetch_add(1, Ordering::SeqCst);
+                let Ok(server) = TcpStream::connect(("127.0.0.1", upstream)) else {
+                    continue;
+                };
+                let directions = [
+                    (client.try_clone().unwrap(), server.try_clone().unwrap()),
+                    (server, client),
+                ];
+                for (mut from, mut to) in directions {
+                    let below = Arc::clone(&below);
+                    std::thread::spawn(move || {
+                        let mut buf = [0u8; 16 * 1024];
+                        while let Ok(n @ 1..) = from.read(&mut buf) {
+                            if id < below.load(Ordering::SeqCst) {
+                                continue;
+                            }
+                            if to.write_all(&buf[..n]).is_err() {
+                                return;
+                            }
+                        }
+                    });
+                }
+            }
+        });
+        Self {
+            port,
+            accepted,
+            silenced,
+        }
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/", self.port)
+    }
+
+    /// Every connection relayed so far goes silent.
+    pub fn silence_existing(&self) {
+        use std::sync::atomic::Ordering;
+        let n = self.accepted.load(Ordering::SeqCst);
+        self.silenced.store(n, Ordering::SeqCst);
+    }
+}
