@@ -561,11 +561,16 @@ impl RedisBackend {
         self.dispatch(checks, Some(now))
     }
 
-    /// The Redis key (or, for a fixed window, the key's stem before `:<window index>`) that
-    /// holds `limit`'s state for `key`: `<prefix>:<limit name>:{<digest>}`.
+    /// The Redis key that holds `limit`'s state for `key`: `<prefix>:<limit name>:{<digest>}`
+    /// for GCRA, that with `:log` appended for a sliding log; for a fixed window, the stem to
+    /// which `:<window index>` is appended.
     pub fn key_for(&self, limit: &Limit, key: &[u8]) -> String {
         let digest = keys::digest(limit.name(), key);
-        keys::base_key(&self.inner.prefix, limit.name(), &digest)
+        let base = keys::base_key(&self.inner.prefix, limit.name(), &digest);
+        match limit.algorithm() {
+            tollgate_core::Algorithm::SlidingLog => base + ":log",
+            _ => base,
+        }
     }
 
     /// Sends `PING` within the deadline, whatever the circuit breaker says, and reports the

@@ -49,9 +49,9 @@
 //!   when the state becomes that of a fresh key.
 //! - **Fixed window**: `INCRBY` on `<key>:<window index>`; the TTL is set by the first write of
 //!   the window only.
-//! - **Sliding log**: a sorted set with one unique member per admitted unit (`<now>-<seq>`, the
-//!   sequence kept in `<key>:seq`, so two units in the same microsecond are two members),
-//!   trimmed when written.
+//! - **Sliding log**: a sorted set at `<key>:log` with one unique member per admitted unit
+//!   (`<now>-<seq>`, the sequence kept in `<key>:seq`, so two units in the same microsecond
+//!   are two members), trimmed when written.
 //!
 //! # Keys
 //!
@@ -59,6 +59,8 @@
 //! `"tollgate/v1\0" ‖ u32be(len name) ‖ name ‖ u32be(len key) ‖ key`, in lowercase hex. Raw
 //! identities never reach Redis, keys have a fixed length, and one limit's key cannot be
 //! another's. The cluster hash tag wraps the digest, so identities spread over the slots.
+//! Each algorithm keeps its state under keys of its own (above), so a limit whose algorithm
+//! changes under the same name starts afresh instead of finding a key of another type.
 //!
 //! # Redis Cluster
 //!

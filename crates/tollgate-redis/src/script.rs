@@ -54,9 +54,12 @@ end
 /// exactly as if each had been its own call. Merging the batches of concurrent requests into one
 /// call saves a round trip and the script's set-up per request.
 ///
-/// `KEYS`: the base keys of the call's checks, each distinct key once. A fixed window's key is
-/// the base key with `:<window index>` appended, and a sliding log keeps a sequence counter at
-/// `<base>:seq`; both share the base key's hash tag, so the same slot.
+/// `KEYS`: the base keys of the call's checks, each distinct key once. A GCRA TAT is kept at the
+/// base key itself, a fixed window's count at `<base>:<window index>`, and a sliding log at
+/// `<base>:log` with a sequence counter at `<base>:seq`; all share the base key's hash tag, so
+/// the same slot. No two algorithms share a key: a limit whose algorithm changes under the same
+/// name (old and new replicas side by side during a deploy) never finds a key of the wrong
+/// type, which would fail the whole call.
 ///
 /// `ARGV[1]`: `now` in microseconds, or empty to read the server's `TIME`. The override exists
 /// for tests (`RedisBackend::check_at`) only.
@@ -172,18 +175,19 @@ while i <= figures do
     elseif algo == 3 then
       local period, limit = p1, p2
       local remaining, reset, retry = 0, 0, 0
+      local log = key .. ':log'
       -- An entry at t counts while t + period > now.
       local oldest = fmt(now - period)
-      local count = redis.call('ZCOUNT', key, '(' .. oldest, '+inf')
+      local count = redis.call('ZCOUNT', log, '(' .. oldest, '+inf')
       if limit > count then remaining = limit - count end
       if count > 0 then
-        local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
+        local newest = redis.call('ZRANGE', log, -1, -1, 'WITHSCORES')
         reset = tonumber(newest[2]) + period - now
       end
       if cost > limit then
         status = 2
       elseif count + cost > limit then
-        local nth = redis.call('ZRANGEBYSCORE', key, '(' .. oldest, '+inf', 'WITHSCORES',
+        local nth = redis.call('ZRANGEBYSCORE', log, '(' .. oldest, '+inf', 'WITHSCORES',
           'LIMIT', count + cost - limit - 1, 1)
         status, retry = 1, tonumber(nth[2]) + period - now
       else
@@ -210,16 +214,16 @@ while i <= figures do
         state[key] = state[key] + w_val[j]
         if ttl[key] == nil then ttl[key] = w_ttl[j]; written[#written + 1] = key end
       elseif algo == 3 then
-        local cost, period = w_val[j], w_ttl[j]
-        redis.call('ZREMRANGEBYSCORE', key, '-inf', now - period)
+        local cost, period, log = w_val[j], w_ttl[j], key .. ':log'
+        redis.call('ZREMRANGEBYSCORE', log, '-inf', now - period)
         local seq_key = key .. ':seq'
         local last = redis.call('INCRBY', seq_key, cost)
         local stamp = fmt(now)
         for s = last - cost + 1, last do
           -- A unique member per unit: two units in the same microsecond are two entries.
-          redis.call('ZADD', key, now, stamp .. '-' .. fmt(s))
+          redis.call('ZADD', log, now, stamp .. '-' .. fmt(s))
         end
-        redis.call('PEXPIRE', key, ttl_ms(period))
+        redis.call('PEXPIRE', log, ttl_ms(period))
         redis.call('PEXPIRE', seq_key, ttl_ms(period))
         out[w_seq[j]] = last
       end
@@ -273,7 +277,7 @@ for i = 1, #KEYS do
   elseif algo == 3 then
     local stamp = fmt(x)
     for s = y - z + 1, y do
-      redis.call('ZREM', key, stamp .. '-' .. fmt(s))
+      redis.call('ZREM', key .. ':log', stamp .. '-' .. fmt(s))
     end
   end
 end

@@ -456,3 +456,32 @@ async fn merged_requests_on_one_key_admit_exactly_the_limit_and_consume_nothing_
     let v = check(&backend, &[&daily], b"abuser").await;
     assert_eq!(v[0].remaining, 1_000 - 10 - 1);
 }
+
+#[tokio::test]
+async fn a_limit_whose_algorithm_changes_under_its_name_keeps_working() {
+    let server = RedisServer::start();
+    let backend = support::standalone(&server.url())
+        .deny_cache_capacity(0)
+        .build()
+        .unwrap();
+    let quota = Quota::per_minute(2).unwrap();
+    let as_log = sliding("shop", quota);
+    let as_gcra = tollgate_core::Limit::gcra("shop", quota).unwrap();
+    let as_window = fixed("shop", quota);
+    // Old and new replicas side by side during a deploy, on the same identity, in one merged
+    // call with an unrelated request: every algorithm finds only its own state.
+    for round in 0..2 {
+        let log = [Check::new(&as_log, b"k")];
+        let gcra = [Check::new(&as_gcra, b"k")];
+        let window = [Check::new(&as_window, b"k")];
+        let (log, gcra, window) = tokio::join!(
+            backend.check(&log),
+            backend.check(&gcra),
+            backend.check(&window)
+        );
+        for (name, v) in [("log", log), ("gcra", gcra), ("window", window)] {
+            let v = v.unwrap_or_else(|e| panic!("{name}, round {round}: {e}"));
+            assert_eq!((v[0].status, v[0].remaining), (Status::Allowed, 1 - round));
+        }
+    }
+}
