@@ -197,8 +197,10 @@ impl LimitDecision {
         !self.shadow && !self.outcome.admits()
     }
 
-    /// A fixed label for metrics: `allowed`, `denied`, `shadow_denied`, `bypassed`,
-    /// `fallback` (admitted by the fallback limiter) or `skipped`.
+    /// A fixed label for this limit's own outcome: `allowed`, `denied`, `shadow_denied`,
+    /// `bypassed`, `fallback` (admitted by the fallback limiter) or `skipped`. The `outcome`
+    /// label of `tollgate_decisions_total` can differ: `unavailable` for a fail-closed
+    /// refusal, and `skipped` at the limits that did not refuse a refused request.
     pub fn label(&self) -> &'static str {
         match (&self.outcome, self.source, self.shadow) {
             (Outcome::Denied { .. }, _, true) => "shadow_denied",
