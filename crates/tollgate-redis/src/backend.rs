@@ -116,7 +116,12 @@ impl Inner {
                 self.answered();
                 answered
             }
-            Err(e) => {
+            Err(CallError::Overloaded(e)) => {
+                // Nothing was asked of Redis: its breaker and health gauge must not hear of it.
+                tracing::debug!(backend = BACKEND, error = %e, "rate-limit check not sent");
+                return Err(e);
+            }
+            Err(CallError::Redis(e)) => {
                 if e.kind() == BackendErrorKind::Protocol {
                     // Redis answered, with something we did not expect: it is up.
                     self.answered();
@@ -226,7 +231,7 @@ impl Inner {
         batch: Vec<Prepared>,
         now: Option<Micros>,
         deadline: Instant,
-    ) -> Result<(Vec<Prepared>, Outcome), BackendError> {
+    ) -> Result<(Vec<Prepared>, Outcome), CallError> {
         if !self.cluster && now.is_none() {
             // The task sending merged calls keeps the deadline: one timer per call, not one
             // per request.
@@ -236,7 +241,12 @@ impl Inner {
         // Boxed: the future of a direct call is large (over 1 KiB with the connection's), and
         // kept inline it would make every request's future as large, and its allocation one
         // that the allocator's per-thread cache does not serve.
-        Box::pin(self.until(deadline, self.call_direct(batch, now), "from Redis")).await
+        let call = self.until(
+            deadline,
+            self.call_direct(batch, now, deadline),
+            "from Redis",
+        );
+        Ok(Box::pin(call).await?)
     }
 
     /// A call of its own for `batch`: at a fixed time (tests), or in a cluster.
@@ -244,6 +254,7 @@ impl Inner {
         self: &Arc<Self>,
         batch: Vec<Prepared>,
         now: Option<Micros>,
+        deadline: Instant,
     ) -> Result<(Vec<Prepared>, Outcome), BackendError> {
         if !self.cluster {
             let reply = self.eval_check(&[batch.as_slice()], now).await?;
@@ -258,7 +269,7 @@ impl Inner {
         // caller that gives up at its deadline does not leave a half-consumed batch behind.
         let this = Arc::clone(self);
         tokio::spawn(async move {
-            let outcome = this.split(&batch, groups, now).await?;
+            let outcome = this.split(&batch, groups, now, deadline).await?;
             Ok((batch, outcome))
         })
         .await
@@ -271,7 +282,7 @@ impl Inner {
         self: &Arc<Self>,
         batch: Vec<Prepared>,
         deadline: Instant,
-    ) -> Result<(Vec<Prepared>, Reply), BackendError> {
+    ) -> Result<(Vec<Prepared>, Reply), CallError> {
         let (reply, answer) = tokio::sync::oneshot::channel();
         match self.coalescer.push(Waiter {
             batch,
@@ -284,14 +295,13 @@ impl Inner {
                 tokio::spawn(async move { task.start().send_merged().await });
             }
             Push::Full => {
-                return Err(unavailable(
+                return Err(CallError::Overloaded(unavailable(
                     "too many rate-limit checks are waiting for Redis",
-                ))
+                )))
             }
         }
-        answer
-            .await
-            .unwrap_or_else(|_| Err(unavailable("the rate-limit call was dropped")))
+        let answer = answer.await;
+        Ok(answer.unwrap_or_else(|_| Err(unavailable("the rate-limit call was dropped")))?)
     }
 
     /// Sends what waits in the coalescer, one merged call after the other, until nothing does.
@@ -376,19 +386,45 @@ impl Inner {
     }
 
     /// Consumes slot groups concurrently; if any refuses or fails, refunds those that wrote.
+    ///
+    /// A group made only of shadow checks refuses nothing, so its failure must not fail the
+    /// batch: if it fails, or has not answered a tenth of the deadline before the caller's
+    /// `deadline`, its checks are reported not checked and the enforced groups' answers stand.
+    /// (If its script did run, the shadow limit counted a request it will not see refunded:
+    /// its own over-count, which limits nobody.)
     async fn split(
         self: &Arc<Self>,
         batch: &[Prepared],
         groups: Vec<Vec<usize>>,
         now: Option<Micros>,
+        deadline: Instant,
     ) -> Result<Outcome, BackendError> {
+        let shadow_deadline = deadline.checked_sub(self.deadline / 10).unwrap_or(deadline);
         let tasks: Vec<_> = groups
             .iter()
             .map(|group| {
                 let this = Arc::clone(self);
                 let sub: Vec<Prepared> = group.iter().map(|&i| batch[i].clone()).collect();
+                let shadow = sub.iter().all(|p| !p.enforce);
                 tokio::spawn(async move {
-                    let reply = this.eval_check(&[sub.as_slice()], now).await;
+                    let one = [sub.as_slice()];
+                    let call = this.eval_check(&one, now);
+                    let reply = if shadow {
+                        let answer = tokio::time::timeout_at(shadow_deadline, call).await;
+                        Ok(answer.ok().and_then(Result::ok).unwrap_or_else(|| Reply {
+                            committed: true,
+                            now: 0,
+                            answers: vec![
+                                Answer {
+                                    verdict: NOT_CHECKED,
+                                    extra: 0,
+                                };
+                                sub.len()
+                            ],
+                        }))
+                    } else {
+                        call.await
+                    };
                     (sub, reply)
                 })
             })
@@ -464,7 +500,14 @@ impl Inner {
         for (p, answer) in &wrote {
             call.arg(&p.refund_args(reply.now, answer));
         }
-        self.invoke(&self.refund_script, &call).await.map(drop)
+        self.invoke(&self.refund_script, &call).await?;
+        // A request that Redis refused (or foresaw refused) while these units were held was
+        // refused for units given back now: its cached denial no longer stands. (Another
+        // replica's cache keeps such a denial until it runs out; lib.rs bounds it.)
+        for (p, _) in &wrote {
+            self.deny.forget(&p.digest);
+        }
+        Ok(())
     }
 }
 
@@ -519,6 +562,21 @@ fn map_error(e: redis::RedisError) -> BackendError {
         }
     };
     BackendError::new(kind, e.to_string())
+}
+
+/// Why a check got no answer.
+enum CallError {
+    /// From Redis, or on the way to it: the breaker and the health gauge hear of it.
+    Redis(BackendError),
+    /// Too many checks were already waiting for Redis, which was not asked: a process
+    /// overloaded says nothing about Redis' health.
+    Overloaded(BackendError),
+}
+
+impl From<BackendError> for CallError {
+    fn from(e: BackendError) -> Self {
+        Self::Redis(e)
+    }
 }
 
 /// A sending task that has not run yet. [`Push::StartCaller`] counted it as started; dropped

@@ -111,6 +111,14 @@ impl DenyCache {
             .unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Drops what the cache holds for `digest`: units of its key were given back (a cluster
+    /// refund), so a denial seen while they were held may no longer stand.
+    pub(crate) fn forget(&self, digest: &KeyDigest) {
+        if self.per_shard > 0 {
+            self.shard(digest).remove(digest);
+        }
+    }
+
     /// The cached denial of `digest` for a request of `cost`, if one stands; or whether this
     /// request took the lease of a denial that ran out (and must [`forget`](Self::forget) it
     /// when Redis admits it with room left).

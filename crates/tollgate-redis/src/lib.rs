@@ -74,7 +74,14 @@
 //!
 //! - Between a group's consume and its refund (about one round trip), other requests see its
 //!   units as taken and may be refused although they would have fit: under-admission, bounded
-//!   by the cost of the refused batches in flight.
+//!   by the cost of the refused batches in flight. A denial that such a request brings into
+//!   the local deny cache is dropped when the refund succeeds, on the replica that refunded;
+//!   another replica's cache keeps it until its retry-after, so that replica refuses an
+//!   identity whose quota the refund reopened, while the other replicas can take the units
+//!   given back.
+//! - A group made only of shadow checks never fails the batch: if it fails, or has not answered
+//!   a tenth of the deadline before the request's deadline, its checks are not checked and the
+//!   enforced groups' answers stand.
 //! - Over-admission is bounded by one request's cost per limit and refund, and only in one
 //!   case: a GCRA key that idles between the consume and the refund long enough for the
 //!   consumed units to have drained anyway (the refund then gives back time that was not owed).

@@ -6,9 +6,10 @@
 mod support;
 
 use std::collections::HashSet;
+use std::time::Duration;
 
 use support::{admitted, check, check_at, concurrent_admissions, fixed, gcra, sliding};
-use tollgate_core::{Quota, Status};
+use tollgate_core::{Backend, Check, Limit, Quota, Status};
 use tollgate_testsupport::redis;
 use tollgate_testsupport::RedisCluster;
 
@@ -137,4 +138,118 @@ async fn a_fresh_gcra_key_refunded_is_gone() {
         (Status::Allowed, 10, 0)
     );
     assert_eq!(cluster.dbsize(), keys_before);
+}
+
+/// A key whose `a` and `b` limits live on two different nodes.
+fn key_on_two_nodes(
+    cluster: &RedisCluster,
+    backend: &tollgate_redis::RedisBackend,
+    a: &Limit,
+    b: &Limit,
+) -> Vec<u8> {
+    (0..1000)
+        .map(|i| format!("user-{i}").into_bytes())
+        .find(|k| {
+            let node = |l| cluster.node_of_key(&backend.key_for(l, k));
+            node(a) != node(b)
+        })
+        .unwrap()
+}
+
+/// Holds the writes (and so the scripts) sent to one node until `unpause`.
+fn pause_writes(cluster: &RedisCluster, node: usize) {
+    let mut c = cluster.nodes()[node].client();
+    let _: () = redis::cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(30_000)
+        .arg("WRITE")
+        .query(&mut c)
+        .unwrap();
+}
+
+fn unpause(cluster: &RedisCluster, node: usize) {
+    let mut c = cluster.nodes()[node].client();
+    let _: () = redis::cmd("CLIENT").arg("UNPAUSE").query(&mut c).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_denial_seen_while_a_refund_was_pending_ends_with_the_refund() {
+    let cluster = RedisCluster::start(3);
+    let backend = support::cluster(cluster.urls()).build().unwrap();
+    let daily = fixed("daily", Quota::per_day(1).unwrap());
+    let blocker = gcra("blocker", 1);
+    let key = key_on_two_nodes(&cluster, &backend, &daily, &blocker);
+    let blocker_node = cluster.node_of_key(&backend.key_for(&blocker, &key));
+    let daily_node = cluster.node_of_key(&backend.key_for(&daily, &key));
+
+    // Another replica, without a deny cache, uses the blocker's one unit (and loads the
+    // scripts on every node while none is paused).
+    let other = support::cluster(cluster.urls())
+        .deny_cache_capacity(0)
+        .build()
+        .unwrap();
+    assert!(check(&other, &[&blocker], &key).await[0].is_allowed());
+    let warm = check(&other, &[&daily, &blocker], &key).await;
+    assert!(matches!(warm[1].status, Status::Denied { .. }));
+
+    // The blocker's node is slow: [daily, blocker] takes daily's only unit and waits for the
+    // blocker's refusal before it refunds it.
+    pause_writes(&cluster, blocker_node);
+    let first = {
+        let (backend, daily, blocker, key) =
+            (backend.clone(), daily.clone(), blocker.clone(), key.clone());
+        tokio::spawn(async move { check(&backend, &[&daily, &blocker], &key).await })
+    };
+    let daily_keys = || -> Vec<String> {
+        let mut c = cluster.nodes()[daily_node].client();
+        redis::cmd("KEYS").arg("*:daily:*").query(&mut c).unwrap()
+    };
+    while daily_keys().is_empty() {
+        tokio::task::yield_now().await;
+    }
+    // Meanwhile Redis refuses another request of the identity, and this replica caches that.
+    let during = check(&backend, &[&daily], &key).await;
+    assert!(
+        matches!(during[0].status, Status::Denied { .. }),
+        "{during:?}"
+    );
+
+    // The blocker refuses; daily's unit is given back ...
+    unpause(&cluster, blocker_node);
+    let first = first.await.unwrap();
+    assert!(matches!(first[1].status, Status::Denied { .. }));
+    assert!(daily_keys().is_empty());
+    // ... and the denial cached meanwhile went with it: the next request takes the unit.
+    let after = backend.check(&[Check::new(&daily, &key)]).await.unwrap();
+    assert_eq!((after[0].status, after[0].remaining), (Status::Allowed, 0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_shadow_group_leaves_the_enforced_answers_standing() {
+    let cluster = RedisCluster::start(3);
+    let backend = support::cluster(cluster.urls())
+        .deadline(Duration::from_millis(300))
+        .deny_cache_capacity(0)
+        .build()
+        .unwrap();
+    let enforced = gcra("per-ip", 1);
+    let observed = gcra("observe", 1000).shadow();
+    let key = key_on_two_nodes(&cluster, &backend, &enforced, &observed);
+    let shadow_node = cluster.node_of_key(&backend.key_for(&observed, &key));
+
+    let both = || [Check::new(&enforced, &key), Check::new(&observed, &key)];
+    let first = backend.check(&both()).await.unwrap();
+    assert!(first.iter().all(|v| v.is_allowed()), "{first:?}");
+
+    // The shadow limit's node stops answering: the enforced limit's refusal still stands,
+    // and the shadow check is reported not checked.
+    pause_writes(&cluster, shadow_node);
+    let during = backend.check(&both()).await;
+    unpause(&cluster, shadow_node);
+    let during = during.unwrap();
+    assert!(
+        matches!(during[0].status, Status::Denied { .. }),
+        "{during:?}"
+    );
+    assert_eq!(during[1].status, Status::NotChecked);
 }

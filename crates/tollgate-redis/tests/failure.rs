@@ -251,3 +251,37 @@ fn tasks_dropped_with_their_runtime_before_they_ran_leave_the_backend_working() 
         assert_eq!(v[0].remaining, 9);
     });
 }
+
+#[tokio::test]
+async fn a_full_queue_of_waiting_checks_is_not_a_redis_failure() {
+    let server = RedisServer::start();
+    let backend = support::standalone(&server.url())
+        .breaker_threshold(3)
+        .build()
+        .unwrap();
+    let limit = gcra("l", 10);
+    assert!(backend.check(&[Check::new(&limit, b"k")]).await.is_ok());
+
+    // On this single-threaded runtime the task that sends merged calls does not run before
+    // this loop yields, so every check waits in the queue until it is full (8,192); the three
+    // beyond are refused at once, without asking Redis.
+    let mut waiting = Vec::new();
+    let mut refused = 0;
+    for i in 0u32..8_192 + 3 {
+        let mut check = backend.check(&[Check::new(&limit, &i.to_le_bytes())]);
+        match (&mut check).now_or_never() {
+            None => waiting.push(check),
+            Some(Err(e)) => {
+                assert_eq!(e.kind(), BackendErrorKind::Unavailable, "{e}");
+                refused += 1;
+            }
+            Some(Ok(v)) => panic!("answered without Redis: {v:?}"),
+        }
+    }
+    assert_eq!((waiting.len(), refused), (8_192, 3));
+    // Redis did nothing wrong: the breaker stays closed and the backend up.
+    assert_eq!(backend.circuit_state(), CircuitState::Closed);
+    for check in waiting {
+        assert!(check.await.is_ok());
+    }
+}
