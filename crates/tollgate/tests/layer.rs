@@ -461,17 +461,7 @@ async fn a_failed_backend_applies_each_limits_policy() {
         .fallback_clock(clock.clone())
         .build()
         .unwrap();
-    let mut svc = app(layer);
-    let mut codes = Vec::new();
-    for _ in 0..4 {
-        let res = send(&mut svc, from([1, 1, 1, 1])).await;
-        if res.status() == StatusCode::OK {
-            let d = res.extensions().get::<Decision>().unwrap();
-            assert_eq!(d.get("local").unwrap().source(), Source::Fallback);
-            assert_eq!(d.get("local").unwrap().label(), "fallback");
-        }
-        codes.push(res.status().as_u16());
-    }
+    let codes = through_fallback(&mut app(layer), "local").await;
     assert_eq!(codes, [200, 200, 429, 429]);
 
     // A shadow fail-closed limit refuses nothing, and leaves the fallback beside it on.
@@ -485,17 +475,24 @@ async fn a_failed_backend_applies_each_limits_policy() {
         .fallback_clock(clock)
         .build()
         .unwrap();
-    let mut svc = app(layer);
+    let codes = through_fallback(&mut app(layer), "per-ip").await;
+    assert_eq!(codes, [200, 200, 429, 429]);
+}
+
+/// The statuses of four requests from one address; each one admitted must have been limited
+/// by the fallback limiter on `limit`.
+async fn through_fallback(svc: &mut Svc, limit: &str) -> Vec<u16> {
     let mut codes = Vec::new();
     for _ in 0..4 {
-        let res = send(&mut svc, from([1, 1, 1, 1])).await;
+        let res = send(svc, from([1, 1, 1, 1])).await;
         if res.status() == StatusCode::OK {
             let d = res.extensions().get::<Decision>().unwrap();
-            assert_eq!(d.get("per-ip").unwrap().label(), "fallback");
+            assert_eq!(d.get(limit).unwrap().source(), Source::Fallback);
+            assert_eq!(d.get(limit).unwrap().label(), "fallback");
         }
         codes.push(res.status().as_u16());
     }
-    assert_eq!(codes, [200, 200, 429, 429]);
+    codes
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
