@@ -17,10 +17,14 @@
 //! | admits it although it was used up within the day (state lost) | [`CanaryStatus::Admitted`] | 0 |
 //! | fails, times out, or its circuit breaker is open | [`CanaryStatus::Failed`] | 0 |
 //!
-//! When the unit is expected back (the canary's first check, or a day after it last saw an
-//! admission), an admission is fine and the canary checks once more at once: that second
-//! check must be denied. Several replicas may run canaries against one shared backend: they
-//! share the key, and each judges only the admissions it sees.
+//! When the unit is expected back (a day after the canary last saw an admission, and once the
+//! reset of the last denial it saw has passed; or at its first check, when it has seen
+//! neither), an admission is fine and the canary checks once more at once: that second check
+//! must be denied. Several replicas may run canaries against one shared backend: they share
+//! the key, and each judges by what it saw. A denial tells when the unit comes back, so a
+//! canary that has only ever seen denials (another replica's canary took the unit) still
+//! fails when the backend admits the key too early: every replica's canary notices a backend
+//! that lost its state, not only the one that took the unit.
 //!
 //! The canary's checks are shadow checks (`enforce == false`): a local deny cache (such as the
 //! Redis backend's) answers only enforced checks, so every canary check reaches the backend.
@@ -133,6 +137,10 @@ pub struct Canary<B> {
 struct State {
     /// When this canary last saw the backend admit its key.
     last_admitted: Option<Instant>,
+    /// When, by the backend's latest denial, the key's unit comes back: an admission before
+    /// then means the backend lost its state, even if this canary never saw the unit taken
+    /// (another replica's canary took it).
+    back_at: Option<Instant>,
     /// Whether the last check was ok, to log changes rather than every check.
     last_ok: Option<bool>,
 }
@@ -230,7 +238,11 @@ impl<B: Backend> Canary<B> {
             match verdict.status {
                 // A full in-memory backend refuses the canary's key as it refuses every new
                 // key: that is limiting too.
-                Status::Denied { .. } | Status::AtCapacity { .. } => return CanaryStatus::Denied,
+                Status::Denied { .. } => {
+                    self.note_denied(verdict.reset());
+                    return CanaryStatus::Denied;
+                }
+                Status::AtCapacity { .. } => return CanaryStatus::Denied,
                 Status::Allowed => {
                     if !self.admission_was_due() {
                         return CanaryStatus::Admitted;
@@ -244,15 +256,27 @@ impl<B: Backend> Canary<B> {
         CanaryStatus::Admitted
     }
 
-    /// Notes an admission now; whether the single unit could have come back by now.
+    /// Notes an admission now; whether the single unit could have come back by now, by this
+    /// canary's last admission and by the backend's last denial.
     fn admission_was_due(&self) -> bool {
         let now = Instant::now();
         let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
         let due = state
             .last_admitted
-            .is_none_or(|last| now.duration_since(last) + SLACK >= PERIOD);
+            .is_none_or(|last| now.duration_since(last) + SLACK >= PERIOD)
+            && state.back_at.is_none_or(|back| now + SLACK >= back);
         state.last_admitted = Some(now);
+        state.back_at = None;
         due
+    }
+
+    /// Notes a denial whose unit comes back in `reset`.
+    fn note_denied(&self, reset: Duration) {
+        let back = Instant::now() + reset.min(PERIOD);
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if state.back_at.is_none_or(|known| known < back) {
+            state.back_at = Some(back);
+        }
     }
 
     fn report(&self, status: CanaryStatus) {

@@ -117,6 +117,26 @@ async fn a_backend_that_lost_its_state_fails_the_canary() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_canary_that_only_saw_denials_still_notices_lost_state() {
+    let metrics = Recorder::install();
+    let backend = Flaky::new();
+    // Two replicas' canaries on one backend: the first takes the unit, the second has only
+    // ever seen it denied.
+    let first = Canary::new(backend.clone(), INTERVAL);
+    let second = Canary::new(backend.clone(), INTERVAL);
+    assert_eq!(first.check_once().await, CanaryStatus::Denied);
+    assert_eq!(second.check_once().await, CanaryStatus::Denied);
+    tokio::time::advance(Duration::from_secs(3_600)).await;
+    // Restarted empty, and the second checks first: the denial it saw said the unit comes
+    // back in a day, so an admission an hour later is lost state.
+    backend.forget();
+    assert_eq!(second.check_once().await, CanaryStatus::Admitted);
+    assert_eq!(ok(&metrics, "flaky"), Some(0.0));
+    // That admission took the unit again: the first one is denied, as it should be.
+    assert_eq!(first.check_once().await, CanaryStatus::Denied);
+}
+
+#[tokio::test(start_paused = true)]
 async fn the_unit_coming_back_after_a_day_is_not_a_failure() {
     let metrics = Recorder::install();
     let clock = FakeClock::new(1_700_000_000_000_000);
