@@ -239,3 +239,87 @@ async fn a_frozen_redis_costs_each_request_at_most_the_deadline() {
     }
     server.resume();
 }
+
+/// `Retry-After` of a response, in seconds.
+fn retry_after(res: &axum::response::Response) -> u64 {
+    res.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+/// A replica whose every check reaches Redis: the truth a deny cache must not contradict.
+fn uncached(url: &str) -> RedisBackend {
+    RedisBackend::builder()
+        .url(url)
+        .prefix("test")
+        .deadline(Duration::from_millis(200))
+        .deny_cache_capacity(0)
+        .build()
+        .unwrap()
+}
+
+#[tokio::test]
+async fn a_refusal_from_the_deny_cache_says_when_every_refusing_limit_admits_again() {
+    let server = RedisServer::start();
+    let stacked = || {
+        vec![
+            per_minute("burst", 2),
+            Limit::fixed_window("daily", Quota::per_day(2).unwrap()).unwrap(),
+        ]
+    };
+    let cached = instance(standalone(&server.url()), stacked());
+    let truth = instance(uncached(&server.url()), stacked());
+    for _ in 0..2 {
+        assert_eq!(status(&cached, "s.example").await, StatusCode::OK);
+    }
+    // Both limits are used up: the burst for 30 s, the day until midnight (UTC).
+    let refused = cached.clone().oneshot(req("s.example")).await.unwrap();
+    let real = truth.clone().oneshot(req("s.example")).await.unwrap();
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(real.status(), StatusCode::TOO_MANY_REQUESTS);
+    // Whole seconds, rounded up, read at two instants: the cache may say one second more.
+    let (cached_wait, real_wait) = (retry_after(&refused), retry_after(&real));
+    assert!(real_wait > 30, "the day's refusal outlasts the burst's");
+    assert!(
+        (real_wait..=real_wait + 1).contains(&cached_wait),
+        "{cached_wait} s from the deny cache, {real_wait} s from Redis"
+    );
+    let decision = refused.extensions().get::<Decision>().unwrap();
+    for limit in ["burst", "daily"] {
+        assert_eq!(
+            decision.get(limit).unwrap().label(),
+            "denied",
+            "{decision:?}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_cached_denial_of_a_cheaper_request_does_not_shorten_a_costlier_ones_wait() {
+    let server = RedisServer::start();
+    // One budget shared by two routes: a chat costs 1 unit, a summary 5.
+    let budget = || per_minute("llm-budget", 10);
+    let redis = standalone(&server.url());
+    let chat = instance(redis.clone(), vec![budget()]);
+    let summary = instance(redis, vec![budget().with_cost(5).unwrap()]);
+    let truth = instance(
+        uncached(&server.url()),
+        vec![budget().with_cost(5).unwrap()],
+    );
+    for _ in 0..10 {
+        assert_eq!(status(&chat, "s.example").await, StatusCode::OK);
+    }
+    // The chats used the budget, and the last one left a cost-1 denial in the cache.
+    let refused = summary.clone().oneshot(req("s.example")).await.unwrap();
+    let real = truth.clone().oneshot(req("s.example")).await.unwrap();
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(real.status(), StatusCode::TOO_MANY_REQUESTS);
+    let (cached_wait, real_wait) = (retry_after(&refused), retry_after(&real));
+    assert_eq!(real_wait, 30, "5 units at one every 6 s");
+    assert!(
+        (real_wait..=real_wait + 1).contains(&cached_wait),
+        "{cached_wait} s from the deny cache, {real_wait} s from Redis"
+    );
+}

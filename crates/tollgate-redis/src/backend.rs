@@ -143,7 +143,15 @@ impl Inner {
             }
             if now.is_none() && p.enforce {
                 match foreseen_denial(p.algorithm, &p.quota, p.cost, &verdict) {
-                    Some(denial) => self.deny.insert(&p.digest, &p.name, p.cost, &denial),
+                    Some(denial) => {
+                        let per_unit = match p.algorithm {
+                            Algorithm::Gcra => Some(p.quota.emission_interval()),
+                            Algorithm::FixedWindow => Some(0),
+                            _ => None,
+                        };
+                        self.deny
+                            .insert(&p.digest, &p.name, p.cost, per_unit, &denial);
+                    }
                     // Only the request that held a run-out denial's lease settles it.
                     // An answer that tells nothing of the room left (the check was not
                     // run, or can never pass) ends the wait.
@@ -721,27 +729,28 @@ impl RedisBackend {
         digests: &[keys::KeyDigest; MAX_CHECKS],
         leased: &mut [bool; MAX_CHECKS],
     ) -> Option<Verdicts> {
-        let mut hit = None;
+        // Every cached denial of the batch, not only the first: the refusal's Retry-After is
+        // the longest of their waits, and each refusing limit is reported as refusing.
+        let mut hits = [None; MAX_CHECKS];
         for (i, c) in checks.iter().enumerate().filter(|(_, c)| c.enforce) {
             match self.inner.deny.lookup(&digests[i], c.cost) {
                 Lookup::Miss => {}
                 Lookup::Leased => leased[i] = true,
-                Lookup::Denied(verdict) => {
-                    hit = Some((i, verdict));
-                    break;
-                }
+                Lookup::Denied(verdict) => hits[i] = Some(verdict),
             }
         }
-        let (hit, verdict) = hit?;
-        // Leases taken before the refusal would hold their keys back for nothing.
-        for (taken, digest) in leased.iter_mut().zip(digests).take(hit) {
+        if hits.iter().all(Option::is_none) {
+            return None;
+        }
+        // Leases taken for a refused batch would hold their keys back for nothing.
+        for (taken, digest) in leased.iter_mut().zip(digests).take(checks.len()) {
             if std::mem::take(taken) {
                 self.inner.deny.release(digest);
             }
         }
         Some(
             (0..checks.len())
-                .map(|i| if i == hit { verdict } else { NOT_CHECKED })
+                .map(|i| hits[i].unwrap_or(NOT_CHECKED))
                 .collect(),
         )
     }

@@ -75,6 +75,10 @@ struct Entry {
     reset_at: Instant,
     remaining: u64,
     cost: u32,
+    /// How much longer a request of one more unit than `cost` waits: a GCRA emission interval,
+    /// 0 in a fixed window; `None` when it depends on more than the cost (a sliding log), and a
+    /// costlier request then asks Redis.
+    per_unit: Option<Micros>,
     /// A request is asking Redis (until `until`).
     leased: bool,
     /// Requests refused here while it did.
@@ -141,14 +145,21 @@ impl DenyCache {
         if cost < entry.cost {
             return Lookup::Miss;
         }
+        let mut retry_after = micros_until(entry.until, now);
+        if cost > entry.cost && !entry.leased {
+            // A costlier request waits longer: its Retry-After must say so.
+            let Some(per_unit) = entry.per_unit else {
+                return Lookup::Miss;
+            };
+            let more = per_unit.saturating_mul(u64::from(cost - entry.cost));
+            retry_after = retry_after.saturating_add(more);
+        }
         if entry.leased {
             entry.held = entry.held.saturating_add(1);
         }
         entry.hits.increment(1);
         Lookup::Denied(Verdict {
-            status: Status::Denied {
-                retry_after: micros_until(entry.until, now),
-            },
+            status: Status::Denied { retry_after },
             remaining: entry.remaining,
             reset: micros_until(entry.reset_at, now),
         })
@@ -161,6 +172,7 @@ impl DenyCache {
         digest: &KeyDigest,
         limit: &Arc<str>,
         cost: u32,
+        per_unit: Option<Micros>,
         verdict: &Verdict,
     ) {
         let Status::Denied { retry_after } = verdict.status else {
@@ -176,6 +188,7 @@ impl DenyCache {
             reset_at: now + Duration::from_micros(verdict.reset),
             remaining: verdict.remaining,
             cost,
+            per_unit,
             leased: false,
             held: 0,
         };
@@ -264,7 +277,7 @@ mod tests {
     async fn denies_until_the_time_redis_gave() {
         let cache = DenyCache::new(100, Duration::from_millis(50));
         let d = [1u8; 16];
-        cache.insert(&d, &limit(), 1, &denied(1_000_000));
+        cache.insert(&d, &limit(), 1, Some(0), &denied(1_000_000));
         let v = cache.lookup(&d, 1).denial().unwrap();
         assert_eq!(
             v.status,
@@ -299,7 +312,7 @@ mod tests {
     async fn room_for_fewer_than_were_held_back_lets_one_more_ask_alone() {
         let cache = DenyCache::new(100, Duration::from_millis(50));
         let d = [4u8; 16];
-        cache.insert(&d, &limit(), 1, &denied(1_000));
+        cache.insert(&d, &limit(), 1, Some(0), &denied(1_000));
         tokio::time::advance(Duration::from_millis(1)).await;
         assert_eq!(cache.lookup(&d, 1), Lookup::Leased);
         for _ in 0..3 {
@@ -313,7 +326,7 @@ mod tests {
         cache.settle(&d, 1, 2);
         assert_eq!(cache.lookup(&d, 1), Lookup::Miss);
         // A newer denial is not undone by a late settle.
-        cache.insert(&d, &limit(), 1, &denied(1_000));
+        cache.insert(&d, &limit(), 1, Some(0), &denied(1_000));
         cache.settle(&d, 1, 100);
         assert!(cache.lookup(&d, 1).denial().is_some());
     }
@@ -322,7 +335,7 @@ mod tests {
     async fn a_lease_whose_answer_never_came_runs_out() {
         let cache = DenyCache::new(100, Duration::from_millis(50));
         let d = [2u8; 16];
-        cache.insert(&d, &limit(), 1, &denied(1_000));
+        cache.insert(&d, &limit(), 1, Some(0), &denied(1_000));
         tokio::time::advance(Duration::from_millis(1)).await;
         assert_eq!(cache.lookup(&d, 1), Lookup::Leased); // then fails (no answer)
         tokio::time::advance(Duration::from_micros(49_999)).await;
@@ -335,7 +348,7 @@ mod tests {
     async fn a_released_lease_goes_to_the_next_request() {
         let cache = DenyCache::new(100, Duration::from_millis(50));
         let d = [5u8; 16];
-        cache.insert(&d, &limit(), 1, &denied(1_000));
+        cache.insert(&d, &limit(), 1, Some(0), &denied(1_000));
         tokio::time::advance(Duration::from_millis(1)).await;
         assert_eq!(cache.lookup(&d, 1), Lookup::Leased);
         assert!(cache.lookup(&d, 1).denial().is_some());
@@ -347,11 +360,11 @@ mod tests {
     async fn a_denial_covers_higher_costs_only() {
         let cache = DenyCache::new(100, Duration::from_millis(50));
         let d = [2u8; 16];
-        cache.insert(&d, &limit(), 3, &denied(1_000));
+        cache.insert(&d, &limit(), 3, Some(0), &denied(1_000));
         assert!(cache.lookup(&d, 3).denial().is_some());
         assert!(cache.lookup(&d, 5).denial().is_some());
         assert!(cache.lookup(&d, 1).denial().is_none());
-        cache.insert(&d, &limit(), 1, &denied(1_000));
+        cache.insert(&d, &limit(), 1, Some(0), &denied(1_000));
         assert!(cache.lookup(&d, 1).denial().is_some());
         // Allowed verdicts are not cached.
         let e = [3u8; 16];
@@ -359,6 +372,7 @@ mod tests {
             &e,
             &limit(),
             1,
+            Some(0),
             &Verdict {
                 status: Status::Allowed,
                 remaining: 1,
@@ -366,6 +380,29 @@ mod tests {
             },
         );
         assert!(cache.lookup(&e, 1).denial().is_none());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_costlier_request_waits_longer_by_what_each_unit_adds() {
+        let retry = |l: Lookup| match l.denial().map(|v| v.status) {
+            Some(Status::Denied { retry_after }) => Some(retry_after),
+            _ => None,
+        };
+        let cache = DenyCache::new(100, Duration::from_millis(50));
+        // GCRA, one unit every 6 s: a request of 5 units waits 4 × 6 s more than one of 1.
+        let gcra = [4u8; 16];
+        cache.insert(&gcra, &limit(), 1, Some(6_000_000), &denied(1_000_000));
+        assert_eq!(retry(cache.lookup(&gcra, 1)), Some(1_000_000));
+        assert_eq!(retry(cache.lookup(&gcra, 5)), Some(25_000_000));
+        // A fixed window: every cost waits for the window to turn.
+        let window = [5u8; 16];
+        cache.insert(&window, &limit(), 1, Some(0), &denied(1_000_000));
+        assert_eq!(retry(cache.lookup(&window, 5)), Some(1_000_000));
+        // A sliding log: unknown, so a costlier request asks Redis.
+        let log = [6u8; 16];
+        cache.insert(&log, &limit(), 1, None, &denied(1_000_000));
+        assert_eq!(retry(cache.lookup(&log, 1)), Some(1_000_000));
+        assert_eq!(cache.lookup(&log, 5), Lookup::Miss);
     }
 
     #[tokio::test(start_paused = true)]
@@ -379,19 +416,19 @@ mod tests {
                 d
             })
             .collect();
-        cache.insert(&ds[0], &limit(), 1, &denied(1_000));
-        cache.insert(&ds[1], &limit(), 1, &denied(5_000));
-        cache.insert(&ds[2], &limit(), 1, &denied(5_000));
+        cache.insert(&ds[0], &limit(), 1, Some(0), &denied(1_000));
+        cache.insert(&ds[1], &limit(), 1, Some(0), &denied(5_000));
+        cache.insert(&ds[2], &limit(), 1, Some(0), &denied(5_000));
         assert!(cache.lookup(&ds[2], 1).denial().is_none());
         assert_eq!(cache.len(), 2);
         // Once one has expired, a new one takes its place.
         tokio::time::advance(Duration::from_millis(1)).await;
-        cache.insert(&ds[2], &limit(), 1, &denied(5_000));
+        cache.insert(&ds[2], &limit(), 1, Some(0), &denied(5_000));
         assert!(cache.lookup(&ds[2], 1).denial().is_some());
         assert_eq!(cache.len(), 2);
         // Disabled.
         let off = DenyCache::new(0, Duration::from_millis(50));
-        off.insert(&ds[0], &limit(), 1, &denied(1_000));
+        off.insert(&ds[0], &limit(), 1, Some(0), &denied(1_000));
         assert!(off.lookup(&ds[0], 1).denial().is_none());
     }
 }

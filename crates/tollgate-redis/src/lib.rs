@@ -110,8 +110,11 @@
 //! # The local deny cache
 //!
 //! When Redis denies an enforced check until T, later batches with that (limit, key) are
-//! refused locally until T: the check reports `Denied` with the time left, the other checks of
-//! the batch [`NotChecked`](tollgate_core::Status::NotChecked), and Redis is not called. An
+//! refused locally until T: each check with a cached denial reports `Denied` with the time
+//! left (so the refusal's `Retry-After` is the longest of them), the other checks of the batch
+//! [`NotChecked`](tollgate_core::Status::NotChecked), and Redis is not called. A denial covers
+//! requests of its cost and costlier ones, which wait longer by what each unit adds (a GCRA
+//! interval; nothing in a fixed window); a sliding log's costlier requests ask Redis. An
 //! admission that used the last unit of a GCRA or fixed-window limit foretells its denial, which
 //! is cached the same way; and when a denial runs out, one request asks Redis while the others
 //! wait for its answer (at most one deadline), and go on waiting, one asker at a time, until
@@ -122,7 +125,7 @@
 //!
 //! # Metrics
 //!
-//! `tollgate_backend_duration_seconds{backend="redis"}` (histogram, per call),
+//! `tollgate_backend_duration_seconds{backend="redis"}` (histogram, per request sent to Redis),
 //! `tollgate_backend_up{backend="redis"}` (gauge, 1 after an answer, 0 after a failure) and
 //! `tollgate_deny_cache_hits_total{limit}`. No label ever holds a key.
 
