@@ -320,6 +320,10 @@ impl Limit {
 
     /// An exact sliding-log limit.
     ///
+    /// Exactness costs one log entry per admitted unit and key, kept for a period, in memory
+    /// or in Redis (where each unit is also one `ZADD`): for quotas of thousands per period,
+    /// or large costs, GCRA or a fixed window keep one number per key instead.
+    ///
     /// # Errors
     ///
     /// As [`Limit::new`].
