@@ -25,11 +25,13 @@ fn instance(redis: RedisBackend, limits: Vec<Limit>) -> Router {
         .layer(builder.build().unwrap())
 }
 
+/// A deadline that a loaded machine meets: a timed-out check fails open (the default) and
+/// would spoil an exact count.
 fn standalone(url: &str) -> RedisBackend {
     RedisBackend::builder()
         .url(url)
         .prefix("test")
-        .deadline(Duration::from_millis(200))
+        .deadline(Duration::from_secs(5))
         .build()
         .unwrap()
 }
@@ -100,7 +102,7 @@ async fn a_hundred_concurrent_requests_on_a_cluster_admit_exactly_ten() {
     let backend = || {
         RedisBackend::builder()
             .cluster(cluster.urls())
-            .deadline(Duration::from_millis(500))
+            .deadline(Duration::from_secs(5))
             .build()
             .unwrap()
     };
@@ -254,7 +256,7 @@ fn uncached(url: &str) -> RedisBackend {
     RedisBackend::builder()
         .url(url)
         .prefix("test")
-        .deadline(Duration::from_millis(200))
+        .deadline(Duration::from_secs(5))
         .deny_cache_capacity(0)
         .build()
         .unwrap()
@@ -281,7 +283,16 @@ async fn a_refusal_from_the_deny_cache_says_when_every_refusing_limit_admits_aga
     assert_eq!(real.status(), StatusCode::TOO_MANY_REQUESTS);
     // Whole seconds, rounded up, read at two instants: the cache may say one second more.
     let (cached_wait, real_wait) = (retry_after(&refused), retry_after(&real));
-    assert!(real_wait > 30, "the day's refusal outlasts the burst's");
+    // The day's refusal outlasts the burst's (unless the day ends within the burst's 30 s).
+    let to_midnight = 86_400
+        - std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs()
+            % 86_400;
+    if to_midnight > 32 {
+        assert!(real_wait > 30, "{real_wait}");
+    }
     assert!(
         (real_wait..=real_wait + 1).contains(&cached_wait),
         "{cached_wait} s from the deny cache, {real_wait} s from Redis"
@@ -317,7 +328,9 @@ async fn a_cached_denial_of_a_cheaper_request_does_not_shorten_a_costlier_ones_w
     assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
     assert_eq!(real.status(), StatusCode::TOO_MANY_REQUESTS);
     let (cached_wait, real_wait) = (retry_after(&refused), retry_after(&real));
-    assert_eq!(real_wait, 30, "5 units at one every 6 s");
+    // 5 units at one every 6 s, counted from the first chat (a slow machine may have spent a
+    // second or more on the chats); a cached cost-1 denial would say 6.
+    assert!((25..=30).contains(&real_wait), "{real_wait}");
     assert!(
         (real_wait..=real_wait + 1).contains(&cached_wait),
         "{cached_wait} s from the deny cache, {real_wait} s from Redis"

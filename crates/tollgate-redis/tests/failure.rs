@@ -188,7 +188,7 @@ async fn a_connection_that_went_silent_is_replaced_when_the_breaker_opens() {
     let open_for = Duration::from_secs(30);
     let backend = RedisBackend::builder()
         .url(relay.url())
-        .deadline(Duration::from_millis(100))
+        .deadline(Duration::from_secs(1))
         .breaker_threshold(3)
         .breaker_open_for(open_for)
         .build()

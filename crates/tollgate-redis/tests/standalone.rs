@@ -355,7 +355,10 @@ async fn a_fixed_window_turns_at_utc_midnight() {
     let server = RedisServer::start();
     let backend = support::standalone(&server.url()).build().unwrap();
     let limit = fixed("daily", Quota::per_day(1).unwrap());
-    assert!(check_at(&backend, &[&limit], b"k", MIDNIGHT - 2).await[0].is_allowed());
+    // The unit is taken at the day's start: the count's TTL (set from the simulated time,
+    // run out in real time) is a day, not the microseconds left before midnight.
+    let morning = MIDNIGHT - 86_400_000_000;
+    assert!(check_at(&backend, &[&limit], b"k", morning).await[0].is_allowed());
     let v = check_at(&backend, &[&limit], b"k", MIDNIGHT - 1).await[0];
     assert_eq!(v.status, Status::Denied { retry_after: 1 });
     assert!(check_at(&backend, &[&limit], b"k", MIDNIGHT).await[0].is_allowed());

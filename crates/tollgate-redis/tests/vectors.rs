@@ -89,17 +89,28 @@ async fn an_admitted_vector_stores_what_the_core_would_store() {
     let server = RedisServer::start();
     let backend = support::standalone(&server.url()).build().unwrap();
     let mut con = server.client();
+    let mut replayed = 0;
     for v in vectors::load()
         .iter()
         .filter(|v| v.status == Expected::Allowed)
     {
         let limit = prepare(&mut con, &backend, v);
         let check = check_of(&limit, v);
-        backend.check_at(&[check], v.now).await.unwrap();
+        let first = backend.check_at(&[check], v.now).await.unwrap()[0];
+        // The key's TTL comes from the simulated time but runs out in real time: a state that
+        // lives less than a few seconds may be gone before the second check on a loaded
+        // machine. (The other test checks those vectors' first answer.)
+        if first.reset < 5_000_000 {
+            continue;
+        }
         let second = backend.check_at(&[check], v.now).await.unwrap()[0];
         let core = core_second(v);
         assert_eq!(second, core, "{v}: second check");
+        replayed += 1;
     }
+    // Every admitted vector but the short-lived ones (GCRA states of under a second, a window
+    // a microsecond from its end): a change to the file must change this figure too.
+    assert_eq!(replayed, 24);
 }
 
 /// The core's answer to the same check made twice at `now` on the vector's state.
