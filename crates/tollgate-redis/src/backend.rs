@@ -422,13 +422,7 @@ impl Inner {
                         Ok(answer.ok().and_then(Result::ok).unwrap_or_else(|| Reply {
                             committed: true,
                             now: 0,
-                            answers: vec![
-                                Answer {
-                                    verdict: NOT_CHECKED,
-                                    extra: 0,
-                                };
-                                sub.len()
-                            ],
+                            answers: vec![UNANSWERED; sub.len()],
                         }))
                     } else {
                         call.await
@@ -471,13 +465,7 @@ impl Inner {
                 }
             }
         }
-        let mut answers = vec![
-            Answer {
-                verdict: NOT_CHECKED,
-                extra: 0,
-            };
-            batch.len()
-        ];
+        let mut answers = vec![UNANSWERED; batch.len()];
         for (group, result) in groups.iter().zip(results) {
             let (_, reply) = result?;
             for (&i, answer) in group.iter().zip(reply.answers) {
@@ -536,6 +524,12 @@ const NOT_CHECKED: Verdict = Verdict {
     status: Status::NotChecked,
     remaining: 0,
     reset: 0,
+};
+
+/// The answer of a check that Redis did not evaluate.
+const UNANSWERED: Answer = Answer {
+    verdict: NOT_CHECKED,
+    extra: 0,
 };
 
 fn unavailable(msg: impl Into<String>) -> BackendError {
@@ -743,7 +737,7 @@ impl RedisBackend {
             return None;
         }
         // Leases taken for a refused batch would hold their keys back for nothing.
-        for (taken, digest) in leased.iter_mut().zip(digests).take(checks.len()) {
+        for (taken, digest) in leased.iter_mut().zip(digests) {
             if std::mem::take(taken) {
                 self.inner.deny.release(digest);
             }
