@@ -29,6 +29,22 @@ pub enum ConfigError {
     TooManyLimits,
     /// A layer with no limit.
     NoLimits,
+    /// A limit name reserved for the layer's own use (the canary's).
+    ReservedName(String),
+    /// An address prefix longer than the address: IPv4 has 32 bits, IPv6 128.
+    InvalidPrefix {
+        /// The configured prefix length.
+        bits: u8,
+        /// The longest prefix the address family has.
+        max: u8,
+    },
+    /// A key length bound outside `1..=max`.
+    InvalidKeyLength {
+        /// The configured length.
+        len: usize,
+        /// The longest key.
+        max: usize,
+    },
     /// Anything else, described.
     Other(String),
 }
@@ -59,6 +75,21 @@ impl fmt::Display for ConfigError {
             Self::DuplicateName(name) => write!(f, "two limits are named {name:?}"),
             Self::TooManyLimits => write!(f, "at most {} limits per layer", crate::MAX_CHECKS),
             Self::NoLimits => f.write_str("a rate-limit layer needs at least one limit"),
+            Self::ReservedName(name) => {
+                write!(f, "the limit name {name:?} is reserved for the canary")
+            }
+            Self::InvalidPrefix { bits, max } => {
+                write!(
+                    f,
+                    "prefix /{bits} is invalid: it must be between 0 and {max}"
+                )
+            }
+            Self::InvalidKeyLength { len, max } => {
+                write!(
+                    f,
+                    "key length {len} is invalid: it must be between 1 and {max}"
+                )
+            }
             Self::Other(msg) => f.write_str(msg),
         }
     }

@@ -60,7 +60,9 @@ pub mod key;
 
 mod canary;
 mod decision;
+#[cfg(feature = "axum")]
 mod extract;
+mod grpc;
 mod layer;
 mod metrics;
 mod response;
@@ -72,8 +74,9 @@ pub use canary::{Canary, CanaryHandle, CanaryStatus, CANARY_LIMIT};
 pub use decision::{
     BypassReason, Decision, DenyReason, LimitDecision, Outcome, SkipReason, Source,
 };
+#[cfg(feature = "axum")]
 pub use extract::MissingDecision;
-pub use layer::{RateLimit, RateLimitLayer, RateLimitLayerBuilder, ResponseFuture};
+pub use layer::{RateLimit, RateLimitLayer, RateLimitLayerBuilder, ResponseBody, ResponseFuture};
 pub use response::{Rejection, RejectionKind};
 pub use tollgate_core::{
     Algorithm, FailurePolicy, FakeClock, Limit, MemoryBackend, MissingKeyPolicy, Quota, SystemClock,

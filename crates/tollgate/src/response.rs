@@ -8,6 +8,7 @@
 //!   constrained limit, when enabled.
 //! - Refusals default to a short `application/problem+json` body; replace it with
 //!   [`RateLimitLayerBuilder::on_rejection`](crate::RateLimitLayerBuilder::on_rejection).
+//!   gRPC calls are refused with a gRPC status instead (see `grpc.rs`).
 
 use std::fmt::Write as _;
 use std::time::Duration;
@@ -65,6 +66,7 @@ pub struct Rejection<'a> {
     limit: &'a str,
     retry_after: Option<Duration>,
     decision: Option<&'a Decision>,
+    grpc: bool,
 }
 
 impl<'a> Rejection<'a> {
@@ -79,7 +81,26 @@ impl<'a> Rejection<'a> {
             limit,
             retry_after,
             decision,
+            grpc: false,
         }
+    }
+
+    pub(crate) fn grpc(mut self, grpc: bool) -> Self {
+        self.grpc = grpc;
+        self
+    }
+
+    /// Whether the refused request is a gRPC call (`content-type: application/grpc*`), which
+    /// is answered with a gRPC status instead of an HTTP error.
+    pub fn is_grpc(&self) -> bool {
+        self.grpc
+    }
+
+    /// The gRPC status code a gRPC refusal carries: 8 (`RESOURCE_EXHAUSTED`) for a used-up
+    /// limit, 14 (`UNAVAILABLE`) for a fail-closed limit whose backend failed, 3
+    /// (`INVALID_ARGUMENT`) for a missing key.
+    pub fn grpc_code(&self) -> u8 {
+        crate::grpc::code_of(self.kind)
     }
 
     /// Why.

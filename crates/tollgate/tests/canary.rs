@@ -277,3 +277,51 @@ async fn against_redis_a_stop_fails_the_canary_and_a_restart_is_seen_as_lost_sta
     assert_eq!(canary.check_once().await, CanaryStatus::Denied);
     assert_eq!(ok(&metrics, "redis"), Some(1.0));
 }
+
+#[tokio::test(start_paused = true)]
+async fn the_canarys_name_and_key_are_its_own() {
+    use tollgate::core::{ConfigError, Limit, Quota};
+    use tollgate::key::key_fn;
+    use tollgate::RateLimitLayer;
+    use tower::{service_fn, Layer, ServiceExt};
+
+    let _metrics = Recorder::install();
+    let day = Quota::per_day(1).unwrap();
+    // No layer may hold a limit under the canary's name: its requests would spend the canary's
+    // unit, and a canary denied by them would say "ok" over a backend that lost its state.
+    let err = RateLimitLayer::builder()
+        .limit(
+            Limit::gcra(tollgate::CANARY_LIMIT, day).unwrap(),
+            tollgate::key::Global,
+        )
+        .build()
+        .unwrap_err();
+    assert_eq!(
+        err,
+        ConfigError::ReservedName(tollgate::CANARY_LIMIT.to_owned())
+    );
+
+    // A key function may produce the canary's key bytes, but under another limit's name they
+    // are another bucket: the canary's first check still takes its own unit.
+    let backend = MemoryBackend::new();
+    let layer = RateLimitLayer::builder()
+        .limit(
+            Limit::gcra("api", day).unwrap(),
+            key_fn(|_| Some(b"\xfetollgate-canary".to_vec())),
+        )
+        .backend(backend.clone())
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(|_req: http::Request<()>| async {
+        Ok::<_, std::convert::Infallible>(http::Response::new(String::new()))
+    }));
+    let codes = [
+        svc.clone().oneshot(http::Request::new(())).await.unwrap(),
+        svc.oneshot(http::Request::new(())).await.unwrap(),
+    ]
+    .map(|r| r.status().as_u16());
+    assert_eq!(codes, [200, 429]);
+    let canary = Canary::new(backend.clone(), INTERVAL);
+    assert_eq!(canary.check_once().await, CanaryStatus::Denied);
+    assert_eq!(backend.stats().tracked_keys, 2);
+}

@@ -29,7 +29,8 @@ fn app<B: Backend>(layer: RateLimitLayer<B>) -> Svc {
         };
         Ok::<_, Infallible>(Response::new(Body::from(body)))
     });
-    tower::util::BoxCloneService::new(layer.layer(handler))
+    // A refusal's body is the layer's own; axum's `Body` wraps either.
+    tower::util::BoxCloneService::new(layer.layer(handler).map_response(|r| r.map(Body::new)))
 }
 
 fn memory() -> (MemoryBackend<FakeClock>, FakeClock) {
@@ -195,7 +196,9 @@ async fn two_stacked_layers_each_decide_and_report_together() {
         });
         Ok::<_, Infallible>(Response::new(Body::from(names.unwrap_or_default())))
     });
-    let mut svc = layer("outer", 3).layer(layer("inner", 1).layer(handler));
+    let mut svc = layer("outer", 3)
+        .layer(layer("inner", 1).layer(handler))
+        .map_response(|r| r.map(Body::new));
     let mut responses = Vec::new();
     for _ in 0..4 {
         responses.push(

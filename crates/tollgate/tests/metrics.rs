@@ -26,7 +26,7 @@ fn app<B: Backend>(layer: RateLimitLayer<B>) -> Svc {
     let ok = service_fn(|_req: Request<Body>| async {
         Ok::<_, Infallible>(Response::new(Body::empty()))
     });
-    tower::util::BoxCloneService::new(layer.layer(ok))
+    tower::util::BoxCloneService::new(layer.layer(ok).map_response(|r| r.map(Body::new)))
 }
 
 fn from(ip: [u8; 4]) -> Request<Body> {

@@ -22,10 +22,12 @@ use http::{Extensions, HeaderMap, Method, Uri};
 
 mod ip;
 mod principal;
+mod proxies;
 mod tenant;
 
-pub use ip::{Cidr, ClientIp, ForwardedHeader, InvalidCidr, TrustedProxies};
+pub use ip::{ClientIp, ForwardedHeader};
 pub use principal::{Principal, PrincipalId};
+pub use proxies::{Cidr, InvalidCidr, TrustedProxies};
 pub use tenant::Tenant;
 
 /// The longest key, in bytes.

@@ -115,12 +115,13 @@ impl Tenant {
     ///
     /// # Errors
     ///
-    /// [`ConfigError::Other`] when `n` is 0 or above [`MAX_KEY_LEN`].
+    /// [`ConfigError::InvalidKeyLength`] when `n` is 0 or above [`MAX_KEY_LEN`].
     pub fn max_len(mut self, n: usize) -> Result<Self, ConfigError> {
         if n == 0 || n > MAX_KEY_LEN {
-            return Err(ConfigError::Other(format!(
-                "tenant max_len {n} is invalid: it must be between 1 and {MAX_KEY_LEN}"
-            )));
+            return Err(ConfigError::InvalidKeyLength {
+                len: n,
+                max: MAX_KEY_LEN,
+            });
         }
         self.max_len = n;
         Ok(self)
@@ -342,13 +343,11 @@ mod tests {
         );
         assert_eq!(
             shop().max_len(0).unwrap_err(),
-            ConfigError::Other("tenant max_len 0 is invalid: it must be between 1 and 512".into())
+            ConfigError::InvalidKeyLength { len: 0, max: 512 }
         );
         assert_eq!(
             shop().max_len(513).unwrap_err(),
-            ConfigError::Other(
-                "tenant max_len 513 is invalid: it must be between 1 and 512".into()
-            )
+            ConfigError::InvalidKeyLength { len: 513, max: 512 }
         );
     }
 

@@ -5,10 +5,12 @@ use std::task::{ready, Context, Poll};
 
 use bytes::Bytes;
 use http::{Request, Response};
+use http_body::Body;
 use pin_project_lite::pin_project;
 use tollgate_core::Backend;
 use tower_service::Service;
 
+use super::body::ResponseBody;
 use super::{Decided, Plan, Shared};
 use crate::decision::Decision;
 
@@ -119,9 +121,9 @@ impl<S, B, ReqBody, ResBody> Future for ResponseFuture<S, B, ReqBody>
 where
     S: Service<Request<ReqBody>, Response = Response<ResBody>>,
     B: Backend,
-    ResBody: From<Bytes>,
+    ResBody: Body<Data = Bytes>,
 {
-    type Output = Result<Response<ResBody>, S::Error>;
+    type Output = Result<Response<ResponseBody<ResBody>>, S::Error>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         const DONE: &str = "ResponseFuture polled after completion";
@@ -152,13 +154,13 @@ where
                     if let Some((decision, shared)) = finish.take() {
                         shared.finish(&mut response, decision);
                     }
-                    return Poll::Ready(Ok(response));
+                    return Poll::Ready(Ok(response.map(ResponseBody::inner)));
                 }
                 StateProj::Refused { response } => {
                     let Some(response) = response.take() else {
                         panic!("{DONE}");
                     };
-                    return Poll::Ready(Ok(response.map(ResBody::from)));
+                    return Poll::Ready(Ok(response.map(ResponseBody::refusal)));
                 }
             }
         }

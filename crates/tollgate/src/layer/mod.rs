@@ -15,27 +15,25 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{HeaderValue, Request, Response};
+use http::{HeaderValue, Response};
 use tollgate_core::{
-    Backend, BackendError, Check, Clock, ConfigError, FailurePolicy, Limit, MemoryBackend,
-    MissingKeyPolicy, SystemClock, Verdicts, MAX_CHECKS,
+    Backend, Clock, ConfigError, FailurePolicy, Limit, MemoryBackend, SystemClock, MAX_CHECKS,
 };
 use tower_layer::Layer;
 
-use crate::decision::{Decision, DenyReason, LimitDecision, Outcome, SkipReason, Source};
-use crate::key::{Key, KeyExtractor, MissingKey, RequestView};
-use crate::metrics::{self as obs, LimitMetrics};
-use crate::response::{self, HeaderConfig, Rejection, RejectionKind};
+use crate::decision::Decision;
+use crate::key::KeyExtractor;
+use crate::metrics::LimitMetrics;
+use crate::response::{self, HeaderConfig, Rejection};
 
+mod body;
+mod decide;
 mod future;
 mod service;
 
+pub use body::ResponseBody;
 pub use future::ResponseFuture;
 pub use service::RateLimit;
-
-/// The key of the one bucket shared by keyless requests ([`MissingKeyPolicy::SharedBucket`]).
-/// Extracted keys cannot take this value: IP keys start with a 4 or 6 byte, tenants are ASCII.
-const SHARED_BUCKET: &[u8] = b"\xffshared-bucket";
 
 type Responder = Box<dyn Fn(&Rejection<'_>) -> Response<Bytes> + Send + Sync>;
 
@@ -84,6 +82,7 @@ impl RateLimitLayer<MemoryBackend> {
             limits: Vec::new(),
             headers: HeaderConfig::default(),
             responder: None,
+            grpc_responder: None,
             fallback_clock: Arc::new(SystemClock::new()),
             fallback_max_keys: 100_000,
             unavailable_retry_after: Duration::from_secs(1),
@@ -118,6 +117,7 @@ pub struct RateLimitLayerBuilder<B> {
     limits: Vec<(Limit, Box<dyn KeyExtractor>)>,
     headers: HeaderConfig,
     responder: Option<Responder>,
+    grpc_responder: Option<Responder>,
     fallback_clock: Arc<dyn Clock>,
     fallback_max_keys: usize,
     unavailable_retry_after: Duration,
@@ -137,6 +137,7 @@ impl<B: Backend> RateLimitLayerBuilder<B> {
             limits: self.limits,
             headers: self.headers,
             responder: self.responder,
+            grpc_responder: self.grpc_responder,
             fallback_clock: self.fallback_clock,
             fallback_max_keys: self.fallback_max_keys,
             unavailable_retry_after: self.unavailable_retry_after,
@@ -158,11 +159,26 @@ impl<B: Backend> RateLimitLayerBuilder<B> {
 
     /// Builds refusals with `respond` instead of the default problem+json body. The layer still
     /// adds `Retry-After` (unless set) and the rate-limit fields.
+    ///
+    /// gRPC calls are refused by [`on_grpc_rejection`](Self::on_grpc_rejection)'s responder.
     pub fn on_rejection<F>(mut self, respond: F) -> Self
     where
         F: Fn(&Rejection<'_>) -> Response<Bytes> + Send + Sync + 'static,
     {
         self.responder = Some(Box::new(respond));
+        self
+    }
+
+    /// Builds the refusals of gRPC calls (`content-type: application/grpc*`) with `respond`
+    /// instead of the default trailers-only status (`grpc-status` 8, 14 or 3; see
+    /// [`Rejection::grpc_code`]). The layer still adds the `retry-after` metadata (unless set)
+    /// and the rate-limit fields. A trailers-only response has an empty body: the status goes in
+    /// the headers.
+    pub fn on_grpc_rejection<F>(mut self, respond: F) -> Self
+    where
+        F: Fn(&Rejection<'_>) -> Response<Bytes> + Send + Sync + 'static,
+    {
+        self.grpc_responder = Some(Box::new(respond));
         self
     }
 
@@ -189,13 +205,21 @@ impl<B: Backend> RateLimitLayerBuilder<B> {
     /// # Errors
     ///
     /// [`ConfigError::NoLimits`], [`ConfigError::TooManyLimits`] (more than
-    /// [`MAX_CHECKS`]) or [`ConfigError::DuplicateName`].
+    /// [`MAX_CHECKS`]), [`ConfigError::DuplicateName`], or [`ConfigError::ReservedName`] for a
+    /// limit named [`CANARY_LIMIT`](crate::CANARY_LIMIT), which only the canary may use.
     pub fn build(self) -> Result<RateLimitLayer<B>, ConfigError> {
         if self.limits.is_empty() {
             return Err(ConfigError::NoLimits);
         }
         if self.limits.len() > MAX_CHECKS {
             return Err(ConfigError::TooManyLimits);
+        }
+        if let Some((limit, _)) = self
+            .limits
+            .iter()
+            .find(|(l, _)| l.name() == crate::CANARY_LIMIT)
+        {
+            return Err(ConfigError::ReservedName(limit.name().to_owned()));
         }
         for (i, (limit, _)) in self.limits.iter().enumerate() {
             if self.limits[..i]
@@ -238,6 +262,7 @@ impl<B: Backend> RateLimitLayerBuilder<B> {
                 names,
                 headers: self.headers,
                 responder: self.responder,
+                grpc_responder: self.grpc_responder,
                 unavailable_retry_after: self.unavailable_retry_after,
             }),
         })
@@ -266,6 +291,7 @@ pub(crate) struct Shared<B> {
     names: Box<str>,
     headers: HeaderConfig,
     responder: Option<Responder>,
+    grpc_responder: Option<Responder>,
     unavailable_retry_after: Duration,
 }
 
@@ -295,278 +321,6 @@ pub(crate) enum Prepared<F> {
 pub(crate) enum Decided {
     Admit(Decision),
     Refuse(Response<Bytes>),
-}
-
-impl<B: Backend> Shared<B> {
-    /// Extracts every key and starts the backend call; or refuses a request without a key.
-    pub(crate) fn prepare<T>(&self, req: &Request<T>) -> Prepared<B::Future> {
-        // Only a subscriber that wants debug spans gets one (`names` is built once, when the
-        // layer is). Otherwise the span is `none`: a disabled span still costs, on every
-        // request, what `tracing`'s `log` compatibility does when no subscriber is set (its
-        // fields formatted, each enter and exit checked against the `log` level).
-        let span = if tracing::level_enabled!(tracing::Level::DEBUG) {
-            tracing::debug_span!(
-                "tollgate.check",
-                limits = &*self.names,
-                outcome = tracing::field::Empty,
-                decision = tracing::field::Empty,
-            )
-        } else {
-            tracing::Span::none()
-        };
-        let view = RequestView::new(req);
-        let mut keys: [Option<Key<'_>>; MAX_CHECKS] = Default::default();
-        let mut plan = Plan {
-            n: 0,
-            limit_of: [0; MAX_CHECKS],
-            skipped: [false; MAX_CHECKS],
-            span,
-        };
-        for (i, entry) in self.limits.iter().enumerate() {
-            match key_of(entry, &view) {
-                Ok(Some(key)) => keys[i] = Some(key),
-                Ok(None) => plan.skipped[i] = true,
-                Err(missing) => {
-                    entry.metrics.record_missing_key(&plan.span);
-                    return Prepared::Refuse(self.refuse(&Rejection::new(
-                        RejectionKind::MissingKey(missing),
-                        entry.limit.name(),
-                        None,
-                        None,
-                    )));
-                }
-            }
-        }
-        let mut checks = [Check::new(&self.limits[0].limit, b""); MAX_CHECKS];
-        for (i, (entry, key)) in self.limits.iter().zip(&keys).enumerate() {
-            if let Some(key) = key {
-                checks[plan.n] = Check::new(&entry.limit, key.as_bytes());
-                plan.limit_of[plan.n] = i;
-                plan.n += 1;
-            }
-        }
-        let check = plan.span.in_scope(|| self.backend.check(&checks[..plan.n]));
-        Prepared::Check(check, plan)
-    }
-
-    /// Turns the backend's answer into a decision, or a refusal.
-    ///
-    /// The answer is borrowed: the verdicts of a batch are a few hundred bytes, and this runs
-    /// on every request.
-    pub(crate) fn decide<T>(
-        &self,
-        result: &Result<Verdicts, BackendError>,
-        req: &Request<T>,
-        plan: &Plan,
-    ) -> Decided {
-        // Warnings about bypasses and capacity are logged inside the request's span.
-        let _entered = plan.span.enter();
-        let decision = match result {
-            Ok(verdicts) if verdicts.len() == plan.n => {
-                // Every verdict came back: each limit's outcome is its verdict, or a skip for
-                // a limit that had no key, in the layer's order.
-                let mut checked = plan.limit_of[..plan.n].iter().zip(verdicts.iter());
-                let mut next = checked.next();
-                self.limits
-                    .iter()
-                    .enumerate()
-                    .map(|(i, entry)| {
-                        let outcome = match next {
-                            Some((&at, verdict)) if at == i => {
-                                next = checked.next();
-                                Outcome::from_verdict(verdict)
-                            }
-                            _ => Outcome::Skipped {
-                                reason: SkipReason::MissingKey,
-                            },
-                        };
-                        entry.decision(outcome, Source::Backend)
-                    })
-                    .collect()
-            }
-            Ok(verdicts) => {
-                let error = BackendError::new(
-                    tollgate_core::BackendErrorKind::Protocol,
-                    format!("{} verdicts for {} checks", verdicts.len(), plan.n),
-                );
-                self.decide_failure(&error, req, plan)
-            }
-            Err(error) => self.decide_failure(error, req, plan),
-        };
-        let admitted = decision.is_admitted();
-        for (entry, d) in self.limits.iter().zip(decision.limits()) {
-            entry.metrics.record(d, admitted);
-        }
-        obs::record_span(&plan.span, &decision);
-        if admitted {
-            return Decided::Admit(decision);
-        }
-        let (kind, limit) = response::refusal_of(&decision)
-            .unwrap_or((RejectionKind::TooManyRequests, self.limits[0].limit.name()));
-        let mut response = self.refuse(&Rejection::new(
-            kind,
-            limit,
-            decision.retry_after(),
-            Some(&decision),
-        ));
-        // Refusals always carry the rate-limit fields: they say when to come back.
-        self.stamp(&mut response, decision, true);
-        Decided::Refuse(response)
-    }
-
-    /// The decision when the backend failed: each checked limit's failure policy.
-    fn decide_failure<T>(&self, error: &BackendError, req: &Request<T>, plan: &Plan) -> Decision {
-        let mut outcomes = [(
-            Outcome::Skipped {
-                reason: SkipReason::MissingKey,
-            },
-            Source::Backend,
-        ); MAX_CHECKS];
-        self.on_failure(error, req, plan, &mut outcomes);
-        // A refused request went nowhere: a fail-open limit beside the one that refused it
-        // bypassed nothing, and must not say it did.
-        let refused = self
-            .limits
-            .iter()
-            .zip(&outcomes)
-            .any(|(entry, (outcome, _))| !entry.limit.is_shadow() && !outcome.admits());
-        if refused {
-            for (outcome, _) in &mut outcomes {
-                if let Outcome::Bypassed { .. } = outcome {
-                    *outcome = Outcome::Skipped {
-                        reason: SkipReason::NotChecked,
-                    };
-                }
-            }
-        }
-        self.limits
-            .iter()
-            .zip(outcomes)
-            .map(|(entry, (outcome, source))| entry.decision(outcome, source))
-            .collect()
-    }
-
-    /// Applies each checked limit's failure policy.
-    fn on_failure<T>(
-        &self,
-        error: &BackendError,
-        req: &Request<T>,
-        plan: &Plan,
-        outcomes: &mut [(Outcome, Source); MAX_CHECKS],
-    ) {
-        let mut closed = false;
-        let mut fallback = [false; MAX_CHECKS];
-        for &i in &plan.limit_of[..plan.n] {
-            outcomes[i].0 = match self.limits[i].limit.failure_policy() {
-                FailurePolicy::FailClosed => {
-                    // A shadow limit refuses nothing, so it must not switch off the fallback
-                    // of the enforced limits beside it either.
-                    closed |= !self.limits[i].limit.is_shadow();
-                    Outcome::Denied {
-                        retry_after: Some(self.unavailable_retry_after),
-                        remaining: 0,
-                        reset: Duration::ZERO,
-                        reason: DenyReason::BackendUnavailable,
-                    }
-                }
-                FailurePolicy::Fallback { .. } => {
-                    fallback[i] = true;
-                    Outcome::Skipped {
-                        reason: SkipReason::NotChecked,
-                    }
-                }
-                _ => Outcome::Bypassed {
-                    reason: error.kind().into(),
-                },
-            };
-        }
-        if closed || !fallback.contains(&true) {
-            return;
-        }
-        // The keys were borrowed from the request; extracting them again is cheaper than
-        // copying them on every request for the rare failure.
-        let view = RequestView::new(req);
-        let mut keys: [Option<Key<'_>>; MAX_CHECKS] = Default::default();
-        for (i, entry) in self.limits.iter().enumerate() {
-            if fallback[i] {
-                keys[i] = key_of(entry, &view).ok().flatten();
-            }
-        }
-        let mut checks = [Check::new(&self.limits[0].limit, b""); MAX_CHECKS];
-        let mut index = [0usize; MAX_CHECKS];
-        let mut n = 0;
-        for (i, (entry, key)) in self.limits.iter().zip(&keys).enumerate() {
-            if let (Some(local), Some(key)) = (&entry.local, key) {
-                checks[n] = Check::new(local, key.as_bytes());
-                index[n] = i;
-                n += 1;
-            }
-        }
-        if let Ok(verdicts) = self.fallback.check_now(&checks[..n]) {
-            for (j, verdict) in verdicts.iter().enumerate() {
-                outcomes[index[j]] = (Outcome::from_verdict(verdict), Source::Fallback);
-            }
-        }
-    }
-
-    fn refuse(&self, rejection: &Rejection<'_>) -> Response<Bytes> {
-        let mut response = match &self.responder {
-            Some(respond) => respond(rejection),
-            None => response::default_response(rejection),
-        };
-        response::write_retry_after(response.headers_mut(), rejection.retry_after());
-        response
-    }
-
-    /// Adds the decision and (if configured) the rate-limit fields to an admitted response.
-    pub(crate) fn finish<T>(&self, response: &mut Response<T>, decision: Decision) {
-        self.stamp(response, decision, self.headers.on_allowed);
-    }
-
-    /// Puts the decision in the response's extensions, and the rate-limit fields if `fields`.
-    fn stamp<T>(&self, response: &mut Response<T>, decision: Decision, fields: bool) {
-        if fields {
-            response::write_headers(
-                response.headers_mut(),
-                &decision,
-                self.policy.as_ref(),
-                self.headers,
-            );
-        }
-        // Under this layer, another one decided too (it refused, or admitted): the response
-        // carries both layers' limits, this one's first, as its fields do.
-        if let Some(inner) = response.extensions_mut().insert(decision) {
-            if let Some(mine) = response.extensions_mut().remove::<Decision>() {
-                response.extensions_mut().insert(mine.then(&inner));
-            }
-        }
-    }
-}
-
-impl Entry {
-    /// This limit's part of a decision.
-    fn decision(&self, outcome: Outcome, source: Source) -> LimitDecision {
-        LimitDecision::new(
-            Arc::clone(self.limit.name_arc()),
-            *self.limit.quota(),
-            outcome,
-            source,
-            self.limit.is_shadow(),
-        )
-    }
-}
-
-fn key_of<'r>(entry: &Entry, view: &RequestView<'r>) -> Result<Option<Key<'r>>, MissingKey> {
-    match entry.key.extract(view) {
-        Ok(key) => Ok(Some(key)),
-        Err(missing) => match entry.limit.missing_key_policy() {
-            // A shadow limit never refuses a request, not even one without its key.
-            _ if entry.limit.is_shadow() => Ok(None),
-            MissingKeyPolicy::Skip => Ok(None),
-            MissingKeyPolicy::SharedBucket => Key::borrowed(SHARED_BUCKET).map(Some),
-            _ => Err(missing),
-        },
-    }
 }
 
 impl<B: Backend> fmt::Debug for Shared<B> {

@@ -5,9 +5,11 @@ use std::task::{Context, Poll, Waker};
 
 use bytes::Bytes;
 use http::{Request, Response};
+use http_body::Body;
 use tollgate_core::{Backend, MemoryBackend};
 use tower_service::Service;
 
+use super::body::ResponseBody;
 use super::future::ResponseFuture;
 use super::{Prepared, Shared};
 
@@ -29,6 +31,16 @@ impl<S, B> RateLimit<S, B> {
     pub fn get_ref(&self) -> &S {
         &self.inner
     }
+
+    /// The wrapped service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// The wrapped service, without the rate limit.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
 }
 
 impl<S: Clone, B> Clone for RateLimit<S, B> {
@@ -44,9 +56,9 @@ impl<S, B, ReqBody, ResBody> Service<Request<ReqBody>> for RateLimit<S, B>
 where
     S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone,
     B: Backend,
-    ResBody: From<Bytes>,
+    ResBody: Body<Data = Bytes>,
 {
-    type Response = Response<ResBody>;
+    type Response = Response<ResponseBody<ResBody>>;
     type Error = S::Error;
     type Future = ResponseFuture<S, B, ReqBody>;
 

@@ -1,0 +1,137 @@
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http_body::{Body, Frame, SizeHint};
+use pin_project_lite::pin_project;
+
+pin_project! {
+    /// The response body of [`RateLimit`](super::RateLimit): the inner service's body, or the
+    /// layer's own refusal.
+    ///
+    /// A refusal's body is one chunk of bytes (a problem+json document for HTTP) or nothing at
+    /// all (a gRPC refusal is trailers-only: its status travels in the headers, and the body
+    /// reports its end at once, so HTTP/2 sends one HEADERS frame that ends the stream).
+    pub struct ResponseBody<B> {
+        #[pin]
+        kind: Kind<B>,
+    }
+}
+
+pin_project! {
+    #[project = KindProj]
+    enum Kind<B> {
+        Inner {
+            #[pin]
+            body: B,
+        },
+        Refusal {
+            bytes: Option<Bytes>,
+        },
+    }
+}
+
+impl<B> ResponseBody<B> {
+    pub(crate) fn inner(body: B) -> Self {
+        Self {
+            kind: Kind::Inner { body },
+        }
+    }
+
+    pub(crate) fn refusal(bytes: Bytes) -> Self {
+        Self {
+            kind: Kind::Refusal {
+                bytes: Some(bytes).filter(|b| !b.is_empty()),
+            },
+        }
+    }
+
+    /// Whether this is the layer's refusal rather than the inner service's body.
+    pub fn is_refusal(&self) -> bool {
+        matches!(self.kind, Kind::Refusal { .. })
+    }
+}
+
+impl<B> Body for ResponseBody<B>
+where
+    B: Body<Data = Bytes>,
+{
+    type Data = Bytes;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
+        match self.project().kind.project() {
+            KindProj::Inner { body } => body.poll_frame(cx),
+            KindProj::Refusal { bytes } => Poll::Ready(bytes.take().map(|b| Ok(Frame::data(b)))),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match &self.kind {
+            Kind::Inner { body } => body.is_end_stream(),
+            Kind::Refusal { bytes } => bytes.is_none(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match &self.kind {
+            Kind::Inner { body } => body.size_hint(),
+            Kind::Refusal { bytes } => {
+                SizeHint::with_exact(bytes.as_ref().map_or(0, |b| b.len() as u64))
+            }
+        }
+    }
+}
+
+impl<B> std::fmt::Debug for ResponseBody<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.kind {
+            Kind::Inner { .. } => f.write_str("ResponseBody::Inner"),
+            Kind::Refusal { bytes } => f
+                .debug_struct("ResponseBody::Refusal")
+                .field("len", &bytes.as_ref().map_or(0, Bytes::len))
+                .finish(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn poll<B: Body<Data = Bytes> + Unpin>(body: &mut B) -> Option<Bytes> {
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        match Pin::new(body).poll_frame(&mut cx) {
+            Poll::Ready(Some(Ok(frame))) => frame.into_data().ok(),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn a_refusal_is_one_chunk_then_the_end() {
+        let mut body = ResponseBody::<String>::refusal(Bytes::from_static(b"{}"));
+        assert!(body.is_refusal());
+        assert!(!body.is_end_stream());
+        assert_eq!(body.size_hint().exact(), Some(2));
+        assert_eq!(poll(&mut body).as_deref(), Some(&b"{}"[..]));
+        assert!(body.is_end_stream());
+        assert_eq!(poll(&mut body), None);
+    }
+
+    #[test]
+    fn an_empty_refusal_ends_at_once() {
+        let body = ResponseBody::<String>::refusal(Bytes::new());
+        assert!(body.is_end_stream());
+        assert_eq!(body.size_hint().exact(), Some(0));
+    }
+
+    #[test]
+    fn the_inner_body_passes_through() {
+        let mut body = ResponseBody::inner(String::from("hello"));
+        assert!(!body.is_refusal());
+        assert_eq!(poll(&mut body).as_deref(), Some(&b"hello"[..]));
+    }
+}
