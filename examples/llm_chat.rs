@@ -56,9 +56,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let _canary = tollgate::Canary::new(backend, Duration::from_secs(10)).spawn();
 
     let app = Router::new()
-        .route("/api/chat", post(chat))
-        .layer(limits)
-        // Added after `.layer`: scrapes are never limited.
+        // `route_layer` on the method router: a 404 or 405 never reaches the layer, so it
+        // consumes nothing, and `/metrics` scrapes are never limited.
+        .route("/api/chat", post(chat).route_layer(limits))
         .route("/metrics", get(move || async move { prometheus.render() }));
 
     let port: u16 = match std::env::var("PORT") {

@@ -38,9 +38,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             ClientIp::peer(),
         )
         .build()?;
-    let limited = Router::new().route("/", get(hello)).layer(limits);
-    // Added after `.layer`, which wraps only the routes before it: scrapes are never limited.
-    let app = limited.route("/metrics", get(move || async move { prometheus.render() }));
+    // `route_layer` on the method router: a 404 or 405 never reaches the layer, so it consumes
+    // nothing, and `/metrics` scrapes are never limited.
+    let app = Router::new()
+        .route("/", get(hello).route_layer(limits))
+        .route("/metrics", get(move || async move { prometheus.render() }));
 
     let port: u16 = match std::env::var("PORT") {
         Ok(port) => port.parse()?,

@@ -32,7 +32,8 @@
 //!     format!("{} requests left", decision.remaining().unwrap_or(0))
 //! }
 //!
-//! let app: Router = Router::new().route("/api/chat", get(chat)).layer(limits);
+//! // `route_layer`: a 404 or 405 never reaches the layer, so it consumes nothing.
+//! let app: Router = Router::new().route("/api/chat", get(chat).route_layer(limits));
 //! # Ok(()) }
 //! ```
 //!

@@ -631,3 +631,57 @@ async fn an_answer_that_is_not_ready_at_once_decides_the_same() {
     assert_eq!(header(&res, "ratelimit"), Some("\"per-ip\";r=0;t=30"));
     assert!(!res.extensions().get::<Decision>().unwrap().is_admitted());
 }
+
+/// `Router::route_layer` limits the routes that exist: a request for a missing route never
+/// reaches the layer, so a 404 consumes nothing (`Router::layer` would count it). A method
+/// router's `route_layer` also keeps its 405s out.
+#[tokio::test]
+async fn route_layers_do_not_count_404s_or_405s() {
+    use axum::routing::get;
+    let layer = || {
+        let (backend, _clock) = memory();
+        RateLimitLayer::builder()
+            .limit(
+                Limit::gcra("per-ip", Quota::per_minute(2).unwrap()).unwrap(),
+                ClientIp::peer(),
+            )
+            .backend(backend)
+            .build()
+            .unwrap()
+    };
+    let request = |method: &str, path: &str| {
+        let mut req = Request::builder()
+            .method(method)
+            .uri(path)
+            .body(Body::empty())
+            .unwrap();
+        req.extensions_mut()
+            .insert(ConnectInfo(SocketAddr::from(([10, 0, 0, 1], 4000))));
+        req
+    };
+    let codes = |app: axum::Router| async move {
+        let mut codes = Vec::new();
+        for (method, path) in [
+            ("GET", "/nope"),
+            ("GET", "/nope"),
+            ("POST", "/"),
+            ("GET", "/"),
+            ("GET", "/"),
+            ("GET", "/"),
+        ] {
+            let res = app.clone().oneshot(request(method, path)).await.unwrap();
+            codes.push(res.status().as_u16());
+        }
+        codes
+    };
+    let per_method = axum::Router::new().route("/", get(|| async { "ok" }).route_layer(layer()));
+    assert_eq!(codes(per_method).await, [404, 404, 405, 200, 200, 429]);
+    let per_router = axum::Router::new()
+        .route("/", get(|| async { "ok" }))
+        .route_layer(layer());
+    assert_eq!(codes(per_router).await, [404, 404, 405, 200, 429, 429]);
+    let everything = axum::Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(layer());
+    assert_eq!(codes(everything).await, [404, 404, 429, 429, 429, 429]);
+}

@@ -58,7 +58,7 @@ type Responder = Box<dyn Fn(&Rejection<'_>) -> Response<Bytes> + Send + Sync>;
 ///
 /// let app: Router = Router::new()
 ///     .route("/", get(|d: Decision| async move { format!("{:?} left", d.remaining()) }))
-///     .layer(layer);
+///     .route_layer(layer);
 /// # Ok(()) }
 /// ```
 pub struct RateLimitLayer<B = MemoryBackend> {
