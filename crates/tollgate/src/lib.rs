@@ -10,8 +10,9 @@
 //! - Stacked limits are all-or-nothing: a request refused by one limit consumes from none.
 //! - Backend down: each limit's [`FailurePolicy`]: fail open (the decision says `Bypassed` and
 //!   `tollgate_bypass_total` counts it), fail closed (`503`), or a local fallback limit.
-//! - Handlers read the [`Decision`] from the request (it is an axum extractor), outer layers
-//!   from the response's extensions.
+//! - Handlers read the [`Decision`] from the request (with the `axum` feature it is an axum
+//!   extractor; a tonic handler finds it in `request.extensions()`), outer layers from the
+//!   response's extensions.
 //!
 //! # Examples
 //!
@@ -39,6 +40,25 @@
 //!
 //! Serve with `app.into_make_service_with_connect_info::<SocketAddr>()` so that
 //! [`ClientIp`](key::ClientIp) knows the socket peer.
+//!
+//! # Any tower service, and gRPC
+//!
+//! The layer wraps any service `http::Request<ReqBody> -> http::Response<ResBody>` whose body
+//! carries [`Bytes`](bytes::Bytes); its responses have a [`ResponseBody`], the inner body or the
+//! layer's own refusal. A call whose `content-type` starts with `application/grpc` is refused
+//! with a gRPC status instead of an HTTP error: trailers-only, `grpc-status` 8
+//! (`RESOURCE_EXHAUSTED`) with a `retry-after` entry, 14 (`UNAVAILABLE`) when a fail-closed
+//! limit's backend failed, 3 (`INVALID_ARGUMENT`) for a missing key; the `RateLimit` fields are
+//! metadata entries. In a tonic server: `Server::builder().layer(limits).add_service(svc)`.
+//!
+//! Features:
+//! - `axum` (default): the [`Decision`] extractor, axum's `ConnectInfo` as the peer address.
+//! - `tonic`: tonic's `TcpConnectInfo` as the peer address, and a `google.rpc.RetryInfo` in
+//!   `grpc-status-details-bin` of gRPC refusals.
+//! - `tonic-tls`: also tonic's `TlsConnectInfo<TcpConnectInfo>`.
+//!
+//! Without a framework, [`ClientIp`](key::ClientIp) reads a `SocketAddr` from the request's
+//! extensions, or asks a function ([`ClientIp::peer_fn`](key::ClientIp::peer_fn)).
 //!
 //! # Observability
 //!

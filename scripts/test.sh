@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Every test of the workspace, on a fresh machine: installs redis-server and redis-cli from
+# Debian's packages when they are missing (with sudo when not root), then runs
+# `cargo test --workspace` (the Redis and Redis Cluster tests start their own servers on free
+# loopback ports) and the layer's test without axum. Extra arguments go to `cargo test`.
+#
+# With Redis installed, `cargo test --workspace` alone is the inner loop.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need=()
+command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
+command -v redis-cli >/dev/null 2>&1 || need+=(redis-tools)
+if [ ${#need[@]} -gt 0 ]; then
+  if ! command -v apt-get >/dev/null 2>&1; then
+    echo "scripts/test.sh: install ${need[*]} (redis-server and redis-cli on the PATH), then run again" >&2
+    exit 1
+  fi
+  sudo=()
+  [ "$(id -u)" -eq 0 ] || sudo=(sudo)
+  echo "installing: ${need[*]}"
+  "${sudo[@]}" apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+fi
+
+cargo test --workspace "$@"
+# The layer in front of a plain tower service, built without axum.
+cargo test -p tollgate --no-default-features --test no_axum "$@"
