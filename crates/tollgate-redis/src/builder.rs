@@ -1,14 +1,11 @@
 //! Configuration of a [`RedisBackend`].
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use tollgate_core::ConfigError;
 
-use crate::backend::{Inner, RedisBackend};
-use crate::breaker::{Breaker, BreakerConfig};
-use crate::conn::{Connector, Target};
-use crate::deny_cache::DenyCache;
+use crate::backend::{Config, RedisBackend};
+use crate::conn::Target;
 use crate::keys;
 
 /// The default key prefix.
@@ -161,16 +158,15 @@ impl RedisBackendBuilder {
             ));
         }
         let bad_url = |e: redis::RedisError| ConfigError::Other(format!("invalid Redis URL: {e}"));
-        let (target, cluster) = match self.servers {
+        let target = match self.servers {
             Servers::None => {
                 return Err(ConfigError::Other(
                     "no Redis server: call .url(..) or .cluster(..)".into(),
                 ))
             }
-            Servers::Standalone(url) => (
-                Target::Single(redis::Client::open(url.as_str()).map_err(bad_url)?),
-                false,
-            ),
+            Servers::Standalone(url) => {
+                Target::Single(redis::Client::open(url.as_str()).map_err(bad_url)?)
+            }
             Servers::Cluster(urls) => {
                 if urls.is_empty() {
                     return Err(ConfigError::Other("a Redis Cluster needs seed URLs".into()));
@@ -179,25 +175,25 @@ impl RedisBackendBuilder {
                     .connection_timeout(self.connect_timeout)
                     .build()
                     .map_err(bad_url)?;
-                (Target::Cluster(Box::new(client)), true)
+                Target::Cluster(Box::new(client))
             }
         };
-        let breaker = Breaker::new(BreakerConfig {
-            threshold: self.breaker_threshold,
-            open_for: self.breaker_open_for,
-            max_open_for: self.breaker_max_open_for.max(self.breaker_open_for),
-            // A probe whose caller gave up frees its place once its deadline has surely passed.
-            probe_timeout: self.deadline * 2,
-        });
-        Ok(RedisBackend {
-            inner: Arc::new(Inner::new(
-                self.prefix,
-                self.deadline,
-                cluster,
-                Arc::new(Connector::new(target, self.connect_timeout)),
-                breaker,
-                DenyCache::new(self.deny_cache_capacity, self.deadline),
-            )),
-        })
+        Ok(RedisBackend::new(Config {
+            prefix: self.prefix,
+            deadline: self.deadline,
+            target,
+            connect_timeout: self.connect_timeout,
+            breaker_threshold: self.breaker_threshold,
+            breaker_open_for: self.breaker_open_for,
+            breaker_max_open_for: self.breaker_max_open_for,
+            deny_cache_capacity: self.deny_cache_capacity,
+        }))
+    }
+}
+
+impl RedisBackend {
+    /// Configures a backend.
+    pub fn builder() -> RedisBackendBuilder {
+        RedisBackendBuilder::default()
     }
 }

@@ -132,14 +132,21 @@
 mod backend;
 mod breaker;
 mod builder;
+mod cluster;
 mod coalesce;
 mod conn;
+mod denials;
 mod deny_cache;
+mod dispatch;
+mod failure;
+mod future;
 mod keys;
+mod merged;
 mod script;
 
-pub use backend::{RedisBackend, ResponseFuture};
+pub use backend::RedisBackend;
 pub use breaker::CircuitState;
 pub use builder::{
     RedisBackendBuilder, DEFAULT_DEADLINE, DEFAULT_DENY_CACHE_CAPACITY, DEFAULT_PREFIX,
 };
+pub use future::ResponseFuture;

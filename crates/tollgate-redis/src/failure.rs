@@ -1,0 +1,89 @@
+//! Failure mapping: what a Redis error, a missed deadline or a full queue become.
+
+use std::future::Future;
+
+use tokio::time::Instant;
+use tollgate_core::{BackendError, BackendErrorKind};
+
+use crate::backend::Inner;
+use crate::conn::breaks_connection;
+
+impl Inner {
+    /// `call`'s answer, or a timeout once the deadline has passed; `what` names the answer
+    /// awaited, for the error.
+    pub(crate) async fn within_deadline<T>(
+        &self,
+        call: impl Future<Output = Result<T, BackendError>>,
+        what: &str,
+    ) -> Result<T, BackendError> {
+        self.until(Instant::now() + self.deadline, call, what).await
+    }
+
+    /// `call`'s answer, or a timeout at `deadline`.
+    pub(crate) async fn until<T>(
+        &self,
+        deadline: Instant,
+        call: impl Future<Output = Result<T, BackendError>>,
+        what: &str,
+    ) -> Result<T, BackendError> {
+        tokio::time::timeout_at(deadline, call)
+            .await
+            .unwrap_or_else(|_| Err(self.timed_out(what)))
+    }
+
+    pub(crate) fn timed_out(&self, what: &str) -> BackendError {
+        BackendError::new(
+            BackendErrorKind::Timeout,
+            format!("no answer {what} within {:?}", self.deadline),
+        )
+    }
+}
+
+pub(crate) fn unavailable(msg: impl Into<String>) -> BackendError {
+    BackendError::new(BackendErrorKind::Unavailable, msg)
+}
+
+/// Sorts a Redis error into the backend's kinds: the server could not be used
+/// (`Unavailable`), did not answer in time (`Timeout`), or answered nonsense (`Protocol`).
+pub(crate) fn map_error(e: redis::RedisError) -> BackendError {
+    use redis::{ErrorKind, ServerErrorKind};
+    let kind = if e.is_timeout() {
+        BackendErrorKind::Timeout
+    } else if breaks_connection(&e)
+        || e.is_cluster_error()
+        || matches!(
+            e.code(),
+            Some("BUSY" | "LOADING" | "MASTERDOWN" | "READONLY")
+        )
+    {
+        BackendErrorKind::Unavailable
+    } else {
+        match e.kind() {
+            ErrorKind::AuthenticationFailed
+            | ErrorKind::InvalidClientConfig
+            | ErrorKind::Server(
+                ServerErrorKind::BusyLoading
+                | ServerErrorKind::MasterDown
+                | ServerErrorKind::ReadOnly
+                | ServerErrorKind::NoPerm,
+            ) => BackendErrorKind::Unavailable,
+            _ => BackendErrorKind::Protocol,
+        }
+    };
+    BackendError::new(kind, e.to_string())
+}
+
+/// Why a check got no answer.
+pub(crate) enum CallError {
+    /// From Redis, or on the way to it: the breaker and the health gauge hear of it.
+    Redis(BackendError),
+    /// Too many checks were already waiting for Redis, which was not asked: a process
+    /// overloaded says nothing about Redis' health.
+    Overloaded(BackendError),
+}
+
+impl From<BackendError> for CallError {
+    fn from(e: BackendError) -> Self {
+        Self::Redis(e)
+    }
+}
