@@ -14,7 +14,7 @@ use crate::breaker::{Breaker, BreakerConfig, CircuitState, Permit};
 use crate::coalesce::Coalescer;
 use crate::conn::{breaks_connection, Connector, Target};
 use crate::deny_cache::DenyCache;
-use crate::failure::{map_error, CallError};
+use crate::failure::map_error;
 use crate::future::ResponseFuture;
 use crate::keys;
 use crate::script::{self, Answer, Prepared, Reply, Script};
@@ -115,7 +115,7 @@ impl Inner {
         })
     }
 
-    /// Runs a batch under the deadline, and keeps the breaker, metrics and deny cache.
+    /// Runs a batch under the deadline, and keeps the metrics and deny cache.
     pub(crate) async fn run(
         self: Arc<Self>,
         batch: Vec<Prepared>,
@@ -123,35 +123,39 @@ impl Inner {
         permit: Permit,
     ) -> Result<Verdicts, BackendError> {
         let started = Instant::now();
-        let result = self.call(batch, now, started + self.deadline).await;
+        let result = self.call(batch, now, started + self.deadline, permit).await;
         self.metrics()
             .duration
             .record(started.elapsed().as_secs_f64());
-        let (batch, outcome) = match result {
-            Ok(answered) => {
-                self.answered();
-                answered
-            }
-            Err(CallError::Overloaded(e)) => {
-                // Nothing was asked of Redis: its breaker and health gauge must not hear of it.
-                tracing::debug!(backend = BACKEND, error = %e, "rate-limit check not sent");
-                return Err(e);
-            }
-            Err(CallError::Redis(e)) => {
-                if e.kind() == BackendErrorKind::Protocol {
-                    // Redis answered, with something we did not expect: it is up.
-                    self.answered();
+        match result {
+            Ok((batch, outcome)) => Ok(self.verdicts(&batch, &outcome, now)),
+            Err(e) => {
+                if e.is_overloaded() {
+                    tracing::debug!(backend = BACKEND, error = %e, "rate-limit check not sent");
                 } else {
-                    if self.breaker.failure(permit) {
-                        self.connector.replace();
-                    }
-                    self.metrics().up.set(0.0);
+                    tracing::debug!(backend = BACKEND, error = %e, "rate-limit check failed");
                 }
-                tracing::debug!(backend = BACKEND, error = %e, "rate-limit check failed");
-                return Err(e);
+                Err(e)
             }
-        };
-        Ok(self.verdicts(&batch, &outcome, now))
+        }
+    }
+
+    /// Tells the breaker and the health gauge how one call to Redis went: once per call,
+    /// however many requests it carried. A check that was not sent (`Overloaded`) says
+    /// nothing of Redis and is never reported.
+    pub(crate) fn report(&self, result: Result<(), &BackendError>, permit: Permit) {
+        match result {
+            Ok(()) => self.answered(),
+            // Redis answered, with something we did not expect: it is up.
+            Err(e) if e.kind() == BackendErrorKind::Protocol => self.answered(),
+            Err(e) if e.is_overloaded() => {}
+            Err(_) => {
+                if self.breaker.failure(permit) {
+                    self.connector.replace();
+                }
+                self.metrics().up.set(0.0);
+            }
+        }
     }
 
     /// An `EVALSHA` of `script` with what both scripts take first: the base keys of `checks`,
@@ -182,22 +186,23 @@ impl Inner {
         call
     }
 
-    pub(crate) fn answered(&self) {
+    fn answered(&self) {
         self.breaker.success();
         self.metrics().up.set(1.0);
     }
 
-    /// `batch`'s answer by `deadline`, or a timeout.
+    /// `batch`'s answer by `deadline`, or a timeout; the call is reported to the breaker.
     async fn call(
         self: &Arc<Self>,
         batch: Vec<Prepared>,
         now: Option<Micros>,
         deadline: Instant,
-    ) -> Result<(Vec<Prepared>, Outcome), CallError> {
+        permit: Permit,
+    ) -> Result<(Vec<Prepared>, Outcome), BackendError> {
         if !self.cluster && now.is_none() {
-            // The task sending merged calls keeps the deadline: one timer per call, not one
-            // per request.
-            let (batch, reply) = self.coalesced(batch, deadline).await?;
+            // The task sending merged calls keeps the deadline (one timer per call, not one
+            // per request) and reports each call once.
+            let (batch, reply) = self.coalesced(batch, deadline, permit).await?;
             return Ok((batch, reply.into()));
         }
         // Boxed: the future of a direct call is large (over 1 KiB with the connection's), and
@@ -208,7 +213,9 @@ impl Inner {
             self.call_direct(batch, now, deadline),
             "from Redis",
         );
-        Ok(Box::pin(call).await?)
+        let result = Box::pin(call).await;
+        self.report(result.as_ref().map(|_| ()), permit);
+        result
     }
 
     /// A call of its own for `batch`: at a fixed time (tests), or in a cluster.

@@ -43,6 +43,12 @@ pub(crate) fn unavailable(msg: impl Into<String>) -> BackendError {
     BackendError::new(BackendErrorKind::Unavailable, msg)
 }
 
+/// A check that this process did not send, having too many waiting: Redis was not asked, so
+/// its breaker and health gauge must not hear of it.
+pub(crate) fn overloaded(msg: impl Into<String>) -> BackendError {
+    BackendError::new(BackendErrorKind::Overloaded, msg)
+}
+
 /// Sorts a Redis error into the backend's kinds: the server could not be used
 /// (`Unavailable`), did not answer in time (`Timeout`), or answered nonsense (`Protocol`).
 pub(crate) fn map_error(e: redis::RedisError) -> BackendError {
@@ -71,19 +77,4 @@ pub(crate) fn map_error(e: redis::RedisError) -> BackendError {
         }
     };
     BackendError::new(kind, e.to_string())
-}
-
-/// Why a check got no answer.
-pub(crate) enum CallError {
-    /// From Redis, or on the way to it: the breaker and the health gauge hear of it.
-    Redis(BackendError),
-    /// Too many checks were already waiting for Redis, which was not asked: a process
-    /// overloaded says nothing about Redis' health.
-    Overloaded(BackendError),
-}
-
-impl From<BackendError> for CallError {
-    fn from(e: BackendError) -> Self {
-        Self::Redis(e)
-    }
 }

@@ -103,9 +103,17 @@
 //! slow runs the script when it catches up): a timeout can consume units the caller never saw
 //! admitted, which errs on the side of limiting.
 //!
-//! A circuit breaker opens after 3 consecutive failures (configurable) and then fails calls at
-//! once with `CircuitOpen`, without paying the deadline. After 250 ms one call probes Redis;
-//! success closes the breaker, failure keeps it open twice as long, up to 5 s.
+//! A check this process could not send in time is
+//! [`BackendErrorKind::Overloaded`](tollgate_core::BackendErrorKind::Overloaded): more than
+//! 8,192 checks already waiting for a merged call, or a deadline that passed while the check
+//! waited for one (it is then not sent, so it consumes nothing). Redis was not asked, so
+//! neither the breaker nor `tollgate_backend_up` hears of it.
+//!
+//! A circuit breaker opens after 3 consecutive failed calls (configurable) and then fails
+//! checks at once with `CircuitOpen`, without paying the deadline. It counts calls, not
+//! requests: a merged call that carried 64 requests and failed is one failure, and one that
+//! was answered one success. After 250 ms one call probes Redis; success closes the breaker,
+//! failure keeps it open twice as long, up to 5 s.
 //!
 //! # The local deny cache
 //!

@@ -5,9 +5,12 @@ use std::sync::Arc;
 
 use tokio::time::Instant;
 
+use tollgate_core::BackendError;
+
 use crate::backend::Inner;
+use crate::breaker::Permit;
 use crate::coalesce::{Push, Waiter};
-use crate::failure::{unavailable, CallError};
+use crate::failure::{overloaded, unavailable};
 use crate::script::{Prepared, Reply};
 
 impl Inner {
@@ -17,12 +20,14 @@ impl Inner {
         self: &Arc<Self>,
         batch: Vec<Prepared>,
         deadline: Instant,
-    ) -> Result<(Vec<Prepared>, Reply), CallError> {
+        permit: Permit,
+    ) -> Result<(Vec<Prepared>, Reply), BackendError> {
         let (reply, answer) = tokio::sync::oneshot::channel();
         match self.coalescer.push(Waiter {
             batch,
             reply,
             deadline,
+            permit,
         }) {
             Push::Waits => {}
             Push::StartCaller => {
@@ -30,33 +35,41 @@ impl Inner {
                 tokio::spawn(async move { task.start().send_merged().await });
             }
             Push::Full => {
-                return Err(CallError::Overloaded(unavailable(
+                return Err(overloaded(
                     "too many rate-limit checks are waiting for Redis",
-                )))
+                ))
             }
         }
         let answer = answer.await;
-        Ok(answer.unwrap_or_else(|_| Err(unavailable("the rate-limit call was dropped")))?)
+        answer.unwrap_or_else(|_| Err(unavailable("the rate-limit call was dropped")))
     }
 
     /// Sends what waits in the coalescer, one merged call after the other, until nothing does.
     ///
     /// Every request gets its answer by its deadline: one whose deadline passed while it
-    /// waited is answered with a timeout and not sent (so it consumes nothing), and a call
-    /// times out at the earliest deadline of the requests it carries.
+    /// waited is not sent (so it consumes nothing) and is answered `Overloaded`, a process
+    /// that could not send its checks in time, which says nothing of Redis; and a call times
+    /// out at the earliest deadline of the requests it carries. Each call is reported to the
+    /// breaker once, as a probe if any of its requests holds the probe's permit.
     async fn send_merged(self: Arc<Self>) {
         let mut caller = self.coalescer.caller();
         while let Some(call) = caller.next_call(Instant::now()) {
             for late in call.late {
-                let _ = late.reply.send(Err(self.timed_out("from Redis")));
+                let _ = late.reply.send(Err(overloaded(format!(
+                    "the rate-limit check waited {:?} for a call to Redis, and was not sent",
+                    self.deadline
+                ))));
             }
             let waiters = call.send;
             let Some(deadline) = waiters.iter().map(|w| w.deadline).min() else {
                 continue;
             };
+            let permit = Permit::any(waiters.iter().map(|w| w.permit));
             let batches: Vec<&[Prepared]> = waiters.iter().map(|w| w.batch.as_slice()).collect();
             let call = self.eval_checks(&batches, None);
-            match self.until(deadline, call, "from Redis").await {
+            let result = self.until(deadline, call, "from Redis").await;
+            self.report(result.as_ref().map(|_| ()), permit);
+            match result {
                 Ok(replies) => {
                     for (w, reply) in waiters.into_iter().zip(replies) {
                         let _ = w.reply.send(Ok((w.batch, reply)));
