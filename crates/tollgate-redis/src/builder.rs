@@ -2,10 +2,9 @@
 
 use std::time::Duration;
 
-use tollgate_core::ConfigError;
-
 use crate::backend::{Config, RedisBackend};
 use crate::conn::Target;
+use crate::error::BuildError;
 use crate::keys;
 
 /// The default key prefix.
@@ -43,7 +42,7 @@ enum Servers {
 ///     .deny_cache_capacity(50_000)
 ///     .build()?; // connects lazily: Redis need not be up
 /// # drop(backend);
-/// # Ok::<(), tollgate_core::ConfigError>(())
+/// # Ok::<(), tollgate_redis::BuildError>(())
 /// ```
 #[derive(Debug, Clone)]
 #[must_use]
@@ -142,34 +141,31 @@ impl RedisBackendBuilder {
     ///
     /// # Errors
     ///
-    /// [`ConfigError::Other`] when no server was given, a URL cannot be parsed, the prefix is
-    /// invalid, or the deadline is zero.
-    pub fn build(self) -> Result<RedisBackend, ConfigError> {
+    /// [`BuildError`] when no server was given, a URL cannot be parsed, the prefix is
+    /// invalid, or the deadline or connect timeout is zero.
+    pub fn build(self) -> Result<RedisBackend, BuildError> {
         if !keys::valid_prefix(&self.prefix) {
-            return Err(ConfigError::Other(format!(
-                "Redis key prefix {:?} must be 1 to {} characters of [A-Za-z0-9_.:-]",
-                self.prefix.chars().take(80).collect::<String>(),
-                keys::MAX_PREFIX_LEN
-            )));
+            return Err(BuildError::InvalidPrefix {
+                prefix: self.prefix.chars().take(80).collect(),
+            });
         }
-        if self.deadline.is_zero() || self.connect_timeout.is_zero() {
-            return Err(ConfigError::Other(
-                "the Redis deadline and connect timeout must be longer than zero".into(),
-            ));
+        if self.deadline.is_zero() {
+            return Err(BuildError::ZeroDeadline);
         }
-        let bad_url = |e: redis::RedisError| ConfigError::Other(format!("invalid Redis URL: {e}"));
+        if self.connect_timeout.is_zero() {
+            return Err(BuildError::ZeroConnectTimeout);
+        }
+        let bad_url = |e: redis::RedisError| BuildError::InvalidUrl {
+            reason: e.to_string(),
+        };
         let target = match self.servers {
-            Servers::None => {
-                return Err(ConfigError::Other(
-                    "no Redis server: call .url(..) or .cluster(..)".into(),
-                ))
-            }
+            Servers::None => return Err(BuildError::NoServer),
             Servers::Standalone(url) => {
                 Target::Single(redis::Client::open(url.as_str()).map_err(bad_url)?)
             }
             Servers::Cluster(urls) => {
                 if urls.is_empty() {
-                    return Err(ConfigError::Other("a Redis Cluster needs seed URLs".into()));
+                    return Err(BuildError::NoClusterSeeds);
                 }
                 let client = redis::cluster::ClusterClient::builder(urls)
                     .connection_timeout(self.connect_timeout)

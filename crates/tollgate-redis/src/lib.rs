@@ -146,6 +146,7 @@ mod conn;
 mod denials;
 mod deny_cache;
 mod dispatch;
+mod error;
 mod failure;
 mod future;
 mod keys;
@@ -157,4 +158,5 @@ pub use breaker::CircuitState;
 pub use builder::{
     RedisBackendBuilder, DEFAULT_DEADLINE, DEFAULT_DENY_CACHE_CAPACITY, DEFAULT_PREFIX,
 };
+pub use error::BuildError;
 pub use future::ResponseFuture;

@@ -10,7 +10,7 @@ use std::time::Duration;
 use futures_util::FutureExt;
 use support::gcra;
 use tollgate_core::{Backend, BackendErrorKind, Check, Limit};
-use tollgate_redis::{CircuitState, RedisBackend};
+use tollgate_redis::{BuildError, CircuitState, RedisBackend};
 use tollgate_testsupport::RedisServer;
 
 #[tokio::test]
@@ -35,24 +35,40 @@ async fn builds_while_redis_is_down_and_answers_once_it_is_up() {
 }
 
 #[test]
-fn bad_configuration_is_refused() {
-    assert!(RedisBackend::builder().build().is_err());
-    assert!(RedisBackend::builder().url("not a url").build().is_err());
+fn bad_configuration_is_refused_with_what_is_wrong() {
+    let err = |b: tollgate_redis::RedisBackendBuilder| b.build().unwrap_err();
+    assert_eq!(err(RedisBackend::builder()), BuildError::NoServer);
+    assert!(matches!(
+        err(RedisBackend::builder().url("not a url")),
+        BuildError::InvalidUrl { .. }
+    ));
     let url = "redis://127.0.0.1:1/";
-    assert!(RedisBackend::builder()
-        .url(url)
-        .prefix("a{b}")
-        .build()
-        .is_err());
-    assert!(RedisBackend::builder()
-        .url(url)
-        .deadline(Duration::ZERO)
-        .build()
-        .is_err());
-    assert!(RedisBackend::builder()
-        .cluster(Vec::<String>::new())
-        .build()
-        .is_err());
+    assert_eq!(
+        err(RedisBackend::builder().url(url).prefix("a{b}")),
+        BuildError::InvalidPrefix {
+            prefix: "a{b}".into()
+        }
+    );
+    assert_eq!(
+        err(RedisBackend::builder().url(url).deadline(Duration::ZERO)),
+        BuildError::ZeroDeadline
+    );
+    assert_eq!(
+        err(RedisBackend::builder()
+            .url(url)
+            .connect_timeout(Duration::ZERO)),
+        BuildError::ZeroConnectTimeout
+    );
+    assert_eq!(
+        err(RedisBackend::builder().cluster(Vec::<String>::new())),
+        BuildError::NoClusterSeeds
+    );
+    // A password in a URL never reaches the message.
+    let secret = err(RedisBackend::builder().url("redis://:hunter2@127.0.0.1:bad/"));
+    assert!(
+        secret.is_server() && !secret.to_string().contains("hunter2"),
+        "{secret}"
+    );
     // Building outside a runtime, with nothing listening, is fine.
     assert!(RedisBackend::builder().url(url).build().is_ok());
 }
