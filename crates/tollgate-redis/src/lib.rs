@@ -51,7 +51,11 @@
 //!   the window only.
 //! - **Sliding log**: a sorted set at `<key>:log` with one unique member per admitted unit
 //!   (`<now>-<seq>`, the sequence kept in `<key>:seq`, so two units in the same microsecond
-//!   are two members), trimmed when written.
+//!   are two members), trimmed when written. A check adds its members with one `ZADD` per
+//!   1,000 (a refund removes them likewise), and a log holds at most
+//!   [`MAX_LOG_UNITS`](tollgate_core::MAX_LOG_UNITS) members: a larger quota is refused when
+//!   the limit is built, and a check costlier than its quota is refused as
+//!   [`CostTooHigh`](tollgate_core::Status::CostTooHigh) before anything is written.
 //!
 //! # Keys
 //!

@@ -33,6 +33,9 @@ local function idiv(a, b)
   return q
 end
 local function fmt(x) return string.format('%d', x) end
+-- Members of a sliding log that one ZADD or ZREM takes: unpack passes at most a few
+-- thousand values.
+local CHUNK = 1000
 local function ttl_ms(us)
   local ms = idiv(us + 999, 1000)
   if ms < 1 then ms = 1 end
@@ -219,9 +222,17 @@ while i <= figures do
         local seq_key = key .. ':seq'
         local last = redis.call('INCRBY', seq_key, cost)
         local stamp = fmt(now)
-        for s = last - cost + 1, last do
-          -- A unique member per unit: two units in the same microsecond are two entries.
-          redis.call('ZADD', log, now, stamp .. '-' .. fmt(s))
+        -- A unique member per unit (two units in the same microsecond are two entries),
+        -- added by one ZADD per chunk that unpack can pass.
+        local members, from = {}, last - cost + 1
+        while from <= last do
+          local to, n = math.min(from + CHUNK - 1, last), 0
+          for s = from, to do
+            members[n + 1], members[n + 2] = stamp, stamp .. '-' .. fmt(s)
+            n = n + 2
+          end
+          redis.call('ZADD', log, unpack(members, 1, n))
+          from = to + 1
         end
         redis.call('PEXPIRE', log, ttl_ms(period))
         redis.call('PEXPIRE', seq_key, ttl_ms(period))
@@ -275,9 +286,15 @@ for i = 1, #KEYS do
       if count <= y then redis.call('DEL', wkey) else redis.call('DECRBY', wkey, y) end
     end
   elseif algo == 3 then
-    local stamp = fmt(x)
-    for s = y - z + 1, y do
-      redis.call('ZREM', key .. ':log', stamp .. '-' .. fmt(s))
+    local stamp, members, from = fmt(x), {}, y - z + 1
+    while from <= y do
+      local to, n = math.min(from + CHUNK - 1, y), 0
+      for s = from, to do
+        n = n + 1
+        members[n] = stamp .. '-' .. fmt(s)
+      end
+      redis.call('ZREM', key .. ':log', unpack(members, 1, n))
+      from = to + 1
     end
   end
 end

@@ -488,3 +488,48 @@ async fn a_limit_whose_algorithm_changes_under_its_name_keeps_working() {
         }
     }
 }
+
+#[tokio::test]
+async fn a_costly_sliding_log_check_adds_its_members_a_thousand_per_zadd() {
+    let server = RedisServer::start();
+    let backend = support::standalone(&server.url()).build().unwrap();
+    let limit = sliding("log", Quota::per_hour(tollgate_core::MAX_LOG_UNITS).unwrap());
+    let key = backend.key_for(&limit, b"k");
+    let check = |cost| {
+        let mut c = Check::new(&limit, b"k");
+        c.cost = cost;
+        backend.check_at(&[c], MIDNIGHT)
+    };
+    // Loads the script and connects, so that only the checks below count.
+    assert!(check(1).await.unwrap()[0].is_allowed());
+    server.reset_stats();
+    let v = check(2_500).await.unwrap()[0];
+    assert_eq!((v.status, v.remaining), (Status::Allowed, 10_000 - 2_501));
+    assert_eq!(server.calls("zadd"), 3);
+    let members: u64 = redis::cmd("ZCARD")
+        .arg(&key)
+        .query(&mut server.client())
+        .unwrap();
+    assert_eq!(members, 2_501);
+}
+
+#[tokio::test]
+async fn a_check_costlier_than_any_log_holds_is_refused_and_writes_nothing() {
+    let server = RedisServer::start();
+    let backend = support::standalone(&server.url()).build().unwrap();
+    let limits = [
+        sliding("log", Quota::per_hour(tollgate_core::MAX_LOG_UNITS).unwrap()),
+        gcra("g", 10),
+        fixed("w", Quota::per_minute(10).unwrap()),
+    ];
+    for limit in &limits {
+        for cost in [tollgate_core::MAX_LOG_UNITS + 1, u32::MAX] {
+            let mut c = Check::new(limit, b"k");
+            c.cost = cost;
+            let v = backend.check(&[c]).await.unwrap()[0];
+            assert_eq!(v.status, Status::CostTooHigh, "{} at {cost}", limit.name());
+        }
+    }
+    assert_eq!(server.calls("zadd"), 0);
+    assert_eq!(server.dbsize(), 0);
+}
