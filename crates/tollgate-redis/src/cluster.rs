@@ -134,7 +134,7 @@ impl Inner {
             return Ok(());
         }
         let args = 4 * wrote.len();
-        let checks = wrote.iter().map(|(p, _)| *p);
+        let checks = wrote.iter().map(|(p, answer)| (*p, p.refund_key(answer)));
         let mut call = self.script_call(&self.refund_script, checks, now, args);
         for (p, answer) in &wrote {
             call.arg(&p.refund_args(reply.now, answer));

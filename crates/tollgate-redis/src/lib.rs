@@ -48,7 +48,11 @@
 //! - **GCRA**: one string key holding the theoretical arrival time in microseconds, expiring
 //!   when the state becomes that of a fresh key.
 //! - **Fixed window**: `INCRBY` on `<key>:<window index>`; the TTL is set by the first write of
-//!   the window only.
+//!   the window only. The window is the one that holds the server's `TIME`, which the client
+//!   cannot know exactly: it declares the keys of its estimate's window and the next (its
+//!   estimate is the local clock corrected by the server time of the last answer). If the
+//!   server's window is neither, the script writes nothing and answers with its time, and the
+//!   call is made once more for it.
 //! - **Sliding log**: a sorted set at `<key>:log` with one unique member per admitted unit
 //!   (`<now>-<seq>`, the sequence kept in `<key>:seq`, so two units in the same microsecond
 //!   are two members), trimmed when written. A check adds its members with one `ZADD` per
@@ -65,6 +69,8 @@
 //! another's. The cluster hash tag wraps the digest, so identities spread over the slots.
 //! Each algorithm keeps its state under keys of its own (above), so a limit whose algorithm
 //! changes under the same name starts afresh instead of finding a key of another type.
+//! Every key a script touches is declared in its `KEYS`, and all of a check's keys share the
+//! hash tag, so a cluster routes them to one slot.
 //!
 //! # Redis Cluster
 //!
