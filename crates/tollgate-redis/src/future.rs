@@ -9,7 +9,7 @@ use tollgate_core::{BackendError, BackendErrorKind, Verdicts};
 
 type Boxed = Pin<Box<dyn Future<Output = Result<Verdicts, BackendError>> + Send + 'static>>;
 
-/// The answer of a [`RedisBackend`] to one batch.
+/// The answer of a [`RedisBackend`](crate::RedisBackend) to one batch.
 ///
 /// Ready at once for a deny-cache hit or an open circuit breaker; otherwise a call to Redis
 /// bounded by the deadline.

@@ -150,6 +150,7 @@
 mod backend;
 mod breaker;
 mod builder;
+mod calls;
 mod cluster;
 mod coalesce;
 mod conn;
