@@ -225,6 +225,10 @@ pub enum BackendErrorKind {
     CircuitOpen,
     /// The backend answered something that could not be understood.
     Protocol,
+    /// This process had more checks waiting for the backend than it could send by their
+    /// deadline (a full queue, or a deadline that passed before the check was sent): the
+    /// backend was not asked, and says nothing about its health.
+    Overloaded,
 }
 
 /// A backend that could not answer a batch.
@@ -258,13 +262,20 @@ impl BackendError {
         self.kind == BackendErrorKind::CircuitOpen
     }
 
-    /// A fixed label for metrics: `timeout`, `error`, `circuit_open` or `protocol`.
+    /// Whether the check was not sent because this process had too many waiting.
+    pub fn is_overloaded(&self) -> bool {
+        self.kind == BackendErrorKind::Overloaded
+    }
+
+    /// A fixed label for metrics: `timeout`, `error`, `circuit_open`, `protocol` or
+    /// `overloaded`.
     pub fn reason(&self) -> &'static str {
         match self.kind {
             BackendErrorKind::Timeout => "timeout",
             BackendErrorKind::Unavailable => "error",
             BackendErrorKind::CircuitOpen => "circuit_open",
             BackendErrorKind::Protocol => "protocol",
+            BackendErrorKind::Overloaded => "overloaded",
         }
     }
 }

@@ -21,6 +21,14 @@ pub enum ConfigError {
         /// The most the quota admits at once.
         max: u32,
     },
+    /// A sliding log whose quota is above [`crate::MAX_LOG_UNITS`]: its log, one entry per
+    /// admitted unit, would be unbounded in practice.
+    LogTooLong {
+        /// The quota's limit.
+        limit: u32,
+        /// The most a sliding log may admit per period.
+        max: u32,
+    },
     /// A limit name that is empty, too long, or has characters outside `[A-Za-z0-9_.-]`.
     InvalidName(String),
     /// Two limits of one layer with the same name.
@@ -67,6 +75,11 @@ impl fmt::Display for ConfigError {
             Self::InvalidCost { cost, max } => {
                 write!(f, "cost {cost} is invalid: it must be between 1 and {max}")
             }
+            Self::LogTooLong { limit, max } => write!(
+                f,
+                "a sliding log keeps one entry per admitted unit: its quota must be at most \
+                 {max} per period, not {limit} (use GCRA or a fixed window)"
+            ),
             Self::InvalidName(name) => write!(
                 f,
                 "limit name {name:?} must be 1 to {} characters of [A-Za-z0-9_.-]",

@@ -13,6 +13,17 @@ pub const MAX_NAME_LEN: usize = 64;
 /// numbers stop being exact, and no sum of a time and a period can overflow.
 pub const MAX_PERIOD: Duration = Duration::from_secs(36_525 * 86_400);
 
+/// The largest quota a sliding-log limit may have, in units per period, and so the largest
+/// cost one of its checks can be admitted at.
+///
+/// A sliding log keeps one entry per admitted unit and key for a period (in memory, or a
+/// sorted-set member in Redis, where a check that admits `cost` units writes `cost` members),
+/// so its quota bounds both the memory one key takes and the work one check does. A check
+/// whose cost is above its quota is refused as too costly (`Status::CostTooHigh`) before any
+/// entry is written, whatever the cost. For larger quotas, GCRA or a fixed window keep one
+/// number per key.
+pub const MAX_LOG_UNITS: u32 = 10_000;
+
 /// The most a GCRA limit's rate may exceed its quota through the rounding of its emission
 /// interval to whole microseconds: 1%, in parts per 10,000.
 const MAX_RATE_EXCESS_BP: u64 = 100;
@@ -269,7 +280,8 @@ impl Limit {
     /// [`ConfigError::ImpreciseRate`] for a GCRA quota whose emission interval (the period
     /// divided by the limit) rounds down to whole microseconds by more than 1% of itself, as
     /// `Quota::per_second(600_000)` does (the period is then a multiple of the limit, or the
-    /// limit lower).
+    /// limit lower); [`ConfigError::LogTooLong`] for a sliding log whose quota is above
+    /// [`MAX_LOG_UNITS`].
     pub fn new(name: &str, algorithm: Algorithm, quota: Quota) -> Result<Self, ConfigError> {
         let valid = !name.is_empty()
             && name.len() <= MAX_NAME_LEN
@@ -287,6 +299,12 @@ impl Limit {
         // than the quota says.
         if algorithm == Algorithm::Gcra && quota.rate_excess_bp() > MAX_RATE_EXCESS_BP {
             return Err(ConfigError::ImpreciseRate);
+        }
+        if algorithm == Algorithm::SlidingLog && quota.limit() > MAX_LOG_UNITS {
+            return Err(ConfigError::LogTooLong {
+                limit: quota.limit(),
+                max: MAX_LOG_UNITS,
+            });
         }
         Ok(Self {
             name: name.into(),
@@ -321,12 +339,13 @@ impl Limit {
     /// An exact sliding-log limit.
     ///
     /// Exactness costs one log entry per admitted unit and key, kept for a period, in memory
-    /// or in Redis (where each unit is also one `ZADD`): for quotas of thousands per period,
-    /// or large costs, GCRA or a fixed window keep one number per key instead.
+    /// or in Redis (one sorted-set member per unit): the quota may be at most
+    /// [`MAX_LOG_UNITS`] per period. For quotas of thousands per period, or large costs, GCRA
+    /// or a fixed window keep one number per key instead.
     ///
     /// # Errors
     ///
-    /// As [`Limit::new`].
+    /// As [`Limit::new`]: [`ConfigError::LogTooLong`] for a quota above [`MAX_LOG_UNITS`].
     pub fn sliding_log(name: &str, quota: Quota) -> Result<Self, ConfigError> {
         Self::new(name, Algorithm::SlidingLog, quota)
     }
@@ -335,7 +354,8 @@ impl Limit {
     ///
     /// # Errors
     ///
-    /// [`ConfigError::InvalidCost`] for 0, or for more than the quota admits at once.
+    /// [`ConfigError::InvalidCost`] for 0, or for more than the quota admits at once (for a
+    /// sliding log, never more than [`MAX_LOG_UNITS`]).
     pub fn with_cost(mut self, cost: u32) -> Result<Self, ConfigError> {
         let max = self.max_cost();
         if cost == 0 || cost > max {
@@ -486,6 +506,33 @@ mod tests {
         // Windows and logs have no interval: any rate is exact.
         let q = Quota::per_second(600_000).unwrap();
         assert!(Limit::fixed_window("w", q).is_ok());
-        assert!(Limit::sliding_log("l", q).is_ok());
+        assert!(Limit::sliding_log("l", Quota::per_second(10_000).unwrap()).is_ok());
+    }
+
+    #[test]
+    fn sliding_logs_above_the_most_units_a_log_may_hold_are_refused() {
+        let log = |limit| Limit::sliding_log("l", Quota::per_day(limit).unwrap()).map(|_| ());
+        assert_eq!(log(MAX_LOG_UNITS), Ok(()));
+        let too_long = ConfigError::LogTooLong {
+            limit: MAX_LOG_UNITS + 1,
+            max: MAX_LOG_UNITS,
+        };
+        assert_eq!(log(MAX_LOG_UNITS + 1), Err(too_long));
+        assert!(log(1_000_000).is_err());
+        // Other algorithms keep one number per key: any quota.
+        assert!(Limit::fixed_window("w", Quota::per_day(1_000_000).unwrap()).is_ok());
+        // A cost fits the quota, so never the log's maximum either.
+        let full = Limit::sliding_log("l", Quota::per_day(MAX_LOG_UNITS).unwrap()).unwrap();
+        assert_eq!(
+            full.clone().with_cost(MAX_LOG_UNITS).unwrap().cost(),
+            MAX_LOG_UNITS
+        );
+        assert_eq!(
+            full.with_cost(MAX_LOG_UNITS + 1).unwrap_err(),
+            ConfigError::InvalidCost {
+                cost: MAX_LOG_UNITS + 1,
+                max: MAX_LOG_UNITS
+            }
+        );
     }
 }

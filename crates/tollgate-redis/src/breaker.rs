@@ -49,9 +49,18 @@ struct State {
 }
 
 /// A permission to call Redis.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub(crate) struct Permit {
     probe: bool,
+}
+
+impl Permit {
+    /// The permit of one call that carries the requests of `permits`: a probe if any is.
+    pub(crate) fn any(permits: impl IntoIterator<Item = Permit>) -> Self {
+        Self {
+            probe: permits.into_iter().any(|p| p.probe),
+        }
+    }
 }
 
 impl Breaker {

@@ -1,14 +1,10 @@
 //! Configuration of a [`RedisBackend`].
 
-use std::sync::Arc;
 use std::time::Duration;
 
-use tollgate_core::ConfigError;
-
-use crate::backend::{Inner, RedisBackend};
-use crate::breaker::{Breaker, BreakerConfig};
-use crate::conn::{Connector, Target};
-use crate::deny_cache::DenyCache;
+use crate::backend::{Config, RedisBackend};
+use crate::conn::Target;
+use crate::error::BuildError;
 use crate::keys;
 
 /// The default key prefix.
@@ -46,7 +42,7 @@ enum Servers {
 ///     .deny_cache_capacity(50_000)
 ///     .build()?; // connects lazily: Redis need not be up
 /// # drop(backend);
-/// # Ok::<(), tollgate_core::ConfigError>(())
+/// # Ok::<(), tollgate_redis::BuildError>(())
 /// ```
 #[derive(Debug, Clone)]
 #[must_use]
@@ -145,59 +141,55 @@ impl RedisBackendBuilder {
     ///
     /// # Errors
     ///
-    /// [`ConfigError::Other`] when no server was given, a URL cannot be parsed, the prefix is
-    /// invalid, or the deadline is zero.
-    pub fn build(self) -> Result<RedisBackend, ConfigError> {
+    /// [`BuildError`] when no server was given, a URL cannot be parsed, the prefix is
+    /// invalid, or the deadline or connect timeout is zero.
+    pub fn build(self) -> Result<RedisBackend, BuildError> {
         if !keys::valid_prefix(&self.prefix) {
-            return Err(ConfigError::Other(format!(
-                "Redis key prefix {:?} must be 1 to {} characters of [A-Za-z0-9_.:-]",
-                self.prefix.chars().take(80).collect::<String>(),
-                keys::MAX_PREFIX_LEN
-            )));
+            return Err(BuildError::InvalidPrefix {
+                prefix: self.prefix.chars().take(80).collect(),
+            });
         }
-        if self.deadline.is_zero() || self.connect_timeout.is_zero() {
-            return Err(ConfigError::Other(
-                "the Redis deadline and connect timeout must be longer than zero".into(),
-            ));
+        if self.deadline.is_zero() {
+            return Err(BuildError::ZeroDeadline);
         }
-        let bad_url = |e: redis::RedisError| ConfigError::Other(format!("invalid Redis URL: {e}"));
-        let (target, cluster) = match self.servers {
-            Servers::None => {
-                return Err(ConfigError::Other(
-                    "no Redis server: call .url(..) or .cluster(..)".into(),
-                ))
+        if self.connect_timeout.is_zero() {
+            return Err(BuildError::ZeroConnectTimeout);
+        }
+        let bad_url = |e: redis::RedisError| BuildError::InvalidUrl {
+            reason: e.to_string(),
+        };
+        let target = match self.servers {
+            Servers::None => return Err(BuildError::NoServer),
+            Servers::Standalone(url) => {
+                Target::Single(redis::Client::open(url.as_str()).map_err(bad_url)?)
             }
-            Servers::Standalone(url) => (
-                Target::Single(redis::Client::open(url.as_str()).map_err(bad_url)?),
-                false,
-            ),
             Servers::Cluster(urls) => {
                 if urls.is_empty() {
-                    return Err(ConfigError::Other("a Redis Cluster needs seed URLs".into()));
+                    return Err(BuildError::NoClusterSeeds);
                 }
                 let client = redis::cluster::ClusterClient::builder(urls)
                     .connection_timeout(self.connect_timeout)
                     .build()
                     .map_err(bad_url)?;
-                (Target::Cluster(Box::new(client)), true)
+                Target::Cluster(Box::new(client))
             }
         };
-        let breaker = Breaker::new(BreakerConfig {
-            threshold: self.breaker_threshold,
-            open_for: self.breaker_open_for,
-            max_open_for: self.breaker_max_open_for.max(self.breaker_open_for),
-            // A probe whose caller gave up frees its place once its deadline has surely passed.
-            probe_timeout: self.deadline * 2,
-        });
-        Ok(RedisBackend {
-            inner: Arc::new(Inner::new(
-                self.prefix,
-                self.deadline,
-                cluster,
-                Arc::new(Connector::new(target, self.connect_timeout)),
-                breaker,
-                DenyCache::new(self.deny_cache_capacity, self.deadline),
-            )),
-        })
+        Ok(RedisBackend::new(Config {
+            prefix: self.prefix,
+            deadline: self.deadline,
+            target,
+            connect_timeout: self.connect_timeout,
+            breaker_threshold: self.breaker_threshold,
+            breaker_open_for: self.breaker_open_for,
+            breaker_max_open_for: self.breaker_max_open_for,
+            deny_cache_capacity: self.deny_cache_capacity,
+        }))
+    }
+}
+
+impl RedisBackend {
+    /// Configures a backend.
+    pub fn builder() -> RedisBackendBuilder {
+        RedisBackendBuilder::default()
     }
 }

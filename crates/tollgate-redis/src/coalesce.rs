@@ -20,6 +20,7 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 use tollgate_core::BackendError;
 
+use crate::breaker::Permit;
 use crate::script::{Prepared, Reply};
 
 /// Tasks sending calls at the same time. One: with two, calls carried fewer requests each and
@@ -41,6 +42,8 @@ pub(crate) struct Waiter {
     pub(crate) reply: oneshot::Sender<Answer>,
     /// When the request's answer is due, a timeout if need be.
     pub(crate) deadline: Instant,
+    /// The breaker's permit for the request; the call that carries it reports for it.
+    pub(crate) permit: Permit,
 }
 
 #[derive(Default)]
@@ -169,6 +172,7 @@ mod tests {
                 batch: Vec::new(),
                 reply,
                 deadline,
+                permit: Permit::default(),
             },
             rx,
         )

@@ -46,10 +46,26 @@ pub(crate) fn base_key(prefix: &str, limit_name: &str, digest: &KeyDigest) -> St
 /// The most bytes of a base key: prefix, `:`, name, `:{`, hex digest, `}`.
 const MAX_BASE_KEY_LEN: usize = MAX_PREFIX_LEN + 1 + MAX_NAME_LEN + 2 + 2 * DIGEST_LEN + 1;
 
-/// A base key written on the stack: every call writes each check's key, and a `String` per
-/// check would be an allocation per check.
+/// The most bytes a suffix adds to a base key: `:` and a window index of up to 20 digits.
+const MAX_SUFFIX_LEN: usize = 21;
+
+/// What follows the base key in the name of one of its keys.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Suffix {
+    /// The base key itself (a GCRA TAT).
+    None,
+    /// `:<index>`: a fixed window's count.
+    Window(u64),
+    /// `:log`: a sliding log.
+    Log,
+    /// `:seq`: a sliding log's sequence counter.
+    Seq,
+}
+
+/// A key written on the stack: every call writes each check's key, and a `String` per check
+/// would be an allocation per check.
 pub(crate) struct BaseKey {
-    buf: [u8; MAX_BASE_KEY_LEN],
+    buf: [u8; MAX_BASE_KEY_LEN + MAX_SUFFIX_LEN],
     len: usize,
 }
 
@@ -58,7 +74,7 @@ impl BaseKey {
     /// (which the builders refuse) is cut.
     pub(crate) fn new(prefix: &str, limit_name: &str, digest: &KeyDigest) -> Self {
         let mut key = Self {
-            buf: [0; MAX_BASE_KEY_LEN],
+            buf: [0; MAX_BASE_KEY_LEN + MAX_SUFFIX_LEN],
             len: 0,
         };
         key.push(&prefix.as_bytes()[..prefix.len().min(MAX_PREFIX_LEN)]);
@@ -68,6 +84,31 @@ impl BaseKey {
         key.push(&hex(digest));
         key.push(b"}");
         key
+    }
+
+    /// This key with `suffix` appended; all of a base key's keys share its hash tag.
+    pub(crate) fn with(mut self, suffix: Suffix) -> Self {
+        match suffix {
+            Suffix::None => {}
+            Suffix::Window(index) => {
+                let mut digits = [0u8; 20];
+                let mut at = digits.len();
+                let mut n = index;
+                loop {
+                    at -= 1;
+                    digits[at] = b'0' + (n % 10) as u8;
+                    n /= 10;
+                    if n == 0 {
+                        break;
+                    }
+                }
+                self.push(b":");
+                self.push(&digits[at..]);
+            }
+            Suffix::Log => self.push(b":log"),
+            Suffix::Seq => self.push(b":seq"),
+        }
+        self
     }
 
     fn push(&mut self, bytes: &[u8]) {
@@ -162,6 +203,32 @@ mod tests {
         let key = base_key("tollgate", "login", &d);
         assert_eq!(digest_slot(&d), slot(&key));
         assert_eq!(digest_slot(&d), slot(&format!("{key}:20000")));
+    }
+
+    #[test]
+    fn every_key_of_a_digest_is_in_its_slot() {
+        let d = digest("login", b"10.0.0.1");
+        let name = |suffix| {
+            let key = BaseKey::new("tollgate", "login", &d).with(suffix);
+            String::from_utf8(key.as_bytes().to_vec()).unwrap()
+        };
+        let base = base_key("tollgate", "login", &d);
+        assert_eq!(name(Suffix::None), base);
+        assert_eq!(name(Suffix::Window(0)), format!("{base}:0"));
+        assert_eq!(
+            name(Suffix::Window(u64::MAX)),
+            format!("{base}:{}", u64::MAX)
+        );
+        assert_eq!(name(Suffix::Log), format!("{base}:log"));
+        assert_eq!(name(Suffix::Seq), format!("{base}:seq"));
+        for suffix in [
+            Suffix::None,
+            Suffix::Window(480_000),
+            Suffix::Log,
+            Suffix::Seq,
+        ] {
+            assert_eq!(slot(&name(suffix)), digest_slot(&d));
+        }
     }
 
     #[test]

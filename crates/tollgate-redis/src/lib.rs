@@ -48,10 +48,18 @@
 //! - **GCRA**: one string key holding the theoretical arrival time in microseconds, expiring
 //!   when the state becomes that of a fresh key.
 //! - **Fixed window**: `INCRBY` on `<key>:<window index>`; the TTL is set by the first write of
-//!   the window only.
+//!   the window only. The window is the one that holds the server's `TIME`, which the client
+//!   cannot know exactly: it declares the keys of its estimate's window and the next (its
+//!   estimate is the local clock corrected by the server time of the last answer). If the
+//!   server's window is neither, the script writes nothing and answers with its time, and the
+//!   call is made once more for it.
 //! - **Sliding log**: a sorted set at `<key>:log` with one unique member per admitted unit
 //!   (`<now>-<seq>`, the sequence kept in `<key>:seq`, so two units in the same microsecond
-//!   are two members), trimmed when written.
+//!   are two members), trimmed when written. A check adds its members with one `ZADD` per
+//!   1,000 (a refund removes them likewise), and a log holds at most
+//!   [`MAX_LOG_UNITS`](tollgate_core::MAX_LOG_UNITS) members: a larger quota is refused when
+//!   the limit is built, and a check costlier than its quota is refused as
+//!   [`CostTooHigh`](tollgate_core::Status::CostTooHigh) before anything is written.
 //!
 //! # Keys
 //!
@@ -61,6 +69,8 @@
 //! another's. The cluster hash tag wraps the digest, so identities spread over the slots.
 //! Each algorithm keeps its state under keys of its own (above), so a limit whose algorithm
 //! changes under the same name starts afresh instead of finding a key of another type.
+//! Every key a script touches is declared in its `KEYS`, and all of a check's keys share the
+//! hash tag, so a cluster routes them to one slot.
 //!
 //! # Redis Cluster
 //!
@@ -103,9 +113,17 @@
 //! slow runs the script when it catches up): a timeout can consume units the caller never saw
 //! admitted, which errs on the side of limiting.
 //!
-//! A circuit breaker opens after 3 consecutive failures (configurable) and then fails calls at
-//! once with `CircuitOpen`, without paying the deadline. After 250 ms one call probes Redis;
-//! success closes the breaker, failure keeps it open twice as long, up to 5 s.
+//! A check this process could not send in time is
+//! [`BackendErrorKind::Overloaded`](tollgate_core::BackendErrorKind::Overloaded): more than
+//! 8,192 checks already waiting for a merged call, or a deadline that passed while the check
+//! waited for one (it is then not sent, so it consumes nothing). Redis was not asked, so
+//! neither the breaker nor `tollgate_backend_up` hears of it.
+//!
+//! A circuit breaker opens after 3 consecutive failed calls (configurable) and then fails
+//! checks at once with `CircuitOpen`, without paying the deadline. It counts calls, not
+//! requests: a merged call that carried 64 requests and failed is one failure, and one that
+//! was answered one success. After 250 ms one call probes Redis; success closes the breaker,
+//! failure keeps it open twice as long, up to 5 s.
 //!
 //! # The local deny cache
 //!
@@ -132,14 +150,24 @@
 mod backend;
 mod breaker;
 mod builder;
+mod calls;
+mod cluster;
 mod coalesce;
 mod conn;
+mod denials;
 mod deny_cache;
+mod dispatch;
+mod error;
+mod failure;
+mod future;
 mod keys;
+mod merged;
 mod script;
 
-pub use backend::{RedisBackend, ResponseFuture};
+pub use backend::RedisBackend;
 pub use breaker::CircuitState;
 pub use builder::{
     RedisBackendBuilder, DEFAULT_DEADLINE, DEFAULT_DENY_CACHE_CAPACITY, DEFAULT_PREFIX,
 };
+pub use error::BuildError;
+pub use future::ResponseFuture;

@@ -22,7 +22,7 @@ use tollgate_core::{
     Algorithm, BackendError, BackendErrorKind, Check, Micros, Quota, Status, Verdict,
 };
 
-use crate::keys::KeyDigest;
+use crate::keys::{KeyDigest, Suffix};
 
 /// Helpers and `now`, shared by both scripts (prepended to each).
 pub(crate) const PRELUDE: &str = r"
@@ -33,6 +33,9 @@ local function idiv(a, b)
   return q
 end
 local function fmt(x) return string.format('%d', x) end
+-- Members of a sliding log that one ZADD or ZREM takes: unpack passes at most a few
+-- thousand values.
+local CHUNK = 1000
 local function ttl_ms(us)
   local ms = idiv(us + 999, 1000)
   if ms < 1 then ms = 1 end
@@ -54,24 +57,29 @@ end
 /// exactly as if each had been its own call. Merging the batches of concurrent requests into one
 /// call saves a round trip and the script's set-up per request.
 ///
-/// `KEYS`: the base keys of the call's checks, each distinct key once. A GCRA TAT is kept at the
-/// base key itself, a fixed window's count at `<base>:<window index>`, and a sliding log at
-/// `<base>:log` with a sequence counter at `<base>:seq`; all share the base key's hash tag, so
-/// the same slot. No two algorithms share a key: a limit whose algorithm changes under the same
-/// name (old and new replicas side by side during a deploy) never finds a key of the wrong
-/// type, which would fail the whole call.
+/// `KEYS`: every key the call may touch, each distinct (limit, identity) once, as Redis requires
+/// of a script: a GCRA TAT at the base key itself; a fixed window's count at
+/// `<base>:<window index>`, declared for the client's current window and the next one (the
+/// window that holds the server's `TIME` is not known until the script runs); a sliding log at
+/// `<base>:log`, followed by its sequence counter at `<base>:seq`. All share the base key's
+/// hash tag, so the same slot. No two algorithms share a key: a limit whose algorithm changes
+/// under the same name (old and new replicas side by side during a deploy) never finds a key
+/// of the wrong type, which would fail the whole call.
 ///
 /// `ARGV[1]`: `now` in microseconds, or empty to read the server's `TIME`. The override exists
 /// for tests (`RedisBackend::check_at`) only.
 ///
 /// `ARGV[2]`: the number `L` of distinct limits in the call, then 4 arguments per limit:
 /// algorithm (1 GCRA, 2 fixed window, 3 sliding log) and three parameters (GCRA: emission
-/// interval, tolerance, burst; the others: period, limit, 0).
+/// interval, tolerance, burst; fixed window: period, limit, the index of the client's current
+/// window; sliding log: period, limit, 0). If the window that holds `now` is neither the
+/// client's current one nor the next, the script writes nothing and answers the error
+/// `TOLLGATE_WINDOW <now>`; the client then declares the windows of that `now` and calls again.
 ///
 /// The last argument: one string of little-endian doubles (integers below 2^53), per request
 /// its number of checks `n`, then per check two figures: `(cost × 2 + e) × 1024 + l`, where `e`
 /// is 1 if the check is enforced and `l` the index of its limit (from 0), and the number of its
-/// key in `KEYS` (from 1). One string rather than an argument per figure: Redis handles each
+/// first key in `KEYS` (from 1). One string rather than an argument per figure: Redis handles each
 /// argument of a call as a string of its own and Lua's `tonumber` reads each with the C
 /// library's `strtod`, while `struct.unpack` decodes the whole string in one call. Together
 /// with each key sent once, that takes about a quarter off Redis' work per request when
@@ -94,8 +102,18 @@ pub(crate) const CHECK: &str = r"
 local limits = {}
 local a = 3
 for l = 1, tonumber(ARGV[2]) do
-  limits[l] = {tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]),
-    tonumber(ARGV[a + 3])}
+  local algo, p1, p2, p3 = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]),
+    tonumber(ARGV[a + 3])
+  if algo == 2 then
+    -- The client declared the keys of its current window (index p3) and the next; before
+    -- anything is written, the window that holds now must be one of them.
+    local shift = idiv(now, p1) - p3
+    if shift ~= 0 and shift ~= 1 then
+      return redis.error_reply('TOLLGATE_WINDOW ' .. fmt(now))
+    end
+    p3 = shift
+  end
+  limits[l] = {algo, p1, p2, p3}
   a = a + 4
 end
 -- The requests: sizes, check numbers and key numbers, decoded in one call.
@@ -130,7 +148,8 @@ while i <= figures do
   local admits = true
   for j = 1, n do
     w_algo[j] = 0
-    local code, key = fig[i], KEYS[fig[i + 1]]
+    local code, k = fig[i], fig[i + 1]
+    local key = KEYS[k]
     i = i + 2
     local l = code % 1024
     code = (code - l) / 1024
@@ -160,7 +179,7 @@ while i <= figures do
     elseif algo == 2 then
       local period, limit = p1, p2
       local index = idiv(now, period)
-      local wkey = key .. ':' .. fmt(index)
+      local wkey = KEYS[k + p3]
       local count = read(wkey, 0)
       if cost > limit then
         status = 2
@@ -175,7 +194,7 @@ while i <= figures do
     elseif algo == 3 then
       local period, limit = p1, p2
       local remaining, reset, retry = 0, 0, 0
-      local log = key .. ':log'
+      local log = key
       -- An entry at t counts while t + period > now.
       local oldest = fmt(now - period)
       local count = redis.call('ZCOUNT', log, '(' .. oldest, '+inf')
@@ -192,7 +211,7 @@ while i <= figures do
         status, retry = 1, tonumber(nth[2]) + period - now
       else
         remaining, reset = limit - count - cost, period
-        w_algo[j], w_key[j], w_val[j], w_ttl[j], w_seq[j] = 3, key, cost, period, o + 5
+        w_algo[j], w_key[j], w_val[j], w_ttl[j], w_seq[j] = 3, k, cost, period, o + 5
       end
       out[o + 1], out[o + 2], out[o + 3], out[o + 4], out[o + 5] = status, remaining, reset, retry, 0
       o = o + 5
@@ -214,14 +233,21 @@ while i <= figures do
         state[key] = state[key] + w_val[j]
         if ttl[key] == nil then ttl[key] = w_ttl[j]; written[#written + 1] = key end
       elseif algo == 3 then
-        local cost, period, log = w_val[j], w_ttl[j], key .. ':log'
+        local cost, period, log, seq_key = w_val[j], w_ttl[j], KEYS[key], KEYS[key + 1]
         redis.call('ZREMRANGEBYSCORE', log, '-inf', now - period)
-        local seq_key = key .. ':seq'
         local last = redis.call('INCRBY', seq_key, cost)
         local stamp = fmt(now)
-        for s = last - cost + 1, last do
-          -- A unique member per unit: two units in the same microsecond are two entries.
-          redis.call('ZADD', log, now, stamp .. '-' .. fmt(s))
+        -- A unique member per unit (two units in the same microsecond are two entries),
+        -- added by one ZADD per chunk that unpack can pass.
+        local members, from = {}, last - cost + 1
+        while from <= last do
+          local to, n = math.min(from + CHUNK - 1, last), 0
+          for s = from, to do
+            members[n + 1], members[n + 2] = stamp, stamp .. '-' .. fmt(s)
+            n = n + 2
+          end
+          redis.call('ZADD', log, unpack(members, 1, n))
+          from = to + 1
         end
         redis.call('PEXPIRE', log, ttl_ms(period))
         redis.call('PEXPIRE', seq_key, ttl_ms(period))
@@ -248,7 +274,7 @@ return struct.pack('<' .. string.rep('d', o), unpack(out, 1, o))
 
 /// Undoes what one `CHECK` call wrote.
 ///
-/// `KEYS[i]`: the base keys of the checks to refund. `ARGV[1]`: `now` or empty, as for `CHECK`.
+/// `KEYS[i]`: the key each check to refund wrote (a GCRA TAT, a window's count, a log). `ARGV[1]`: `now` or empty, as for `CHECK`.
 /// `ARGV[2 + 4 (i - 1) ..]`: per check: algorithm, then GCRA: `cost * interval`, 0, 0; fixed
 /// window: window index, cost, 0; sliding log: the `now` of the consume, last sequence number,
 /// cost.
@@ -269,15 +295,21 @@ for i = 1, #KEYS do
       end
     end
   elseif algo == 2 then
-    local wkey = key .. ':' .. fmt(x)
+    local wkey = key
     local count = tonumber(redis.call('GET', wkey) or '')
     if count ~= nil then
       if count <= y then redis.call('DEL', wkey) else redis.call('DECRBY', wkey, y) end
     end
   elseif algo == 3 then
-    local stamp = fmt(x)
-    for s = y - z + 1, y do
-      redis.call('ZREM', key .. ':log', stamp .. '-' .. fmt(s))
+    local stamp, members, from = fmt(x), {}, y - z + 1
+    while from <= y do
+      local to, n = math.min(from + CHUNK - 1, y), 0
+      for s = from, to do
+        n = n + 1
+        members[n] = stamp .. '-' .. fmt(s)
+      end
+      redis.call('ZREM', key, unpack(members, 1, n))
+      from = to + 1
     end
   end
 end
@@ -371,10 +403,23 @@ impl Prepared {
         })
     }
 
-    /// The arguments of this check's limit in a `CHECK` call.
-    pub(crate) fn limit_args(&self) -> [u64; 4] {
+    /// The arguments of this check's limit in a `CHECK` call whose fixed windows are named
+    /// for `window_now`.
+    pub(crate) fn limit_args(&self, window_now: Micros) -> [u64; 4] {
         let [p1, p2, p3] = self.params;
-        [u64::from(self.code), p1, p2, p3]
+        match self.code {
+            2 => [2, p1, p2, algorithm::window_index(&self.quota, window_now)],
+            code => [u64::from(code), p1, p2, p3],
+        }
+    }
+
+    /// The key this check wrote, for a refund of what `CHECK` answered.
+    pub(crate) fn refund_key(&self, answer: &Answer) -> Suffix {
+        match self.code {
+            1 => Suffix::None,
+            2 => Suffix::Window(answer.extra),
+            _ => Suffix::Log,
+        }
     }
 
     /// The one argument of this check in a `CHECK` call, given the index of its limit there.
@@ -398,25 +443,30 @@ impl Prepared {
 pub(crate) struct CheckArgs<'p> {
     /// Each distinct limit's parameters, once.
     pub(crate) limits: Vec<[u64; 4]>,
-    /// A check of each distinct key, once: the call's `KEYS`.
-    pub(crate) keys: Vec<&'p Prepared>,
+    /// The call's `KEYS`: a check of each distinct (limit, identity), once, and the suffix of
+    /// each of its keys.
+    pub(crate) keys: Vec<(&'p Prepared, Suffix)>,
     /// Per request its size, then per check its number and its key's, as little-endian doubles.
     pub(crate) packed: Vec<u8>,
 }
 
 impl<'p> CheckArgs<'p> {
-    /// Encodes `batches`, one per request, in order.
+    /// Encodes `batches`, one per request, in order; fixed windows are named for the client's
+    /// estimate of the server's time, `window_now`.
     ///
     /// # Errors
     ///
     /// [`BackendErrorKind::Protocol`] for more than [`LIMITS_PER_CALL`] distinct limits.
-    pub(crate) fn new(batches: &[&'p [Prepared]]) -> Result<Self, BackendError> {
+    pub(crate) fn new(
+        batches: &[&'p [Prepared]],
+        window_now: Micros,
+    ) -> Result<Self, BackendError> {
         let all: Vec<&Prepared> = batches.iter().flat_map(|b| b.iter()).collect();
         // Each check refers to its limit by index.
         let mut limits: Vec<[u64; 4]> = Vec::new();
         let mut limit_of = Vec::with_capacity(all.len());
         for p in &all {
-            let args = p.limit_args();
+            let args = p.limit_args(window_now);
             let index = match limits.iter().position(|l| *l == args) {
                 Some(i) => i,
                 None => {
@@ -431,18 +481,34 @@ impl<'p> CheckArgs<'p> {
                 "more than {LIMITS_PER_CALL} limits in one call"
             )));
         }
-        // Each check refers to its key by number: requests that share a key (one client, one
-        // tenant) send it once per call. The digest covers the limit's name, so equal digests
-        // are the same key; sorting finds them in O(n log n) whatever the keys.
+        // Each check refers to its first key by number: requests that share a key (one
+        // client, one tenant) send it once per call. The digest covers the limit's name, so
+        // equal digests of one limit are the same keys; sorting finds them in O(n log n)
+        // whatever the keys.
         let mut by_key: Vec<usize> = (0..all.len()).collect();
-        by_key.sort_unstable_by_key(|&i| all[i].digest);
-        let mut keys: Vec<&Prepared> = Vec::new();
+        by_key.sort_unstable_by_key(|&i| (all[i].digest, limit_of[i]));
+        let mut keys: Vec<(&Prepared, Suffix)> = Vec::new();
         let mut key_of = vec![0; all.len()];
+        let (mut last, mut first): (Option<(KeyDigest, usize)>, usize) = (None, 0);
         for i in by_key {
-            if keys.last().is_none_or(|k| k.digest != all[i].digest) {
-                keys.push(all[i]);
+            let id = (all[i].digest, limit_of[i]);
+            if last != Some(id) {
+                last = Some(id);
+                first = keys.len() + 1;
+                match all[i].code {
+                    2 => {
+                        let index = limits[limit_of[i]][3];
+                        keys.push((all[i], Suffix::Window(index)));
+                        keys.push((all[i], Suffix::Window(index.saturating_add(1))));
+                    }
+                    3 => {
+                        keys.push((all[i], Suffix::Log));
+                        keys.push((all[i], Suffix::Seq));
+                    }
+                    _ => keys.push((all[i], Suffix::None)),
+                }
             }
-            key_of[i] = keys.len();
+            key_of[i] = first;
         }
         let mut packed = Vec::with_capacity(8 * (batches.len() + 2 * all.len()));
         let mut checks = all.iter().zip(limit_of).zip(key_of);
@@ -656,12 +722,25 @@ mod tests {
         let first = [check(&per_ip, b"a", 1)];
         let second = [check(&per_ip, b"a", 2), check(&daily, b"a", 1)];
         let third = [check(&per_ip, b"b", 1)];
-        let args = CheckArgs::new(&[&first, &second, &third]).unwrap();
+        // Two days and a bit after the epoch: the window of day 2.
+        let args = CheckArgs::new(&[&first, &second, &third], 2 * 86_400_000_000 + 7).unwrap();
         assert_eq!(args.limits.len(), 2);
-        // (ip, a), (day, a), (ip, b).
-        assert_eq!(args.keys.len(), 3);
+        assert!(args.limits.contains(&[2, 86_400_000_000, 9, 2]));
+        // (ip, a); (day, a) in windows 2 and 3; (ip, b).
+        let suffixes: Vec<Suffix> = args.keys.iter().map(|(_, s)| *s).collect();
+        assert_eq!(args.keys.len(), 4);
+        assert_eq!(suffixes.iter().filter(|s| **s == Suffix::None).count(), 2);
+        let window = suffixes
+            .iter()
+            .position(|s| *s == Suffix::Window(2))
+            .unwrap();
+        assert_eq!(suffixes[window + 1], Suffix::Window(3));
         let key = |p: &Prepared| {
-            let i = args.keys.iter().position(|k| k.digest == p.digest).unwrap();
+            let i = args
+                .keys
+                .iter()
+                .position(|(k, _)| k.digest == p.digest)
+                .unwrap();
             (i + 1) as f64
         };
         let figures: Vec<f64> = args
@@ -758,6 +837,33 @@ mod tests {
             1 << 53
         );
         assert!(parse_reply(&Value::BulkString(vec![0; 15]), &[]).is_err());
+    }
+
+    #[tokio::test]
+    async fn a_call_for_the_wrong_window_writes_nothing_and_is_made_again_for_the_right_one() {
+        use std::sync::atomic::Ordering;
+        use tollgate_core::Backend;
+
+        let server = tollgate_testsupport::RedisServer::start();
+        let backend = crate::RedisBackend::builder()
+            .url(server.url())
+            .deadline(std::time::Duration::from_secs(5))
+            .build()
+            .unwrap();
+        let limit = Limit::fixed_window("w", Quota::per_minute(10).unwrap()).unwrap();
+        let check = || backend.check(&[Check::new(&limit, b"k")]);
+        assert_eq!(check().await.unwrap()[0].remaining, 9);
+        server.reset_stats();
+        // The client believes the server an hour behind: the windows it declares are not the
+        // server's, which refuses the call, says its time, and the call is made again.
+        backend.inner.skew.store(-3_600_000_000, Ordering::Relaxed);
+        assert_eq!(check().await.unwrap()[0].remaining, 8);
+        assert_eq!(server.calls("evalsha"), 2);
+        // The server's time is known again: one call.
+        assert_eq!(check().await.unwrap()[0].remaining, 7);
+        assert_eq!(server.calls("evalsha"), 3);
+        // Only the window of the server's time was written.
+        assert_eq!(server.dbsize(), 1);
     }
 
     #[test]

@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use futures_util::FutureExt;
 use support::gcra;
-use tollgate_core::{Backend, BackendErrorKind, Check};
-use tollgate_redis::{CircuitState, RedisBackend};
+use tollgate_core::{Backend, BackendErrorKind, Check, Limit};
+use tollgate_redis::{BuildError, CircuitState, RedisBackend};
 use tollgate_testsupport::RedisServer;
 
 #[tokio::test]
@@ -35,24 +35,40 @@ async fn builds_while_redis_is_down_and_answers_once_it_is_up() {
 }
 
 #[test]
-fn bad_configuration_is_refused() {
-    assert!(RedisBackend::builder().build().is_err());
-    assert!(RedisBackend::builder().url("not a url").build().is_err());
+fn bad_configuration_is_refused_with_what_is_wrong() {
+    let err = |b: tollgate_redis::RedisBackendBuilder| b.build().unwrap_err();
+    assert_eq!(err(RedisBackend::builder()), BuildError::NoServer);
+    assert!(matches!(
+        err(RedisBackend::builder().url("not a url")),
+        BuildError::InvalidUrl { .. }
+    ));
     let url = "redis://127.0.0.1:1/";
-    assert!(RedisBackend::builder()
-        .url(url)
-        .prefix("a{b}")
-        .build()
-        .is_err());
-    assert!(RedisBackend::builder()
-        .url(url)
-        .deadline(Duration::ZERO)
-        .build()
-        .is_err());
-    assert!(RedisBackend::builder()
-        .cluster(Vec::<String>::new())
-        .build()
-        .is_err());
+    assert_eq!(
+        err(RedisBackend::builder().url(url).prefix("a{b}")),
+        BuildError::InvalidPrefix {
+            prefix: "a{b}".into()
+        }
+    );
+    assert_eq!(
+        err(RedisBackend::builder().url(url).deadline(Duration::ZERO)),
+        BuildError::ZeroDeadline
+    );
+    assert_eq!(
+        err(RedisBackend::builder()
+            .url(url)
+            .connect_timeout(Duration::ZERO)),
+        BuildError::ZeroConnectTimeout
+    );
+    assert_eq!(
+        err(RedisBackend::builder().cluster(Vec::<String>::new())),
+        BuildError::NoClusterSeeds
+    );
+    // A password in a URL never reaches the message.
+    let secret = err(RedisBackend::builder().url("redis://:hunter2@127.0.0.1:bad/"));
+    assert!(
+        secret.is_server() && !secret.to_string().contains("hunter2"),
+        "{secret}"
+    );
     // Building outside a runtime, with nothing listening, is fine.
     assert!(RedisBackend::builder().url(url).build().is_ok());
 }
@@ -172,10 +188,17 @@ async fn requests_queued_behind_a_frozen_call_get_their_answer_by_their_own_dead
     }
     tasks.extend((0..31).map(|_| spawn_check()));
     let margin = Duration::from_millis(400);
-    for task in tasks {
+    for (i, task) in tasks.into_iter().enumerate() {
         let (result, took) = task.await.unwrap();
         let err = result.unwrap_err();
-        assert_eq!(err.kind(), BackendErrorKind::Timeout, "{err}");
+        // A queued request whose deadline passed before the frozen call gave up (the timer
+        // fires on the next millisecond) is not sent at all.
+        let expected: &[BackendErrorKind] = if i == 0 {
+            &[BackendErrorKind::Timeout]
+        } else {
+            &[BackendErrorKind::Timeout, BackendErrorKind::Overloaded]
+        };
+        assert!(expected.contains(&err.kind()), "{err}");
         assert!(took >= deadline && took < deadline + margin, "{took:?}");
     }
     server.resume();
@@ -272,7 +295,7 @@ async fn a_full_queue_of_waiting_checks_is_not_a_redis_failure() {
         match (&mut check).now_or_never() {
             None => waiting.push(check),
             Some(Err(e)) => {
-                assert_eq!(e.kind(), BackendErrorKind::Unavailable, "{e}");
+                assert_eq!(e.kind(), BackendErrorKind::Overloaded, "{e}");
                 refused += 1;
             }
             Some(Ok(v)) => panic!("answered without Redis: {v:?}"),
@@ -284,4 +307,72 @@ async fn a_full_queue_of_waiting_checks_is_not_a_redis_failure() {
     for check in waiting {
         assert!(check.await.is_ok());
     }
+}
+
+/// Starts a backend on `server` with a breaker that opens after `threshold` failures, and
+/// makes its first call (connecting, loading the script) while Redis answers.
+async fn warmed_up(server: &RedisServer, threshold: u32) -> (RedisBackend, std::sync::Arc<Limit>) {
+    let backend = support::standalone(&server.url())
+        .breaker_threshold(threshold)
+        .build()
+        .unwrap();
+    let limit = std::sync::Arc::new(gcra("l", 10));
+    assert!(backend.check(&[Check::new(&limit, b"k")]).await.is_ok());
+    (backend, limit)
+}
+
+#[tokio::test]
+async fn a_merged_call_that_fails_is_one_failure_however_many_requests_it_carried() {
+    let mut server = RedisServer::start();
+    let (backend, limit) = warmed_up(&server, 2).await;
+    server.pause();
+    // From now on tokio's clock moves only when nothing else can run: the call times out at
+    // once, on that clock, and every check below was made at the same instant.
+    tokio::time::pause();
+    // Polled together, all five are queued before the sending task first runs: one call.
+    let checks = (0..5).map(|_| backend.check(&[Check::new(&limit, b"k")]));
+    let results = futures_util::future::join_all(checks).await;
+    for result in results {
+        assert_eq!(result.unwrap_err().kind(), BackendErrorKind::Timeout);
+    }
+    // One failed call of two that open the breaker.
+    assert_eq!(backend.circuit_state(), CircuitState::Closed);
+    server.resume();
+    tokio::time::resume();
+    // The connection was kept: the call that timed out reaches Redis first, and its five
+    // requests take effect late (as the crate documents), then this one.
+    assert_eq!(
+        backend.check(&[Check::new(&limit, b"k")]).await.unwrap()[0].remaining,
+        3
+    );
+}
+
+#[tokio::test]
+async fn checks_whose_deadline_passed_in_the_queue_are_overloaded_not_a_redis_failure() {
+    let mut server = RedisServer::start();
+    let (backend, limit) = warmed_up(&server, 2).await;
+    server.pause();
+    tokio::time::pause();
+    let spawn_check = || {
+        let (backend, limit) = (backend.clone(), limit.clone());
+        tokio::spawn(async move { backend.check(&[Check::new(&limit, b"k")]).await })
+    };
+    // One check first, and (on this single-threaded runtime) time for its call to go out
+    // alone; the others queue behind that call. Made at the same instant on the paused
+    // clock, they all have the first one's deadline, so when its call times out the deadline
+    // of every other has passed while it waited: they are not sent.
+    let first = spawn_check();
+    for _ in 0..20 {
+        tokio::task::yield_now().await;
+    }
+    let queued: Vec<_> = (0..5).map(|_| spawn_check()).collect();
+    let err = first.await.unwrap().unwrap_err();
+    assert_eq!(err.kind(), BackendErrorKind::Timeout, "{err}");
+    for task in queued {
+        let err = task.await.unwrap().unwrap_err();
+        assert_eq!(err.kind(), BackendErrorKind::Overloaded, "{err}");
+    }
+    // Only the call that went out counts: one failure of two.
+    assert_eq!(backend.circuit_state(), CircuitState::Closed);
+    server.resume();
 }

@@ -488,3 +488,114 @@ async fn a_limit_whose_algorithm_changes_under_its_name_keeps_working() {
         }
     }
 }
+
+#[tokio::test]
+async fn a_costly_sliding_log_check_adds_its_members_a_thousand_per_zadd() {
+    let server = RedisServer::start();
+    let backend = support::standalone(&server.url()).build().unwrap();
+    let limit = sliding(
+        "log",
+        Quota::per_hour(tollgate_core::MAX_LOG_UNITS).unwrap(),
+    );
+    let key = backend.key_for(&limit, b"k");
+    let check = |cost| {
+        let mut c = Check::new(&limit, b"k");
+        c.cost = cost;
+        backend.check_at(&[c], MIDNIGHT)
+    };
+    // Loads the script and connects, so that only the checks below count.
+    assert!(check(1).await.unwrap()[0].is_allowed());
+    server.reset_stats();
+    let v = check(2_500).await.unwrap()[0];
+    assert_eq!((v.status, v.remaining), (Status::Allowed, 10_000 - 2_501));
+    assert_eq!(server.calls("zadd"), 3);
+    let members: u64 = redis::cmd("ZCARD")
+        .arg(&key)
+        .query(&mut server.client())
+        .unwrap();
+    assert_eq!(members, 2_501);
+}
+
+#[tokio::test]
+async fn a_check_costlier_than_any_log_holds_is_refused_and_writes_nothing() {
+    let server = RedisServer::start();
+    let backend = support::standalone(&server.url()).build().unwrap();
+    let limits = [
+        sliding(
+            "log",
+            Quota::per_hour(tollgate_core::MAX_LOG_UNITS).unwrap(),
+        ),
+        gcra("g", 10),
+        fixed("w", Quota::per_minute(10).unwrap()),
+    ];
+    for limit in &limits {
+        for cost in [tollgate_core::MAX_LOG_UNITS + 1, u32::MAX] {
+            let mut c = Check::new(limit, b"k");
+            c.cost = cost;
+            let v = backend.check(&[c]).await.unwrap()[0];
+            assert_eq!(v.status, Status::CostTooHigh, "{} at {cost}", limit.name());
+        }
+    }
+    assert_eq!(server.calls("zadd"), 0);
+    assert_eq!(server.dbsize(), 0);
+}
+
+/// The keys of the `EVALSHA` calls in the server's slow log (every call, with a threshold of
+/// 0 µs set before them).
+fn declared_keys(server: &RedisServer) -> std::collections::BTreeSet<String> {
+    let entries: Vec<redis::Value> = redis::cmd("SLOWLOG")
+        .arg("GET")
+        .arg(-1)
+        .query(&mut server.client())
+        .unwrap();
+    let mut keys = std::collections::BTreeSet::new();
+    for entry in entries {
+        let redis::Value::Array(fields) = entry else {
+            panic!("slow log entry {entry:?}")
+        };
+        let args: Vec<Vec<u8>> = redis::from_redis_value(fields[3].clone()).unwrap();
+        let args: Vec<String> = args
+            .iter()
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect();
+        if args[0].eq_ignore_ascii_case("evalsha") {
+            let n: usize = args[2].parse().unwrap();
+            keys.extend(args[3..3 + n].iter().cloned());
+        }
+    }
+    keys
+}
+
+#[tokio::test]
+async fn the_scripts_declare_every_key_they_write() {
+    let server = RedisServer::start();
+    let backend = support::standalone(&server.url()).build().unwrap();
+    let limits = [
+        gcra("g", 10),
+        fixed("w", Quota::per_hour(10).unwrap()),
+        sliding("s", Quota::per_hour(10).unwrap()),
+    ];
+    let refs: Vec<&_> = limits.iter().collect();
+    let mut con = server.client();
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("slowlog-log-slower-than")
+        .arg(0)
+        .query(&mut con)
+        .unwrap();
+    let _: () = redis::cmd("SLOWLOG").arg("RESET").query(&mut con).unwrap();
+    // On the server's clock, then at a fixed time.
+    assert!(admitted(&backend, &refs, b"k").await);
+    let v = check_at(&backend, &refs, b"other", MIDNIGHT).await;
+    assert!(v.iter().all(|v| v.is_allowed()));
+    let written: std::collections::BTreeSet<String> =
+        redis::cmd("KEYS").arg("*").query(&mut con).unwrap();
+    // Per identity: GCRA's key, a window, a log and its sequence.
+    assert_eq!(written.len(), 8, "{written:?}");
+    let declared = declared_keys(&server);
+    let undeclared: Vec<_> = written.difference(&declared).collect();
+    assert!(
+        undeclared.is_empty(),
+        "written, not declared: {undeclared:?}"
+    );
+}

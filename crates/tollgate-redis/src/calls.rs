@@ -1,0 +1,155 @@
+//! Script calls: the keys and arguments of an `EVALSHA`, the `CHECK` call (made again once
+//! when the server's fixed window is not the one declared), and sending.
+
+use std::sync::atomic::Ordering;
+
+use tollgate_core::{BackendError, BackendErrorKind, Micros};
+
+use crate::backend::Inner;
+use crate::conn::breaks_connection;
+use crate::failure::map_error;
+use crate::keys::{self, Suffix};
+use crate::script::{self, Prepared, Reply, Script};
+
+impl Inner {
+    /// An `EVALSHA` of `script` with what both scripts take first: the keys of `checks`
+    /// (each base key with its suffix), then `now` (empty for the server's `TIME`). The caller
+    /// adds `args` more numbers.
+    pub(crate) fn script_call<'p>(
+        &self,
+        script: &Script,
+        checks: impl Iterator<Item = (&'p Prepared, Suffix)> + Clone,
+        now: Option<Micros>,
+        args: usize,
+    ) -> redis::Cmd {
+        // Room for every argument: each takes about 16 bytes of framing; a key is the prefix,
+        // the limit's name, 36 more bytes and a suffix of at most 21, a number at most 20
+        // digits.
+        const NUMBER: usize = 16 + 20;
+        let keys = checks.clone().count();
+        let key_bytes: usize = checks
+            .clone()
+            .map(|(p, _)| 16 + self.prefix.len() + p.name.len() + 36 + 21)
+            .sum();
+        let mut call = script.call(keys, keys + 1 + args, key_bytes + NUMBER * (1 + args));
+        for (p, suffix) in checks {
+            let key = keys::BaseKey::new(&self.prefix, &p.name, &p.digest).with(suffix);
+            call.arg(key.as_bytes());
+        }
+        match now {
+            Some(now) => call.arg(now),
+            None => call.arg(""),
+        };
+        call
+    }
+
+    /// One `CHECK` call for checks that share a slot (or a standalone server).
+    pub(crate) async fn eval_check(
+        &self,
+        group: &[&[Prepared]],
+        now: Option<Micros>,
+    ) -> Result<Reply, BackendError> {
+        let mut replies = self.eval_checks(group, now).await?;
+        replies
+            .pop()
+            .ok_or_else(|| BackendError::new(BackendErrorKind::Protocol, "empty script reply"))
+    }
+
+    /// One `CHECK` call for the batches of several requests, each all-or-nothing on its own.
+    ///
+    /// Its fixed windows are declared for the server's time as last seen (or `now`). If the
+    /// server's window turns out to be another (a clock that stepped, a first call), the
+    /// script writes nothing and says its time; the call is made once more for that time.
+    pub(crate) async fn eval_checks(
+        &self,
+        batches: &[&[Prepared]],
+        now: Option<Micros>,
+    ) -> Result<Vec<Reply>, BackendError> {
+        let mut window_now = now.unwrap_or_else(|| self.server_time());
+        for retry in [false, true] {
+            let args = script::CheckArgs::new(batches, window_now)?;
+            let mut call = self.script_call(
+                &self.check_script,
+                args.keys.iter().copied(),
+                now,
+                2 + 4 * args.limits.len(),
+            );
+            call.arg(args.limits.len());
+            for l in &args.limits {
+                call.arg(l);
+            }
+            call.arg(args.packed);
+            match self.invoke_raw(&self.check_script, &call).await {
+                Ok(value) => {
+                    let replies = script::parse_replies(&value, batches)?;
+                    if let (None, Some(reply)) = (now, replies.first()) {
+                        self.saw_server_time(reply.now);
+                    }
+                    return Ok(replies);
+                }
+                Err(e) if !retry && e.code() == Some(WINDOW_ERROR) => {
+                    match e.detail().and_then(|d| d.trim().parse().ok()) {
+                        Some(server_now) => {
+                            window_now = server_now;
+                            if now.is_none() {
+                                self.saw_server_time(server_now);
+                            }
+                        }
+                        None => return Err(map_error(e)),
+                    }
+                }
+                Err(e) => return Err(map_error(e)),
+            }
+        }
+        Err(BackendError::new(
+            BackendErrorKind::Protocol,
+            "the server's fixed window moved twice in a row",
+        ))
+    }
+
+    /// The client's estimate of the server's `TIME`: the local clock, corrected by the
+    /// difference last seen. It only names the fixed windows a call declares.
+    fn server_time(&self) -> Micros {
+        let skew = self.skew.load(Ordering::Relaxed);
+        local_time().saturating_add_signed(skew)
+    }
+
+    /// Keeps the difference between the server's time, `server_now`, and the local clock.
+    fn saw_server_time(&self, server_now: Micros) {
+        let skew = i64::try_from(i128::from(server_now) - i128::from(local_time()));
+        self.skew.store(skew.unwrap_or(0), Ordering::Relaxed);
+    }
+
+    /// Sends `call`, an `EVALSHA` of `script`.
+    pub(crate) async fn invoke(
+        &self,
+        script: &Script,
+        call: &redis::Cmd,
+    ) -> Result<redis::Value, BackendError> {
+        self.invoke_raw(script, call).await.map_err(map_error)
+    }
+
+    /// As [`invoke`](Self::invoke), with Redis' own error.
+    async fn invoke_raw(
+        &self,
+        script: &Script,
+        call: &redis::Cmd,
+    ) -> Result<redis::Value, redis::RedisError> {
+        let (generation, mut conn) = self.connector.get().await?;
+        conn.invoke(script, call).await.inspect_err(|e| {
+            if breaks_connection(e) {
+                self.connector.invalidate(generation);
+            }
+        })
+    }
+}
+
+/// The error code of a `CHECK` call whose fixed windows were declared for another time.
+const WINDOW_ERROR: &str = "TOLLGATE_WINDOW";
+
+/// The local wall clock in microseconds since the Unix epoch (0 before it).
+fn local_time() -> Micros {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
+}

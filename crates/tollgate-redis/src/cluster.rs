@@ -1,0 +1,164 @@
+//! Redis Cluster: a batch split by hash slot, one call per slot group, and refunds of the
+//! groups that wrote when another refused.
+
+use std::sync::Arc;
+
+use tokio::time::Instant;
+use tollgate_core::{BackendError, Micros};
+
+use crate::backend::{Inner, Outcome, BACKEND, UNANSWERED};
+use crate::failure::unavailable;
+use crate::keys;
+use crate::script::{Answer, Prepared, Reply};
+
+impl Inner {
+    /// `batch` in a cluster, by `deadline`: one call if its keys share a slot; otherwise one
+    /// per slot group, with refunds.
+    pub(crate) async fn call_cluster(
+        self: &Arc<Self>,
+        batch: Vec<Prepared>,
+        now: Option<Micros>,
+        deadline: Instant,
+    ) -> Result<(Vec<Prepared>, Outcome), BackendError> {
+        let groups = slot_groups(&batch);
+        if groups.len() == 1 {
+            let reply = self.eval_check(&[batch.as_slice()], now).await?;
+            return Ok((batch, reply.into()));
+        }
+        // Several slots: the consume and any refund run in a task of their own, so that a
+        // caller that gives up at its deadline does not leave a half-consumed batch behind.
+        let this = Arc::clone(self);
+        tokio::spawn(async move {
+            let outcome = this.split(&batch, groups, now, deadline).await?;
+            Ok((batch, outcome))
+        })
+        .await
+        .unwrap_or_else(|e| Err(unavailable(format!("rate-limit task failed: {e}"))))
+    }
+
+    /// Consumes slot groups concurrently; if any refuses or fails, refunds those that wrote.
+    ///
+    /// A group made only of shadow checks refuses nothing, so its failure must not fail the
+    /// batch: if it fails, or has not answered a tenth of the deadline before the caller's
+    /// `deadline`, its checks are reported not checked and the enforced groups' answers stand.
+    /// (If its script did run, the shadow limit counted a request it will not see refunded:
+    /// its own over-count, which limits nobody.)
+    async fn split(
+        self: &Arc<Self>,
+        batch: &[Prepared],
+        groups: Vec<Vec<usize>>,
+        now: Option<Micros>,
+        deadline: Instant,
+    ) -> Result<Outcome, BackendError> {
+        let shadow_deadline = deadline.checked_sub(self.deadline / 10).unwrap_or(deadline);
+        let tasks: Vec<_> = groups
+            .iter()
+            .map(|group| {
+                let this = Arc::clone(self);
+                let sub: Vec<Prepared> = group.iter().map(|&i| batch[i].clone()).collect();
+                let shadow = sub.iter().all(|p| !p.enforce);
+                tokio::spawn(async move {
+                    let one = [sub.as_slice()];
+                    let call = this.eval_check(&one, now);
+                    let reply = if shadow {
+                        let answer = tokio::time::timeout_at(shadow_deadline, call).await;
+                        Ok(answer.ok().and_then(Result::ok).unwrap_or_else(|| Reply {
+                            committed: true,
+                            now: 0,
+                            answers: vec![UNANSWERED; sub.len()],
+                        }))
+                    } else {
+                        call.await
+                    };
+                    (sub, reply)
+                })
+            })
+            .collect();
+        let mut results = Vec::with_capacity(tasks.len());
+        for task in tasks {
+            results.push(
+                task.await
+                    .map_err(|e| unavailable(format!("rate-limit task failed: {e}")))
+                    .and_then(|(sub, reply)| reply.map(|r| (sub, r))),
+            );
+        }
+        let committed = results
+            .iter()
+            .all(|r| r.as_ref().is_ok_and(|(_, reply)| reply.committed));
+        if !committed {
+            let refunds: Vec<_> = results
+                .iter()
+                .filter_map(|r| r.as_ref().ok())
+                .filter(|(_, reply)| reply.committed)
+                .map(|(sub, reply)| {
+                    let this = Arc::clone(self);
+                    let (sub, reply) = (sub.clone(), reply.clone());
+                    tokio::spawn(async move { this.refund(&sub, &reply, now).await })
+                })
+                .collect();
+            for refund in refunds {
+                match refund.await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => {
+                        tracing::warn!(backend = BACKEND, error = %e, "rate-limit refund failed")
+                    }
+                    Err(e) => {
+                        tracing::warn!(backend = BACKEND, error = %e, "rate-limit refund failed")
+                    }
+                }
+            }
+        }
+        let mut answers = vec![UNANSWERED; batch.len()];
+        for (group, result) in groups.iter().zip(results) {
+            let (_, reply) = result?;
+            for (&i, answer) in group.iter().zip(reply.answers) {
+                answers[i] = answer;
+            }
+        }
+        Ok(Outcome { committed, answers })
+    }
+
+    /// Undoes what one committed `CHECK` call wrote.
+    async fn refund(
+        &self,
+        group: &[Prepared],
+        reply: &Reply,
+        now: Option<Micros>,
+    ) -> Result<(), BackendError> {
+        let wrote: Vec<(&Prepared, &Answer)> = group
+            .iter()
+            .zip(&reply.answers)
+            .filter(|(_, a)| a.verdict.is_allowed())
+            .collect();
+        if wrote.is_empty() {
+            return Ok(());
+        }
+        let args = 4 * wrote.len();
+        let checks = wrote.iter().map(|(p, answer)| (*p, p.refund_key(answer)));
+        let mut call = self.script_call(&self.refund_script, checks, now, args);
+        for (p, answer) in &wrote {
+            call.arg(&p.refund_args(reply.now, answer));
+        }
+        self.invoke(&self.refund_script, &call).await?;
+        // A request that Redis refused (or foresaw refused) while these units were held was
+        // refused for units given back now: its cached denial no longer stands. (Another
+        // replica's cache keeps such a denial until it runs out; lib.rs bounds it.)
+        for (p, _) in &wrote {
+            self.deny.forget(&p.digest);
+        }
+        Ok(())
+    }
+}
+
+/// Indices of the checks grouped by hash slot, in order of first appearance.
+fn slot_groups(batch: &[Prepared]) -> Vec<Vec<usize>> {
+    let mut groups: Vec<(u16, Vec<usize>)> = Vec::new();
+    for (i, p) in batch.iter().enumerate() {
+        let slot = keys::digest_slot(&p.digest);
+        match groups.iter_mut().find(|(s, _)| *s == slot) {
+            Some((_, g)) => g.push(i),
+            None => groups.push((slot, vec![i])),
+        }
+    }
+    groups.into_iter().map(|(_, g)| g).collect()
+}

@@ -1,0 +1,49 @@
+//! Dispatch: a batch's digests and encoding, then the deny cache, the breaker, and the call.
+
+use std::sync::Arc;
+
+use tollgate_core::{BackendError, BackendErrorKind, Check, Micros, Verdicts, MAX_CHECKS};
+
+use crate::backend::RedisBackend;
+use crate::future::ResponseFuture;
+use crate::keys;
+use crate::script::Prepared;
+
+impl RedisBackend {
+    pub(crate) fn dispatch(&self, checks: &[Check<'_>], now: Option<Micros>) -> ResponseFuture {
+        if checks.len() > MAX_CHECKS {
+            return ResponseFuture::ready(Err(BackendError::new(
+                BackendErrorKind::Protocol,
+                format!("at most {MAX_CHECKS} checks per batch"),
+            )));
+        }
+        if checks.is_empty() {
+            return ResponseFuture::ready(Ok(Verdicts::new()));
+        }
+        let inner = &self.inner;
+        let mut digests = [[0u8; keys::DIGEST_LEN]; MAX_CHECKS];
+        for (d, c) in digests.iter_mut().zip(checks) {
+            *d = keys::digest(c.limit.name(), c.key);
+        }
+        let mut leased = [false; MAX_CHECKS];
+        if now.is_none() {
+            if let Some(verdicts) = self.cached_denial(checks, &digests, &mut leased) {
+                return ResponseFuture::ready(Ok(verdicts));
+            }
+        }
+        let mut batch = Vec::with_capacity(checks.len());
+        for ((c, d), leased) in checks.iter().zip(&digests).zip(leased) {
+            match Prepared::new(c, *d) {
+                Ok(p) => batch.push(Prepared { leased, ..p }),
+                Err(e) => return ResponseFuture::ready(Err(e)),
+            }
+        }
+        let Some(permit) = inner.breaker.admit() else {
+            return ResponseFuture::ready(Err(BackendError::new(
+                BackendErrorKind::CircuitOpen,
+                "Redis failed recently; the circuit breaker is open",
+            )));
+        };
+        ResponseFuture::call(Arc::clone(inner).run(batch, now, permit))
+    }
+}

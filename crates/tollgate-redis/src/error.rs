@@ -1,0 +1,60 @@
+//! Why a [`RedisBackend`](crate::RedisBackend) could not be built.
+
+use std::fmt;
+
+/// A [`RedisBackendBuilder`](crate::RedisBackendBuilder) configuration that cannot be built.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum BuildError {
+    /// Neither [`url`](crate::RedisBackendBuilder::url) nor
+    /// [`cluster`](crate::RedisBackendBuilder::cluster) was called.
+    NoServer,
+    /// [`cluster`](crate::RedisBackendBuilder::cluster) was given no seed URL.
+    NoClusterSeeds,
+    /// A URL that the Redis client cannot use.
+    InvalidUrl {
+        /// What the client said of it. The URL itself is left out: it may hold a password.
+        reason: String,
+    },
+    /// A key prefix that is empty, longer than 64 bytes, or has characters outside
+    /// `[A-Za-z0-9_.:-]`.
+    InvalidPrefix {
+        /// The prefix given, cut to 80 characters.
+        prefix: String,
+    },
+    /// A deadline of zero.
+    ZeroDeadline,
+    /// A connect timeout of zero.
+    ZeroConnectTimeout,
+}
+
+impl BuildError {
+    /// Whether the error is about a server's address (none given, none usable).
+    pub fn is_server(&self) -> bool {
+        matches!(
+            self,
+            Self::NoServer | Self::NoClusterSeeds | Self::InvalidUrl { .. }
+        )
+    }
+}
+
+impl fmt::Display for BuildError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::NoServer => f.write_str("no Redis server: call .url(..) or .cluster(..)"),
+            Self::NoClusterSeeds => f.write_str("a Redis Cluster needs at least one seed URL"),
+            Self::InvalidUrl { reason } => write!(f, "invalid Redis URL: {reason}"),
+            Self::InvalidPrefix { prefix } => write!(
+                f,
+                "Redis key prefix {prefix:?} must be 1 to {} characters of [A-Za-z0-9_.:-]",
+                crate::keys::MAX_PREFIX_LEN
+            ),
+            Self::ZeroDeadline => f.write_str("the Redis deadline must be longer than zero"),
+            Self::ZeroConnectTimeout => {
+                f.write_str("the Redis connect timeout must be longer than zero")
+            }
+        }
+    }
+}
+
+impl std::error::Error for BuildError {}

@@ -1,0 +1,109 @@
+//! The merged-call sender: on a standalone server, the batches of concurrent requests share
+//! one `CHECK` call (see `coalesce`).
+
+use std::sync::Arc;
+
+use tokio::time::Instant;
+
+use tollgate_core::BackendError;
+
+use crate::backend::Inner;
+use crate::breaker::Permit;
+use crate::coalesce::{Push, Waiter};
+use crate::failure::{overloaded, unavailable};
+use crate::script::{Prepared, Reply};
+
+impl Inner {
+    /// Queues `batch` for the next merged call and waits for its answer, which comes by
+    /// `deadline` (see [`send_merged`](Self::send_merged)).
+    pub(crate) async fn coalesced(
+        self: &Arc<Self>,
+        batch: Vec<Prepared>,
+        deadline: Instant,
+        permit: Permit,
+    ) -> Result<(Vec<Prepared>, Reply), BackendError> {
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        match self.coalescer.push(Waiter {
+            batch,
+            reply,
+            deadline,
+            permit,
+        }) {
+            Push::Waits => {}
+            Push::StartCaller => {
+                let task = Unstarted(Some(Arc::clone(self)));
+                tokio::spawn(async move { task.start().send_merged().await });
+            }
+            Push::Full => {
+                return Err(overloaded(
+                    "too many rate-limit checks are waiting for Redis",
+                ))
+            }
+        }
+        let answer = answer.await;
+        answer.unwrap_or_else(|_| Err(unavailable("the rate-limit call was dropped")))
+    }
+
+    /// Sends what waits in the coalescer, one merged call after the other, until nothing does.
+    ///
+    /// Every request gets its answer by its deadline: one whose deadline passed while it
+    /// waited is not sent (so it consumes nothing) and is answered `Overloaded`, a process
+    /// that could not send its checks in time, which says nothing of Redis; and a call times
+    /// out at the earliest deadline of the requests it carries. Each call is reported to the
+    /// breaker once, as a probe if any of its requests holds the probe's permit.
+    async fn send_merged(self: Arc<Self>) {
+        let mut caller = self.coalescer.caller();
+        while let Some(call) = caller.next_call(Instant::now()) {
+            for late in call.late {
+                let _ = late.reply.send(Err(overloaded(format!(
+                    "the rate-limit check waited {:?} for a call to Redis, and was not sent",
+                    self.deadline
+                ))));
+            }
+            let waiters = call.send;
+            let Some(deadline) = waiters.iter().map(|w| w.deadline).min() else {
+                continue;
+            };
+            let permit = Permit::any(waiters.iter().map(|w| w.permit));
+            let batches: Vec<&[Prepared]> = waiters.iter().map(|w| w.batch.as_slice()).collect();
+            let call = self.eval_checks(&batches, None);
+            let result = self.until(deadline, call, "from Redis").await;
+            self.report(result.as_ref().map(|_| ()), permit);
+            match result {
+                Ok(replies) => {
+                    for (w, reply) in waiters.into_iter().zip(replies) {
+                        let _ = w.reply.send(Ok((w.batch, reply)));
+                    }
+                }
+                Err(e) => {
+                    for w in waiters {
+                        let _ = w.reply.send(Err(e.clone()));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A sending task that has not run yet. [`Push::StartCaller`] counted it as started; dropped
+/// before it first runs (its runtime shutting down), it counts itself out, so that the next
+/// request starts a new one instead of waiting, unanswered, for one that never runs.
+struct Unstarted(Option<Arc<Inner>>);
+
+impl Unstarted {
+    fn start(mut self) -> Arc<Inner> {
+        match self.0.take() {
+            Some(inner) => inner,
+            None => unreachable!("a task starts once"),
+        }
+    }
+}
+
+impl Drop for Unstarted {
+    fn drop(&mut self) {
+        if let Some(inner) = self.0.take() {
+            // A caller dropped before it is told to stop counts itself out.
+            drop(inner.coalescer.caller());
+        }
+    }
+}
