@@ -53,8 +53,6 @@ pub enum ConfigError {
         /// The longest key.
         max: usize,
     },
-    /// Anything else, described.
-    Other(String),
 }
 
 impl fmt::Display for ConfigError {
@@ -103,7 +101,6 @@ impl fmt::Display for ConfigError {
                     "key length {len} is invalid: it must be between 1 and {max}"
                 )
             }
-            Self::Other(msg) => f.write_str(msg),
         }
     }
 }

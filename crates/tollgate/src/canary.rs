@@ -79,7 +79,7 @@ impl CanaryStatus {
     }
 
     /// A fixed word for logs: `denied`, `admitted`, or the failure's reason (`timeout`,
-    /// `error`, `circuit_open`, `protocol`).
+    /// `error`, `circuit_open`, `protocol`, `overloaded`).
     pub fn as_str(&self) -> &'static str {
         match self {
             Self::Denied => "denied",
@@ -87,6 +87,7 @@ impl CanaryStatus {
             Self::Failed(BackendErrorKind::Timeout) => "timeout",
             Self::Failed(BackendErrorKind::CircuitOpen) => "circuit_open",
             Self::Failed(BackendErrorKind::Protocol) => "protocol",
+            Self::Failed(BackendErrorKind::Overloaded) => "overloaded",
             Self::Failed(_) => "error",
         }
     }

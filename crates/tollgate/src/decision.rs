@@ -29,16 +29,20 @@ pub enum BypassReason {
     CircuitOpen,
     /// The backend's answer could not be understood.
     Protocol,
+    /// The check was not sent: this process had more checks waiting for the backend than it
+    /// could send by their deadline. Local overload, not a backend failure.
+    Overloaded,
 }
 
 impl BypassReason {
-    /// A fixed label: `timeout`, `error`, `circuit_open` or `protocol`.
+    /// A fixed label: `timeout`, `error`, `circuit_open`, `protocol` or `overloaded`.
     pub fn as_str(&self) -> &'static str {
         match self {
             Self::Timeout => "timeout",
             Self::Error => "error",
             Self::CircuitOpen => "circuit_open",
             Self::Protocol => "protocol",
+            Self::Overloaded => "overloaded",
         }
     }
 }
@@ -49,6 +53,7 @@ impl From<BackendErrorKind> for BypassReason {
             BackendErrorKind::Timeout => Self::Timeout,
             BackendErrorKind::CircuitOpen => Self::CircuitOpen,
             BackendErrorKind::Protocol => Self::Protocol,
+            BackendErrorKind::Overloaded => Self::Overloaded,
             _ => Self::Error,
         }
     }

@@ -86,11 +86,12 @@ impl Label {
 }
 
 /// Every value of the `reason` label of `tollgate_bypass_total`.
-const REASONS: [BypassReason; 4] = [
+const REASONS: [BypassReason; 5] = [
     BypassReason::Timeout,
     BypassReason::Error,
     BypassReason::CircuitOpen,
     BypassReason::Protocol,
+    BypassReason::Overloaded,
 ];
 
 fn reason_index(reason: BypassReason) -> usize {
@@ -99,6 +100,7 @@ fn reason_index(reason: BypassReason) -> usize {
         BypassReason::Error => 1,
         BypassReason::CircuitOpen => 2,
         BypassReason::Protocol => 3,
+        BypassReason::Overloaded => 4,
     }
 }
 

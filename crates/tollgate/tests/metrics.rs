@@ -105,7 +105,7 @@ async fn k_bypassed_requests_add_exactly_k_with_the_reason() {
     // Down, K requests per way of failing: every one is let through and counted as a bypass,
     // per limit, with the reason.
     const K: u64 = 7;
-    let reasons = ["timeout", "error", "circuit_open", "protocol"];
+    let reasons = ["timeout", "error", "circuit_open", "protocol", "overloaded"];
     for (kind, reason) in KINDS.into_iter().zip(reasons) {
         backend.fail(Some(kind));
         for _ in 0..K {
@@ -145,7 +145,7 @@ async fn every_series_exists_from_the_first_request() {
         .unwrap();
     send(&mut app(layer), from([1, 1, 1, 1])).await;
     let s = metrics.snapshot();
-    for reason in ["timeout", "error", "circuit_open", "protocol"] {
+    for reason in ["timeout", "error", "circuit_open", "protocol", "overloaded"] {
         assert_eq!(
             s.counter(
                 "tollgate_bypass_total",

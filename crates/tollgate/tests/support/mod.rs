@@ -180,11 +180,12 @@ pub struct Flaky {
     calls: Arc<AtomicU64>,
 }
 
-pub const KINDS: [BackendErrorKind; 4] = [
+pub const KINDS: [BackendErrorKind; 5] = [
     BackendErrorKind::Timeout,
     BackendErrorKind::Unavailable,
     BackendErrorKind::CircuitOpen,
     BackendErrorKind::Protocol,
+    BackendErrorKind::Overloaded,
 ];
 
 impl Flaky {
