@@ -68,13 +68,18 @@ fn per_ip(per_minute: u32) -> Limit {
     Limit::gcra("per-ip", Quota::per_minute(per_minute).unwrap()).unwrap()
 }
 
-#[tokio::test]
-async fn the_sixth_call_of_five_a_minute_is_resource_exhausted_with_a_retry_delay() {
-    let layer = RateLimitLayer::builder()
-        .limit(per_ip(5), ClientIp::peer())
+/// `per_minute` calls per client address, in memory.
+fn by_ip(per_minute: u32) -> RateLimitLayer<MemoryBackend<FakeClock>> {
+    RateLimitLayer::builder()
+        .limit(per_ip(per_minute), ClientIp::peer())
         .backend(memory())
         .build()
-        .unwrap();
+        .unwrap()
+}
+
+#[tokio::test]
+async fn the_sixth_call_of_five_a_minute_is_resource_exhausted_with_a_retry_delay() {
+    let layer = by_ip(5);
     let mut client = client(serve(layer).await).await;
 
     for left in (0..5).rev() {
@@ -164,11 +169,7 @@ async fn a_tenant_comes_from_metadata() {
 
 #[tokio::test]
 async fn a_server_stream_is_checked_once_and_never_cut() {
-    let layer = RateLimitLayer::builder()
-        .limit(per_ip(1), ClientIp::peer())
-        .backend(memory())
-        .build()
-        .unwrap();
+    let layer = by_ip(1);
     let mut client = client(serve(layer).await).await;
 
     let mut stream = client
@@ -193,11 +194,7 @@ async fn a_server_stream_is_checked_once_and_never_cut() {
 /// it, and no DATA or trailers.
 #[tokio::test]
 async fn a_refusal_is_trailers_only_on_the_wire() {
-    let layer = RateLimitLayer::builder()
-        .limit(per_ip(1), ClientIp::peer())
-        .backend(memory())
-        .build()
-        .unwrap();
+    let layer = by_ip(1);
     let addr = serve(layer).await;
     let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
     let (h2, connection) = h2::client::handshake(tcp).await.unwrap();
