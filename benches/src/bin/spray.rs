@@ -51,7 +51,9 @@ fn main() {
         let start = Instant::now();
         let verdicts = backend.check_now(&[Check::new(&limit, &key)]).unwrap();
         let elapsed = start.elapsed();
-        let preempted = sched.as_ref().is_some_and(|f| times_scheduled(f, &mut buf) != scheduled);
+        let preempted = sched
+            .as_ref()
+            .is_some_and(|f| times_scheduled(f, &mut buf) != scheduled);
         match black_box(verdicts[0].status) {
             Status::Allowed => admitted += 1,
             Status::AtCapacity { .. } => refused += 1,

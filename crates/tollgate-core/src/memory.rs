@@ -892,10 +892,7 @@ mod tests {
 
     #[test]
     fn the_shard_count_follows_the_cap() {
-        let b = MemoryBackend::builder()
-            .max_keys(100_000)
-            .shards(1)
-            .build();
+        let b = MemoryBackend::builder().max_keys(100_000).shards(1).build();
         assert_eq!(b.inner.shards.len(), 32);
         assert_eq!(b.inner.shard_cap, 8_192);
         let b = MemoryBackend::builder().max_keys(1 << 20).build();
