@@ -18,7 +18,17 @@
 //! ([`Status::AtCapacity`]) while tracked keys keep their state: a spray of unique keys can
 //! neither grow memory nor evict someone's counter. Expired state is reclaimed by the requests
 //! themselves: a shard touched after its sweep interval first drops its expired entries, so no
-//! background thread is needed and the cost is amortised.
+//! background thread is needed and the cost is amortised. At the cap, the requests also walk
+//! the shards in turn, once per sweep interval, so that expired keys in shards nobody touches
+//! give their places back.
+//!
+//! No check does more than a bounded amount of this work, however many keys are tracked. A
+//! full backend holds about [`SHARD_KEYS`] keys per shard (it gets more shards when its cap
+//! asks for them), a shard never holds more than twice that (a new key past it is refused as
+//! at the cap, which random fingerprints make as good as impossible before the cap itself), and
+//! one call sweeps at most one shard's worth of entries: a sweep and a table's growth both
+//! stay within a few thousand entries, where sweeping every shard of a million keys inline
+//! stalled one request for milliseconds.
 
 use std::collections::hash_map::Entry;
 use std::collections::{HashMap, VecDeque};
@@ -38,6 +48,16 @@ use crate::sip::Sip13;
 
 const DEFAULT_MAX_KEYS: usize = 1 << 20;
 const DEFAULT_SWEEP: Duration = Duration::from_secs(1);
+
+/// The most keys a full backend holds per shard, on average: the shard count is raised to
+/// `max_keys / SHARD_KEYS` when that is more. It bounds the entries one sweep visits and one
+/// table growth moves, and so the worst time of a check.
+const SHARD_KEYS: usize = 4_096;
+
+const MAX_SHARDS: usize = 1 << 16;
+
+/// How many shards a call at the cap looks at, at most, on its turn through the shards.
+const ROUND_STEPS: usize = 16;
 
 /// The in-memory backend: exact, bounded, shared by clones.
 ///
@@ -64,10 +84,30 @@ struct Inner<C> {
     shards: Box<[RwLock<Shard>]>,
     clock: C,
     max_keys: usize,
+    /// The most entries a shard holds, and the most one call sweeps.
+    shard_cap: usize,
     tracked: AtomicUsize,
-    next_full_sweep: AtomicU64,
+    /// The next shard of the round through all shards at the cap (taken modulo their number).
+    cursor: AtomicUsize,
+    /// When the next round may start.
+    next_round: AtomicU64,
+    /// The most entries one call has swept (read by the tests).
+    most_swept: AtomicUsize,
     seed: Sip13,
     sweep_interval: Micros,
+}
+
+/// What one call has swept so far: it sweeps a shard only while the total stays within
+/// [`Inner::shard_cap`] entries.
+struct Sweeps {
+    swept: usize,
+    cap: usize,
+}
+
+impl Sweeps {
+    fn fits(&self, entries: usize) -> bool {
+        self.swept + entries <= self.cap
+    }
 }
 
 /// A key's fingerprint: a keyed 64-bit hash of (limit, key). Bits 32.. pick the shard; the
@@ -287,20 +327,60 @@ impl<C: Clock> MemoryBackend<C> {
         }
         let inner = &*self.inner;
         let now = inner.clock.now();
-        let n = checks.len();
         let mask = inner.shards.len() - 1;
+        let mut sweeps = Sweeps {
+            swept: 0,
+            cap: inner.shard_cap,
+        };
         if inner.tracked.load(Ordering::Relaxed) >= inner.max_keys {
-            inner.sweep_all(now);
+            inner.sweep_round(now, mask, &mut sweeps);
         }
+        let verdicts = match checks {
+            [check] => inner.check_one(check, now, mask, &mut sweeps),
+            _ => inner.check_batch(checks, now, mask, &mut sweeps),
+        };
+        if sweeps.swept > 0 {
+            inner.most_swept.fetch_max(sweeps.swept, Ordering::Relaxed);
+        }
+        Ok(verdicts)
+    }
 
-        if let [check] = checks {
-            return Ok(inner.check_one(check, now, mask));
+    /// How many keys are tracked, and the cap.
+    pub fn stats(&self) -> MemoryStats {
+        MemoryStats {
+            tracked_keys: self.inner.tracked.load(Ordering::Relaxed),
+            max_keys: self.inner.max_keys,
         }
+    }
+
+    /// The clock this backend reads.
+    pub fn clock(&self) -> &C {
+        &self.inner.clock
+    }
+
+    /// The most entries one call has swept so far.
+    #[cfg(test)]
+    fn most_swept(&self) -> usize {
+        self.inner.most_swept.load(Ordering::Relaxed)
+    }
+}
+
+impl<C> Inner<C> {
+    /// A batch of two or more checks: every shard it touches write-locked at once.
+    #[inline]
+    fn check_batch(
+        &self,
+        checks: &[Check<'_>],
+        now: Micros,
+        mask: usize,
+        sweeps: &mut Sweeps,
+    ) -> Verdicts {
+        let n = checks.len();
 
         let mut fps = [Fp::default(); MAX_CHECKS];
         let mut shard_of = [0usize; MAX_CHECKS];
         for (i, check) in checks.iter().enumerate() {
-            fps[i] = inner.fingerprint(check);
+            fps[i] = self.fingerprint(check);
             shard_of[i] = fps[i].shard(mask);
         }
 
@@ -315,7 +395,7 @@ impl<C: Clock> MemoryBackend<C> {
                 continue;
             }
             locked[held] = s;
-            guards[held] = Some(inner.lock(s, now));
+            guards[held] = Some(self.lock(s, now, sweeps));
             held += 1;
         }
         let slot_of = |i: usize| {
@@ -328,16 +408,20 @@ impl<C: Clock> MemoryBackend<C> {
         let mut verdicts = Verdicts::new();
         let mut pending = [Pending::None; MAX_CHECKS];
         let mut reserved = [false; MAX_CHECKS];
+        // New keys the batch has placed in each locked shard, not yet inserted.
+        let mut added = [0usize; MAX_CHECKS];
         for (i, check) in checks.iter().enumerate() {
-            let Some(shard) = guards[slot_of(i)].as_mut() else {
+            let slot = slot_of(i);
+            let Some(shard) = guards[slot].as_mut() else {
                 continue;
             };
             let (mut verdict, p, new) = shard.evaluate(check, &fps[i], now);
             if verdict.is_allowed() && new {
-                if inner.reserve() {
+                if shard.len() + added[slot] < self.shard_cap && self.reserve() {
                     reserved[i] = true;
+                    added[slot] += 1;
                 } else {
-                    verdict.status = inner.at_capacity();
+                    verdict.status = self.at_capacity();
                 }
             }
             if verdict.is_allowed() {
@@ -355,7 +439,7 @@ impl<C: Clock> MemoryBackend<C> {
         } else {
             for (i, check) in checks.iter().enumerate() {
                 if reserved[i] {
-                    inner.tracked.fetch_sub(1, Ordering::Relaxed);
+                    self.tracked.fetch_sub(1, Ordering::Relaxed);
                 }
                 let v = &mut verdicts.as_mut_slice()[i];
                 *v = algorithm::unconsumed(
@@ -366,37 +450,37 @@ impl<C: Clock> MemoryBackend<C> {
                 );
             }
         }
-        Ok(verdicts)
+        verdicts
     }
 
-    /// How many keys are tracked, and the cap.
-    pub fn stats(&self) -> MemoryStats {
-        MemoryStats {
-            tracked_keys: self.inner.tracked.load(Ordering::Relaxed),
-            max_keys: self.inner.max_keys,
-        }
-    }
-
-    /// The clock this backend reads.
-    pub fn clock(&self) -> &C {
-        &self.inner.clock
-    }
-}
-
-impl<C> Inner<C> {
-    /// Write-locks shard `s`, first dropping its expired state if its sweep is due.
+    /// Write-locks shard `s`, first dropping its expired state if its sweep is due and fits
+    /// in what the call may still sweep.
     #[inline]
-    fn lock(&self, s: usize, now: Micros) -> RwLockWriteGuard<'_, Shard> {
+    fn lock(&self, s: usize, now: Micros, sweeps: &mut Sweeps) -> RwLockWriteGuard<'_, Shard> {
         let mut guard = self.shards[s]
             .write()
             .unwrap_or_else(PoisonError::into_inner);
-        let next_sweep = guard.next_sweep.get_mut();
-        if now >= *next_sweep {
-            *next_sweep = now.saturating_add(self.sweep_interval);
-            let freed = guard.sweep(now);
-            self.tracked.fetch_sub(freed, Ordering::Relaxed);
-        }
+        self.sweep_if_due(&mut guard, now, sweeps);
         guard
+    }
+
+    /// Drops `shard`'s expired state if its sweep is due, unless that would take the call past
+    /// its sweeping budget (a later call does it then). `false` when the sweep is due but did
+    /// not fit.
+    #[inline]
+    fn sweep_if_due(&self, shard: &mut Shard, now: Micros, sweeps: &mut Sweeps) -> bool {
+        if now < *shard.next_sweep.get_mut() {
+            return true;
+        }
+        let entries = shard.len();
+        if !sweeps.fits(entries) {
+            return false;
+        }
+        *shard.next_sweep.get_mut() = now.saturating_add(self.sweep_interval);
+        sweeps.swept += entries;
+        let freed = shard.sweep(now);
+        self.tracked.fetch_sub(freed, Ordering::Relaxed);
+        true
     }
 
     /// A lone GCRA check of a tracked key under shard `s`'s read lock: the new TAT goes in with
@@ -428,11 +512,13 @@ impl<C> Inner<C> {
 
     /// A batch of one check: the same rules without the batch's arrays and lock ordering.
     /// Runs `algorithm` on the state `fp` holds in `map` and stores what it returns, through
-    /// one lookup for a tracked key; a new key takes a place under the cap, or is refused.
+    /// one lookup for a tracked key; a new key takes a place under the cap (if its shard has
+    /// `room`), or is refused.
     #[inline]
     fn step<S: Slot>(
         &self,
         map: &mut FpMap<S>,
+        room: bool,
         fp: Fp,
         algorithm: impl FnOnce(Option<S::State>) -> (Verdict, Option<S::State>),
     ) -> Verdict {
@@ -441,7 +527,7 @@ impl<C> Inner<C> {
         match (slot, next) {
             (Some(slot), Some(next)) => *slot = S::new(next),
             (None, Some(next)) => {
-                if self.reserve() {
+                if room && self.reserve() {
                     map.insert(fp, S::new(next));
                 } else {
                     verdict.status = self.at_capacity();
@@ -453,7 +539,13 @@ impl<C> Inner<C> {
     }
 
     #[inline]
-    fn check_one(&self, check: &Check<'_>, now: Micros, mask: usize) -> Verdicts {
+    fn check_one(
+        &self,
+        check: &Check<'_>,
+        now: Micros,
+        mask: usize,
+        sweeps: &mut Sweeps,
+    ) -> Verdicts {
         let fp = self.fingerprint(check);
         let s = fp.shard(mask);
         let shared = match check.limit.algorithm() {
@@ -462,7 +554,7 @@ impl<C> Inner<C> {
         };
         let verdict = match shared {
             Some(verdict) => verdict,
-            None => self.check_locked(check, fp, s, now),
+            None => self.check_locked(check, fp, s, now, sweeps),
         };
         let mut verdicts = Verdicts::new();
         let _ = verdicts.push(verdict);
@@ -471,21 +563,29 @@ impl<C> Inner<C> {
 
     /// A lone check under the shard's write lock.
     #[inline]
-    fn check_locked(&self, check: &Check<'_>, fp: Fp, s: usize, now: Micros) -> Verdict {
-        let mut guard = self.lock(s, now);
+    fn check_locked(
+        &self,
+        check: &Check<'_>,
+        fp: Fp,
+        s: usize,
+        now: Micros,
+        sweeps: &mut Sweeps,
+    ) -> Verdict {
+        let mut guard = self.lock(s, now, sweeps);
         let shard = &mut *guard;
         let quota = check.limit.quota();
+        let room = shard.len() < self.shard_cap;
         // GCRA and fixed window read and write a tracked key's state through one lookup.
         match check.limit.algorithm() {
-            Algorithm::Gcra => self.step(&mut shard.gcra, fp, |state| {
+            Algorithm::Gcra => self.step(&mut shard.gcra, room, fp, |state| {
                 algorithm::gcra(quota, state, now, check.cost)
             }),
-            Algorithm::FixedWindow => self.step(&mut shard.windows, fp, |state| {
+            Algorithm::FixedWindow => self.step(&mut shard.windows, room, fp, |state| {
                 algorithm::fixed_window(quota, state, now, check.cost)
             }),
             Algorithm::SlidingLog => {
                 let (mut verdict, pending, new) = shard.evaluate(check, &fp, now);
-                if verdict.is_allowed() && new && !self.reserve() {
+                if verdict.is_allowed() && new && !(room && self.reserve()) {
                     verdict.status = self.at_capacity();
                 }
                 if verdict.is_allowed() {
@@ -507,23 +607,34 @@ impl<C> Inner<C> {
         Fp(self.seed.hash(check.limit.id(), check.key))
     }
 
-    /// At the cap, expired keys in shards nobody touches would hold places forever: sweep every
-    /// shard, at most once per sweep interval, holding one lock at a time.
-    fn sweep_all(&self, now: Micros) {
-        let due = self.next_full_sweep.load(Ordering::Relaxed);
-        let next = now.saturating_add(self.sweep_interval);
-        if now < due
-            || self
-                .next_full_sweep
-                .compare_exchange(due, next, Ordering::Relaxed, Ordering::Relaxed)
-                .is_err()
-        {
+    /// At the cap, expired keys in shards nobody touches would hold places forever: each call
+    /// at the cap takes the next few shards of a round through all of them, sweeping those whose
+    /// sweep is due within the call's budget, one lock at a time. A round starts at most once
+    /// per sweep interval.
+    fn sweep_round(&self, now: Micros, mask: usize, sweeps: &mut Sweeps) {
+        if now < self.next_round.load(Ordering::Relaxed) {
             return;
         }
-        for shard in self.shards.iter() {
-            let mut guard = shard.write().unwrap_or_else(PoisonError::into_inner);
-            let freed = guard.sweep(now);
-            self.tracked.fetch_sub(freed, Ordering::Relaxed);
+        for _ in 0..ROUND_STEPS {
+            let at = self.cursor.load(Ordering::Relaxed);
+            let s = at & mask;
+            let mut guard = self.shards[s]
+                .write()
+                .unwrap_or_else(PoisonError::into_inner);
+            if !self.sweep_if_due(&mut guard, now, sweeps) {
+                // This shard is the next call's turn.
+                return;
+            }
+            drop(guard);
+            let moved = self
+                .cursor
+                .compare_exchange(at, at.wrapping_add(1), Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok();
+            if moved && s == mask {
+                self.next_round
+                    .store(now.saturating_add(self.sweep_interval), Ordering::Relaxed);
+                return;
+            }
         }
     }
 
@@ -585,7 +696,9 @@ impl<C: Clock> MemoryBackendBuilder<C> {
         self
     }
 
-    /// How many shards (rounded up to a power of two; default eight per core, at least 16).
+    /// How many shards, at least (rounded up to a power of two; default eight per core, at
+    /// least 16). A backend whose cap would put more than 4,096 keys in a shard gets more
+    /// shards, so that a sweep or a table's growth never holds up a check for long.
     pub fn shards(mut self, shards: usize) -> Self {
         self.shards = Some(shards);
         self
@@ -614,15 +727,22 @@ impl<C: Clock> MemoryBackendBuilder<C> {
         let shards = self
             .shards
             .unwrap_or((cores * 8).max(16))
-            .clamp(1, 1 << 16)
+            .max(self.max_keys.div_ceil(SHARD_KEYS))
+            .clamp(1, MAX_SHARDS)
             .next_power_of_two();
+        // Twice a full shard's mean: with random fingerprints, no shard reaches it before the
+        // cap does.
+        let shard_cap = self.max_keys.div_ceil(shards).max(SHARD_KEYS) * 2;
         MemoryBackend {
             inner: Arc::new(Inner {
                 shards: (0..shards).map(|_| RwLock::default()).collect(),
                 clock: self.clock,
                 max_keys: self.max_keys,
+                shard_cap,
                 tracked: AtomicUsize::new(0),
-                next_full_sweep: AtomicU64::new(0),
+                cursor: AtomicUsize::new(0),
+                next_round: AtomicU64::new(0),
+                most_swept: AtomicUsize::new(0),
                 seed: Sip13::random(),
                 sweep_interval: micros(self.sweep_interval).max(1),
             }),
@@ -734,5 +854,86 @@ mod tests {
         );
         clock.advance(Duration::from_secs(1));
         assert!(b.check_now(&[Check::new(&l, b"k")]).unwrap()[0].is_allowed());
+    }
+
+    #[test]
+    fn no_call_sweeps_more_than_a_shards_worth_and_expired_keys_make_room() {
+        let clock = FakeClock::new(1_000_000_000);
+        let b = MemoryBackend::builder()
+            .max_keys(50_000)
+            .shards(16)
+            .clock(clock.clone())
+            .build();
+        assert_eq!(b.inner.shards.len(), 16);
+        assert_eq!(b.inner.shard_cap, 8_192);
+        // A key's state lasts one second.
+        let l = Limit::gcra("l", Quota::per_second(1).unwrap()).unwrap();
+        let check = |i: u32| b.check_now(&[Check::new(&l, &i.to_le_bytes())]).unwrap()[0];
+        for i in 0..50_000 {
+            assert_eq!(check(i).status, Status::Allowed);
+        }
+        assert_eq!(
+            check(50_000).status,
+            Status::AtCapacity {
+                retry_after: 1_000_000
+            }
+        );
+        assert_eq!(b.stats().tracked_keys, 50_000);
+        // Every key has expired: the next ones take their places, and no call sweeps the whole
+        // backend to make room.
+        clock.advance(Duration::from_secs(2));
+        for i in 100_000..110_000 {
+            assert_eq!(check(i).status, Status::Allowed);
+        }
+        assert_eq!(b.stats().tracked_keys, 10_000);
+        let most = b.most_swept();
+        assert!((3_000..=8_192).contains(&most), "{most}");
+    }
+
+    #[test]
+    fn the_shard_count_follows_the_cap() {
+        let b = MemoryBackend::builder().max_keys(100_000).shards(1).build();
+        assert_eq!(b.inner.shards.len(), 32);
+        assert_eq!(b.inner.shard_cap, 8_192);
+        let b = MemoryBackend::builder().max_keys(1 << 20).build();
+        assert_eq!(b.inner.shards.len(), 256);
+        let b = MemoryBackend::builder().max_keys(1 << 30).build();
+        assert_eq!(b.inner.shards.len(), 1 << 16);
+        assert_eq!(b.inner.shard_cap, 32_768);
+    }
+
+    #[test]
+    fn a_full_shard_refuses_new_keys_as_the_cap_does() {
+        let mut b1 = MemoryBackend::builder()
+            .max_keys(100)
+            .shards(1)
+            .clock(FakeClock::new(1_000_000_000))
+            .build();
+        Arc::get_mut(&mut b1.inner).unwrap().shard_cap = 2;
+        let l = Limit::gcra("l", Quota::per_minute(5).unwrap()).unwrap();
+        let w = Limit::fixed_window("w", Quota::per_minute(5).unwrap()).unwrap();
+        assert!(b1.check_now(&[Check::new(&l, b"a")]).unwrap()[0].is_allowed());
+        // A batch of two new keys with one place left in their shard: refused whole.
+        let v = b1
+            .check_now(&[Check::new(&l, b"b"), Check::new(&w, b"b")])
+            .unwrap();
+        assert_eq!(v[0].status, Status::Allowed);
+        assert_eq!(
+            v[1].status,
+            Status::AtCapacity {
+                retry_after: 1_000_000
+            }
+        );
+        assert_eq!(v[0].remaining, 5);
+        assert_eq!(b1.stats().tracked_keys, 1);
+        assert!(b1.check_now(&[Check::new(&w, b"b")]).unwrap()[0].is_allowed());
+        let v = b1.check_now(&[Check::new(&l, b"c")]).unwrap()[0];
+        assert_eq!(
+            v.status,
+            Status::AtCapacity {
+                retry_after: 1_000_000
+            }
+        );
+        assert_eq!(b1.stats().tracked_keys, 2);
     }
 }
