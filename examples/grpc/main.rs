@@ -32,7 +32,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let limits = RateLimitLayer::builder()
         // tonic puts the peer in `TcpConnectInfo`, which the `tonic` feature reads.
-        .limit(Limit::gcra("per-ip", Quota::per_minute(5)?)?, ClientIp::peer())
+        .limit(
+            Limit::gcra("per-ip", Quota::per_minute(5)?)?,
+            ClientIp::peer(),
+        )
         // gRPC metadata are HTTP headers: a header tenant reads them.
         .limit(
             Limit::gcra("per-tenant", Quota::per_minute(20)?)?
