@@ -176,6 +176,16 @@ impl RedisServer {
         Self::start_with(false)
     }
 
+    /// Starts a replica of `master` on a free loopback port and waits until it answers
+    /// `PING` (not until it is in sync).
+    ///
+    /// # Panics
+    ///
+    /// As [`RedisServer::start`].
+    pub fn start_replica_of(master: &RedisServer) -> Self {
+        Self::start_as(false, Role::Replica(master.port()))
+    }
+
     fn start_with(cluster: bool) -> Self {
         Self::start_as(cluster, Role::Plain)
     }
@@ -569,7 +579,7 @@ impl Sentinel {
     /// When `redis-server` is missing or the setup does not come together in 30 s.
     pub fn start() -> Self {
         let master = RedisServer::start();
-        let replica = RedisServer::start_as(false, Role::Replica(master.port()));
+        let replica = RedisServer::start_replica_of(&master);
         let dir = temp_dir("sentinel");
         let template = dir.join("sentinel.conf");
         let conf = format!(
