@@ -103,7 +103,11 @@ fn log_model(limit: u32, period: u64, steps: &[(u64, u32)]) -> Vec<(bool, Option
             let alive = admitted.iter().filter(|&&t| t + period > now).count() as u64;
             if alive + u64::from(cost) <= u64::from(limit) {
                 admitted.extend(std::iter::repeat_n(now, cost as usize));
-                (true, Some(u64::from(limit) - alive - u64::from(cost)), false)
+                (
+                    true,
+                    Some(u64::from(limit) - alive - u64::from(cost)),
+                    false,
+                )
             } else {
                 (false, None, false)
             }
