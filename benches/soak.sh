@@ -3,7 +3,12 @@
 # fault after another. Checks, per phase, that nothing is lost: see docs/reliability.md.
 #
 #   benches/soak.sh           # phases of PHASE seconds (default 40)
-#   benches/soak.sh --short   # phases of 8 s: under 60 s once built; for CI
+#   benches/soak.sh --short   # phases of 5 s (10 s on the cluster): under 60 s once built
+#
+# First pass, standalone Redis: no fault, then Redis paused with SIGSTOP for 2 s, killed and
+# restarted empty, FLUSHALL, and a relay that holds its replies back 100 ms (past the 50 ms
+# deadline) for 2 s. Second pass, a Redis Cluster of 3 masters with a replica each: a master
+# killed (SIGKILL), its replica promoted by the cluster.
 #
 # Exits non-zero when a promise is broken in any phase:
 #   - the replies that say they were not limited ("limited":false) must equal the rise of
@@ -12,7 +17,9 @@
 #     phase: 30 (the burst) + one per 2 s of the phase, and 30 more in a phase where Redis lost
 #     its state;
 #   - no 503 (the limit is fail-open), no other status, no socket error;
-#   - limiting resumes on both replicas within RESUME_MAX_MS (default 5000) of the fault's end.
+#   - limiting resumes on both replicas within RESUME_MAX_MS (default 5000; 15000 for the
+#     cluster, whose failover alone takes its node timeout, 2 s, and an election) of the
+#     fault's end.
 #
 # Settings (environment): PHASE seconds, RESUME_MAX_MS, THREADS wrk connections per replica (3),
 # MANY other shops (200), OUT directory for logs (a new one under /tmp). Traffic: half the
@@ -23,7 +30,8 @@ set -euo pipefail
 
 SHORT=0
 [[ ${1:-} == --short ]] && SHORT=1
-PHASE=${PHASE:-$(( SHORT ? 8 : 40 ))}
+PHASE=${PHASE:-$(( SHORT ? 5 : 40 ))}
+CLUSTER_PHASE=${CLUSTER_PHASE:-$(( SHORT ? 10 : 40 ))}
 RESUME_MAX_MS=${RESUME_MAX_MS:-5000}
 THREADS=${THREADS:-3}
 export MANY=${MANY:-200}
@@ -52,6 +60,7 @@ RELAY_PORT=$(free_port)
 PORT_A=$(free_port)
 PORT_B=$(free_port)
 PIDS=()
+declare -A CLUSTER_PIDS=()
 cleanup() {
   local pid
   for pid in "${PIDS[@]}" ${REDIS_PID:-}; do kill -CONT "$pid" 2>/dev/null || true; kill "$pid" 2>/dev/null || true; done
@@ -66,18 +75,29 @@ start_redis() {
   until redis-cli -p "$REDIS_PORT" ping >/dev/null 2>&1; do sleep 0.01; done
 }
 
+REPLICA_PIDS=()
+# start_replicas VAR=VALUE...: both llm_chat replicas, with that environment.
+start_replicas() {
+  local port
+  REPLICA_PIDS=()
+  for port in "$PORT_A" "$PORT_B"; do
+    env "$@" PORT="$port" "$TARGET/release/examples/llm_chat" >>"$OUT/llm_chat-$port.log" 2>&1 &
+    PIDS+=($!)
+    REPLICA_PIDS+=($!)
+  done
+  for port in "$PORT_A" "$PORT_B"; do
+    until curl -sf "http://127.0.0.1:$port/metrics" >/dev/null; do sleep 0.05; done
+  done
+}
+stop_replicas() {
+  local pid
+  for pid in "${REPLICA_PIDS[@]}"; do kill "$pid"; wait "$pid" 2>/dev/null || true; done
+}
+
 start_redis
 "$TARGET/release/soak-relay" "$RELAY_PORT" "$REDIS_PORT" "$OUT/delay" 100 &
 PIDS+=($!)
-for port in "$PORT_A" "$PORT_B"; do
-  REDIS_URL="redis://127.0.0.1:$RELAY_PORT/" PORT=$port "$TARGET/release/examples/llm_chat" \
-    >"$OUT/llm_chat-$port.log" 2>&1 &
-  PIDS+=($!)
-done
-REPLICA_PIDS=("${PIDS[1]}" "${PIDS[2]}")
-for port in "$PORT_A" "$PORT_B"; do
-  until curl -sf "http://127.0.0.1:$port/metrics" >/dev/null; do sleep 0.05; done
-done
+start_replicas REDIS_URL="redis://127.0.0.1:$RELAY_PORT/"
 
 # The sum over both replicas of the series of $1 whose labels hold $2.
 metric() {
@@ -111,29 +131,50 @@ wait_limiting() {
   RESUMED_MS=$(( $(now_ms) - since ))
 }
 
+# Watches tollgate_bypass_total on both replicas until it has not risen for a second; sets
+# RESUMED_MS to the time of its last rise after $1, the fault's end. For the cluster, where a
+# probe of a new shop may land on a master that never failed.
+wait_quiet() {
+  local since=$1 last=$1 seen now
+  seen=$(metric tollgate_bypass_total 'limit="chat-per-shop"')
+  while :; do
+    sleep 0.1
+    now=$(metric tollgate_bypass_total 'limit="chat-per-shop"')
+    (( now != seen )) && { seen=$now; last=$(now_ms); }
+    (( $(now_ms) - last >= 1000 )) && break
+    if (( $(now_ms) - since > RESUME_MAX_MS )); then RESUMED_MS=never; return; fi
+  done
+  RESUMED_MS=$(( last - since ))
+}
+
 fault_none() { :; }
 fault_pause() { kill -STOP "$REDIS_PID"; sleep 2; kill -CONT "$REDIS_PID"; }
 fault_restart() { kill -KILL "$REDIS_PID"; wait "$REDIS_PID" 2>/dev/null || true; start_redis; }
 fault_flushall() { redis-cli -p "$REDIS_PORT" FLUSHALL >/dev/null; }
 fault_delay() { touch "$OUT/delay"; sleep 2; rm -f "$OUT/delay"; }
+fault_master() { kill -KILL "$KILLED_MASTER_PID"; wait "$KILLED_MASTER_PID" 2>/dev/null || true; }
 
 FAILED=0
 ROWS=()
 # phase NAME LOST: wrk on both replicas for PHASE s, the fault NAME 1 s in. LOST=1 when the
 # fault loses Redis' state (the quota may be admitted once more).
 phase() {
-  local name=$1 lost=$2 before after wrk_pids=() port
+  local name=$1 lost=$2 seconds=${3:-$PHASE} before after wrk_pids=() port
   before=$(metric tollgate_bypass_total 'limit="chat-per-shop"')
   PROBE_BYPASSES=0
   RESUMED_MS=-
   for port in "$PORT_A" "$PORT_B"; do
-    wrk -t"$THREADS" -c"$THREADS" -d"${PHASE}s" --timeout 5s -s "$ROOT/benches/soak/traffic.lua" \
+    wrk -t"$THREADS" -c"$THREADS" -d"${seconds}s" --timeout 5s -s "$ROOT/benches/soak/traffic.lua" \
       "http://127.0.0.1:$port/api/chat" >"$OUT/$name-$port.wrk" 2>&1 &
     wrk_pids+=($!)
   done
   sleep 1
   "fault_$name"
-  [[ $name == none ]] || wait_limiting "$(now_ms)"
+  case $name in
+    none) ;;
+    master) wait_quiet "$(now_ms)" ;;
+    *) wait_limiting "$(now_ms)" ;;
+  esac
   wait "${wrk_pids[@]}"
   sleep 0.2
   after=$(metric tollgate_bypass_total 'limit="chat-per-shop"')
@@ -146,7 +187,7 @@ phase() {
   other=$(total other)
   errors=$(total socket_errors)
   slowest_us=$(awk '$1 == "total" && $2 == "max_latency_us" && $3 > m { m = $3 } END { printf "%d\n", m }' "${files[@]}")
-  bound=$(( BURST + (PHASE + 2) / REFILL_SECS + 1 + lost * BURST ))
+  bound=$(( BURST + (seconds + 2) / REFILL_SECS + 1 + lost * BURST ))
   # Admissions over the bound, summed over the shops (both replicas' counts added first).
   over=$(awk -v b="$bound" '$1 == "shop" { n[$2] += $3 } END { for (s in n) if (n[s] > b) o += n[s] - b; printf "%d\n", o }' "${files[@]}")
   local hot flood
@@ -168,6 +209,48 @@ phase pause 0
 phase restart 1
 phase flushall 1
 phase delay 0
+memory_first=()
+for pid in "${REPLICA_PIDS[@]}"; do memory_first+=("$(ps -o rss= -p "$pid" | tr -d ' ')"); done
+
+# --- second pass: a Redis Cluster, 3 masters with a replica each ---------------------------
+stop_replicas
+kill "$REDIS_PID"; wait "$REDIS_PID" 2>/dev/null || true; REDIS_PID=
+CLUSTER_PORTS=()
+SEEDS=()
+for i in 1 2 3 4 5 6; do
+  port=$(free_port)
+  # The bus port, port + 10000, must be free too.
+  while (exec 3<>"/dev/tcp/127.0.0.1/$((port + 10000))") 2>/dev/null || (( port + 10000 > 65535 )); do port=$(free_port); done
+  mkdir -p "$OUT/cluster-$port"
+  redis-server --port "$port" --bind 127.0.0.1 --save '' --appendonly no --daemonize no \
+    --cluster-enabled yes --cluster-node-timeout 2000 --cluster-config-file nodes.conf \
+    --dir "$OUT/cluster-$port" --logfile "$OUT/cluster-$port/redis.log" &
+  PIDS+=($!)
+  CLUSTER_PORTS+=("$port")
+  CLUSTER_PIDS[$port]=$!
+  SEEDS+=("redis://127.0.0.1:$port/")
+done
+for port in "${CLUSTER_PORTS[@]}"; do
+  until redis-cli -p "$port" ping >/dev/null 2>&1; do sleep 0.01; done
+done
+redis-cli --cluster create $(printf '127.0.0.1:%s ' "${CLUSTER_PORTS[@]}") --cluster-replicas 1 \
+  --cluster-yes >"$OUT/cluster-create.log" 2>&1
+for port in "${CLUSTER_PORTS[@]}"; do
+  until redis-cli -p "$port" cluster info 2>/dev/null | grep -q 'cluster_state:ok'; do sleep 0.05; done
+done
+# Every replica in sync before a master dies.
+for port in "${CLUSTER_PORTS[@]}"; do
+  if redis-cli -p "$port" role | head -1 | grep -q slave; then
+    until redis-cli -p "$port" info replication | grep -q 'master_link_status:up'; do sleep 0.05; done
+  fi
+done
+for port in "${CLUSTER_PORTS[@]}"; do
+  if redis-cli -p "$port" role | head -1 | grep -q master; then KILLED_MASTER_PID=${CLUSTER_PIDS[$port]}; break; fi
+done
+start_replicas REDIS_CLUSTER="$(IFS=,; echo "${SEEDS[*]}")"
+say "cluster: ${CLUSTER_PORTS[*]}; killing the master with pid $KILLED_MASTER_PID"
+# A master that dies may take writes its replica had not yet copied: counted as state lost.
+RESUME_MAX_MS=${CLUSTER_RESUME_MAX_MS:-15000} phase master 1 "$CLUSTER_PHASE"
 
 echo
 echo "| phase | requests | slowest (ms) | tollgate_bypass_total | replies not limited | admitted hot / flood shop | over the limit | 503 | limiting resumed after (ms) | |"
@@ -175,6 +258,7 @@ echo "|---|---|---|---|---|---|---|---|---|---|"
 printf '%s\n' "${ROWS[@]}"
 echo
 for i in 0 1; do
-  echo "replica $((i + 1)) memory at the end: $(ps -o rss= -p "${REPLICA_PIDS[$i]}" | tr -d ' ') KiB RSS"
+  echo "replica $((i + 1)) memory at the end: ${memory_first[$i]} KiB RSS (standalone pass)," \
+    "$(ps -o rss= -p "${REPLICA_PIDS[$i]}" | tr -d ' ') KiB RSS (cluster pass)"
 done
 exit "$FAILED"
