@@ -42,7 +42,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let redis_url =
         std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned());
     // Starts without Redis if it is down: the limit's failure policy applies until it is back.
-    let backend = RedisBackend::builder().url(redis_url.as_str()).build()?;
+    // `REDIS_CLUSTER` (seed URLs, comma-separated) names a Redis Cluster instead.
+    let backend = match std::env::var("REDIS_CLUSTER") {
+        Ok(seeds) => RedisBackend::builder().cluster(seeds.split(',')).build()?,
+        Err(_) => RedisBackend::builder().url(redis_url.as_str()).build()?,
+    };
 
     let limits = RateLimitLayer::builder()
         .limit(

@@ -1,5 +1,6 @@
 //! Configuration of a [`RedisBackend`].
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::backend::{Config, RedisBackend};
@@ -24,6 +25,10 @@ enum Servers {
     None,
     Standalone(String),
     Cluster(Vec<String>),
+    Sentinel {
+        master: String,
+        sentinels: Vec<String>,
+    },
 }
 
 /// Configures a [`RedisBackend`]; made by [`RedisBackend::builder`].
@@ -89,6 +94,40 @@ impl RedisBackendBuilder {
         self
     }
 
+    /// Talks to the master that Redis Sentinel knows as `master`, asking these sentinels
+    /// (URLs such as `redis://127.0.0.1:26379/`) where it is.
+    ///
+    /// The master is looked up when a connection is made, and again whenever the connection
+    /// breaks or the server answers `READONLY` (a master demoted to a replica by a failover):
+    /// the next call asks the sentinels for the new master. Until a failover is over, checks
+    /// fail and each limit applies its failure policy.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tollgate_redis::RedisBackend;
+    ///
+    /// let backend = RedisBackend::builder()
+    ///     .sentinel(
+    ///         "mymaster",
+    ///         ["redis://10.0.0.1:26379/", "redis://10.0.0.2:26379/", "redis://10.0.0.3:26379/"],
+    ///     )
+    ///     .build()?;
+    /// # drop(backend);
+    /// # Ok::<(), tollgate_redis::BuildError>(())
+    /// ```
+    pub fn sentinel<I, S>(mut self, master: impl Into<String>, sentinels: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        self.servers = Servers::Sentinel {
+            master: master.into(),
+            sentinels: sentinels.into_iter().map(Into::into).collect(),
+        };
+        self
+    }
+
     /// The first part of every key (default `tollgate`): 1 to 64 characters of
     /// `[A-Za-z0-9_.:-]`. Keys are `<prefix>:<limit name>:{<digest>}`.
     pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
@@ -141,7 +180,8 @@ impl RedisBackendBuilder {
     ///
     /// # Errors
     ///
-    /// [`BuildError`] when no server was given, a URL cannot be parsed, the prefix is
+    /// [`BuildError`] when no server was given (no seed, no sentinel, no master name), a URL
+    /// cannot be parsed, the prefix is
     /// invalid, or the deadline or connect timeout is zero.
     pub fn build(self) -> Result<RedisBackend, BuildError> {
         if !keys::valid_prefix(&self.prefix) {
@@ -172,6 +212,22 @@ impl RedisBackendBuilder {
                     .build()
                     .map_err(bad_url)?;
                 Target::Cluster(Box::new(client))
+            }
+            Servers::Sentinel { master, sentinels } => {
+                if sentinels.is_empty() {
+                    return Err(BuildError::NoSentinels);
+                }
+                if master.is_empty() {
+                    return Err(BuildError::NoMasterName);
+                }
+                let client = redis::sentinel::SentinelClient::build(
+                    sentinels,
+                    master,
+                    None,
+                    redis::sentinel::SentinelServerType::Master,
+                )
+                .map_err(bad_url)?;
+                Target::Sentinel(Arc::new(tokio::sync::Mutex::new(client)))
             }
         };
         Ok(RedisBackend::new(Config {

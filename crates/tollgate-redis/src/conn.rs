@@ -12,16 +12,35 @@ use std::time::Duration;
 use redis::aio::MultiplexedConnection;
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
+use redis::sentinel::SentinelClient;
 use redis::{AsyncConnectionConfig, ErrorKind, RedisError, RedisResult, ServerErrorKind, Value};
 use tokio::sync::Notify;
 
 use crate::script::Script;
 
 /// Where to connect.
-#[derive(Debug, Clone)]
 pub(crate) enum Target {
     Single(redis::Client),
     Cluster(Box<ClusterClient>),
+    /// The master the sentinels name, looked up on each connection attempt. The client keeps
+    /// its connections to the sentinels, hence the lock (held by one attempt at a time).
+    Sentinel(Arc<tokio::sync::Mutex<SentinelClient>>),
+}
+
+impl Target {
+    fn name(&self) -> &'static str {
+        match self {
+            Self::Single(_) => "standalone",
+            Self::Cluster(_) => "cluster",
+            Self::Sentinel(_) => "sentinel",
+        }
+    }
+}
+
+impl std::fmt::Debug for Target {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
 }
 
 /// A live connection; clones share it.
@@ -78,13 +97,7 @@ impl std::fmt::Debug for Connector {
             Slot::Ready { .. } => "ready",
         };
         f.debug_struct("Connector")
-            .field(
-                "target",
-                &match self.target {
-                    Target::Single(_) => "standalone",
-                    Target::Cluster(_) => "cluster",
-                },
-            )
+            .field("target", &self.target.name())
             .field("state", &state)
             .finish()
     }
@@ -159,6 +172,18 @@ impl Connector {
                         .map(Conn::Single)
                 }
                 Target::Cluster(client) => client.get_async_connection().await.map(Conn::Cluster),
+                Target::Sentinel(sentinel) => {
+                    // Asks the sentinels for the master's address (they check that it says it
+                    // is one), then connects to it like a standalone server.
+                    let client = sentinel.lock().await.async_get_client().await?;
+                    let config = AsyncConnectionConfig::new()
+                        .set_connection_timeout(Some(self.connect_timeout))
+                        .set_response_timeout(None);
+                    client
+                        .get_multiplexed_async_connection_with_config(&config)
+                        .await
+                        .map(Conn::Single)
+                }
             }
         };
         let result = match tokio::time::timeout(self.connect_timeout, attempt).await {
@@ -227,8 +252,13 @@ impl Drop for Attempt {
 }
 
 /// Whether an error means the connection itself is broken and must be replaced.
+///
+/// `READONLY` is one of them: the server was demoted to a replica (a Sentinel failover) and
+/// the connection to it still works, so nothing else would ever move the backend to the new
+/// master. Replacing it makes the next call look the master up again.
 pub(crate) fn breaks_connection(e: &RedisError) -> bool {
-    e.is_io_error()
+    e.kind() == ErrorKind::Server(ServerErrorKind::ReadOnly)
+        || e.is_io_error()
         || e.is_connection_dropped()
         || e.is_connection_refusal()
         || e.is_unrecoverable_error()

@@ -6,11 +6,16 @@ use std::fmt;
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum BuildError {
-    /// Neither [`url`](crate::RedisBackendBuilder::url) nor
-    /// [`cluster`](crate::RedisBackendBuilder::cluster) was called.
+    /// None of [`url`](crate::RedisBackendBuilder::url),
+    /// [`cluster`](crate::RedisBackendBuilder::cluster) and
+    /// [`sentinel`](crate::RedisBackendBuilder::sentinel) was called.
     NoServer,
     /// [`cluster`](crate::RedisBackendBuilder::cluster) was given no seed URL.
     NoClusterSeeds,
+    /// [`sentinel`](crate::RedisBackendBuilder::sentinel) was given no sentinel URL.
+    NoSentinels,
+    /// [`sentinel`](crate::RedisBackendBuilder::sentinel) was given an empty master name.
+    NoMasterName,
     /// A URL that the Redis client cannot use.
     InvalidUrl {
         /// What the client said of it. The URL itself is left out: it may hold a password.
@@ -33,7 +38,11 @@ impl BuildError {
     pub fn is_server(&self) -> bool {
         matches!(
             self,
-            Self::NoServer | Self::NoClusterSeeds | Self::InvalidUrl { .. }
+            Self::NoServer
+                | Self::NoClusterSeeds
+                | Self::NoSentinels
+                | Self::NoMasterName
+                | Self::InvalidUrl { .. }
         )
     }
 }
@@ -41,8 +50,12 @@ impl BuildError {
 impl fmt::Display for BuildError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Self::NoServer => f.write_str("no Redis server: call .url(..) or .cluster(..)"),
+            Self::NoServer => {
+                f.write_str("no Redis server: call .url(..), .cluster(..) or .sentinel(..)")
+            }
             Self::NoClusterSeeds => f.write_str("a Redis Cluster needs at least one seed URL"),
+            Self::NoSentinels => f.write_str("Redis Sentinel needs at least one sentinel URL"),
+            Self::NoMasterName => f.write_str("Redis Sentinel needs the master's name"),
             Self::InvalidUrl { reason } => write!(f, "invalid Redis URL: {reason}"),
             Self::InvalidPrefix { prefix } => write!(
                 f,

@@ -67,6 +67,10 @@ pub(crate) fn map_error(e: redis::RedisError) -> BackendError {
         match e.kind() {
             ErrorKind::AuthenticationFailed
             | ErrorKind::InvalidClientConfig
+            // The sentinels name no master that answers as one (mid-failover), or none answers.
+            | ErrorKind::MasterNameNotFoundBySentinel
+            | ErrorKind::NoValidReplicasFoundBySentinel
+            | ErrorKind::EmptySentinelList
             | ErrorKind::Server(
                 ServerErrorKind::BusyLoading
                 | ServerErrorKind::MasterDown
@@ -77,4 +81,24 @@ pub(crate) fn map_error(e: redis::RedisError) -> BackendError {
         }
     };
     BackendError::new(kind, e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sentinels_that_name_no_usable_master_mean_redis_is_unavailable() {
+        // Between a master's death and its replica's promotion the sentinels name the dead
+        // master, which fails its check: Redis is down, not answering nonsense (a `Protocol`
+        // error would count as an answer and close the breaker).
+        for kind in [
+            redis::ErrorKind::MasterNameNotFoundBySentinel,
+            redis::ErrorKind::NoValidReplicasFoundBySentinel,
+            redis::ErrorKind::EmptySentinelList,
+        ] {
+            let e = map_error(redis::RedisError::from((kind, "no master")));
+            assert_eq!(e.kind(), BackendErrorKind::Unavailable, "{kind:?}");
+        }
+    }
 }

@@ -1,7 +1,7 @@
 //! The Redis and Redis Cluster backend of tollgate: limits that hold across every replica.
 //!
 //! [`RedisBackend`] implements [`tollgate_core::Backend`] on a standalone Redis (or Valkey)
-//! server or a Redis Cluster, with the maths of [`tollgate_core::algorithm`] in Lua.
+//! server, a master that Redis Sentinel watches, or a Redis Cluster, with the maths of [`tollgate_core::algorithm`] in Lua.
 //!
 //! # Examples
 //!
@@ -98,6 +98,19 @@
 //!   Fixed windows and sliding logs are refunded exactly.
 //! - If a refund itself fails (Redis down at that moment), the units stay consumed until they
 //!   expire: under-admission again, never over-admission.
+//!
+//! # Redis Sentinel
+//!
+//! [`RedisBackendBuilder::sentinel`] takes the master's name and the sentinels' URLs. Each
+//! connection attempt asks the sentinels for the master (and checks that it says it is one);
+//! from there it is a standalone server, merged calls included. The connection is replaced,
+//! and the master looked up again, when it breaks (the master died) or when the server answers
+//! `READONLY` (it was demoted to a replica, and its connections may stay open). Between the
+//! master's death and the promotion of a replica, which takes at least the sentinels'
+//! `down-after-milliseconds`, checks fail as `Unavailable` and each limit applies its failure
+//! policy; admissions the old master acknowledged but had not yet copied to the replica are
+//! lost with it (Redis replication is asynchronous), so the promoted replica may admit up to
+//! that many more.
 //!
 //! # Failures
 //!

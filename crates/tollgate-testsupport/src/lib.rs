@@ -12,6 +12,9 @@
 //! The helpers panic with a clear message when something is wrong with the machine (no
 //! `redis-server` on `PATH`, a server that never answers): they are for tests only.
 //!
+//! [`Sentinel`] runs a master, a replica and three `redis-server --sentinel` processes that
+//! watch them, to test failover.
+//!
 //! [`vectors`] reads the shared vector file `tests/vectors.txt` that every backend must agree
 //! with.
 //!
@@ -151,6 +154,16 @@ pub struct RedisServer {
     dir: PathBuf,
     cluster: bool,
     paused: bool,
+    role: Role,
+}
+
+/// What a [`RedisServer`] process is: a server, a replica of the server on a port, or a
+/// sentinel started from a copy of a config file.
+#[derive(Debug, Clone)]
+enum Role {
+    Plain,
+    Replica(u16),
+    Sentinel(PathBuf),
 }
 
 impl RedisServer {
@@ -163,7 +176,21 @@ impl RedisServer {
         Self::start_with(false)
     }
 
+    /// Starts a replica of `master` on a free loopback port and waits until it answers
+    /// `PING` (not until it is in sync).
+    ///
+    /// # Panics
+    ///
+    /// As [`RedisServer::start`].
+    pub fn start_replica_of(master: &RedisServer) -> Self {
+        Self::start_as(false, Role::Replica(master.port()))
+    }
+
     fn start_with(cluster: bool) -> Self {
+        Self::start_as(cluster, Role::Plain)
+    }
+
+    fn start_as(cluster: bool, role: Role) -> Self {
         redis_server_binary();
         let mut last = String::new();
         // Another process may take the port between our check and the server's bind: retry.
@@ -175,6 +202,7 @@ impl RedisServer {
                 dir: temp_dir(if cluster { "cluster-node" } else { "redis" }),
                 cluster,
                 paused: false,
+                role: role.clone(),
             };
             match server.spawn() {
                 Ok(()) => return server,
@@ -186,11 +214,17 @@ impl RedisServer {
 
     fn spawn(&mut self) -> Result<(), String> {
         let mut cmd = Command::new(redis_server_binary());
+        if let Role::Sentinel(template) = &self.role {
+            // Sentinel rewrites its config file: each start gets a fresh copy in its directory.
+            let conf = self.dir.join("sentinel.conf");
+            std::fs::copy(template, &conf).map_err(|e| format!("copy sentinel.conf: {e}"))?;
+            cmd.arg(&conf).arg("--sentinel");
+        } else {
+            cmd.args(["--save", ""]).args(["--appendonly", "no"]);
+        }
         cmd.arg("--port")
             .arg(self.port.to_string())
             .args(["--bind", "127.0.0.1"])
-            .args(["--save", ""])
-            .args(["--appendonly", "no"])
             .args(["--protected-mode", "no"])
             .args(["--daemonize", "no"])
             .arg("--dir")
@@ -201,6 +235,10 @@ impl RedisServer {
             cmd.args(["--cluster-enabled", "yes"])
                 .args(["--cluster-config-file", "nodes.conf"])
                 .args(["--cluster-node-timeout", "5000"]);
+        }
+        if let Role::Replica(master) = self.role {
+            cmd.args(["--replicaof", "127.0.0.1"])
+                .arg(master.to_string());
         }
         let mut child = cmd
             .stdin(Stdio::null())
@@ -509,6 +547,160 @@ impl RedisCluster {
     }
 }
 
+/// The master name that [`Sentinel`] monitors.
+pub const SENTINEL_MASTER: &str = "tollgate-master";
+
+/// How long sentinels may take to see the replica and each other.
+const SENTINEL_STARTUP: Duration = Duration::from_secs(30);
+
+/// A master, one replica and three sentinels (quorum 2) on loopback; every process is killed
+/// on drop.
+///
+/// The sentinels declare the master down after 1 s without an answer
+/// ([`Sentinel::DOWN_AFTER`]) and promote the replica.
+#[derive(Debug)]
+pub struct Sentinel {
+    master: RedisServer,
+    replica: RedisServer,
+    sentinels: Vec<RedisServer>,
+    dir: PathBuf,
+}
+
+impl Sentinel {
+    /// How long the sentinels wait without an answer before they call the master down.
+    pub const DOWN_AFTER: Duration = Duration::from_millis(1_000);
+
+    /// Starts the master, its replica and three sentinels that monitor
+    /// [`SENTINEL_MASTER`], and waits until the replica is in sync and every sentinel knows
+    /// the replica and the two other sentinels.
+    ///
+    /// # Panics
+    ///
+    /// When `redis-server` is missing or the setup does not come together in 30 s.
+    pub fn start() -> Self {
+        let master = RedisServer::start();
+        let replica = RedisServer::start_replica_of(&master);
+        let dir = temp_dir("sentinel");
+        let template = dir.join("sentinel.conf");
+        let conf = format!(
+            "sentinel monitor {SENTINEL_MASTER} 127.0.0.1 {port} 2\n\
+             sentinel down-after-milliseconds {SENTINEL_MASTER} {down}\n\
+             sentinel failover-timeout {SENTINEL_MASTER} 10000\n\
+             sentinel parallel-syncs {SENTINEL_MASTER} 1\n",
+            port = master.port(),
+            down = Self::DOWN_AFTER.as_millis(),
+        );
+        std::fs::write(&template, conf).expect("write sentinel.conf");
+        let sentinels = (0..3)
+            .map(|_| RedisServer::start_as(false, Role::Sentinel(template.clone())))
+            .collect();
+        let setup = Self {
+            master,
+            replica,
+            sentinels,
+            dir,
+        };
+        setup.wait_ready();
+        setup
+    }
+
+    fn wait_ready(&self) {
+        let started = Instant::now();
+        loop {
+            let synced = server_info(&self.replica, "replication", "master_link_status")
+                .is_some_and(|s| s == "up");
+            let known = self.sentinels.iter().all(|s| {
+                let mut con = s.client();
+                let replicas: redis::RedisResult<Vec<redis::Value>> = redis::cmd("SENTINEL")
+                    .arg("REPLICAS")
+                    .arg(SENTINEL_MASTER)
+                    .query(&mut con);
+                let peers: redis::RedisResult<Vec<redis::Value>> = redis::cmd("SENTINEL")
+                    .arg("SENTINELS")
+                    .arg(SENTINEL_MASTER)
+                    .query(&mut con);
+                replicas.is_ok_and(|r| r.len() == 1) && peers.is_ok_and(|p| p.len() == 2)
+            });
+            if synced && known {
+                return;
+            }
+            assert!(
+                started.elapsed() < SENTINEL_STARTUP,
+                "the sentinels did not discover the replica and each other"
+            );
+            thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// The sentinels' URLs, `redis://127.0.0.1:<port>/`.
+    pub fn sentinel_urls(&self) -> Vec<String> {
+        self.sentinels.iter().map(RedisServer::url).collect()
+    }
+
+    /// The server that was master at start.
+    pub fn master(&self) -> &RedisServer {
+        &self.master
+    }
+
+    /// The server that was master at start, to stop or pause it.
+    pub fn master_mut(&mut self) -> &mut RedisServer {
+        &mut self.master
+    }
+
+    /// The server that was a replica at start.
+    pub fn replica(&self) -> &RedisServer {
+        &self.replica
+    }
+
+    /// The port of the master as the first sentinel that answers sees it.
+    ///
+    /// # Panics
+    ///
+    /// When no sentinel answers.
+    pub fn master_port(&self) -> u16 {
+        for s in &self.sentinels {
+            let Ok(client) = redis::Client::open(s.url()) else {
+                continue;
+            };
+            let Ok(mut con) = client.get_connection_with_timeout(Duration::from_secs(1)) else {
+                continue;
+            };
+            let addr: redis::RedisResult<(String, String)> = redis::cmd("SENTINEL")
+                .arg("GET-MASTER-ADDR-BY-NAME")
+                .arg(SENTINEL_MASTER)
+                .query(&mut con);
+            if let Some(port) = addr.ok().and_then(|(_, p)| p.parse().ok()) {
+                return port;
+            }
+        }
+        panic!("no sentinel answered GET-MASTER-ADDR-BY-NAME");
+    }
+}
+
+impl Drop for Sentinel {
+    fn drop(&mut self) {
+        // Sentinels first, so that none reconfigures a server that is going away.
+        self.sentinels.clear();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// What the server says of itself in `INFO <section>`: the value of `field`, or `None`
+/// when the server cannot be reached or has no such field.
+pub fn server_info(server: &RedisServer, section: &str, field: &str) -> Option<String> {
+    let client = redis::Client::open(server.url()).ok()?;
+    let mut con = client
+        .get_connection_with_timeout(Duration::from_secs(1))
+        .ok()?;
+    let info: String = redis::cmd("INFO").arg(section).query(&mut con).ok()?;
+    info.lines().find_map(|l| {
+        l.trim()
+            .strip_prefix(field)
+            .and_then(|r| r.strip_prefix(':'))
+            .map(str::to_owned)
+    })
+}
+
 fn cluster_nodes(node: &RedisServer) -> String {
     redis::cmd("CLUSTER")
         .arg("NODES")
@@ -621,5 +813,22 @@ mod tests {
             .query(&mut owner.client())
             .unwrap();
         assert_eq!(cluster.dbsize(), 1);
+    }
+
+    #[test]
+    fn sentinels_promote_the_replica_when_the_master_dies() {
+        let mut setup = Sentinel::start();
+        assert_eq!(setup.master_port(), setup.master().port());
+        let replica = setup.replica().port();
+        setup.master_mut().stop();
+        let started = Instant::now();
+        while setup.master_port() != replica {
+            assert!(started.elapsed() < Duration::from_secs(60), "no failover");
+            thread::sleep(Duration::from_millis(50));
+        }
+        assert_eq!(
+            server_info(setup.replica(), "replication", "role").as_deref(),
+            Some("master")
+        );
     }
 }
