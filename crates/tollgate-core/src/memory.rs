@@ -225,7 +225,7 @@ impl Shard {
     /// (one lookup: the same answers the capacity check).
     #[inline(always)]
     fn evaluate(&mut self, check: &Check<'_>, fp: &Fp, now: Micros) -> (Verdict, Pending, bool) {
-        let quota = check.limit.quota();
+        let quota = &check.quota;
         match check.limit.algorithm() {
             Algorithm::Gcra => {
                 let tat = self.gcra.get_mut(fp).map(Slot::get);
@@ -261,7 +261,7 @@ impl Shard {
             Pending::Tat(tat) => store(&mut self.gcra, fp, tat),
             Pending::Window(state) => store(&mut self.windows, fp, state),
             Pending::Log { trim } => {
-                let period = check.limit.quota().period_micros();
+                let period = check.quota.period_micros();
                 let log = match self.logs.entry(fp) {
                     Entry::Occupied(e) => e.into_mut(),
                     Entry::Vacant(e) => e.insert(Log {
@@ -269,6 +269,8 @@ impl Shard {
                         period,
                     }),
                 };
+                // The entries carry across a change of quota; they expire by the latest one.
+                log.period = period;
                 log.entries.drain(..trim.min(log.entries.len()));
                 // The log stays ascending (the algorithm's search and the sweep rely on it):
                 // a check that read the clock before the newest entry was written records its
@@ -442,12 +444,7 @@ impl<C> Inner<C> {
                     self.tracked.fetch_sub(1, Ordering::Relaxed);
                 }
                 let v = &mut verdicts.as_mut_slice()[i];
-                *v = algorithm::unconsumed(
-                    check.limit.algorithm(),
-                    check.limit.quota(),
-                    *v,
-                    check.cost,
-                );
+                *v = algorithm::unconsumed(check.limit.algorithm(), &check.quota, *v, check.cost);
             }
         }
         verdicts
@@ -496,7 +493,7 @@ impl<C> Inner<C> {
             return None;
         }
         let tat = guard.gcra.get(&fp)?;
-        let quota = check.limit.quota();
+        let quota = &check.quota;
         let mut current = tat.load(Ordering::Relaxed);
         loop {
             let (verdict, next) = algorithm::gcra(quota, Some(current), now, check.cost);
@@ -573,7 +570,7 @@ impl<C> Inner<C> {
     ) -> Verdict {
         let mut guard = self.lock(s, now, sweeps);
         let shard = &mut *guard;
-        let quota = check.limit.quota();
+        let quota = &check.quota;
         let room = shard.len() < self.shard_cap;
         // GCRA and fixed window read and write a tracked key's state through one lookup.
         match check.limit.algorithm() {
@@ -604,7 +601,19 @@ impl<C> Inner<C> {
     }
 
     fn fingerprint(&self, check: &Check<'_>) -> Fp {
-        Fp(self.seed.hash(check.limit.id(), check.key))
+        // A fixed window's count belongs to its period: a limit whose period changes at run
+        // time starts empty rather than reading a day's count as a minute's.
+        let id = match check.limit.algorithm() {
+            Algorithm::FixedWindow => {
+                check.limit.id()
+                    ^ check
+                        .quota
+                        .period_micros()
+                        .wrapping_mul(0x9e37_79b9_7f4a_7c15)
+            }
+            Algorithm::Gcra | Algorithm::SlidingLog => check.limit.id(),
+        };
+        Fp(self.seed.hash(id, check.key))
     }
 
     /// At the cap, expired keys in shards nobody touches would hold places forever: each call

@@ -373,7 +373,7 @@ impl Prepared {
     ///
     /// [`BackendErrorKind::Protocol`] for an algorithm these scripts do not implement.
     pub(crate) fn new(check: &Check<'_>, digest: KeyDigest) -> Result<Self, BackendError> {
-        let quota = check.limit.quota();
+        let quota = &check.quota;
         let algorithm = check.limit.algorithm();
         let (code, params) = match algorithm {
             Algorithm::Gcra => {

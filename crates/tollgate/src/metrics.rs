@@ -392,3 +392,9 @@ mod tests {
         assert_eq!(logged, [1, 5]);
     }
 }
+
+/// Counts one attempt to replace a layer's limits.
+pub(crate) fn record_reload(ok: bool) {
+    let result = if ok { "ok" } else { "error" };
+    metrics::counter!("tollgate_config_reloads_total", "result" => result).increment(1);
+}
