@@ -304,6 +304,11 @@ impl Backend for RedisBackend {
     fn kind(&self) -> &'static str {
         BACKEND
     }
+
+    /// Drops the local deny cache's denials of `limit`, so that a raised quota is seen at once.
+    fn forget_denials(&self, limit: &str) {
+        self.inner.deny.forget_limit(limit);
+    }
 }
 
 impl fmt::Debug for RedisBackend {

@@ -71,6 +71,8 @@ struct Entry {
     /// made: a hit increments it under the shard's lock it already holds, with no registry
     /// lookup.
     hits: Counter,
+    /// The entry's limit, so that a change of its quotas drops its denials.
+    limit: Arc<str>,
     until: Instant,
     reset_at: Instant,
     remaining: u64,
@@ -120,6 +122,21 @@ impl DenyCache {
     pub(crate) fn forget(&self, digest: &KeyDigest) {
         if self.per_shard > 0 {
             self.shard(digest).remove(digest);
+        }
+    }
+
+    /// Drops every denial of `limit`: its quotas changed, and a denial seen under the old ones
+    /// may no longer stand. Visits every shard; it runs when limits are reloaded, never on a
+    /// request.
+    pub(crate) fn forget_limit(&self, limit: &str) {
+        if self.per_shard == 0 {
+            return;
+        }
+        for shard in self.shards.iter() {
+            shard
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .retain(|_, e| &*e.limit != limit);
         }
     }
 
@@ -184,6 +201,7 @@ impl DenyCache {
         let now = Instant::now();
         let mut entry = Entry {
             hits: Counter::noop(),
+            limit: Arc::clone(limit),
             until: now + Duration::from_micros(retry_after),
             reset_at: now + Duration::from_micros(verdict.reset),
             remaining: verdict.remaining,
@@ -403,6 +421,22 @@ mod tests {
         cache.insert(&log, &limit(), 1, None, &denied(1_000_000));
         assert_eq!(retry(cache.lookup(&log, 1)), Some(1_000_000));
         assert_eq!(cache.lookup(&log, 5), Lookup::Miss);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn forgetting_a_limit_drops_its_denials_only() {
+        let cache = DenyCache::new(100, Duration::from_millis(50));
+        let other: Arc<str> = "other".into();
+        let (a, b, c) = ([1u8; 16], [2u8; 16], [3u8; 16]);
+        cache.insert(&a, &limit(), 1, Some(0), &denied(1_000_000));
+        cache.insert(&b, &limit(), 1, Some(0), &denied(1_000_000));
+        cache.insert(&c, &other, 1, Some(0), &denied(1_000_000));
+        assert_eq!(cache.len(), 3);
+        cache.forget_limit(&limit());
+        assert_eq!(cache.len(), 1);
+        assert_eq!(cache.lookup(&a, 1), Lookup::Miss);
+        assert_eq!(cache.lookup(&b, 1), Lookup::Miss);
+        assert!(cache.lookup(&c, 1).denial().is_some());
     }
 
     #[tokio::test(start_paused = true)]
