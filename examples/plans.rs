@@ -66,7 +66,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         Err(_) => 3000,
     };
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
-    println!("plans listening on http://{} with limits from {path}", listener.local_addr()?);
+    println!(
+        "plans listening on http://{} with limits from {path}",
+        listener.local_addr()?
+    );
     axum::serve(listener, app).await?;
     Ok(())
 }
