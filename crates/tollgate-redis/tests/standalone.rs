@@ -165,10 +165,9 @@ async fn denied_checks_write_nothing() {
     // A cost above the quota writes nothing either.
     let g = gcra("fresh", 2);
     let too_much = Check {
-        limit: &g,
-        key: b"k",
         cost: 3,
         enforce: true,
+        ..Check::new(&g, b"k")
     };
     let keys_before = server.dbsize();
     let v = backend.check_at(&[too_much], now).await.unwrap()[0];

@@ -53,10 +53,9 @@ fn prepare(
 /// The vector's check, enforced, with its cost.
 fn check_of<'a>(limit: &'a Limit, v: &Vector) -> Check<'a> {
     Check {
-        limit,
-        key: KEY,
         cost: v.cost,
         enforce: true,
+        ..Check::new(limit, KEY)
     }
 }
 
