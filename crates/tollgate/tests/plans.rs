@@ -212,8 +212,8 @@ async fn sliding_log_entries_and_gcra_times_carry_across_a_change() {
     clock.advance(Duration::from_secs(30));
     assert_eq!(admitted(&mut svc, "a", None, 6).await, 4);
 
-    // GCRA keeps its theoretical arrival time: 5 a minute used at once is a minute of
-    // emission; at 10 a minute the bucket holds a minute too, so it is still full.
+    // GCRA carries the units used: 5 of 5 a minute used at once, raised to 10 a minute,
+    // leaves exactly 5.
     let gcra = |n| {
         Limits::new().limit(
             Limit::gcra("gcra", Quota::per_minute(n).unwrap()).unwrap(),
@@ -222,16 +222,38 @@ async fn sliding_log_entries_and_gcra_times_carry_across_a_change() {
     };
     let layer = RateLimitLayer::builder()
         .limits(gcra(5))
-        .backend(backend)
+        .backend(backend.clone())
         .build()
         .unwrap();
     let mut svc = app(layer.clone());
     assert_eq!(admitted(&mut svc, "g", None, 6).await, 5);
     layer.reloader().reload(gcra(10)).unwrap();
-    assert_eq!(admitted(&mut svc, "g", None, 3).await, 0);
-    // 6 s is one emission at 10 a minute.
+    assert_eq!(admitted(&mut svc, "g", None, 8).await, 5);
+    // Then one every 6 s.
     clock.advance(Duration::from_secs(6));
     assert_eq!(admitted(&mut svc, "g", None, 3).await, 1);
+    // Lowered to 2 a minute: the 10 units used are 5 minutes at 30 s each, more than the
+    // bucket's minute, so refused. A refusal writes nothing, so the stored TAT is still the
+    // old quota's until an admission carries it: it drains at the old rate meanwhile.
+    layer.reloader().reload(gcra(2)).unwrap();
+    assert_eq!(admitted(&mut svc, "g", None, 3).await, 0);
+    clock.advance(Duration::from_secs(59));
+    // 1 s left of the old minute: 1 unit used at 30 s, room for 1 more.
+    assert_eq!(admitted(&mut svc, "g", None, 3).await, 1);
+
+    // A key whose plan changes carries what it used the same way.
+    let plans = Limit::gcra("plans", Quota::per_minute(2).unwrap())
+        .unwrap()
+        .plan("pro", Quota::per_minute(6).unwrap())
+        .unwrap();
+    let layer = RateLimitLayer::builder()
+        .limit(plans, Tenant::header("x-key"))
+        .backend(backend)
+        .build()
+        .unwrap();
+    let mut svc = app(layer);
+    assert_eq!(admitted(&mut svc, "u", None, 3).await, 2);
+    assert_eq!(admitted(&mut svc, "u", Some("pro"), 10).await, 4);
 }
 
 #[tokio::test]
