@@ -146,3 +146,51 @@ async fn a_raised_quota_keeps_the_count_and_drops_cached_denials_on_a_cluster() 
     let nodes = RedisCluster::start(3);
     a_raised_quota_is_seen_at_once(cluster(&nodes)).await;
 }
+
+fn hourly_gcra(n: u32) -> Limits {
+    Limits::new().limit(
+        Limit::gcra("hourly", Quota::per_hour(n).unwrap()).unwrap(),
+        Tenant::header("x-key"),
+    )
+}
+
+/// GCRA carries the units a key used when its quota changes: by a reload, or by its plan.
+async fn gcra_carries_what_was_used(backend: RedisBackend, other: RedisBackend) {
+    let layer = RateLimitLayer::builder()
+        .limits(hourly_gcra(5))
+        .backend(backend)
+        .build()
+        .unwrap();
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(layer.clone());
+    assert_eq!(admitted(&app, "g", None, 7).await, 5);
+    layer.reloader().reload(hourly_gcra(10)).unwrap();
+    assert_eq!(admitted(&app, "g", None, 8).await, 5);
+
+    let plans = Limit::gcra("switch", Quota::per_hour(2).unwrap())
+        .unwrap()
+        .plan("pro", Quota::per_hour(6).unwrap())
+        .unwrap();
+    let app = Router::new().route("/", get(|| async { "ok" })).layer(
+        RateLimitLayer::builder()
+            .limit(plans, Tenant::header("x-key"))
+            .backend(other)
+            .build()
+            .unwrap(),
+    );
+    assert_eq!(admitted(&app, "u", None, 3).await, 2);
+    assert_eq!(admitted(&app, "u", Some("pro"), 10).await, 4);
+}
+
+#[tokio::test]
+async fn gcra_carries_what_a_key_used_across_quotas_on_redis() {
+    let server = RedisServer::start();
+    gcra_carries_what_was_used(standalone(&server.url()), standalone(&server.url())).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gcra_carries_what_a_key_used_across_quotas_on_a_cluster() {
+    let nodes = RedisCluster::start(3);
+    gcra_carries_what_was_used(cluster(&nodes), cluster(&nodes)).await;
+}

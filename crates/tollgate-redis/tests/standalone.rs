@@ -346,7 +346,10 @@ async fn keys_never_hold_the_identity_and_have_a_fixed_length() {
         assert!(!key.contains("203.0.113.7") && !key.contains("alice"));
         assert_eq!(key.len(), keys[0].len());
     }
-    assert_eq!(backend.key_for(&limit, short).len(), keys[0].len());
+    // A GCRA TAT lives at `<base key>:v2`.
+    let tat = format!("{}:v2", backend.key_for(&limit, short));
+    assert!(keys.contains(&tat), "{keys:?}");
+    assert_eq!(tat.len(), keys[0].len());
 }
 
 #[tokio::test]
