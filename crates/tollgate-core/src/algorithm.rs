@@ -401,4 +401,20 @@ mod tests {
         assert!(v.is_allowed());
         assert_eq!(next.map(|s| s.window_end), Some(u64::MAX));
     }
+
+    #[test]
+    fn gcra_carry_counts_what_was_used_in_the_new_intervals() {
+        let now = 1_000 * S;
+        // Same interval, or a TAT in the past: unchanged.
+        assert_eq!(gcra_carry(now + 7 * S, now, 12 * S, 12 * S), now + 7 * S);
+        assert_eq!(gcra_carry(now - S, now, 12 * S, 6 * S), now - S);
+        // 5 units at 12 s, now at 6 s; a part of a unit counts as a unit.
+        assert_eq!(gcra_carry(now + 60 * S, now, 12 * S, 6 * S), now + 30 * S);
+        assert_eq!(gcra_carry(now + 13 * S, now, 12 * S, 6 * S), now + 12 * S);
+        // Lowered: more time ahead than the new bucket holds.
+        assert_eq!(gcra_carry(now + 60 * S, now, 6 * S, 12 * S), now + 120 * S);
+        // Never more than MAX_PERIOD ahead.
+        let max = crate::clock::micros(crate::MAX_PERIOD);
+        assert_eq!(gcra_carry(now + max, now, 1, max), now + max);
+    }
 }

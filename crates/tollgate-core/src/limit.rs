@@ -647,4 +647,75 @@ mod tests {
             }
         );
     }
+
+    #[test]
+    fn plans_are_checked_like_the_default_quota() {
+        let minute = |n| Quota::per_minute(n).unwrap();
+        let w = Limit::fixed_window("w", minute(5)).unwrap();
+        assert_eq!(
+            w.clone().plan("", minute(9)).unwrap_err(),
+            ConfigError::InvalidPlan(String::new())
+        );
+        assert_eq!(
+            w.clone().plan("a b", minute(9)).unwrap_err(),
+            ConfigError::InvalidPlan("a b".into())
+        );
+        let pro = w.clone().plan("pro", minute(50)).unwrap();
+        assert_eq!(
+            pro.clone().plan("pro", minute(60)).unwrap_err(),
+            ConfigError::InvalidPlan("pro".into())
+        );
+        // One period per fixed window.
+        assert_eq!(
+            w.clone()
+                .plan("day", Quota::per_day(100).unwrap())
+                .unwrap_err(),
+            ConfigError::PlanPeriod("day".into())
+        );
+        // A burst only on GCRA; GCRA's precision; a log's size.
+        assert_eq!(
+            w.clone()
+                .plan("b", minute(9).with_burst(3).unwrap())
+                .unwrap_err(),
+            ConfigError::InvalidBurst
+        );
+        let g = Limit::gcra("g", minute(5)).unwrap();
+        assert_eq!(
+            g.clone()
+                .plan("fast", Quota::per_second(600_000).unwrap())
+                .unwrap_err(),
+            ConfigError::ImpreciseRate
+        );
+        let l = Limit::sliding_log("l", minute(5)).unwrap();
+        assert_eq!(
+            l.plan("big", minute(MAX_LOG_UNITS + 1)).unwrap_err(),
+            ConfigError::LogTooLong {
+                limit: MAX_LOG_UNITS + 1,
+                max: MAX_LOG_UNITS
+            }
+        );
+        // The cost fits every quota, whichever comes first.
+        let costly = w.clone().with_cost(4).unwrap();
+        assert_eq!(
+            costly.plan("tiny", minute(3)).unwrap_err(),
+            ConfigError::InvalidCost { cost: 4, max: 3 }
+        );
+        let tiny = w.plan("tiny", minute(3)).unwrap();
+        assert_eq!(
+            tiny.clone().with_cost(4).unwrap_err(),
+            ConfigError::InvalidCost { cost: 4, max: 3 }
+        );
+        // Lookups, and the indices the layer keeps.
+        assert_eq!(pro.quota_of(Some("pro")), (1, &minute(50)));
+        assert_eq!(pro.quota_of(Some("free")), (0, &minute(5)));
+        assert_eq!(pro.quota_of(None), (0, &minute(5)));
+        assert_eq!(pro.quota_at(1), &minute(50));
+        assert_eq!(pro.quota_at(7), &minute(5));
+        // The fallback's share divides every plan.
+        let share = pro.local_share(NonZeroU32::new(5).unwrap());
+        assert_eq!(share.quota_of(Some("pro")).1.limit(), 10);
+        assert_eq!(share.quota().limit(), 1);
+        assert!(pro.same_quotas(&pro.clone()));
+        assert!(!pro.same_quotas(&tiny));
+    }
 }
