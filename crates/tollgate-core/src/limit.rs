@@ -13,6 +13,9 @@ pub const MAX_NAME_LEN: usize = 64;
 /// numbers stop being exact, and no sum of a time and a period can overflow.
 pub const MAX_PERIOD: Duration = Duration::from_secs(36_525 * 86_400);
 
+/// The most plans one limit may name.
+pub const MAX_PLANS: usize = 255;
+
 /// The largest quota a sliding-log limit may have, in units per period, and so the largest
 /// cost one of its checks can be admitted at.
 ///
@@ -344,7 +347,8 @@ impl Limit {
     /// # Errors
     ///
     /// [`ConfigError::InvalidPlan`] for a name that is not 1 to [`MAX_NAME_LEN`] characters of
-    /// `[A-Za-z0-9_.-]` or that this limit already has; the quota's errors of [`Limit::new`];
+    /// `[A-Za-z0-9_.-]`, that this limit already has, or past the [`MAX_PLANS`]th; the quota's
+    /// errors of [`Limit::new`];
     /// [`ConfigError::PlanPeriod`] for a fixed window whose plan has another period than the
     /// default; [`ConfigError::InvalidCost`] when the limit's cost is above what the quota
     /// admits at once.
@@ -362,7 +366,10 @@ impl Limit {
     /// # Ok::<(), tollgate_core::ConfigError>(())
     /// ```
     pub fn plan(mut self, plan: &str, quota: Quota) -> Result<Self, ConfigError> {
-        if !valid_name(plan) || self.plans.iter().any(|(p, _)| &**p == plan) {
+        if !valid_name(plan)
+            || self.plans.iter().any(|(p, _)| &**p == plan)
+            || self.plans.len() >= MAX_PLANS
+        {
             return Err(ConfigError::InvalidPlan(plan.chars().take(80).collect()));
         }
         check_quota(self.algorithm, &quota)?;
@@ -704,6 +711,15 @@ mod tests {
         assert_eq!(
             tiny.clone().with_cost(4).unwrap_err(),
             ConfigError::InvalidCost { cost: 4, max: 3 }
+        );
+        // At most MAX_PLANS.
+        let mut many = Limit::gcra("many", minute(5)).unwrap();
+        for i in 0..MAX_PLANS {
+            many = many.plan(&format!("p{i}"), minute(6)).unwrap();
+        }
+        assert_eq!(
+            many.plan("one-more", minute(6)).unwrap_err(),
+            ConfigError::InvalidPlan("one-more".into())
         );
         // Lookups, and the indices the layer keeps.
         assert_eq!(pro.quota_of(Some("pro")), (1, &minute(50)));

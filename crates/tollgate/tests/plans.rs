@@ -125,6 +125,48 @@ async fn each_plan_gets_its_quota_and_others_the_default() {
 }
 
 #[tokio::test]
+async fn a_function_of_the_request_chooses_the_plan_when_it_has_none() {
+    let (backend, _clock) = memory();
+    let limit = window("per-key", 2)
+        .plan("partner", Quota::per_minute(4).unwrap())
+        .unwrap()
+        .plan("pro", Quota::per_minute(6).unwrap())
+        .unwrap();
+    let layer = RateLimitLayer::builder()
+        .limits(per_key(limit))
+        .plan_fn(|req| {
+            req.headers()
+                .contains_key("x-partner")
+                .then(|| Plan::new("partner"))
+        })
+        .backend(backend)
+        .build()
+        .unwrap();
+    let mut svc = app(layer);
+    let partner = |key: &str| {
+        let mut r = req(key, None);
+        r.headers_mut().insert("x-partner", "1".parse().unwrap());
+        r
+    };
+    let mut ok = 0;
+    for _ in 0..10 {
+        let res = svc.ready().await.unwrap().call(partner("a")).await.unwrap();
+        ok += usize::from(res.status() == StatusCode::OK);
+    }
+    assert_eq!(ok, 4);
+    // The extension wins over the function.
+    let mut ok = 0;
+    for _ in 0..10 {
+        let mut r = partner("b");
+        r.extensions_mut().insert(Plan::new("pro"));
+        let res = svc.ready().await.unwrap().call(r).await.unwrap();
+        ok += usize::from(res.status() == StatusCode::OK);
+    }
+    assert_eq!(ok, 6);
+    assert_eq!(admitted(&mut svc, "c", None, 10).await, 2);
+}
+
+#[tokio::test]
 async fn a_gcra_plan_and_a_sliding_log_plan_are_exact_too() {
     let (backend, _clock) = memory();
     let gcra = Limit::gcra("burst", Quota::per_minute(2).unwrap())

@@ -38,15 +38,18 @@ impl<B: Backend> Shared<B> {
         } else {
             tracing::Span::none()
         };
-        // The request's plan is looked up only when some limit has plans.
-        let plan_name = if set.plans {
-            req.extensions()
-                .get::<crate::Plan>()
-                .map(crate::Plan::as_str)
-        } else {
-            None
-        };
         let view = RequestView::new(req);
+        // The request's plan is looked up only when some limit has plans: its extension, or
+        // what the layer's plan function makes of the request.
+        let chosen;
+        let plan_name = match (set.plans, req.extensions().get::<crate::Plan>()) {
+            (false, _) => None,
+            (true, Some(plan)) => Some(plan.as_str()),
+            (true, None) => {
+                chosen = self.plan_fn.as_ref().and_then(|f| f(&view));
+                chosen.as_ref().map(crate::Plan::as_str)
+            }
+        };
         let mut keys: [Option<Key<'_>>; MAX_CHECKS] = Default::default();
         let mut n = 0;
         let mut limit_of = [0; MAX_CHECKS];
@@ -76,7 +79,7 @@ impl<B: Backend> Shared<B> {
             for (i, (entry, key)) in set.limits.iter().zip(&keys).enumerate() {
                 if let Some(key) = key {
                     let (index, quota) = entry.limit.quota_of(plan_name);
-                    // At most 1 + the plans of one limit, which are few.
+                    // A limit has at most `MAX_PLANS` plans.
                     quota_of[i] = u8::try_from(index).unwrap_or(0);
                     checks[n] = Check::new(&entry.limit, key.as_bytes()).with_quota(*quota);
                     limit_of[n] = i;

@@ -24,8 +24,9 @@ use tollgate_core::{
 use tower_layer::Layer;
 
 use crate::decision::Decision;
-use crate::key::KeyExtractor;
+use crate::key::{KeyExtractor, RequestView};
 use crate::metrics::LimitMetrics;
+use crate::plan::Plan as RequestPlan;
 use crate::response::{self, HeaderConfig, Rejection};
 
 mod body;
@@ -40,6 +41,7 @@ pub use reload::{ReloadError, Reloader};
 pub use service::RateLimit;
 
 type Responder = Box<dyn Fn(&Rejection<'_>) -> Response<Bytes> + Send + Sync>;
+type PlanFn = Box<dyn Fn(&RequestView<'_>) -> Option<RequestPlan> + Send + Sync>;
 
 /// Applies one or more stacked limits to every request of the services it wraps.
 ///
@@ -84,6 +86,7 @@ impl RateLimitLayer<MemoryBackend> {
         RateLimitLayerBuilder {
             backend: MemoryBackend::new(),
             limits: Limits::new(),
+            plan_fn: None,
             headers: HeaderConfig::default(),
             responder: None,
             grpc_responder: None,
@@ -234,6 +237,7 @@ impl<B: Backend> fmt::Debug for RateLimitLayer<B> {
 pub struct RateLimitLayerBuilder<B> {
     backend: B,
     limits: Limits,
+    plan_fn: Option<PlanFn>,
     headers: HeaderConfig,
     responder: Option<Responder>,
     grpc_responder: Option<Responder>,
@@ -249,6 +253,32 @@ impl<B: Backend> RateLimitLayerBuilder<B> {
         self
     }
 
+    /// Chooses the plan of a request that has no [`Plan`](crate::Plan) extension with `plan`,
+    /// a function of the request (a header, the path, another extension). A request for
+    /// which it answers `None` gets every limit's default quota.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tollgate::key::Global;
+    /// use tollgate::{Limit, Plan, Quota, RateLimitLayer};
+    ///
+    /// # fn main() -> Result<(), tollgate::core::ConfigError> {
+    /// let limit = Limit::gcra("api", Quota::per_minute(10)?)?.plan("partner", Quota::per_minute(100)?)?;
+    /// let layer = RateLimitLayer::builder()
+    ///     .limit(limit, Global)
+    ///     .plan_fn(|req| req.headers().contains_key("x-partner-key").then(|| Plan::new("partner")))
+    ///     .build()?;
+    /// # Ok(()) }
+    /// ```
+    pub fn plan_fn<F>(mut self, plan: F) -> Self
+    where
+        F: Fn(&RequestView<'_>) -> Option<RequestPlan> + Send + Sync + 'static,
+    {
+        self.plan_fn = Some(Box::new(plan));
+        self
+    }
+
     /// Adds every limit of `limits` (for example from a [`LimitsFile`](crate::LimitsFile)).
     pub fn limits(mut self, limits: Limits) -> Self {
         self.limits.entries.extend(limits.entries);
@@ -260,6 +290,7 @@ impl<B: Backend> RateLimitLayerBuilder<B> {
         RateLimitLayerBuilder {
             backend,
             limits: self.limits,
+            plan_fn: self.plan_fn,
             headers: self.headers,
             responder: self.responder,
             grpc_responder: self.grpc_responder,
@@ -339,6 +370,7 @@ impl<B: Backend> RateLimitLayerBuilder<B> {
                 backend: self.backend,
                 set: ArcSwap::from_pointee(set),
                 reloads: Mutex::new(()),
+                plan_fn: self.plan_fn,
                 fallback: MemoryBackend::builder()
                     .max_keys(self.fallback_max_keys)
                     .clock(self.fallback_clock)
@@ -369,6 +401,8 @@ pub(crate) struct Shared<B> {
     set: ArcSwap<LimitSet>,
     /// Serialises reloads (never taken by a request).
     reloads: Mutex<()>,
+    /// The plan of a request without a `Plan` extension.
+    plan_fn: Option<PlanFn>,
     fallback: MemoryBackend<Arc<dyn Clock>>,
     headers: HeaderConfig,
     responder: Option<Responder>,
