@@ -50,9 +50,11 @@
 //!   state becomes that of a fresh key. A check under another interval (the key's plan
 //!   changed, or the limit was reloaded with another quota) first carries the units the key
 //!   used to its own interval, as `tollgate_core::algorithm::gcra_carry` does. Versions before
-//!   this one kept the TAT alone at `<key>`: the new name keeps old and new replicas of a
-//!   rolling deploy from misreading each other's state (each sees the other's GCRA keys as
-//!   absent, so a bucket is counted afresh once, at the upgrade).
+//!   this one kept the TAT alone at `<key>`. Under the new name, a replica still on an old
+//!   version never parses a value it does not know as an empty bucket (which would reset the
+//!   key on every one of its checks); but until every replica runs the new version, old and
+//!   new ones count each GCRA key in two buckets, so a key can be admitted up to twice its
+//!   quota for the length of the deploy. Fixed windows and sliding logs keep their keys.
 //! - **Fixed window**: `INCRBY` on `<key>:<window index>`; the TTL is set by the first write of
 //!   the window only. The window is the one that holds the server's `TIME`, which the client
 //!   cannot know exactly: it declares the keys of its estimate's window and the next (its
