@@ -597,3 +597,22 @@ fn limits_file_errors_say_where() {
     assert_eq!(line, 0);
     assert!(message.contains("two limits are named \"a\""), "{message}");
 }
+
+#[tokio::test]
+async fn a_layer_from_a_toml_text_or_file() {
+    let text = "[[limit]]\nname = \"all\"\nalgorithm = \"fixed_window\"\nperiod = \"1d\"\nkey = \"global\"\n[limit.quota]\ndefault = 2\n";
+    let layer = RateLimitLayer::from_toml_str(text).unwrap();
+    assert_eq!(layer.limits()[0].name(), "all");
+    let mut svc = app(layer);
+    assert_eq!(admitted(&mut svc, "a", None, 5).await, 2);
+    let path = std::env::temp_dir().join(format!("tollgate-limits-{}.toml", std::process::id()));
+    std::fs::write(&path, text).unwrap();
+    let layer = RateLimitLayer::from_toml_file(&path).unwrap();
+    assert_eq!(layer.limits()[0].quota().limit(), 2);
+    std::fs::remove_file(&path).unwrap();
+    let missing = RateLimitLayer::from_toml_file(&path).unwrap_err();
+    assert!(
+        missing.to_string().starts_with("limits file: cannot read "),
+        "{missing}"
+    );
+}
