@@ -62,6 +62,40 @@ pub fn gcra(
     (verdict, Some(new_tat))
 }
 
+/// A GCRA theoretical arrival time stored under the emission interval `from`, carried to a
+/// quota whose interval is `to`: what the key has used, counted in units, is what it has used
+/// under the new quota.
+///
+/// `TAT' = now + ⌈(TAT − now) / from⌉ × to`, capped at [`MAX_PERIOD`](crate::MAX_PERIOD)
+/// ahead: `(TAT − now) × to / from` with the units used rounded up to whole ones, which errs
+/// toward limiting by less than one unit and keeps every figure an integer that the Redis
+/// scripts' doubles hold exactly. A TAT in the past, or one stored under the same interval, is
+/// returned as it is.
+///
+/// # Examples
+///
+/// ```
+/// use tollgate_core::{algorithm, Quota};
+///
+/// // 5 a minute used up (a TAT a minute ahead), raised to 10 a minute: 5 units used, 30 s.
+/// let (five, ten) = (Quota::per_minute(5)?, Quota::per_minute(10)?);
+/// let now = 1_000_000_000;
+/// let tat = algorithm::gcra_carry(now + 60_000_000, now, five.emission_interval(), ten.emission_interval());
+/// assert_eq!(tat, now + 30_000_000);
+/// assert_eq!(algorithm::gcra(&ten, Some(tat), now, 1).0.remaining, 4);
+/// # Ok::<(), tollgate_core::ConfigError>(())
+/// ```
+#[inline]
+pub fn gcra_carry(tat: Micros, now: Micros, from: Micros, to: Micros) -> Micros {
+    if tat <= now || from == to || from == 0 {
+        return tat;
+    }
+    let used = (tat - now).div_ceil(from);
+    now + used
+        .saturating_mul(to)
+        .min(crate::clock::micros(crate::MAX_PERIOD))
+}
+
 fn remaining_of(tolerance: Micros, used: Micros, interval: Micros) -> u64 {
     let slack = tolerance.saturating_sub(used);
     // An exhausted bucket (every refusal) answers without a division.
@@ -366,5 +400,21 @@ mod tests {
         let (v, next) = fixed_window(&q, None, u64::MAX - 1, 1);
         assert!(v.is_allowed());
         assert_eq!(next.map(|s| s.window_end), Some(u64::MAX));
+    }
+
+    #[test]
+    fn gcra_carry_counts_what_was_used_in_the_new_intervals() {
+        let now = 1_000 * S;
+        // Same interval, or a TAT in the past: unchanged.
+        assert_eq!(gcra_carry(now + 7 * S, now, 12 * S, 12 * S), now + 7 * S);
+        assert_eq!(gcra_carry(now - S, now, 12 * S, 6 * S), now - S);
+        // 5 units at 12 s, now at 6 s; a part of a unit counts as a unit.
+        assert_eq!(gcra_carry(now + 60 * S, now, 12 * S, 6 * S), now + 30 * S);
+        assert_eq!(gcra_carry(now + 13 * S, now, 12 * S, 6 * S), now + 12 * S);
+        // Lowered: more time ahead than the new bucket holds.
+        assert_eq!(gcra_carry(now + 60 * S, now, 6 * S, 12 * S), now + 120 * S);
+        // Never more than MAX_PERIOD ahead.
+        let max = crate::clock::micros(crate::MAX_PERIOD);
+        assert_eq!(gcra_carry(now + max, now, 1, max), now + max);
     }
 }

@@ -4,7 +4,7 @@ use std::ops::Deref;
 use std::time::Duration;
 
 use crate::clock::Micros;
-use crate::limit::Limit;
+use crate::limit::{Limit, Quota};
 
 /// The most limits one request can be checked against in one call.
 pub const MAX_CHECKS: usize = 8;
@@ -18,6 +18,9 @@ pub struct Check<'a> {
     pub key: &'a [u8],
     /// Units of the quota the request takes.
     pub cost: u32,
+    /// The quota this check is counted against: the limit's default, or the quota of the
+    /// request's plan ([`Check::with_quota`]). Backends read it, never `limit.quota()`.
+    pub quota: Quota,
     /// Whether a denial by this limit refuses the batch. `false` for shadow limits: they
     /// consume when they admit and report when they would deny, but never refuse.
     pub enforce: bool,
@@ -31,7 +34,16 @@ impl<'a> Check<'a> {
             key,
             cost: limit.cost(),
             enforce: !limit.is_shadow(),
+            quota: *limit.quota(),
         }
+    }
+
+    /// This check counted against `quota` instead of the limit's default (one of the limit's
+    /// [plan quotas](Limit::plan)).
+    #[inline]
+    pub fn with_quota(mut self, quota: Quota) -> Self {
+        self.quota = quota;
+        self
     }
 }
 
@@ -199,6 +211,13 @@ pub trait Backend: Send + Sync + 'static {
 
     /// A short, fixed name for metrics and logs, such as `memory` or `redis`.
     fn kind(&self) -> &'static str;
+
+    /// Drops whatever this process remembers of `limit`'s denials (a local deny cache), so
+    /// that a raised quota is seen at once. Called when the limit's quotas change at run time.
+    /// Backends without such a cache do nothing (the default).
+    fn forget_denials(&self, limit: &str) {
+        let _ = limit;
+    }
 }
 
 impl<B: Backend> Backend for std::sync::Arc<B> {
@@ -210,6 +229,10 @@ impl<B: Backend> Backend for std::sync::Arc<B> {
 
     fn kind(&self) -> &'static str {
         (**self).kind()
+    }
+
+    fn forget_denials(&self, limit: &str) {
+        (**self).forget_denials(limit);
     }
 }
 

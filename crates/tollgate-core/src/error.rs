@@ -46,6 +46,12 @@ pub enum ConfigError {
         /// The longest prefix the address family has.
         max: u8,
     },
+    /// A plan name that is empty, longer than [`crate::MAX_NAME_LEN`], has characters outside
+    /// `[A-Za-z0-9_.-]`, or is given twice for one limit.
+    InvalidPlan(String),
+    /// A fixed-window plan quota whose period differs from the limit's default: a window's
+    /// count belongs to one period, so every plan of a fixed window shares it.
+    PlanPeriod(String),
     /// A key length bound outside `1..=max`.
     InvalidKeyLength {
         /// The configured length.
@@ -95,6 +101,15 @@ impl fmt::Display for ConfigError {
                     "prefix /{bits} is invalid: it must be between 0 and {max}"
                 )
             }
+            Self::InvalidPlan(name) => write!(
+                f,
+                "plan name {name:?} must be 1 to {} characters of [A-Za-z0-9_.-], once per limit",
+                crate::MAX_NAME_LEN
+            ),
+            Self::PlanPeriod(name) => write!(
+                f,
+                "plan {name:?} of a fixed window must have the period of the limit's default quota"
+            ),
             Self::InvalidKeyLength { len, max } => {
                 write!(
                     f,

@@ -42,6 +42,6 @@ pub use clock::{Clock, FakeClock, Micros, SystemClock};
 pub use error::ConfigError;
 pub use limit::{
     Algorithm, FailurePolicy, Limit, MissingKeyPolicy, Quota, MAX_LOG_UNITS, MAX_NAME_LEN,
-    MAX_PERIOD,
+    MAX_PERIOD, MAX_PLANS,
 };
 pub use memory::{MemoryBackend, MemoryBackendBuilder, MemoryStats};

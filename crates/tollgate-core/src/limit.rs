@@ -13,6 +13,9 @@ pub const MAX_NAME_LEN: usize = 64;
 /// numbers stop being exact, and no sum of a time and a period can overflow.
 pub const MAX_PERIOD: Duration = Duration::from_secs(36_525 * 86_400);
 
+/// The most plans one limit may name.
+pub const MAX_PLANS: usize = 255;
+
 /// The largest quota a sliding-log limit may have, in units per period, and so the largest
 /// cost one of its checks can be admitted at.
 ///
@@ -263,6 +266,8 @@ pub struct Limit {
     id: u64,
     algorithm: Algorithm,
     quota: Quota,
+    /// Quotas by plan name; a request with no plan, or one not named here, gets `quota`.
+    plans: Arc<[(Box<str>, Quota)]>,
     cost: u32,
     failure: FailurePolicy,
     missing_key: MissingKeyPolicy,
@@ -283,34 +288,16 @@ impl Limit {
     /// limit lower); [`ConfigError::LogTooLong`] for a sliding log whose quota is above
     /// [`MAX_LOG_UNITS`].
     pub fn new(name: &str, algorithm: Algorithm, quota: Quota) -> Result<Self, ConfigError> {
-        let valid = !name.is_empty()
-            && name.len() <= MAX_NAME_LEN
-            && name
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'));
-        if !valid {
+        if !valid_name(name) {
             return Err(ConfigError::InvalidName(name.chars().take(80).collect()));
         }
-        if algorithm != Algorithm::Gcra && quota.burst != quota.limit {
-            return Err(ConfigError::InvalidBurst);
-        }
-        // GCRA spaces requests by a whole number of microseconds, rounded down: at high rates
-        // (600,000 a second is one every 1.67 µs, counted as 1) that would admit far more
-        // than the quota says.
-        if algorithm == Algorithm::Gcra && quota.rate_excess_bp() > MAX_RATE_EXCESS_BP {
-            return Err(ConfigError::ImpreciseRate);
-        }
-        if algorithm == Algorithm::SlidingLog && quota.limit() > MAX_LOG_UNITS {
-            return Err(ConfigError::LogTooLong {
-                limit: quota.limit(),
-                max: MAX_LOG_UNITS,
-            });
-        }
+        check_quota(algorithm, &quota)?;
         Ok(Self {
             name: name.into(),
             id: name_id(name),
             algorithm,
             quota,
+            plans: Arc::new([]),
             cost: 1,
             failure: FailurePolicy::default(),
             missing_key: MissingKeyPolicy::default(),
@@ -350,14 +337,108 @@ impl Limit {
         Self::new(name, Algorithm::SlidingLog, quota)
     }
 
+    /// Requests whose plan is `plan` get `quota` instead of the limit's default.
+    ///
+    /// The plan is the name an authentication layer gives the request (`tollgate::Plan` in
+    /// the layer crate). A request without a plan, or with a plan no [`Limit::plan`] names,
+    /// gets the quota the limit was made with. Each (limit, quota) is counted exactly, in every
+    /// backend; a key keeps what it used when its quota changes (its plan, or a reload).
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError::InvalidPlan`] for a name that is not 1 to [`MAX_NAME_LEN`] characters of
+    /// `[A-Za-z0-9_.-]`, that this limit already has, or past the [`MAX_PLANS`]th; the quota's
+    /// errors of [`Limit::new`];
+    /// [`ConfigError::PlanPeriod`] for a fixed window whose plan has another period than the
+    /// default; [`ConfigError::InvalidCost`] when the limit's cost is above what the quota
+    /// admits at once.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tollgate_core::{Limit, Quota};
+    ///
+    /// let per_token = Limit::fixed_window("per-token", Quota::per_minute(5)?)?
+    ///     .plan("pro", Quota::per_minute(50)?)?;
+    /// assert_eq!(per_token.quota_of(Some("pro")).1.limit(), 50);
+    /// assert_eq!(per_token.quota_of(Some("other")).1.limit(), 5);
+    /// assert_eq!(per_token.quota_of(None).1.limit(), 5);
+    /// # Ok::<(), tollgate_core::ConfigError>(())
+    /// ```
+    pub fn plan(mut self, plan: &str, quota: Quota) -> Result<Self, ConfigError> {
+        if !valid_name(plan)
+            || self.plans.iter().any(|(p, _)| &**p == plan)
+            || self.plans.len() >= MAX_PLANS
+        {
+            return Err(ConfigError::InvalidPlan(plan.chars().take(80).collect()));
+        }
+        check_quota(self.algorithm, &quota)?;
+        if self.algorithm == Algorithm::FixedWindow && quota.period != self.quota.period {
+            return Err(ConfigError::PlanPeriod(plan.to_owned()));
+        }
+        let max = max_cost_of(self.algorithm, &quota);
+        if self.cost > max {
+            return Err(ConfigError::InvalidCost {
+                cost: self.cost,
+                max,
+            });
+        }
+        let mut plans = self.plans.to_vec();
+        plans.push((plan.into(), quota));
+        self.plans = plans.into();
+        Ok(self)
+    }
+
+    /// The plans this limit names, with their quotas, in the order they were added.
+    pub fn plans(&self) -> impl ExactSizeIterator<Item = (&str, &Quota)> + '_ {
+        self.plans.iter().map(|(p, q)| (&**p, q))
+    }
+
+    /// The quota of a request whose plan is `plan`, with its index: 0 for the default (no
+    /// plan, or one this limit does not name), `i + 1` for the `i`-th [plan](Limit::plan).
+    #[inline]
+    pub fn quota_of(&self, plan: Option<&str>) -> (usize, &Quota) {
+        if let Some(plan) = plan {
+            if let Some(i) = self.plans.iter().position(|(p, _)| &**p == plan) {
+                return (i + 1, &self.plans[i].1);
+            }
+        }
+        (0, &self.quota)
+    }
+
+    /// The quota at `index`, as [`Limit::quota_of`] numbers them (the default if out of range).
+    #[inline]
+    pub fn quota_at(&self, index: usize) -> &Quota {
+        match index.checked_sub(1).and_then(|i| self.plans.get(i)) {
+            Some((_, q)) => q,
+            None => &self.quota,
+        }
+    }
+
+    /// Whether `other` counts the same way: same name, algorithm, quotas, plans and cost.
+    /// A reload keeps such a limit as it is; any other change of quota drops this process'
+    /// cached denials of it.
+    pub fn same_quotas(&self, other: &Limit) -> bool {
+        self.name == other.name
+            && self.algorithm == other.algorithm
+            && self.quota == other.quota
+            && self.cost == other.cost
+            && self.plans == other.plans
+    }
+
     /// Each request costs `cost` units of the quota instead of 1.
     ///
     /// # Errors
     ///
     /// [`ConfigError::InvalidCost`] for 0, or for more than the quota admits at once (for a
-    /// sliding log, never more than [`MAX_LOG_UNITS`]).
+    /// sliding log, never more than [`MAX_LOG_UNITS`]); with [plans](Limit::plan), more than
+    /// the smallest of their quotas admits.
     pub fn with_cost(mut self, cost: u32) -> Result<Self, ConfigError> {
-        let max = self.max_cost();
+        let max = self
+            .plans
+            .iter()
+            .map(|(_, q)| max_cost_of(self.algorithm, q))
+            .fold(self.max_cost(), u32::min);
         if cost == 0 || cost > max {
             return Err(ConfigError::InvalidCost { cost, max });
         }
@@ -444,19 +525,57 @@ impl Limit {
 
     /// The largest cost one request can have and still be admitted.
     pub fn max_cost(&self) -> u32 {
-        match self.algorithm {
-            Algorithm::Gcra => self.quota.burst(),
-            Algorithm::FixedWindow | Algorithm::SlidingLog => self.quota.limit(),
-        }
+        max_cost_of(self.algorithm, &self.quota)
     }
 
-    /// This limit with its quota divided by `replicas`: the local stand-in for fallback.
+    /// This limit with its quotas (the default and every plan's) divided by `replicas`: the
+    /// local stand-in for fallback.
     pub fn local_share(&self, replicas: NonZeroU32) -> Self {
         let mut limit = self.clone();
         limit.quota = self.quota.divided(replicas);
+        limit.plans = self
+            .plans
+            .iter()
+            .map(|(p, q)| (p.clone(), q.divided(replicas)))
+            .collect();
         limit.cost = self.cost.min(limit.max_cost());
         limit
     }
+}
+
+fn max_cost_of(algorithm: Algorithm, quota: &Quota) -> u32 {
+    match algorithm {
+        Algorithm::Gcra => quota.burst(),
+        Algorithm::FixedWindow | Algorithm::SlidingLog => quota.limit(),
+    }
+}
+
+fn valid_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= MAX_NAME_LEN
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'))
+}
+
+/// What an algorithm asks of a quota (the default's, and every plan's).
+fn check_quota(algorithm: Algorithm, quota: &Quota) -> Result<(), ConfigError> {
+    if algorithm != Algorithm::Gcra && quota.burst != quota.limit {
+        return Err(ConfigError::InvalidBurst);
+    }
+    // GCRA spaces requests by a whole number of microseconds, rounded down: at high rates
+    // (600,000 a second is one every 1.67 µs, counted as 1) that would admit far more
+    // than the quota says.
+    if algorithm == Algorithm::Gcra && quota.rate_excess_bp() > MAX_RATE_EXCESS_BP {
+        return Err(ConfigError::ImpreciseRate);
+    }
+    if algorithm == Algorithm::SlidingLog && quota.limit() > MAX_LOG_UNITS {
+        return Err(ConfigError::LogTooLong {
+            limit: quota.limit(),
+            max: MAX_LOG_UNITS,
+        });
+    }
+    Ok(())
 }
 
 /// FNV-1a: deterministic, so a name means the same limit in every process.
@@ -534,5 +653,85 @@ mod tests {
                 max: MAX_LOG_UNITS
             }
         );
+    }
+
+    #[test]
+    fn plans_are_checked_like_the_default_quota() {
+        let minute = |n| Quota::per_minute(n).unwrap();
+        let w = Limit::fixed_window("w", minute(5)).unwrap();
+        assert_eq!(
+            w.clone().plan("", minute(9)).unwrap_err(),
+            ConfigError::InvalidPlan(String::new())
+        );
+        assert_eq!(
+            w.clone().plan("a b", minute(9)).unwrap_err(),
+            ConfigError::InvalidPlan("a b".into())
+        );
+        let pro = w.clone().plan("pro", minute(50)).unwrap();
+        assert_eq!(
+            pro.clone().plan("pro", minute(60)).unwrap_err(),
+            ConfigError::InvalidPlan("pro".into())
+        );
+        // One period per fixed window.
+        assert_eq!(
+            w.clone()
+                .plan("day", Quota::per_day(100).unwrap())
+                .unwrap_err(),
+            ConfigError::PlanPeriod("day".into())
+        );
+        // A burst only on GCRA; GCRA's precision; a log's size.
+        assert_eq!(
+            w.clone()
+                .plan("b", minute(9).with_burst(3).unwrap())
+                .unwrap_err(),
+            ConfigError::InvalidBurst
+        );
+        let g = Limit::gcra("g", minute(5)).unwrap();
+        assert_eq!(
+            g.clone()
+                .plan("fast", Quota::per_second(600_000).unwrap())
+                .unwrap_err(),
+            ConfigError::ImpreciseRate
+        );
+        let l = Limit::sliding_log("l", minute(5)).unwrap();
+        assert_eq!(
+            l.plan("big", minute(MAX_LOG_UNITS + 1)).unwrap_err(),
+            ConfigError::LogTooLong {
+                limit: MAX_LOG_UNITS + 1,
+                max: MAX_LOG_UNITS
+            }
+        );
+        // The cost fits every quota, whichever comes first.
+        let costly = w.clone().with_cost(4).unwrap();
+        assert_eq!(
+            costly.plan("tiny", minute(3)).unwrap_err(),
+            ConfigError::InvalidCost { cost: 4, max: 3 }
+        );
+        let tiny = w.plan("tiny", minute(3)).unwrap();
+        assert_eq!(
+            tiny.clone().with_cost(4).unwrap_err(),
+            ConfigError::InvalidCost { cost: 4, max: 3 }
+        );
+        // At most MAX_PLANS.
+        let mut many = Limit::gcra("many", minute(5)).unwrap();
+        for i in 0..MAX_PLANS {
+            many = many.plan(&format!("p{i}"), minute(6)).unwrap();
+        }
+        assert_eq!(
+            many.plan("one-more", minute(6)).unwrap_err(),
+            ConfigError::InvalidPlan("one-more".into())
+        );
+        // Lookups, and the indices the layer keeps.
+        assert_eq!(pro.quota_of(Some("pro")), (1, &minute(50)));
+        assert_eq!(pro.quota_of(Some("free")), (0, &minute(5)));
+        assert_eq!(pro.quota_of(None), (0, &minute(5)));
+        assert_eq!(pro.quota_at(1), &minute(50));
+        assert_eq!(pro.quota_at(7), &minute(5));
+        // The fallback's share divides every plan.
+        let share = pro.local_share(NonZeroU32::new(5).unwrap());
+        assert_eq!(share.quota_of(Some("pro")).1.limit(), 10);
+        assert_eq!(share.quota().limit(), 1);
+        assert!(pro.same_quotas(&pro.clone()));
+        assert!(!pro.same_quotas(&tiny));
     }
 }

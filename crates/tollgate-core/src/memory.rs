@@ -162,7 +162,7 @@ struct Log {
 #[derive(Default)]
 #[repr(align(128))]
 struct Shard {
-    gcra: FpMap<AtomicU64>,
+    gcra: FpMap<GcraSlot>,
     windows: FpMap<WindowState>,
     logs: FpMap<Log>,
     next_sweep: AtomicU64,
@@ -175,14 +175,32 @@ trait Slot {
     fn get(&mut self) -> Self::State;
 }
 
-impl Slot for AtomicU64 {
-    type State = Micros;
-    fn new(tat: Micros) -> Self {
-        AtomicU64::new(tat)
+/// A GCRA key: its TAT and the emission interval it was written under, so that a change of
+/// quota (a plan, a reload) carries what the key used ([`algorithm::gcra_carry`]). The
+/// interval changes only under the write lock; the lone check's compare-and-swap on the TAT
+/// under the read lock applies only while it is the check's own.
+struct GcraSlot {
+    tat: AtomicU64,
+    interval: Micros,
+}
+
+impl Slot for GcraSlot {
+    type State = (Micros, Micros);
+    fn new((tat, interval): (Micros, Micros)) -> Self {
+        Self {
+            tat: AtomicU64::new(tat),
+            interval,
+        }
     }
-    fn get(&mut self) -> Micros {
-        *self.get_mut()
+    fn get(&mut self) -> (Micros, Micros) {
+        (*self.tat.get_mut(), self.interval)
     }
+}
+
+/// The TAT `state` holds, carried to `quota`'s interval.
+#[inline]
+fn carried(state: Option<(Micros, Micros)>, quota: &crate::Quota, now: Micros) -> Option<Micros> {
+    state.map(|(tat, from)| algorithm::gcra_carry(tat, now, from, quota.emission_interval()))
 }
 
 impl Slot for WindowState {
@@ -214,7 +232,7 @@ impl Shard {
     /// Drops every entry whose state equals a fresh key's; returns how many.
     fn sweep(&mut self, now: Micros) -> usize {
         let before = self.len();
-        self.gcra.retain(|_, tat| *tat.get_mut() > now);
+        self.gcra.retain(|_, slot| *slot.tat.get_mut() > now);
         self.windows.retain(|_, w| w.window_end > now);
         self.logs
             .retain(|_, log| log.entries.back().is_some_and(|&t| t + log.period > now));
@@ -225,10 +243,10 @@ impl Shard {
     /// (one lookup: the same answers the capacity check).
     #[inline(always)]
     fn evaluate(&mut self, check: &Check<'_>, fp: &Fp, now: Micros) -> (Verdict, Pending, bool) {
-        let quota = check.limit.quota();
+        let quota = &check.quota;
         match check.limit.algorithm() {
             Algorithm::Gcra => {
-                let tat = self.gcra.get_mut(fp).map(Slot::get);
+                let tat = carried(self.gcra.get_mut(fp).map(Slot::get), quota, now);
                 let (v, next) = algorithm::gcra(quota, tat, now, check.cost);
                 (v, next.map_or(Pending::None, Pending::Tat), tat.is_none())
             }
@@ -258,10 +276,10 @@ impl Shard {
     fn commit(&mut self, check: &Check<'_>, fp: Fp, pending: Pending, now: Micros) {
         match pending {
             Pending::None => {}
-            Pending::Tat(tat) => store(&mut self.gcra, fp, tat),
+            Pending::Tat(tat) => store(&mut self.gcra, fp, (tat, check.quota.emission_interval())),
             Pending::Window(state) => store(&mut self.windows, fp, state),
             Pending::Log { trim } => {
-                let period = check.limit.quota().period_micros();
+                let period = check.quota.period_micros();
                 let log = match self.logs.entry(fp) {
                     Entry::Occupied(e) => e.into_mut(),
                     Entry::Vacant(e) => e.insert(Log {
@@ -269,6 +287,8 @@ impl Shard {
                         period,
                     }),
                 };
+                // The entries carry across a change of quota; they expire by the latest one.
+                log.period = period;
                 log.entries.drain(..trim.min(log.entries.len()));
                 // The log stays ascending (the algorithm's search and the sweep rely on it):
                 // a check that read the clock before the newest entry was written records its
@@ -442,12 +462,7 @@ impl<C> Inner<C> {
                     self.tracked.fetch_sub(1, Ordering::Relaxed);
                 }
                 let v = &mut verdicts.as_mut_slice()[i];
-                *v = algorithm::unconsumed(
-                    check.limit.algorithm(),
-                    check.limit.quota(),
-                    *v,
-                    check.cost,
-                );
+                *v = algorithm::unconsumed(check.limit.algorithm(), &check.quota, *v, check.cost);
             }
         }
         verdicts
@@ -495,8 +510,13 @@ impl<C> Inner<C> {
         if now >= guard.next_sweep.load(Ordering::Relaxed) {
             return None;
         }
-        let tat = guard.gcra.get(&fp)?;
-        let quota = check.limit.quota();
+        let slot = guard.gcra.get(&fp)?;
+        let quota = &check.quota;
+        if slot.interval != quota.emission_interval() {
+            // Written under another quota: carried under the write lock.
+            return None;
+        }
+        let tat = &slot.tat;
         let mut current = tat.load(Ordering::Relaxed);
         loop {
             let (verdict, next) = algorithm::gcra(quota, Some(current), now, check.cost);
@@ -573,12 +593,13 @@ impl<C> Inner<C> {
     ) -> Verdict {
         let mut guard = self.lock(s, now, sweeps);
         let shard = &mut *guard;
-        let quota = check.limit.quota();
+        let quota = &check.quota;
         let room = shard.len() < self.shard_cap;
         // GCRA and fixed window read and write a tracked key's state through one lookup.
         match check.limit.algorithm() {
             Algorithm::Gcra => self.step(&mut shard.gcra, room, fp, |state| {
-                algorithm::gcra(quota, state, now, check.cost)
+                let (v, next) = algorithm::gcra(quota, carried(state, quota, now), now, check.cost);
+                (v, next.map(|tat| (tat, quota.emission_interval())))
             }),
             Algorithm::FixedWindow => self.step(&mut shard.windows, room, fp, |state| {
                 algorithm::fixed_window(quota, state, now, check.cost)
@@ -604,7 +625,19 @@ impl<C> Inner<C> {
     }
 
     fn fingerprint(&self, check: &Check<'_>) -> Fp {
-        Fp(self.seed.hash(check.limit.id(), check.key))
+        // A fixed window's count belongs to its period: a limit whose period changes at run
+        // time starts empty rather than reading a day's count as a minute's.
+        let id = match check.limit.algorithm() {
+            Algorithm::FixedWindow => {
+                check.limit.id()
+                    ^ check
+                        .quota
+                        .period_micros()
+                        .wrapping_mul(0x9e37_79b9_7f4a_7c15)
+            }
+            Algorithm::Gcra | Algorithm::SlidingLog => check.limit.id(),
+        };
+        Fp(self.seed.hash(id, check.key))
     }
 
     /// At the cap, expired keys in shards nobody touches would hold places forever: each call

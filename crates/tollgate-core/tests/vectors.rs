@@ -12,6 +12,10 @@ fn run(v: &Vector) -> Verdict {
     match (v.algo, &v.state) {
         (Algo::Gcra, State::None) => algorithm::gcra(&q, None, v.now, v.cost).0,
         (Algo::Gcra, State::Tat(t)) => algorithm::gcra(&q, Some(*t), v.now, v.cost).0,
+        (Algo::Gcra, State::TatUnder { tat, interval }) => {
+            let tat = algorithm::gcra_carry(*tat, v.now, *interval, q.emission_interval());
+            algorithm::gcra(&q, Some(tat), v.now, v.cost).0
+        }
         (Algo::Fixed, State::None) => algorithm::fixed_window(&q, None, v.now, v.cost).0,
         (Algo::Fixed, State::Window { end, count }) => {
             let state = WindowState {

@@ -233,13 +233,15 @@ impl RedisBackend {
         self.dispatch(checks, Some(now))
     }
 
-    /// The Redis key that holds `limit`'s state for `key`: `<prefix>:<limit name>:{<digest>}`
-    /// for GCRA, that with `:log` appended for a sliding log; for a fixed window, the stem to
-    /// which `:<window index>` is appended.
+    /// The Redis key that holds `limit`'s state for `key`. All of them start with the base
+    /// key `<prefix>:<limit name>:{<digest>}`: GCRA's state is at `<base>:v2`, a sliding log
+    /// at `<base>:log`; for a fixed window this is the base, to which `:<window index>` is
+    /// appended.
     pub fn key_for(&self, limit: &Limit, key: &[u8]) -> String {
         let digest = keys::digest(limit.name(), key);
         let base = keys::base_key(&self.inner.prefix, limit.name(), &digest);
         match limit.algorithm() {
+            tollgate_core::Algorithm::Gcra => base + ":v2",
             tollgate_core::Algorithm::SlidingLog => base + ":log",
             _ => base,
         }
@@ -303,6 +305,11 @@ impl Backend for RedisBackend {
 
     fn kind(&self) -> &'static str {
         BACKEND
+    }
+
+    /// Drops the local deny cache's denials of `limit`, so that a raised quota is seen at once.
+    fn forget_denials(&self, limit: &str) {
+        self.inner.deny.forget_limit(limit);
     }
 }
 

@@ -32,7 +32,7 @@ impl Inner {
                             _ => None,
                         };
                         self.deny
-                            .insert(&p.digest, &p.name, p.cost, per_unit, &denial);
+                            .insert(&p.digest, &p.name, &p.quota, p.cost, per_unit, &denial);
                     }
                     // Only the request that held a run-out denial's lease settles it.
                     // An answer that tells nothing of the room left (the check was not
@@ -67,7 +67,7 @@ impl RedisBackend {
         // the longest of their waits, and each refusing limit is reported as refusing.
         let mut hits = [None; MAX_CHECKS];
         for (i, c) in checks.iter().enumerate().filter(|(_, c)| c.enforce) {
-            match self.inner.deny.lookup(&digests[i], c.cost) {
+            match self.inner.deny.lookup(&digests[i], c.cost, &c.quota) {
                 Lookup::Miss => {}
                 Lookup::Leased => leased[i] = true,
                 Lookup::Denied(verdict) => hits[i] = Some(verdict),

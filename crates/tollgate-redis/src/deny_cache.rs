@@ -29,7 +29,7 @@ use std::time::Duration;
 
 use metrics::Counter;
 use tokio::time::Instant;
-use tollgate_core::{Micros, Status, Verdict};
+use tollgate_core::{Micros, Quota, Status, Verdict};
 
 use crate::keys::KeyDigest;
 
@@ -71,6 +71,11 @@ struct Entry {
     /// made: a hit increments it under the shard's lock it already holds, with no registry
     /// lookup.
     hits: Counter,
+    /// The entry's limit, so that a change of its quotas drops its denials.
+    limit: Arc<str>,
+    /// The quota the denial was made under: a request of the same key under another quota
+    /// (another plan) asks Redis.
+    quota: Quota,
     until: Instant,
     reset_at: Instant,
     remaining: u64,
@@ -123,10 +128,25 @@ impl DenyCache {
         }
     }
 
+    /// Drops every denial of `limit`: its quotas changed, and a denial seen under the old ones
+    /// may no longer stand. Visits every shard; it runs when limits are reloaded, never on a
+    /// request.
+    pub(crate) fn forget_limit(&self, limit: &str) {
+        if self.per_shard == 0 {
+            return;
+        }
+        for shard in self.shards.iter() {
+            shard
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .retain(|_, e| &*e.limit != limit);
+        }
+    }
+
     /// The cached denial of `digest` for a request of `cost`, if one stands; or whether this
     /// request took the lease of a denial that ran out (and must [`forget`](Self::forget) it
     /// when Redis admits it with room left).
-    pub(crate) fn lookup(&self, digest: &KeyDigest, cost: u32) -> Lookup {
+    pub(crate) fn lookup(&self, digest: &KeyDigest, cost: u32, quota: &Quota) -> Lookup {
         if self.per_shard == 0 {
             return Lookup::Miss;
         }
@@ -135,6 +155,9 @@ impl DenyCache {
         let Some(entry) = shard.get_mut(digest) else {
             return Lookup::Miss;
         };
+        if entry.quota != *quota {
+            return Lookup::Miss;
+        }
         if entry.until <= now {
             // This request asks Redis; the others wait for its answer (or the deadline).
             entry.until = now + self.lease;
@@ -171,6 +194,7 @@ impl DenyCache {
         &self,
         digest: &KeyDigest,
         limit: &Arc<str>,
+        quota: &Quota,
         cost: u32,
         per_unit: Option<Micros>,
         verdict: &Verdict,
@@ -184,6 +208,8 @@ impl DenyCache {
         let now = Instant::now();
         let mut entry = Entry {
             hits: Counter::noop(),
+            limit: Arc::clone(limit),
+            quota: *quota,
             until: now + Duration::from_micros(retry_after),
             reset_at: now + Duration::from_micros(verdict.reset),
             remaining: verdict.remaining,
@@ -261,6 +287,10 @@ impl DenyCache {
 mod tests {
     use super::*;
 
+    fn q() -> Quota {
+        Quota::per_minute(5).unwrap()
+    }
+
     fn limit() -> Arc<str> {
         Arc::from("login")
     }
@@ -277,8 +307,8 @@ mod tests {
     async fn denies_until_the_time_redis_gave() {
         let cache = DenyCache::new(100, Duration::from_millis(50));
         let d = [1u8; 16];
-        cache.insert(&d, &limit(), 1, Some(0), &denied(1_000_000));
-        let v = cache.lookup(&d, 1).denial().unwrap();
+        cache.insert(&d, &limit(), &q(), 1, Some(0), &denied(1_000_000));
+        let v = cache.lookup(&d, 1, &q()).denial().unwrap();
         assert_eq!(
             v.status,
             Status::Denied {
@@ -287,16 +317,16 @@ mod tests {
         );
         tokio::time::advance(Duration::from_millis(400)).await;
         assert_eq!(
-            cache.lookup(&d, 1).denial().unwrap().status,
+            cache.lookup(&d, 1, &q()).denial().unwrap().status,
             Status::Denied {
                 retry_after: 600_000
             }
         );
         tokio::time::advance(Duration::from_millis(600)).await;
         // Run out: this request asks Redis, the others wait for its answer for one lease.
-        assert_eq!(cache.lookup(&d, 1), Lookup::Leased);
+        assert_eq!(cache.lookup(&d, 1, &q()), Lookup::Leased);
         assert_eq!(
-            cache.lookup(&d, 1).denial().unwrap().status,
+            cache.lookup(&d, 1, &q()).denial().unwrap().status,
             Status::Denied {
                 retry_after: 50_000
             }
@@ -304,7 +334,7 @@ mod tests {
         // Its answer (admitted, room left for the one held back and the next) ends the wait
         // for everyone.
         cache.settle(&d, 1, 2);
-        assert_eq!(cache.lookup(&d, 1), Lookup::Miss);
+        assert_eq!(cache.lookup(&d, 1, &q()), Lookup::Miss);
         assert_eq!(cache.len(), 0);
     }
 
@@ -312,65 +342,66 @@ mod tests {
     async fn room_for_fewer_than_were_held_back_lets_one_more_ask_alone() {
         let cache = DenyCache::new(100, Duration::from_millis(50));
         let d = [4u8; 16];
-        cache.insert(&d, &limit(), 1, Some(0), &denied(1_000));
+        cache.insert(&d, &limit(), &q(), 1, Some(0), &denied(1_000));
         tokio::time::advance(Duration::from_millis(1)).await;
-        assert_eq!(cache.lookup(&d, 1), Lookup::Leased);
+        assert_eq!(cache.lookup(&d, 1, &q()), Lookup::Leased);
         for _ in 0..3 {
-            assert!(cache.lookup(&d, 1).denial().is_some());
+            assert!(cache.lookup(&d, 1, &q()).denial().is_some());
         }
         // Room for 3 units: not for the 3 held back and one more.
         cache.settle(&d, 1, 3);
-        assert_eq!(cache.lookup(&d, 1), Lookup::Leased);
-        assert!(cache.lookup(&d, 1).denial().is_some());
+        assert_eq!(cache.lookup(&d, 1, &q()), Lookup::Leased);
+        assert!(cache.lookup(&d, 1, &q()).denial().is_some());
         // Room for 2 with one held back: forgotten.
         cache.settle(&d, 1, 2);
-        assert_eq!(cache.lookup(&d, 1), Lookup::Miss);
+        assert_eq!(cache.lookup(&d, 1, &q()), Lookup::Miss);
         // A newer denial is not undone by a late settle.
-        cache.insert(&d, &limit(), 1, Some(0), &denied(1_000));
+        cache.insert(&d, &limit(), &q(), 1, Some(0), &denied(1_000));
         cache.settle(&d, 1, 100);
-        assert!(cache.lookup(&d, 1).denial().is_some());
+        assert!(cache.lookup(&d, 1, &q()).denial().is_some());
     }
 
     #[tokio::test(start_paused = true)]
     async fn a_lease_whose_answer_never_came_runs_out() {
         let cache = DenyCache::new(100, Duration::from_millis(50));
         let d = [2u8; 16];
-        cache.insert(&d, &limit(), 1, Some(0), &denied(1_000));
+        cache.insert(&d, &limit(), &q(), 1, Some(0), &denied(1_000));
         tokio::time::advance(Duration::from_millis(1)).await;
-        assert_eq!(cache.lookup(&d, 1), Lookup::Leased); // then fails (no answer)
+        assert_eq!(cache.lookup(&d, 1, &q()), Lookup::Leased); // then fails (no answer)
         tokio::time::advance(Duration::from_micros(49_999)).await;
-        assert!(cache.lookup(&d, 1).denial().is_some());
+        assert!(cache.lookup(&d, 1, &q()).denial().is_some());
         tokio::time::advance(Duration::from_micros(1)).await;
-        assert_eq!(cache.lookup(&d, 1), Lookup::Leased); // the next request asks
+        assert_eq!(cache.lookup(&d, 1, &q()), Lookup::Leased); // the next request asks
     }
 
     #[tokio::test(start_paused = true)]
     async fn a_released_lease_goes_to_the_next_request() {
         let cache = DenyCache::new(100, Duration::from_millis(50));
         let d = [5u8; 16];
-        cache.insert(&d, &limit(), 1, Some(0), &denied(1_000));
+        cache.insert(&d, &limit(), &q(), 1, Some(0), &denied(1_000));
         tokio::time::advance(Duration::from_millis(1)).await;
-        assert_eq!(cache.lookup(&d, 1), Lookup::Leased);
-        assert!(cache.lookup(&d, 1).denial().is_some());
+        assert_eq!(cache.lookup(&d, 1, &q()), Lookup::Leased);
+        assert!(cache.lookup(&d, 1, &q()).denial().is_some());
         cache.release(&d);
-        assert_eq!(cache.lookup(&d, 1), Lookup::Leased);
+        assert_eq!(cache.lookup(&d, 1, &q()), Lookup::Leased);
     }
 
     #[tokio::test(start_paused = true)]
     async fn a_denial_covers_higher_costs_only() {
         let cache = DenyCache::new(100, Duration::from_millis(50));
         let d = [2u8; 16];
-        cache.insert(&d, &limit(), 3, Some(0), &denied(1_000));
-        assert!(cache.lookup(&d, 3).denial().is_some());
-        assert!(cache.lookup(&d, 5).denial().is_some());
-        assert!(cache.lookup(&d, 1).denial().is_none());
-        cache.insert(&d, &limit(), 1, Some(0), &denied(1_000));
-        assert!(cache.lookup(&d, 1).denial().is_some());
+        cache.insert(&d, &limit(), &q(), 3, Some(0), &denied(1_000));
+        assert!(cache.lookup(&d, 3, &q()).denial().is_some());
+        assert!(cache.lookup(&d, 5, &q()).denial().is_some());
+        assert!(cache.lookup(&d, 1, &q()).denial().is_none());
+        cache.insert(&d, &limit(), &q(), 1, Some(0), &denied(1_000));
+        assert!(cache.lookup(&d, 1, &q()).denial().is_some());
         // Allowed verdicts are not cached.
         let e = [3u8; 16];
         cache.insert(
             &e,
             &limit(),
+            &q(),
             1,
             Some(0),
             &Verdict {
@@ -379,7 +410,7 @@ mod tests {
                 reset: 5,
             },
         );
-        assert!(cache.lookup(&e, 1).denial().is_none());
+        assert!(cache.lookup(&e, 1, &q()).denial().is_none());
     }
 
     #[tokio::test(start_paused = true)]
@@ -391,18 +422,45 @@ mod tests {
         let cache = DenyCache::new(100, Duration::from_millis(50));
         // GCRA, one unit every 6 s: a request of 5 units waits 4 × 6 s more than one of 1.
         let gcra = [4u8; 16];
-        cache.insert(&gcra, &limit(), 1, Some(6_000_000), &denied(1_000_000));
-        assert_eq!(retry(cache.lookup(&gcra, 1)), Some(1_000_000));
-        assert_eq!(retry(cache.lookup(&gcra, 5)), Some(25_000_000));
+        cache.insert(
+            &gcra,
+            &limit(),
+            &q(),
+            1,
+            Some(6_000_000),
+            &denied(1_000_000),
+        );
+        assert_eq!(retry(cache.lookup(&gcra, 1, &q())), Some(1_000_000));
+        assert_eq!(retry(cache.lookup(&gcra, 5, &q())), Some(25_000_000));
         // A fixed window: every cost waits for the window to turn.
         let window = [5u8; 16];
-        cache.insert(&window, &limit(), 1, Some(0), &denied(1_000_000));
-        assert_eq!(retry(cache.lookup(&window, 5)), Some(1_000_000));
+        cache.insert(&window, &limit(), &q(), 1, Some(0), &denied(1_000_000));
+        assert_eq!(retry(cache.lookup(&window, 5, &q())), Some(1_000_000));
         // A sliding log: unknown, so a costlier request asks Redis.
         let log = [6u8; 16];
-        cache.insert(&log, &limit(), 1, None, &denied(1_000_000));
-        assert_eq!(retry(cache.lookup(&log, 1)), Some(1_000_000));
-        assert_eq!(cache.lookup(&log, 5), Lookup::Miss);
+        cache.insert(&log, &limit(), &q(), 1, None, &denied(1_000_000));
+        assert_eq!(retry(cache.lookup(&log, 1, &q())), Some(1_000_000));
+        assert_eq!(cache.lookup(&log, 5, &q()), Lookup::Miss);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn forgetting_a_limit_drops_its_denials_only() {
+        let cache = DenyCache::new(100, Duration::from_millis(50));
+        let other: Arc<str> = "other".into();
+        let (a, b, c) = ([1u8; 16], [2u8; 16], [3u8; 16]);
+        cache.insert(&a, &limit(), &q(), 1, Some(0), &denied(1_000_000));
+        cache.insert(&b, &limit(), &q(), 1, Some(0), &denied(1_000_000));
+        cache.insert(&c, &other, &q(), 1, Some(0), &denied(1_000_000));
+        assert_eq!(cache.len(), 3);
+        cache.forget_limit(&limit());
+        assert_eq!(cache.len(), 1);
+        // A request under another quota (another plan) is not answered by a denial made
+        // under the first.
+        let pro = Quota::per_minute(50).unwrap();
+        assert_eq!(cache.lookup(&c, 1, &pro), Lookup::Miss);
+        assert_eq!(cache.lookup(&a, 1, &q()), Lookup::Miss);
+        assert_eq!(cache.lookup(&b, 1, &q()), Lookup::Miss);
+        assert!(cache.lookup(&c, 1, &q()).denial().is_some());
     }
 
     #[tokio::test(start_paused = true)]
@@ -416,19 +474,19 @@ mod tests {
                 d
             })
             .collect();
-        cache.insert(&ds[0], &limit(), 1, Some(0), &denied(1_000));
-        cache.insert(&ds[1], &limit(), 1, Some(0), &denied(5_000));
-        cache.insert(&ds[2], &limit(), 1, Some(0), &denied(5_000));
-        assert!(cache.lookup(&ds[2], 1).denial().is_none());
+        cache.insert(&ds[0], &limit(), &q(), 1, Some(0), &denied(1_000));
+        cache.insert(&ds[1], &limit(), &q(), 1, Some(0), &denied(5_000));
+        cache.insert(&ds[2], &limit(), &q(), 1, Some(0), &denied(5_000));
+        assert!(cache.lookup(&ds[2], 1, &q()).denial().is_none());
         assert_eq!(cache.len(), 2);
         // Once one has expired, a new one takes its place.
         tokio::time::advance(Duration::from_millis(1)).await;
-        cache.insert(&ds[2], &limit(), 1, Some(0), &denied(5_000));
-        assert!(cache.lookup(&ds[2], 1).denial().is_some());
+        cache.insert(&ds[2], &limit(), &q(), 1, Some(0), &denied(5_000));
+        assert!(cache.lookup(&ds[2], 1, &q()).denial().is_some());
         assert_eq!(cache.len(), 2);
         // Disabled.
         let off = DenyCache::new(0, Duration::from_millis(50));
-        off.insert(&ds[0], &limit(), 1, Some(0), &denied(1_000));
-        assert!(off.lookup(&ds[0], 1).denial().is_none());
+        off.insert(&ds[0], &limit(), &q(), 1, Some(0), &denied(1_000));
+        assert!(off.lookup(&ds[0], 1, &q()).denial().is_none());
     }
 }

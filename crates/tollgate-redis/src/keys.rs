@@ -52,8 +52,13 @@ const MAX_SUFFIX_LEN: usize = 21;
 /// What follows the base key in the name of one of its keys.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Suffix {
-    /// The base key itself (a GCRA TAT).
+    /// The base key itself (no state lives there now; tests name it).
+    #[cfg(test)]
     None,
+    /// `:v2`: a GCRA TAT and the emission interval it was written under (`<tat>:<interval>`).
+    /// The TAT alone lived at the base key; the new name keeps replicas that still read that
+    /// from taking the new value for an empty bucket, or failing on it.
+    Tat,
     /// `:<index>`: a fixed window's count.
     Window(u64),
     /// `:log`: a sliding log.
@@ -89,6 +94,7 @@ impl BaseKey {
     /// This key with `suffix` appended; all of a base key's keys share its hash tag.
     pub(crate) fn with(mut self, suffix: Suffix) -> Self {
         match suffix {
+            #[cfg(test)]
             Suffix::None => {}
             Suffix::Window(index) => {
                 let mut digits = [0u8; 20];
@@ -105,6 +111,7 @@ impl BaseKey {
                 self.push(b":");
                 self.push(&digits[at..]);
             }
+            Suffix::Tat => self.push(b":v2"),
             Suffix::Log => self.push(b":log"),
             Suffix::Seq => self.push(b":seq"),
         }

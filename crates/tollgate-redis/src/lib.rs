@@ -45,8 +45,16 @@
 //! however many of the call's requests it serves. In a cluster, each request's slot groups are
 //! their own calls.
 //!
-//! - **GCRA**: one string key holding the theoretical arrival time in microseconds, expiring
-//!   when the state becomes that of a fresh key.
+//! - **GCRA**: one string key, `<key>:v2`, holding the theoretical arrival time and the
+//!   emission interval it was counted in (`<tat>:<interval>`, microseconds), expiring when the
+//!   state becomes that of a fresh key. A check under another interval (the key's plan
+//!   changed, or the limit was reloaded with another quota) first carries the units the key
+//!   used to its own interval, as `tollgate_core::algorithm::gcra_carry` does. Versions before
+//!   this one kept the TAT alone at `<key>`. Under the new name, a replica still on an old
+//!   version never parses a value it does not know as an empty bucket (which would reset the
+//!   key on every one of its checks); but until every replica runs the new version, old and
+//!   new ones count each GCRA key in two buckets, so a key can be admitted up to twice its
+//!   quota for the length of the deploy. Fixed windows and sliding logs keep their keys.
 //! - **Fixed window**: `INCRBY` on `<key>:<window index>`; the TTL is set by the first write of
 //!   the window only. The window is the one that holds the server's `TIME`, which the client
 //!   cannot know exactly: it declares the keys of its estimate's window and the next (its

@@ -33,6 +33,15 @@ local function idiv(a, b)
   return q
 end
 local function fmt(x) return string.format('%d', x) end
+-- A GCRA key's value: its TAT and the emission interval it was written under.
+local function read_tat(key)
+  local v = redis.call('GET', key)
+  if not v then return false, 0 end
+  local t, i = string.match(v, '^(%d+):(%d+)$')
+  if not t then return false, 0 end
+  return tonumber(t), tonumber(i)
+end
+local function tat_value(tat, interval) return fmt(tat) .. ':' .. fmt(interval) end
 -- Members of a sliding log that one ZADD or ZREM takes: unpack passes at most a few
 -- thousand values.
 local CHUNK = 1000
@@ -58,7 +67,7 @@ end
 /// call saves a round trip and the script's set-up per request.
 ///
 /// `KEYS`: every key the call may touch, each distinct (limit, identity) once, as Redis requires
-/// of a script: a GCRA TAT at the base key itself; a fixed window's count at
+/// of a script: a GCRA TAT and its emission interval at `<base>:v2`; a fixed window's count at
 /// `<base>:<window index>`, declared for the client's current window and the next one (the
 /// window that holds the server's `TIME` is not known until the script runs); a sliding log at
 /// `<base>:log`, followed by its sequence counter at `<base>:seq`. All share the base key's
@@ -87,7 +96,8 @@ end
 ///
 /// Reply: one string of little-endian doubles (all integers below 2^53): `now`, then per
 /// request `committed` and per check its `status` (0 allowed, 1 denied, 2 cost too high) and:
-/// - GCRA: the TAT the check read (0 for none);
+/// - GCRA: the TAT the check read (0 for none), carried to the check's emission interval
+///   when it was written under another ([`algorithm::gcra_carry`]);
 /// - fixed window: the count the check read in the window that holds `now`;
 /// - sliding log: `remaining, reset, retry_after` and the last sequence number the check wrote
 ///   (what a refund needs).
@@ -99,6 +109,19 @@ end
 /// rather than an array of integers: packing it is one call in Lua, and the client reads it
 /// without a parser per item.
 pub(crate) const CHECK: &str = r"
+-- tollgate_core::algorithm::gcra_carry: now + ceil((tat - now) / from) * to, at most
+-- MAX_PERIOD ahead. Every figure below 2^53 is exact; a product above the cap may round, but
+-- never to the other side of it.
+local MAX_AHEAD = 3155760000000000
+local function carry(tat, from, to)
+  if (not tat) or tat <= now or from == to or from == 0 then return tat end
+  local d = tat - now
+  local used = idiv(d, from)
+  if used * from < d then used = used + 1 end
+  local ahead = used * to
+  if ahead > MAX_AHEAD then ahead = MAX_AHEAD end
+  return now + ahead
+end
 local limits = {}
 local a = 3
 for l = 1, tonumber(ARGV[2]) do
@@ -128,6 +151,8 @@ local out, o = {now}, 1
 -- per call, not per request. `false` stands for a key with no state. `written` lists the keys
 -- to write, in order; `ttl` holds a written window's TTL, `false` a GCRA key's.
 local state, first, written, ttl = {}, {}, {}, {}
+-- The emission interval each GCRA key's TAT in `state` is counted in.
+local t_of = {}
 local function read(key, missing)
   local v = state[key]
   if v == nil then
@@ -162,7 +187,12 @@ while i <= figures do
     if algo == 1 then
       local interval, burst, tolerance = p1, p3, p2
       local tat = state[key]
-      if tat == nil then tat = read(key, false) end
+      if tat == nil then
+        tat, t_of[key] = read_tat(key)
+        state[key], first[key] = tat, tat
+      end
+      -- Written under another quota (a plan, a reload): carry what the key used.
+      tat = carry(tat, t_of[key], interval)
       local base = now
       if tat and tat > now then base = tat end
       local new_tat = base + interval * cost
@@ -171,7 +201,7 @@ while i <= figures do
       elseif new_tat - now > tolerance then
         status = 1
       else
-        w_algo[j], w_key[j], w_val[j] = 1, key, new_tat
+        w_algo[j], w_key[j], w_val[j], w_ttl[j] = 1, key, new_tat, interval
       end
       out[o + 1], out[o + 2] = status, tat or 0
       o = o + 2
@@ -227,7 +257,7 @@ while i <= figures do
     for j = 1, n do
       local algo, key = w_algo[j], w_key[j]
       if algo == 1 then
-        state[key] = w_val[j]
+        state[key], t_of[key] = w_val[j], w_ttl[j]
         if ttl[key] == nil then ttl[key] = false; written[#written + 1] = key end
       elseif algo == 2 then
         state[key] = state[key] + w_val[j]
@@ -262,7 +292,7 @@ for i = 1, #written do
   local v, window_ttl = state[key], ttl[key]
   if not window_ttl then
     -- A GCRA TAT lives until it is in the past.
-    redis.call('SET', key, fmt(v), 'PX', ttl_ms(v - now))
+    redis.call('SET', key, tat_value(v, t_of[key]), 'PX', ttl_ms(v - now))
   else
     -- A window's count: its TTL (the time to the window's turn) is set by its first write.
     redis.call('INCRBY', key, fmt(v - first[key]))
@@ -285,13 +315,13 @@ for i = 1, #KEYS do
   local x, y, z = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
   local key = KEYS[i]
   if algo == 1 then
-    local tat = tonumber(redis.call('GET', key) or '')
-    if tat ~= nil then
+    local tat, interval = read_tat(key)
+    if tat then
       local back = tat - x
       if back <= now then
         redis.call('DEL', key)
       else
-        redis.call('SET', key, fmt(back), 'PX', ttl_ms(back - now))
+        redis.call('SET', key, tat_value(back, interval), 'PX', ttl_ms(back - now))
       end
     end
   elseif algo == 2 then
@@ -373,7 +403,7 @@ impl Prepared {
     ///
     /// [`BackendErrorKind::Protocol`] for an algorithm these scripts do not implement.
     pub(crate) fn new(check: &Check<'_>, digest: KeyDigest) -> Result<Self, BackendError> {
-        let quota = check.limit.quota();
+        let quota = &check.quota;
         let algorithm = check.limit.algorithm();
         let (code, params) = match algorithm {
             Algorithm::Gcra => {
@@ -416,7 +446,7 @@ impl Prepared {
     /// The key this check wrote, for a refund of what `CHECK` answered.
     pub(crate) fn refund_key(&self, answer: &Answer) -> Suffix {
         match self.code {
-            1 => Suffix::None,
+            1 => Suffix::Tat,
             2 => Suffix::Window(answer.extra),
             _ => Suffix::Log,
         }
@@ -505,7 +535,7 @@ impl<'p> CheckArgs<'p> {
                         keys.push((all[i], Suffix::Log));
                         keys.push((all[i], Suffix::Seq));
                     }
-                    _ => keys.push((all[i], Suffix::None)),
+                    _ => keys.push((all[i], Suffix::Tat)),
                 }
             }
             key_of[i] = first;
@@ -729,7 +759,7 @@ mod tests {
         // (ip, a); (day, a) in windows 2 and 3; (ip, b).
         let suffixes: Vec<Suffix> = args.keys.iter().map(|(_, s)| *s).collect();
         assert_eq!(args.keys.len(), 4);
-        assert_eq!(suffixes.iter().filter(|s| **s == Suffix::None).count(), 2);
+        assert_eq!(suffixes.iter().filter(|s| **s == Suffix::Tat).count(), 2);
         let window = suffixes
             .iter()
             .position(|s| *s == Suffix::Window(2))

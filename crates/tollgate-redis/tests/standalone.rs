@@ -165,10 +165,9 @@ async fn denied_checks_write_nothing() {
     // A cost above the quota writes nothing either.
     let g = gcra("fresh", 2);
     let too_much = Check {
-        limit: &g,
-        key: b"k",
         cost: 3,
         enforce: true,
+        ..Check::new(&g, b"k")
     };
     let keys_before = server.dbsize();
     let v = backend.check_at(&[too_much], now).await.unwrap()[0];
@@ -347,7 +346,11 @@ async fn keys_never_hold_the_identity_and_have_a_fixed_length() {
         assert!(!key.contains("203.0.113.7") && !key.contains("alice"));
         assert_eq!(key.len(), keys[0].len());
     }
-    assert_eq!(backend.key_for(&limit, short).len(), keys[0].len());
+    // A GCRA TAT lives at `<base key>:v2`, which `key_for` names.
+    let tat = backend.key_for(&limit, short);
+    assert!(tat.ends_with(":v2"), "{tat}");
+    assert!(keys.contains(&tat), "{keys:?}");
+    assert_eq!(tat.len(), keys[0].len());
 }
 
 #[tokio::test]

@@ -29,6 +29,14 @@ pub enum State {
     None,
     /// GCRA's theoretical arrival time.
     Tat(u64),
+    /// GCRA's theoretical arrival time, written under another emission interval (another
+    /// quota): `<tat>@<interval>`.
+    TatUnder {
+        /// The stored TAT.
+        tat: u64,
+        /// The emission interval it was written under.
+        interval: u64,
+    },
     /// A fixed window: its end and its count.
     Window {
         /// When the window ends.
@@ -186,7 +194,13 @@ fn parse_line(line: usize, text: &str) -> Result<Vector, String> {
     };
     let state = match (algo, state) {
         (_, "none") => State::None,
-        (Algo::Gcra, s) => State::Tat(num(s, "tat")?),
+        (Algo::Gcra, s) => match s.split_once('@') {
+            Some((tat, interval)) => State::TatUnder {
+                tat: num(tat, "tat")?,
+                interval: num(interval, "interval")?,
+            },
+            None => State::Tat(num(s, "tat")?),
+        },
         (Algo::Fixed, s) => {
             let (end, count) = s
                 .split_once(':')

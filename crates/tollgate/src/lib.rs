@@ -85,7 +85,9 @@ mod decision;
 mod extract;
 mod grpc;
 mod layer;
+mod limits_file;
 mod metrics;
+mod plan;
 mod response;
 
 /// The parts that know nothing of HTTP: quotas, algorithms, clocks, backends.
@@ -97,7 +99,12 @@ pub use decision::{
 };
 #[cfg(feature = "axum")]
 pub use extract::MissingDecision;
-pub use layer::{RateLimit, RateLimitLayer, RateLimitLayerBuilder, ResponseBody, ResponseFuture};
+pub use layer::{
+    Limits, RateLimit, RateLimitLayer, RateLimitLayerBuilder, ReloadError, Reloader, ResponseBody,
+    ResponseFuture,
+};
+pub use limits_file::{LimitsFile, LimitsFileError};
+pub use plan::Plan;
 pub use response::{Rejection, RejectionKind};
 pub use tollgate_core::{
     Algorithm, FailurePolicy, FakeClock, Limit, MemoryBackend, MissingKeyPolicy, Quota, SystemClock,

@@ -287,6 +287,12 @@ impl Throttle {
     }
 }
 
+/// Counts one attempt to replace a layer's limits.
+pub(crate) fn record_reload(ok: bool) {
+    let result = if ok { "ok" } else { "error" };
+    metrics::counter!("tollgate_config_reloads_total", "result" => result).increment(1);
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {

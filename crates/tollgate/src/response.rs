@@ -207,20 +207,15 @@ fn reset_seconds(d: Duration) -> u64 {
 
 /// The `RateLimit-Policy` value of a layer's limits; fixed, so built once.
 pub(crate) fn policy_value<'a>(
-    limits: impl Iterator<Item = &'a tollgate_core::Limit>,
+    limits: impl Iterator<Item = (&'a str, &'a Quota)>,
 ) -> Option<HeaderValue> {
     let mut out = String::new();
-    for limit in limits {
+    for (name, quota) in limits {
         if !out.is_empty() {
             out.push_str(", ");
         }
-        let (quota, window) = policy_of(limit.quota());
-        let _ = write!(
-            out,
-            "\"{}\";q={quota};w={}",
-            limit.name(),
-            reset_seconds(window)
-        );
+        let (quota, window) = policy_of(quota);
+        let _ = write!(out, "\"{name}\";q={quota};w={}", reset_seconds(window));
     }
     HeaderValue::try_from(out).ok()
 }

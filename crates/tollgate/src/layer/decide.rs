@@ -27,10 +27,11 @@ impl<B: Backend> Shared<B> {
         // layer is). Otherwise the span is `none`: a disabled span still costs, on every
         // request, what `tracing`'s `log` compatibility does when no subscriber is set (its
         // fields formatted, each enter and exit checked against the `log` level).
+        let set = self.set.load_full();
         let span = if tracing::level_enabled!(tracing::Level::DEBUG) {
             tracing::debug_span!(
                 "tollgate.check",
-                limits = &*self.names,
+                limits = &*set.names,
                 outcome = tracing::field::Empty,
                 decision = tracing::field::Empty,
             )
@@ -38,19 +39,27 @@ impl<B: Backend> Shared<B> {
             tracing::Span::none()
         };
         let view = RequestView::new(req);
-        let mut keys: [Option<Key<'_>>; MAX_CHECKS] = Default::default();
-        let mut plan = Plan {
-            n: 0,
-            limit_of: [0; MAX_CHECKS],
-            skipped: [false; MAX_CHECKS],
-            span,
+        // The request's plan is looked up only when some limit has plans: its extension, or
+        // what the layer's plan function makes of the request.
+        let chosen;
+        let plan_name = match (set.plans, req.extensions().get::<crate::Plan>()) {
+            (false, _) => None,
+            (true, Some(plan)) => Some(plan.as_str()),
+            (true, None) => {
+                chosen = self.plan_fn.as_ref().and_then(|f| f(&view));
+                chosen.as_ref().map(crate::Plan::as_str)
+            }
         };
-        for (i, entry) in self.limits.iter().enumerate() {
+        let mut keys: [Option<Key<'_>>; MAX_CHECKS] = Default::default();
+        let mut n = 0;
+        let mut limit_of = [0; MAX_CHECKS];
+        let mut quota_of = [0u8; MAX_CHECKS];
+        for (i, entry) in set.limits.iter().enumerate() {
             match key_of(entry, &view) {
                 Ok(Some(key)) => keys[i] = Some(key),
-                Ok(None) => plan.skipped[i] = true,
+                Ok(None) => {}
                 Err(missing) => {
-                    entry.metrics.record_missing_key(&plan.span);
+                    entry.metrics.record_missing_key(&span);
                     return Prepared::Refuse(
                         self.refuse(
                             &Rejection::new(
@@ -65,15 +74,27 @@ impl<B: Backend> Shared<B> {
                 }
             }
         }
-        let mut checks = [Check::new(&self.limits[0].limit, b""); MAX_CHECKS];
-        for (i, (entry, key)) in self.limits.iter().zip(&keys).enumerate() {
-            if let Some(key) = key {
-                checks[plan.n] = Check::new(&entry.limit, key.as_bytes());
-                plan.limit_of[plan.n] = i;
-                plan.n += 1;
+        let check = {
+            let mut checks = [Check::new(&set.limits[0].limit, b""); MAX_CHECKS];
+            for (i, (entry, key)) in set.limits.iter().zip(&keys).enumerate() {
+                if let Some(key) = key {
+                    let (index, quota) = entry.limit.quota_of(plan_name);
+                    // A limit has at most `MAX_PLANS` plans.
+                    quota_of[i] = u8::try_from(index).unwrap_or(0);
+                    checks[n] = Check::new(&entry.limit, key.as_bytes()).with_quota(*quota);
+                    limit_of[n] = i;
+                    n += 1;
+                }
             }
-        }
-        let check = plan.span.in_scope(|| self.backend.check(&checks[..plan.n]));
+            span.in_scope(|| self.backend.check(&checks[..n]))
+        };
+        let plan = Plan {
+            set,
+            n,
+            limit_of,
+            quota_of,
+            span,
+        };
         Prepared::Check(check, plan)
     }
 
@@ -95,7 +116,8 @@ impl<B: Backend> Shared<B> {
                 // a limit that had no key, in the layer's order.
                 let mut checked = plan.limit_of[..plan.n].iter().zip(verdicts.iter());
                 let mut next = checked.next();
-                self.limits
+                plan.set
+                    .limits
                     .iter()
                     .enumerate()
                     .map(|(i, entry)| {
@@ -108,7 +130,7 @@ impl<B: Backend> Shared<B> {
                                 reason: SkipReason::MissingKey,
                             },
                         };
-                        entry.decision(outcome, Source::Backend)
+                        entry.decision(outcome, Source::Backend, plan.quota_of[i])
                     })
                     .collect()
             }
@@ -122,15 +144,17 @@ impl<B: Backend> Shared<B> {
             Err(error) => self.decide_failure(error, req, plan),
         };
         let admitted = decision.is_admitted();
-        for (entry, d) in self.limits.iter().zip(decision.limits()) {
+        for (entry, d) in plan.set.limits.iter().zip(decision.limits()) {
             entry.metrics.record(d, admitted);
         }
         obs::record_span(&plan.span, &decision);
         if admitted {
             return Decided::Admit(decision);
         }
-        let (kind, limit) = response::refusal_of(&decision)
-            .unwrap_or((RejectionKind::TooManyRequests, self.limits[0].limit.name()));
+        let (kind, limit) = response::refusal_of(&decision).unwrap_or((
+            RejectionKind::TooManyRequests,
+            plan.set.limits[0].limit.name(),
+        ));
         let mut response = self.refuse(
             &Rejection::new(kind, limit, decision.retry_after(), Some(&decision))
                 .grpc(crate::grpc::is_grpc(req.headers())),
@@ -151,7 +175,8 @@ impl<B: Backend> Shared<B> {
         self.on_failure(error, req, plan, &mut outcomes);
         // A refused request went nowhere: a fail-open limit beside the one that refused it
         // bypassed nothing, and must not say it did.
-        let refused = self
+        let refused = plan
+            .set
             .limits
             .iter()
             .zip(&outcomes)
@@ -165,10 +190,14 @@ impl<B: Backend> Shared<B> {
                 }
             }
         }
-        self.limits
+        plan.set
+            .limits
             .iter()
             .zip(outcomes)
-            .map(|(entry, (outcome, source))| entry.decision(outcome, source))
+            .enumerate()
+            .map(|(i, (entry, (outcome, source)))| {
+                entry.decision(outcome, source, plan.quota_of[i])
+            })
             .collect()
     }
 
@@ -180,14 +209,15 @@ impl<B: Backend> Shared<B> {
         plan: &Plan,
         outcomes: &mut [(Outcome, Source); MAX_CHECKS],
     ) {
+        let limits = &plan.set.limits;
         let mut closed = false;
         let mut fallback = [false; MAX_CHECKS];
         for &i in &plan.limit_of[..plan.n] {
-            outcomes[i].0 = match self.limits[i].limit.failure_policy() {
+            outcomes[i].0 = match limits[i].limit.failure_policy() {
                 FailurePolicy::FailClosed => {
                     // A shadow limit refuses nothing, so it must not switch off the fallback
                     // of the enforced limits beside it either.
-                    closed |= !self.limits[i].limit.is_shadow();
+                    closed |= !limits[i].limit.is_shadow();
                     Outcome::Denied {
                         retry_after: Some(self.unavailable_retry_after),
                         remaining: 0,
@@ -213,17 +243,18 @@ impl<B: Backend> Shared<B> {
         // copying them on every request for the rare failure.
         let view = RequestView::new(req);
         let mut keys: [Option<Key<'_>>; MAX_CHECKS] = Default::default();
-        for (i, entry) in self.limits.iter().enumerate() {
+        for (i, entry) in limits.iter().enumerate() {
             if fallback[i] {
                 keys[i] = key_of(entry, &view).ok().flatten();
             }
         }
-        let mut checks = [Check::new(&self.limits[0].limit, b""); MAX_CHECKS];
+        let mut checks = [Check::new(&limits[0].limit, b""); MAX_CHECKS];
         let mut index = [0usize; MAX_CHECKS];
         let mut n = 0;
-        for (i, (entry, key)) in self.limits.iter().zip(&keys).enumerate() {
+        for (i, (entry, key)) in limits.iter().zip(&keys).enumerate() {
             if let (Some(local), Some(key)) = (&entry.local, key) {
-                checks[n] = Check::new(local, key.as_bytes());
+                let quota = *local.quota_at(usize::from(plan.quota_of[i]));
+                checks[n] = Check::new(local, key.as_bytes()).with_quota(quota);
                 index[n] = i;
                 n += 1;
             }
@@ -253,12 +284,25 @@ impl<B: Backend> Shared<B> {
     /// Puts the decision in the response's extensions, and the rate-limit fields if `fields`.
     fn stamp<T>(&self, response: &mut Response<T>, decision: Decision, fields: bool) {
         if fields {
-            response::write_headers(
-                response.headers_mut(),
-                &decision,
-                self.policy.as_ref(),
-                self.headers,
-            );
+            // The policy of the quotas the request got: the one built with the limits when
+            // they are every limit's default (always, for limits without plans), else built
+            // for this request.
+            let set = self.set.load();
+            let defaults = set.limits.len() == decision.limits().len()
+                && set
+                    .limits
+                    .iter()
+                    .zip(decision.limits())
+                    .all(|(e, d)| e.limit.name() == d.name() && e.limit.quota() == d.quota());
+            let custom;
+            let policy = if defaults {
+                set.policy.as_ref()
+            } else {
+                custom =
+                    response::policy_value(decision.limits().iter().map(|d| (d.name(), d.quota())));
+                custom.as_ref()
+            };
+            response::write_headers(response.headers_mut(), &decision, policy, self.headers);
         }
         // Under this layer, another one decided too (it refused, or admitted): the response
         // carries both layers' limits, this one's first, as its fields do.
@@ -272,10 +316,10 @@ impl<B: Backend> Shared<B> {
 
 impl Entry {
     /// This limit's part of a decision.
-    fn decision(&self, outcome: Outcome, source: Source) -> LimitDecision {
+    fn decision(&self, outcome: Outcome, source: Source, quota: u8) -> LimitDecision {
         LimitDecision::new(
             Arc::clone(self.limit.name_arc()),
-            *self.limit.quota(),
+            *self.limit.quota_at(usize::from(quota)),
             outcome,
             source,
             self.limit.is_shadow(),

@@ -11,8 +11,10 @@
 //!    consumed. Backend failed: each limit's [`FailurePolicy`] decides.
 
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+use arc_swap::ArcSwap;
 
 use bytes::Bytes;
 use http::{HeaderValue, Response};
@@ -22,20 +24,24 @@ use tollgate_core::{
 use tower_layer::Layer;
 
 use crate::decision::Decision;
-use crate::key::KeyExtractor;
+use crate::key::{KeyExtractor, RequestView};
 use crate::metrics::LimitMetrics;
+use crate::plan::Plan as RequestPlan;
 use crate::response::{self, HeaderConfig, Rejection};
 
 mod body;
 mod decide;
 mod future;
+mod reload;
 mod service;
 
 pub use body::ResponseBody;
 pub use future::ResponseFuture;
+pub use reload::{ReloadError, Reloader};
 pub use service::RateLimit;
 
 type Responder = Box<dyn Fn(&Rejection<'_>) -> Response<Bytes> + Send + Sync>;
+type PlanFn = Box<dyn Fn(&RequestView<'_>) -> Option<RequestPlan> + Send + Sync>;
 
 /// Applies one or more stacked limits to every request of the services it wraps.
 ///
@@ -79,7 +85,8 @@ impl RateLimitLayer<MemoryBackend> {
     pub fn builder() -> RateLimitLayerBuilder<MemoryBackend> {
         RateLimitLayerBuilder {
             backend: MemoryBackend::new(),
-            limits: Vec::new(),
+            limits: Limits::new(),
+            plan_fn: None,
             headers: HeaderConfig::default(),
             responder: None,
             grpc_responder: None,
@@ -94,6 +101,121 @@ impl<B> RateLimitLayer<B> {
     /// The backend the limits are counted in.
     pub fn backend(&self) -> &B {
         &self.shared.backend
+    }
+
+    /// The limits the layer applies now, in order.
+    pub fn limits(&self) -> Vec<Limit> {
+        self.shared
+            .set
+            .load()
+            .limits
+            .iter()
+            .map(|e| e.limit.clone())
+            .collect()
+    }
+
+    /// A handle that replaces this layer's limits at run time (see [`Reloader`]).
+    pub fn reloader(&self) -> Reloader<B> {
+        Reloader::new(Arc::clone(&self.shared))
+    }
+}
+
+/// Limits with the keys they are counted per: what a layer is built from
+/// ([`RateLimitLayerBuilder::limits`]) and what a [`Reloader`] installs. A
+/// [`LimitsFile`](crate::LimitsFile) reads them from TOML.
+#[derive(Default)]
+pub struct Limits {
+    entries: Vec<(Limit, Box<dyn KeyExtractor>)>,
+}
+
+impl Limits {
+    /// No limits.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds a limit, counted per key that `key` extracts.
+    pub fn limit(mut self, limit: Limit, key: impl KeyExtractor) -> Self {
+        self.entries.push((limit, Box::new(key)));
+        self
+    }
+
+    /// Adds a limit with a boxed extractor.
+    pub fn push(&mut self, limit: Limit, key: Box<dyn KeyExtractor>) {
+        self.entries.push((limit, key));
+    }
+
+    /// How many limits.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// The limits, in order.
+    pub fn iter(&self) -> impl ExactSizeIterator<Item = &Limit> + '_ {
+        self.entries.iter().map(|(l, _)| l)
+    }
+
+    /// What a layer asks of its whole set of limits.
+    pub(crate) fn check(&self) -> Result<(), ConfigError> {
+        let limits = &self.entries;
+        if limits.is_empty() {
+            return Err(ConfigError::NoLimits);
+        }
+        if limits.len() > MAX_CHECKS {
+            return Err(ConfigError::TooManyLimits);
+        }
+        if let Some((limit, _)) = limits.iter().find(|(l, _)| l.name() == crate::CANARY_LIMIT) {
+            return Err(ConfigError::ReservedName(limit.name().to_owned()));
+        }
+        for (i, (limit, _)) in limits.iter().enumerate() {
+            if limits[..i].iter().any(|(l, _)| l.name() == limit.name()) {
+                return Err(ConfigError::DuplicateName(limit.name().to_owned()));
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks the whole set and prepares it for requests.
+    pub(crate) fn compile(self) -> Result<LimitSet, ConfigError> {
+        self.check()?;
+        let limits = self.entries;
+        let policy = response::policy_value(limits.iter().map(|(l, _)| (l.name(), l.quota())));
+        let names = limits
+            .iter()
+            .map(|(l, _)| l.name())
+            .collect::<Vec<_>>()
+            .join(",")
+            .into();
+        let plans = limits.iter().any(|(l, _)| l.plans().len() > 0);
+        let limits = limits
+            .into_iter()
+            .map(|(limit, key)| Entry {
+                local: match limit.failure_policy() {
+                    FailurePolicy::Fallback { replicas } => Some(limit.local_share(replicas)),
+                    _ => None,
+                },
+                metrics: LimitMetrics::new(Arc::clone(limit.name_arc())),
+                limit,
+                key,
+            })
+            .collect();
+        Ok(LimitSet {
+            limits,
+            policy,
+            names,
+            plans,
+        })
+    }
+}
+
+impl fmt::Debug for Limits {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_list().entries(self.iter()).finish()
     }
 }
 
@@ -114,7 +236,8 @@ impl<B: Backend> fmt::Debug for RateLimitLayer<B> {
 /// Configures a [`RateLimitLayer`].
 pub struct RateLimitLayerBuilder<B> {
     backend: B,
-    limits: Vec<(Limit, Box<dyn KeyExtractor>)>,
+    limits: Limits,
+    plan_fn: Option<PlanFn>,
     headers: HeaderConfig,
     responder: Option<Responder>,
     grpc_responder: Option<Responder>,
@@ -126,7 +249,39 @@ pub struct RateLimitLayerBuilder<B> {
 impl<B: Backend> RateLimitLayerBuilder<B> {
     /// Adds a limit, counted per key that `key` extracts.
     pub fn limit(mut self, limit: Limit, key: impl KeyExtractor) -> Self {
-        self.limits.push((limit, Box::new(key)));
+        self.limits.push(limit, Box::new(key));
+        self
+    }
+
+    /// Chooses the plan of a request that has no [`Plan`](crate::Plan) extension with `plan`,
+    /// a function of the request (a header, the path, another extension). A request for
+    /// which it answers `None` gets every limit's default quota.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tollgate::key::Global;
+    /// use tollgate::{Limit, Plan, Quota, RateLimitLayer};
+    ///
+    /// # fn main() -> Result<(), tollgate::core::ConfigError> {
+    /// let limit = Limit::gcra("api", Quota::per_minute(10)?)?.plan("partner", Quota::per_minute(100)?)?;
+    /// let layer = RateLimitLayer::builder()
+    ///     .limit(limit, Global)
+    ///     .plan_fn(|req| req.headers().contains_key("x-partner-key").then(|| Plan::new("partner")))
+    ///     .build()?;
+    /// # Ok(()) }
+    /// ```
+    pub fn plan_fn<F>(mut self, plan: F) -> Self
+    where
+        F: Fn(&RequestView<'_>) -> Option<RequestPlan> + Send + Sync + 'static,
+    {
+        self.plan_fn = Some(Box::new(plan));
+        self
+    }
+
+    /// Adds every limit of `limits` (for example from a [`LimitsFile`](crate::LimitsFile)).
+    pub fn limits(mut self, limits: Limits) -> Self {
+        self.limits.entries.extend(limits.entries);
         self
     }
 
@@ -135,6 +290,7 @@ impl<B: Backend> RateLimitLayerBuilder<B> {
         RateLimitLayerBuilder {
             backend,
             limits: self.limits,
+            plan_fn: self.plan_fn,
             headers: self.headers,
             responder: self.responder,
             grpc_responder: self.grpc_responder,
@@ -208,58 +364,17 @@ impl<B: Backend> RateLimitLayerBuilder<B> {
     /// [`MAX_CHECKS`]), [`ConfigError::DuplicateName`], or [`ConfigError::ReservedName`] for a
     /// limit named [`CANARY_LIMIT`](crate::CANARY_LIMIT), which only the canary may use.
     pub fn build(self) -> Result<RateLimitLayer<B>, ConfigError> {
-        if self.limits.is_empty() {
-            return Err(ConfigError::NoLimits);
-        }
-        if self.limits.len() > MAX_CHECKS {
-            return Err(ConfigError::TooManyLimits);
-        }
-        if let Some((limit, _)) = self
-            .limits
-            .iter()
-            .find(|(l, _)| l.name() == crate::CANARY_LIMIT)
-        {
-            return Err(ConfigError::ReservedName(limit.name().to_owned()));
-        }
-        for (i, (limit, _)) in self.limits.iter().enumerate() {
-            if self.limits[..i]
-                .iter()
-                .any(|(l, _)| l.name() == limit.name())
-            {
-                return Err(ConfigError::DuplicateName(limit.name().to_owned()));
-            }
-        }
-        let policy = response::policy_value(self.limits.iter().map(|(l, _)| l));
-        let names = self
-            .limits
-            .iter()
-            .map(|(l, _)| l.name())
-            .collect::<Vec<_>>()
-            .join(",")
-            .into();
-        let limits = self
-            .limits
-            .into_iter()
-            .map(|(limit, key)| Entry {
-                local: match limit.failure_policy() {
-                    FailurePolicy::Fallback { replicas } => Some(limit.local_share(replicas)),
-                    _ => None,
-                },
-                metrics: LimitMetrics::new(Arc::clone(limit.name_arc())),
-                limit,
-                key,
-            })
-            .collect();
+        let set = self.limits.compile()?;
         Ok(RateLimitLayer {
             shared: Arc::new(Shared {
                 backend: self.backend,
-                limits,
+                set: ArcSwap::from_pointee(set),
+                reloads: Mutex::new(()),
+                plan_fn: self.plan_fn,
                 fallback: MemoryBackend::builder()
                     .max_keys(self.fallback_max_keys)
                     .clock(self.fallback_clock)
                     .build(),
-                policy,
-                names,
                 headers: self.headers,
                 responder: self.responder,
                 grpc_responder: self.grpc_responder,
@@ -272,10 +387,7 @@ impl<B: Backend> RateLimitLayerBuilder<B> {
 impl<B> fmt::Debug for RateLimitLayerBuilder<B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RateLimitLayerBuilder")
-            .field(
-                "limits",
-                &self.limits.iter().map(|(l, _)| l).collect::<Vec<_>>(),
-            )
+            .field("limits", &self.limits)
             .field("headers", &self.headers)
             .finish()
     }
@@ -284,15 +396,37 @@ impl<B> fmt::Debug for RateLimitLayerBuilder<B> {
 /// The state every clone of a layer and its services shares.
 pub(crate) struct Shared<B> {
     backend: B,
-    limits: Box<[Entry]>,
+    /// The limits now. A request loads them once (no lock) and keeps them to its decision,
+    /// so a reload never changes the limits of a request in flight.
+    set: ArcSwap<LimitSet>,
+    /// Serialises reloads (never taken by a request).
+    reloads: Mutex<()>,
+    /// The plan of a request without a `Plan` extension.
+    plan_fn: Option<PlanFn>,
     fallback: MemoryBackend<Arc<dyn Clock>>,
-    policy: Option<HeaderValue>,
-    /// The limits' names, comma-separated, for the check span.
-    names: Box<str>,
     headers: HeaderConfig,
     responder: Option<Responder>,
     grpc_responder: Option<Responder>,
     unavailable_retry_after: Duration,
+}
+
+/// One version of a layer's limits, checked whole.
+pub(crate) struct LimitSet {
+    limits: Box<[Entry]>,
+    /// `RateLimit-Policy` of a request that gets every limit's default quota.
+    policy: Option<HeaderValue>,
+    /// The limits' names, comma-separated, for the check span.
+    names: Box<str>,
+    /// Whether any limit has plans (else the request's `Plan` is not looked up).
+    plans: bool,
+}
+
+impl fmt::Debug for LimitSet {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_list()
+            .entries(self.limits.iter().map(|e| &e.limit))
+            .finish()
+    }
 }
 
 struct Entry {
@@ -306,9 +440,12 @@ struct Entry {
 /// Which limits a batch checked, in order, and which were skipped.
 #[derive(Debug)]
 pub(crate) struct Plan {
+    /// The limits the request started with.
+    set: Arc<LimitSet>,
     n: usize,
     limit_of: [usize; MAX_CHECKS],
-    skipped: [bool; MAX_CHECKS],
+    /// Per limit, the index of the quota the request got ([`Limit::quota_of`]).
+    quota_of: [u8; MAX_CHECKS],
     /// The request's `tollgate.check` span, open from the keys to the decision.
     span: tracing::Span,
 }
@@ -329,7 +466,13 @@ impl<B: Backend> fmt::Debug for Shared<B> {
             .field("backend", &self.backend.kind())
             .field(
                 "limits",
-                &self.limits.iter().map(|e| &e.limit).collect::<Vec<_>>(),
+                &self
+                    .set
+                    .load()
+                    .limits
+                    .iter()
+                    .map(|e| &e.limit)
+                    .collect::<Vec<_>>(),
             )
             .field("headers", &self.headers)
             .finish()

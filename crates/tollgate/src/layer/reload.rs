@@ -1,0 +1,163 @@
+//! Replacing a layer's limits at run time.
+
+use std::fmt;
+use std::path::Path;
+use std::sync::{Arc, PoisonError};
+
+use tollgate_core::{Backend, ConfigError};
+
+use super::{Limits, Shared};
+use crate::limits_file::{LimitsFile, LimitsFileError};
+
+/// Replaces the limits of a [`RateLimitLayer`](super::RateLimitLayer) (and of every clone of
+/// it and of its services) while it serves.
+///
+/// - The swap is atomic and takes no lock on the request path: a request loads the limits once
+///   and keeps them until its decision, so requests in flight finish under the limits they
+///   started with.
+/// - A new set is checked whole before anything changes; a set that could not be built is
+///   refused with the reason and the old limits stay.
+/// - State is the backend's, keyed by limit name and key: a limit whose name and algorithm
+///   (and, for a fixed window, period) stay keeps what every key has used, under its new
+///   quotas. Other limits start empty; the state of removed limits expires.
+/// - A limit whose quotas changed, or that was removed, has this process' cached denials
+///   dropped ([`Backend::forget_denials`]), so a raised quota is seen at once.
+/// - Each attempt counts in `tollgate_config_reloads_total{result}` (`ok` or `error`).
+///
+/// # Examples
+///
+/// ```
+/// use tollgate::key::Global;
+/// use tollgate::{Limit, Limits, Quota, RateLimitLayer};
+///
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let layer = RateLimitLayer::builder()
+///     .limit(Limit::fixed_window("all", Quota::per_minute(5)?)?, Global)
+///     .build()?;
+/// let reloader = layer.reloader();
+/// reloader.reload(Limits::new().limit(Limit::fixed_window("all", Quota::per_minute(10)?)?, Global))?;
+/// assert_eq!(layer.limits()[0].quota().limit(), 10);
+/// // A set that cannot be built is refused whole.
+/// assert!(reloader.reload(Limits::new()).is_err());
+/// assert_eq!(layer.limits()[0].quota().limit(), 10);
+/// # Ok(()) }
+/// ```
+pub struct Reloader<B> {
+    shared: Arc<Shared<B>>,
+}
+
+impl<B> Clone for Reloader<B> {
+    fn clone(&self) -> Self {
+        Self {
+            shared: Arc::clone(&self.shared),
+        }
+    }
+}
+
+impl<B> fmt::Debug for Reloader<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Reloader").finish_non_exhaustive()
+    }
+}
+
+impl<B> Reloader<B> {
+    pub(super) fn new(shared: Arc<Shared<B>>) -> Self {
+        Self { shared }
+    }
+}
+
+impl<B: Backend> Reloader<B> {
+    /// Replaces the layer's limits with `limits`, or refuses them whole.
+    ///
+    /// # Errors
+    ///
+    /// [`ReloadError::Config`] when the set could not build a layer (see
+    /// [`RateLimitLayerBuilder::build`](super::RateLimitLayerBuilder::build)); the old limits
+    /// stay.
+    pub fn reload(&self, limits: Limits) -> Result<(), ReloadError> {
+        let result = self.swap(limits);
+        crate::metrics::record_reload(result.is_ok());
+        result
+    }
+
+    /// Parses `text` with `file` and replaces the limits with it, or refuses it whole.
+    ///
+    /// # Errors
+    ///
+    /// [`ReloadError::File`] for a file that does not parse (with its line and column) or
+    /// describes limits that cannot be built; the old limits stay.
+    pub fn reload_toml_str(&self, file: &LimitsFile, text: &str) -> Result<(), ReloadError> {
+        let result = file
+            .parse(text)
+            .map_err(ReloadError::File)
+            .and_then(|limits| self.swap(limits));
+        crate::metrics::record_reload(result.is_ok());
+        result
+    }
+
+    /// Reads the file at `path` with `file` and replaces the limits with it, or refuses it
+    /// whole.
+    ///
+    /// # Errors
+    ///
+    /// As [`Reloader::reload_toml_str`], and [`ReloadError::File`] for a file that cannot be
+    /// read.
+    pub fn reload_toml_file(
+        &self,
+        file: &LimitsFile,
+        path: impl AsRef<Path>,
+    ) -> Result<(), ReloadError> {
+        let result = file
+            .read(path)
+            .map_err(ReloadError::File)
+            .and_then(|limits| self.swap(limits));
+        crate::metrics::record_reload(result.is_ok());
+        result
+    }
+
+    fn swap(&self, limits: Limits) -> Result<(), ReloadError> {
+        let new = Arc::new(limits.compile().map_err(ReloadError::Config)?);
+        // Two reloads at once must each compare against the set they replace.
+        let _serial = self
+            .shared
+            .reloads
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let old = self.shared.set.swap(Arc::clone(&new));
+        for entry in old.limits.iter() {
+            let kept = new.limits.iter().any(|e| e.limit.same_quotas(&entry.limit));
+            if !kept {
+                self.shared.backend.forget_denials(entry.limit.name());
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Why a [`Reloader`] refused a new set of limits. The old limits stay.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum ReloadError {
+    /// The limits could not build a layer.
+    Config(ConfigError),
+    /// The limits file could not be read, parsed, or built.
+    File(LimitsFileError),
+}
+
+impl fmt::Display for ReloadError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Config(e) => write!(f, "limits refused, the old ones stay: {e}"),
+            Self::File(e) => write!(f, "limits refused, the old ones stay: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for ReloadError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Self::Config(e) => Some(e),
+            Self::File(e) => Some(e),
+        }
+    }
+}
