@@ -79,6 +79,8 @@
 
 pub mod key;
 
+pub mod cost;
+
 mod canary;
 mod decision;
 #[cfg(feature = "axum")]

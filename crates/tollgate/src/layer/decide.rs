@@ -7,9 +7,10 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{Request, Response};
 use tollgate_core::{
-    Backend, BackendError, Check, FailurePolicy, MissingKeyPolicy, Verdicts, MAX_CHECKS,
+    Backend, BackendError, Check, FailurePolicy, MissingKeyPolicy, Receipt, Verdicts, MAX_CHECKS,
 };
 
+use super::settle::Item;
 use super::{Decided, Entry, Plan, Prepared, Shared};
 use crate::decision::{Decision, DenyReason, LimitDecision, Outcome, SkipReason, Source};
 use crate::key::{Key, MissingKey, RequestView};
@@ -43,6 +44,7 @@ impl<B: Backend> Shared<B> {
             n: 0,
             limit_of: [0; MAX_CHECKS],
             skipped: [false; MAX_CHECKS],
+            cost: [0; MAX_CHECKS],
             span,
         };
         for (i, entry) in self.limits.iter().enumerate() {
@@ -68,7 +70,28 @@ impl<B: Backend> Shared<B> {
         let mut checks = [Check::new(&self.limits[0].limit, b""); MAX_CHECKS];
         for (i, (entry, key)) in self.limits.iter().zip(&keys).enumerate() {
             if let Some(key) = key {
-                checks[plan.n] = Check::new(&entry.limit, key.as_bytes());
+                let mut check = Check::new(&entry.limit, key.as_bytes());
+                if let Some(cost) = entry.metered.as_ref().and_then(|m| m.cost.as_ref()) {
+                    match cost(&view) {
+                        Ok(cost) => check = check.with_cost(cost),
+                        Err(_) => {
+                            entry.metrics.record_missing_key(&plan.span);
+                            return Prepared::Refuse(
+                                self.refuse(
+                                    &Rejection::new(
+                                        RejectionKind::InvalidCost,
+                                        entry.limit.name(),
+                                        None,
+                                        None,
+                                    )
+                                    .grpc(crate::grpc::is_grpc(req.headers())),
+                                ),
+                            );
+                        }
+                    }
+                }
+                plan.cost[i] = check.cost;
+                checks[plan.n] = check;
                 plan.limit_of[plan.n] = i;
                 plan.n += 1;
             }
@@ -89,8 +112,13 @@ impl<B: Backend> Shared<B> {
     ) -> Decided {
         // Warnings about bypasses and capacity are logged inside the request's span.
         let _entered = plan.span.enter();
+        // Where each limit's units went, in the layer's order, for a settle.
+        let mut receipts = [Receipt::default(); MAX_CHECKS];
         let decision = match result {
             Ok(verdicts) if verdicts.len() == plan.n => {
+                for (j, &i) in plan.limit_of[..plan.n].iter().enumerate() {
+                    receipts[i] = verdicts.receipt(j);
+                }
                 // Every verdict came back: each limit's outcome is its verdict, or a skip for
                 // a limit that had no key, in the layer's order.
                 let mut checked = plan.limit_of[..plan.n].iter().zip(verdicts.iter());
@@ -117,9 +145,9 @@ impl<B: Backend> Shared<B> {
                     tollgate_core::BackendErrorKind::Protocol,
                     format!("{} verdicts for {} checks", verdicts.len(), plan.n),
                 );
-                self.decide_failure(&error, req, plan)
+                self.decide_failure(&error, req, plan, &mut receipts)
             }
-            Err(error) => self.decide_failure(error, req, plan),
+            Err(error) => self.decide_failure(error, req, plan, &mut receipts),
         };
         let admitted = decision.is_admitted();
         for (entry, d) in self.limits.iter().zip(decision.limits()) {
@@ -127,7 +155,12 @@ impl<B: Backend> Shared<B> {
         }
         obs::record_span(&plan.span, &decision);
         if admitted {
-            return Decided::Admit(decision);
+            let owed = if self.settles {
+                self.owed(&decision, req, plan, &receipts)
+            } else {
+                None
+            };
+            return Decided::Admit(decision, owed);
         }
         let (kind, limit) = response::refusal_of(&decision)
             .unwrap_or((RejectionKind::TooManyRequests, self.limits[0].limit.name()));
@@ -141,14 +174,20 @@ impl<B: Backend> Shared<B> {
     }
 
     /// The decision when the backend failed: each checked limit's failure policy.
-    fn decide_failure<T>(&self, error: &BackendError, req: &Request<T>, plan: &Plan) -> Decision {
+    fn decide_failure<T>(
+        &self,
+        error: &BackendError,
+        req: &Request<T>,
+        plan: &Plan,
+        receipts: &mut [Receipt; MAX_CHECKS],
+    ) -> Decision {
         let mut outcomes = [(
             Outcome::Skipped {
                 reason: SkipReason::MissingKey,
             },
             Source::Backend,
         ); MAX_CHECKS];
-        self.on_failure(error, req, plan, &mut outcomes);
+        self.on_failure(error, req, plan, &mut outcomes, receipts);
         // A refused request went nowhere: a fail-open limit beside the one that refused it
         // bypassed nothing, and must not say it did.
         let refused = self
@@ -179,6 +218,7 @@ impl<B: Backend> Shared<B> {
         req: &Request<T>,
         plan: &Plan,
         outcomes: &mut [(Outcome, Source); MAX_CHECKS],
+        receipts: &mut [Receipt; MAX_CHECKS],
     ) {
         let mut closed = false;
         let mut fallback = [false; MAX_CHECKS];
@@ -224,6 +264,9 @@ impl<B: Backend> Shared<B> {
         for (i, (entry, key)) in self.limits.iter().zip(&keys).enumerate() {
             if let (Some(local), Some(key)) = (&entry.local, key) {
                 checks[n] = Check::new(local, key.as_bytes());
+                if entry.metered.as_ref().is_some_and(|m| m.cost.is_some()) {
+                    checks[n] = checks[n].with_cost(plan.cost[i]);
+                }
                 index[n] = i;
                 n += 1;
             }
@@ -231,8 +274,44 @@ impl<B: Backend> Shared<B> {
         if let Ok(verdicts) = self.fallback.check_now(&checks[..n]) {
             for (j, verdict) in verdicts.iter().enumerate() {
                 outcomes[index[j]] = (Outcome::from_verdict(verdict), Source::Fallback);
+                receipts[index[j]] = verdicts.receipt(j);
             }
         }
+    }
+
+    /// What an admitted request owes the metered limits that settle: the units each took,
+    /// where, and under which key (extracted again: the request's keys were borrowed).
+    fn owed<T>(
+        &self,
+        decision: &Decision,
+        req: &Request<T>,
+        plan: &Plan,
+        receipts: &[Receipt; MAX_CHECKS],
+    ) -> Option<Vec<Item>> {
+        let view = RequestView::new(req);
+        let mut items = Vec::new();
+        for (i, (entry, d)) in self.limits.iter().zip(decision.limits()).enumerate() {
+            let Some(metered) = entry.metered.as_ref().filter(|m| m.settles()) else {
+                continue;
+            };
+            if !matches!(d.outcome(), Outcome::Allowed { .. }) {
+                continue;
+            }
+            let Ok(Some(key)) = key_of(entry, &view) else {
+                continue;
+            };
+            items.push(Item {
+                entry: i,
+                key: key.as_bytes().into(),
+                reserved: plan.cost[i],
+                receipt: receipts[i],
+                fallback: d.source() == Source::Fallback,
+                by_handler: metered.by_handler,
+                on_drop: metered.on_drop,
+                counted: true,
+            });
+        }
+        (!items.is_empty()).then_some(items)
     }
 
     fn refuse(&self, rejection: &Rejection<'_>) -> Response<Bytes> {

@@ -11,6 +11,7 @@ use tollgate_core::Backend;
 use tower_service::Service;
 
 use super::body::ResponseBody;
+use super::settle::{Owed, Settler};
 use super::{Decided, Plan, Shared};
 use crate::decision::Decision;
 
@@ -43,6 +44,9 @@ pin_project! {
             #[pin]
             call: S::Future,
             finish: Option<(Decision, Arc<Shared<B>>)>,
+            // What the request owes its metered limits: settled when dropped, so a request
+            // dropped before its answer follows their drop policy.
+            owed: Option<Box<Owed>>,
         },
         Refused {
             response: Option<Response<Bytes>>,
@@ -92,15 +96,23 @@ where
         shared: Arc<Shared<B>>,
     ) -> Self {
         match decided {
-            Decided::Admit(decision) => {
+            Decided::Admit(decision, items) => {
                 // Under an outer `RateLimitLayer`, the handler sees both layers' limits.
                 if let Some(outer) = req.extensions_mut().insert(decision.clone()) {
                     req.extensions_mut().insert(outer.then(&decision));
+                }
+                let owed = items.map(|items| {
+                    let sink: Arc<dyn Settler> = Arc::clone(&shared) as Arc<dyn Settler>;
+                    Box::new(Owed::new(sink, items))
+                });
+                if let Some(handle) = owed.as_ref().and_then(|o| o.handle()) {
+                    req.extensions_mut().insert(handle.clone());
                 }
                 Self {
                     state: State::Calling {
                         call: inner.call(req),
                         finish: Some((decision, shared)),
+                        owed,
                     },
                 }
             }
@@ -149,11 +161,21 @@ where
                     this.state
                         .set(Self::decided(decided, req, &mut inner, shared).state);
                 }
-                StateProj::Calling { call, finish } => {
+                StateProj::Calling { call, finish, owed } => {
                     let mut response = ready!(call.poll(cx))?;
                     if let Some((decision, shared)) = finish.take() {
                         shared.finish(&mut response, decision);
                     }
+                    let Some(mut owed) = owed.take() else {
+                        return Poll::Ready(Ok(response.map(ResponseBody::inner)));
+                    };
+                    owed.responded(&response);
+                    if owed.waits_for_body() {
+                        return Poll::Ready(Ok(response.map(|b| ResponseBody::settling(b, owed))));
+                    }
+                    // Everything is known with the head: settle now (the backend does not
+                    // wait for its answer).
+                    drop(owed);
                     return Poll::Ready(Ok(response.map(ResponseBody::inner)));
                 }
                 StateProj::Refused { response } => {

@@ -21,6 +21,7 @@ use tollgate_core::{
 };
 use tower_layer::Layer;
 
+use crate::cost::Metered;
 use crate::decision::Decision;
 use crate::key::KeyExtractor;
 use crate::metrics::LimitMetrics;
@@ -30,6 +31,7 @@ mod body;
 mod decide;
 mod future;
 mod service;
+mod settle;
 
 pub use body::ResponseBody;
 pub use future::ResponseFuture;
@@ -114,7 +116,7 @@ impl<B: Backend> fmt::Debug for RateLimitLayer<B> {
 /// Configures a [`RateLimitLayer`].
 pub struct RateLimitLayerBuilder<B> {
     backend: B,
-    limits: Vec<(Limit, Box<dyn KeyExtractor>)>,
+    limits: Vec<(Limit, Box<dyn KeyExtractor>, Option<Metered>)>,
     headers: HeaderConfig,
     responder: Option<Responder>,
     grpc_responder: Option<Responder>,
@@ -126,7 +128,32 @@ pub struct RateLimitLayerBuilder<B> {
 impl<B: Backend> RateLimitLayerBuilder<B> {
     /// Adds a limit, counted per key that `key` extracts.
     pub fn limit(mut self, limit: Limit, key: impl KeyExtractor) -> Self {
-        self.limits.push((limit, Box::new(key)));
+        self.limits.push((limit, Box::new(key), None));
+        self
+    }
+
+    /// Adds a limit, counted per key that `key` extracts, whose cost comes from each request
+    /// and may be settled after the response (see [`crate::cost`]).
+    ///
+    /// ```
+    /// use http::StatusCode;
+    /// use tollgate::cost::Metered;
+    /// use tollgate::key::ClientIp;
+    /// use tollgate::{Limit, Quota, RateLimitLayer};
+    ///
+    /// # fn main() -> Result<(), tollgate::core::ConfigError> {
+    /// // Five failed logins a minute: only 401s count.
+    /// let layer = RateLimitLayer::builder()
+    ///     .metered(
+    ///         Limit::gcra("login-failures", Quota::per_minute(5)?)?,
+    ///         ClientIp::peer(),
+    ///         Metered::new().count_if(|r| r.status() == StatusCode::UNAUTHORIZED),
+    ///     )
+    ///     .build()?;
+    /// # Ok(()) }
+    /// ```
+    pub fn metered(mut self, limit: Limit, key: impl KeyExtractor, metered: Metered) -> Self {
+        self.limits.push((limit, Box::new(key), Some(metered)));
         self
     }
 
@@ -214,33 +241,37 @@ impl<B: Backend> RateLimitLayerBuilder<B> {
         if self.limits.len() > MAX_CHECKS {
             return Err(ConfigError::TooManyLimits);
         }
-        if let Some((limit, _)) = self
+        if let Some((limit, _, _)) = self
             .limits
             .iter()
-            .find(|(l, _)| l.name() == crate::CANARY_LIMIT)
+            .find(|(l, _, _)| l.name() == crate::CANARY_LIMIT)
         {
             return Err(ConfigError::ReservedName(limit.name().to_owned()));
         }
-        for (i, (limit, _)) in self.limits.iter().enumerate() {
+        for (i, (limit, _, _)) in self.limits.iter().enumerate() {
             if self.limits[..i]
                 .iter()
-                .any(|(l, _)| l.name() == limit.name())
+                .any(|(l, _, _)| l.name() == limit.name())
             {
                 return Err(ConfigError::DuplicateName(limit.name().to_owned()));
             }
         }
-        let policy = response::policy_value(self.limits.iter().map(|(l, _)| l));
+        let policy = response::policy_value(self.limits.iter().map(|(l, _, _)| l));
+        let settles = self
+            .limits
+            .iter()
+            .any(|(_, _, m)| m.as_ref().is_some_and(Metered::settles));
         let names = self
             .limits
             .iter()
-            .map(|(l, _)| l.name())
+            .map(|(l, _, _)| l.name())
             .collect::<Vec<_>>()
             .join(",")
             .into();
         let limits = self
             .limits
             .into_iter()
-            .map(|(limit, key)| Entry {
+            .map(|(limit, key, metered)| Entry {
                 local: match limit.failure_policy() {
                     FailurePolicy::Fallback { replicas } => Some(limit.local_share(replicas)),
                     _ => None,
@@ -248,6 +279,7 @@ impl<B: Backend> RateLimitLayerBuilder<B> {
                 metrics: LimitMetrics::new(Arc::clone(limit.name_arc())),
                 limit,
                 key,
+                metered,
             })
             .collect();
         Ok(RateLimitLayer {
@@ -264,6 +296,7 @@ impl<B: Backend> RateLimitLayerBuilder<B> {
                 responder: self.responder,
                 grpc_responder: self.grpc_responder,
                 unavailable_retry_after: self.unavailable_retry_after,
+                settles,
             }),
         })
     }
@@ -274,7 +307,7 @@ impl<B> fmt::Debug for RateLimitLayerBuilder<B> {
         f.debug_struct("RateLimitLayerBuilder")
             .field(
                 "limits",
-                &self.limits.iter().map(|(l, _)| l).collect::<Vec<_>>(),
+                &self.limits.iter().map(|(l, _, _)| l).collect::<Vec<_>>(),
             )
             .field("headers", &self.headers)
             .finish()
@@ -293,11 +326,15 @@ pub(crate) struct Shared<B> {
     responder: Option<Responder>,
     grpc_responder: Option<Responder>,
     unavailable_retry_after: Duration,
+    /// Whether a limit settles after the response (see [`crate::cost`]).
+    settles: bool,
 }
 
 struct Entry {
     limit: Limit,
     key: Box<dyn KeyExtractor>,
+    /// Where the cost comes from and how it settles, for a metered limit.
+    metered: Option<Metered>,
     /// The quota's local share, for [`FailurePolicy::Fallback`].
     local: Option<Limit>,
     metrics: LimitMetrics,
@@ -309,6 +346,8 @@ pub(crate) struct Plan {
     n: usize,
     limit_of: [usize; MAX_CHECKS],
     skipped: [bool; MAX_CHECKS],
+    /// Each checked limit's cost, in the layer's order.
+    cost: [u32; MAX_CHECKS],
     /// The request's `tollgate.check` span, open from the keys to the decision.
     span: tracing::Span,
 }
@@ -319,7 +358,8 @@ pub(crate) enum Prepared<F> {
 }
 
 pub(crate) enum Decided {
-    Admit(Decision),
+    /// Admitted, with what the request owes its metered limits, if any settle.
+    Admit(Decision, Option<Vec<settle::Item>>),
     Refuse(Response<Bytes>),
 }
 
