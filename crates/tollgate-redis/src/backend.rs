@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 use tollgate_core::{
-    Backend, BackendError, BackendErrorKind, Check, Limit, Micros, Status, Verdict, Verdicts,
+    Backend, BackendError, BackendErrorKind, Check, Limit, Micros, Settlement, Status, Verdict,
+    Verdicts,
 };
 
 use crate::breaker::{Breaker, BreakerConfig, CircuitState, Permit};
@@ -40,6 +41,7 @@ pub(crate) struct Inner {
     pub(crate) deny: DenyCache,
     pub(crate) check_script: Script,
     pub(crate) refund_script: Script,
+    pub(crate) settle_script: Script,
     /// Merges concurrent requests' batches into one call (standalone Redis only).
     pub(crate) coalescer: Coalescer,
     /// The server's `TIME` minus the local clock, in microseconds, as last seen.
@@ -101,6 +103,7 @@ impl RedisBackend {
             deny: DenyCache::new(config.deny_cache_capacity, config.deadline),
             check_script: Script::new(script::CHECK),
             refund_script: Script::new(script::REFUND),
+            settle_script: Script::new(script::SETTLE),
             coalescer: Coalescer::default(),
             skew: AtomicI64::new(0),
             metrics: OnceLock::new(),
@@ -219,6 +222,7 @@ pub(crate) const NOT_CHECKED: Verdict = Verdict {
 pub(crate) const UNANSWERED: Answer = Answer {
     verdict: NOT_CHECKED,
     extra: 0,
+    at: 0,
 };
 
 impl RedisBackend {
@@ -299,6 +303,21 @@ impl Backend for RedisBackend {
     /// without I/O or allocation.
     fn check(&self, checks: &[Check<'_>]) -> ResponseFuture {
         self.dispatch(checks, None)
+    }
+
+    /// Sends one `SETTLE` call (one per hash slot in a cluster) from a task of its own, and
+    /// returns at once; a failure is logged at debug level, and the reservations stay as
+    /// they were. Outside a Tokio runtime nothing is sent.
+    fn settle(&self, settlements: &[Settlement<'_>]) {
+        let call = self.settle_at(settlements, None);
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                runtime.spawn(async move {
+                    let _ = call.await;
+                });
+            }
+            Err(_) => tracing::debug!(backend = BACKEND, "rate-limit settle outside a runtime"),
+        }
     }
 
     fn kind(&self) -> &'static str {

@@ -163,6 +163,7 @@ mod future;
 mod keys;
 mod merged;
 mod script;
+mod settle;
 
 pub use backend::RedisBackend;
 pub use breaker::CircuitState;
