@@ -379,11 +379,10 @@ impl<C: Clock> MemoryBackend<C> {
                 Algorithm::Gcra => {
                     let tat = shard.gcra.get_mut(&fp).map(Slot::get);
                     match algorithm::gcra_settle(quota, tat, now, s.reserved, s.actual) {
-                        Some(t) if t <= now => {
-                            if shard.gcra.remove(&fp).is_some() {
-                                inner.tracked.fetch_sub(1, Ordering::Relaxed);
-                            }
+                        Some(t) if t <= now && shard.gcra.remove(&fp).is_some() => {
+                            inner.tracked.fetch_sub(1, Ordering::Relaxed);
                         }
+                        Some(t) if t <= now => {}
                         Some(t) if tat.is_some() || (room && inner.reserve()) => {
                             store(&mut shard.gcra, fp, t);
                         }
