@@ -20,6 +20,7 @@ use crate::failure::map_error;
 use crate::future::ResponseFuture;
 use crate::keys;
 use crate::script::{self, Answer, Prepared, Reply, Script};
+use crate::settle::SettleQueue;
 
 pub(crate) const BACKEND: &str = "redis";
 
@@ -44,6 +45,8 @@ pub(crate) struct Inner {
     pub(crate) settle_script: Script,
     /// Merges concurrent requests' batches into one call (standalone Redis only).
     pub(crate) coalescer: Coalescer,
+    /// Settles waiting for the call in flight to end, sent together next (standalone Redis).
+    pub(crate) settles: SettleQueue,
     /// The server's `TIME` minus the local clock, in microseconds, as last seen.
     pub(crate) skew: AtomicI64,
     /// Registered on the first call, like the layer's, so that a recorder installed after the
@@ -105,6 +108,7 @@ impl RedisBackend {
             refund_script: Script::new(script::REFUND),
             settle_script: Script::new(script::SETTLE),
             coalescer: Coalescer::default(),
+            settles: SettleQueue::default(),
             skew: AtomicI64::new(0),
             metrics: OnceLock::new(),
         };
@@ -305,19 +309,12 @@ impl Backend for RedisBackend {
         self.dispatch(checks, None)
     }
 
-    /// Sends one `SETTLE` call (one per hash slot in a cluster) from a task of its own, and
-    /// returns at once; a failure is logged at debug level, and the reservations stay as
-    /// they were. Outside a Tokio runtime nothing is sent.
+    /// Sends the settlements from a task and returns at once: on a standalone server in one
+    /// `SETTLE` call with every settle that waits for the call in flight to end (at once when
+    /// none is), in a cluster in one call per hash slot. A failure is logged at debug level,
+    /// and the reservations stay as they were. Outside a Tokio runtime nothing is sent.
     fn settle(&self, settlements: &[Settlement<'_>]) {
-        let call = self.settle_at(settlements, None);
-        match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => {
-                runtime.spawn(async move {
-                    let _ = call.await;
-                });
-            }
-            Err(_) => tracing::debug!(backend = BACKEND, "rate-limit settle outside a runtime"),
-        }
+        self.settle_later(settlements);
     }
 
     fn kind(&self) -> &'static str {

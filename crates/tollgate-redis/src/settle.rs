@@ -2,7 +2,7 @@
 //! cost, given back or consumed, in one `SETTLE` call (one per slot group in a cluster).
 
 use std::future::Future;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use tollgate_core::{Algorithm, BackendError, Check, Micros, Settlement};
 
@@ -10,6 +10,78 @@ use crate::backend::{Inner, RedisBackend, BACKEND};
 use crate::breaker::CircuitState;
 use crate::keys::{self, Suffix};
 use crate::script::Prepared;
+
+/// Settlements waiting, at most; beyond, a settle is dropped (its reservation stays) rather
+/// than queue without bound behind a slow Redis.
+const MAX_WAITING: usize = 8192;
+/// Settlements sent in one call, at most: bounds how long one script holds Redis.
+const MAX_PER_CALL: usize = 512;
+
+/// Settles waiting for the `SETTLE` call in flight (standalone Redis): they go together in the
+/// next call, sent as soon as that one ends. A settle that finds no call in flight starts the
+/// sending task, and is sent at once: nothing waits for a timer or a later request.
+#[derive(Default)]
+pub(crate) struct SettleQueue {
+    queue: Mutex<Waiting>,
+}
+
+#[derive(Default)]
+struct Waiting {
+    settles: Vec<Settling>,
+    sending: bool,
+}
+
+impl SettleQueue {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Waiting> {
+        self.queue.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Queues `settles`; says whether the caller must start the sending task.
+    fn push(&self, settles: Vec<Settling>) -> Option<bool> {
+        let mut q = self.lock();
+        if q.settles.len() + settles.len() > MAX_WAITING {
+            return None;
+        }
+        q.settles.extend(settles);
+        let start = !q.sending;
+        q.sending = true;
+        Some(start)
+    }
+
+    /// The settles of the next call; empty when none wait, and then the task must stop.
+    fn next_call(&self) -> Vec<Settling> {
+        let mut q = self.lock();
+        if q.settles.is_empty() {
+            q.sending = false;
+            return Vec::new();
+        }
+        let n = q.settles.len().min(MAX_PER_CALL);
+        q.settles.drain(..n).collect()
+    }
+}
+
+/// Counts the sending task out if it is dropped before it is done (its runtime shutting
+/// down), so that the next settle starts a new one.
+struct Sending {
+    inner: Arc<Inner>,
+    /// Counted out already, by the `next_call` that found nothing.
+    done: bool,
+}
+
+impl Sending {
+    /// The task stops, counted out already.
+    fn finish(mut self) {
+        self.done = true;
+    }
+}
+
+impl Drop for Sending {
+    fn drop(&mut self) {
+        if !self.done {
+            self.inner.settles.lock().sending = false;
+        }
+    }
+}
 
 /// One settlement, ready for `SETTLE`.
 #[derive(Debug, Clone)]
@@ -79,6 +151,56 @@ impl Settling {
 }
 
 impl RedisBackend {
+    /// What [`Backend::settle`](tollgate_core::Backend::settle) does (see there).
+    pub(crate) fn settle_later(&self, settlements: &[Settlement<'_>]) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            tracing::debug!(backend = BACKEND, "rate-limit settle outside a runtime");
+            return;
+        };
+        if self.inner.cluster {
+            let call = self.settle_at(settlements, None);
+            runtime.spawn(async move {
+                let _ = call.await;
+            });
+            return;
+        }
+        let settles: Vec<Settling> = match settlements
+            .iter()
+            .filter_map(|s| Settling::new(s).transpose())
+            .collect()
+        {
+            Ok(settles) => settles,
+            Err(e) => {
+                tracing::debug!(backend = BACKEND, error = %e, "rate-limit settle not sent");
+                return;
+            }
+        };
+        if settles.is_empty() {
+            return;
+        }
+        match self.inner.settles.push(settles) {
+            None => tracing::debug!(backend = BACKEND, "too many rate-limit settles wait"),
+            Some(false) => {}
+            Some(true) => {
+                let sending = Sending {
+                    inner: Arc::clone(&self.inner),
+                    done: false,
+                };
+                runtime.spawn(async move {
+                    loop {
+                        let batch = sending.inner.settles.next_call();
+                        if batch.is_empty() {
+                            return sending.finish();
+                        }
+                        if sending.inner.breaker.state() != CircuitState::Open {
+                            let _ = sending.inner.settle_group(&batch, None).await;
+                        }
+                    }
+                });
+            }
+        }
+    }
+
     /// Settles `settlements` at `now` (tests), or at the server's `TIME`; answers once Redis
     /// has. [`Backend::settle`](tollgate_core::Backend::settle) sends the same call without
     /// waiting for it.

@@ -336,3 +336,56 @@ async fn the_backend_trait_sends_the_settle_without_waiting() {
     }
     assert_eq!(left, 750);
 }
+
+#[tokio::test]
+async fn settles_that_wait_for_the_call_in_flight_share_the_next_one() {
+    let server = RedisServer::start();
+    let backend = support::standalone(&server.url()).build().unwrap();
+    let limit = Limit::gcra("merged", Quota::per_hour(1000).unwrap()).unwrap();
+    let mut receipts = Vec::new();
+    for _ in 0..50 {
+        let v = backend
+            .check(&[Check::new(&limit, b"shop").with_cost(10)])
+            .await
+            .unwrap();
+        receipts.push(v.receipt(0));
+    }
+    // The script is loaded by a first settle.
+    let warm = Settlement {
+        limit: &limit,
+        key: b"other",
+        reserved: 0,
+        actual: 1,
+        receipt: Default::default(),
+    };
+    backend.settle_at(&[warm], None).await.unwrap();
+    server.reset_stats();
+    // Fifty settles before the sending task first runs: one call carries them all.
+    for receipt in receipts {
+        Backend::settle(
+            &backend,
+            &[Settlement {
+                limit: &limit,
+                key: b"shop",
+                reserved: 10,
+                actual: 4,
+                receipt,
+            }],
+        );
+    }
+    let mut checks = 0;
+    let mut left = 0;
+    while checks < 100 {
+        checks += 1;
+        let v = backend
+            .check(&[Check::new(&limit, b"shop").with_cost(0)])
+            .await
+            .unwrap();
+        left = v[0].remaining;
+        if left != 500 {
+            break;
+        }
+    }
+    assert_eq!(left, 800);
+    assert_eq!(server.calls("evalsha"), 1 + checks);
+}
