@@ -335,3 +335,112 @@ async fn a_request_dropped_before_it_answered_can_give_its_reservation_back() {
     dropped_before_answering(&mut svc).await;
     assert_eq!(remaining_after(&mut svc, "1").await, Some(999));
 }
+
+mod on_redis {
+    //! The same through real Redis servers: a settle is sent without waiting, so each test
+    //! reads the backend until the settle it expects has landed, then checks the exact figure.
+
+    use super::*;
+    use tollgate::core::{Backend, Check};
+    use tollgate_redis::RedisBackend;
+    use tollgate_testsupport::{RedisCluster, RedisServer};
+
+    /// What `key` has left of `limit` once it is no longer `before` (read with checks of
+    /// cost 0, each a round trip during which the settle's task runs).
+    async fn landed(backend: &RedisBackend, limit: &Limit, key: &[u8], before: u64) -> u64 {
+        let mut left = before;
+        for _ in 0..500 {
+            let v = backend
+                .check(&[Check::new(limit, key).with_cost(0)])
+                .await
+                .unwrap();
+            left = v[0].remaining;
+            if left != before {
+                break;
+            }
+        }
+        left
+    }
+
+    fn builder(urls: &[String]) -> RedisBackend {
+        let b = if urls.len() == 1 {
+            RedisBackend::builder().url(urls[0].as_str())
+        } else {
+            RedisBackend::builder().cluster(urls.to_vec())
+        };
+        b.deadline(std::time::Duration::from_secs(5))
+            .build()
+            .unwrap()
+    }
+
+    async fn streamed_and_login(urls: Vec<String>) {
+        let backend = builder(&urls);
+        let tokens = Limit::gcra("tokens", Quota::per_hour(1000).unwrap()).unwrap();
+        let layer = RateLimitLayer::builder()
+            .metered(
+                tokens.clone(),
+                Global,
+                Metered::new()
+                    .header(HeaderName::from_static("x-estimate"))
+                    .charged_by_handler(),
+            )
+            .backend(backend.clone())
+            .build()
+            .unwrap();
+        let mut svc = app(layer);
+        let res = send(
+            &mut svc,
+            post(&[("x-estimate", "100"), ("x-stream-charge", "400")]),
+        )
+        .await;
+        // The head came; the body has not ended: the reservation only.
+        let v = backend
+            .check(&[Check::new(&tokens, b"global").with_cost(0)])
+            .await
+            .unwrap();
+        assert_eq!(v[0].remaining, 900);
+        drain(res).await;
+        assert_eq!(landed(&backend, &tokens, b"global", 900).await, 600);
+
+        let login = Limit::gcra("login-failures", Quota::per_hour(5).unwrap()).unwrap();
+        let layer = RateLimitLayer::builder()
+            .metered(
+                login.clone(),
+                Global,
+                Metered::new().count_if(|r| r.status() == StatusCode::UNAUTHORIZED),
+            )
+            .backend(backend.clone())
+            .build()
+            .unwrap();
+        let mut svc = app(layer);
+        for round in 0..5u64 {
+            for _ in 0..2 {
+                let res = send(&mut svc, post(&[("x-status", "200")])).await;
+                assert_eq!(res.status(), StatusCode::OK, "round {round}");
+                drain(res).await;
+                // The success gives its unit back.
+                assert_eq!(
+                    landed(&backend, &login, b"global", 4 - round).await,
+                    5 - round
+                );
+            }
+            let res = send(&mut svc, post(&[("x-status", "401")])).await;
+            assert_eq!(res.status(), StatusCode::UNAUTHORIZED, "round {round}");
+            drain(res).await;
+        }
+        let res = send(&mut svc, post(&[("x-status", "401")])).await;
+        assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
+    }
+
+    #[tokio::test]
+    async fn on_redis_a_streamed_settle_and_a_login_limit_are_exact() {
+        let server = RedisServer::start();
+        streamed_and_login(vec![server.url()]).await;
+    }
+
+    #[tokio::test]
+    async fn on_a_cluster_a_streamed_settle_and_a_login_limit_are_exact() {
+        let cluster = RedisCluster::start(3);
+        streamed_and_login(cluster.urls()).await;
+    }
+}
