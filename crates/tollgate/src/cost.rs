@@ -27,9 +27,14 @@
 //!
 //! The settle is one more backend call, sent when the cost is known: when the response head
 //! comes if nothing waits for the body, otherwise when the body ends or is dropped. It never
-//! delays the response: the backend sends it and does not wait. The response's [`Decision`]
-//! and `RateLimit` fields are written with the head, so they show the state after the
-//! reservation, not after the settle.
+//! delays the response: the backend sends it and does not wait.
+//!
+//! The response's [`Decision`] and `RateLimit` fields are written with the head. When the
+//! actual cost is known by then (a `count_if`, a [`Charge`], or the handle charged before the
+//! handler returned) they show the settled state: the units left and, for GCRA, the reset, as
+//! the settle leaves them (a key in debt has 0 left). A cost reported while the body streams
+//! comes after the head: the head shows the state after the reservation. The handler's own
+//! `Decision` (in the request's extensions) always shows the reservation.
 //!
 //! [`RejectionKind::InvalidCost`]: crate::RejectionKind::InvalidCost
 //! [`DenyReason::CostTooHigh`]: crate::DenyReason::CostTooHigh

@@ -155,6 +155,33 @@ async fn reserve_100_charge_250_consumes_250() {
 }
 
 #[tokio::test]
+async fn the_response_shows_the_settled_state_when_the_cost_comes_with_the_head() {
+    let mut svc = tokens(Metered::new().charged_by_handler());
+    let res = send(
+        &mut svc,
+        post(&[("x-estimate", "100"), ("x-charge", "250")]),
+    )
+    .await;
+    let d = res.extensions().get::<Decision>().unwrap();
+    assert_eq!(d.remaining(), Some(750));
+    let field = res.headers()["ratelimit"].to_str().unwrap();
+    assert!(field.contains("r=750"), "{field}");
+    drain(res).await;
+    // Streamed: the head comes before the cost, and shows the reservation.
+    let res = send(
+        &mut svc,
+        post(&[("x-estimate", "100"), ("x-stream-charge", "50")]),
+    )
+    .await;
+    assert_eq!(
+        res.extensions().get::<Decision>().unwrap().remaining(),
+        Some(650)
+    );
+    drain(res).await;
+    assert_eq!(remaining_after(&mut svc, "0").await, Some(700));
+}
+
+#[tokio::test]
 async fn a_charge_above_what_was_left_is_a_debt_the_next_request_waits_for() {
     let mut svc = tokens(Metered::new().charged_by_handler());
     drain(

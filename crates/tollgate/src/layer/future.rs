@@ -163,13 +163,18 @@ where
                 }
                 StateProj::Calling { call, finish, owed } => {
                     let mut response = ready!(call.poll(cx))?;
-                    if let Some((decision, shared)) = finish.take() {
-                        shared.finish(&mut response, decision);
-                    }
                     let Some(mut owed) = owed.take() else {
+                        if let Some((decision, shared)) = finish.take() {
+                            shared.finish(&mut response, decision);
+                        }
                         return Poll::Ready(Ok(response.map(ResponseBody::inner)));
                     };
                     owed.responded(&response);
+                    if let Some((decision, shared)) = finish.take() {
+                        // The response's decision and fields show the settled state when
+                        // the actual cost is known with the head.
+                        shared.finish(&mut response, owed.settled(decision));
+                    }
                     if owed.waits_for_body() {
                         return Poll::Ready(Ok(response.map(|b| ResponseBody::settling(b, owed))));
                     }

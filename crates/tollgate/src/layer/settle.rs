@@ -8,10 +8,11 @@
 use std::sync::Arc;
 
 use http::Response;
-use tollgate_core::{Backend, Receipt, Settlement, MAX_CHECKS};
+use tollgate_core::{Algorithm, Backend, Receipt, Settlement, MAX_CHECKS};
 
 use super::Shared;
 use crate::cost::{Charge, OnDrop, ResponseView, Settle};
+use crate::decision::Decision;
 
 /// One metered limit's reservation.
 pub(crate) struct Item {
@@ -32,6 +33,9 @@ pub(crate) struct Item {
 pub(crate) trait Settler: Send + Sync + 'static {
     /// Whether the limit at `entry` counts `response`.
     fn counts(&self, entry: usize, response: &ResponseView<'_>) -> bool;
+
+    /// The algorithm of the limit at `entry`.
+    fn algorithm(&self, entry: usize) -> Algorithm;
 
     /// Settles each item at its actual cost.
     fn settle(&self, items: &[Item], actual: &[u32]);
@@ -81,6 +85,34 @@ impl Owed {
         !reported && self.items.iter().any(|i| i.by_handler && i.counted)
     }
 
+    /// `decision` as the settle leaves it, when the actual costs are known with the response
+    /// head (after [`responded`](Self::responded)); as it is otherwise.
+    pub(crate) fn settled(&self, decision: Decision) -> Decision {
+        if self.waits_for_body()
+            || self
+                .items
+                .iter()
+                .all(|item| self.actual(item) == item.reserved)
+        {
+            return decision;
+        }
+        decision
+            .limits()
+            .iter()
+            .enumerate()
+            .map(
+                |(i, limit)| match self.items.iter().find(|item| item.entry == i) {
+                    Some(item) => limit.clone().settled(
+                        self.sink.algorithm(i),
+                        item.reserved,
+                        self.actual(item),
+                    ),
+                    None => limit.clone(),
+                },
+            )
+            .collect()
+    }
+
     fn actual(&self, item: &Item) -> u32 {
         if !self.responded {
             return match item.on_drop {
@@ -126,6 +158,12 @@ impl<B: Backend> Settler for Shared<B> {
             .and_then(|e| e.metered.as_ref())
             .and_then(|m| m.count_if.as_ref())
             .is_none_or(|count| count(response))
+    }
+
+    fn algorithm(&self, entry: usize) -> Algorithm {
+        self.limits
+            .get(entry)
+            .map_or(Algorithm::Gcra, |e| e.limit.algorithm())
     }
 
     fn settle(&self, items: &[Item], actual: &[u32]) {
