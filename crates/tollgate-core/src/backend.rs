@@ -69,7 +69,8 @@ pub struct Receipt {
 ///   of now: the debt is at most one whole burst, paid back at the quota's rate, and the
 ///   key's next request waits until it is paid.
 /// - **A fixed window** settles in the window of the check only: a refund decrements its count
-///   (never below zero), a charge increments it past the limit if need be. Once that window has
+///   (never below zero), a charge increments it past the limit if need be, by at most twice
+///   the limit at a time. Once that window has
 ///   ended, a settle changes nothing: its debt, like its count, ends with the window.
 /// - **A sliding log** removes the refunded units among those the check recorded, or records
 ///   the charge's units at the time of the settle. A log holds at most twice the quota's

@@ -394,8 +394,10 @@ impl<C: Clock> MemoryBackend<C> {
                         continue;
                     }
                     let state = shard.windows.get(&fp).copied();
+                    let most = s.reserved.saturating_add(quota.limit().saturating_mul(2));
+                    let actual = s.actual.min(most);
                     if let Some(next) =
-                        algorithm::fixed_window_settle(state, s.receipt.mark, s.reserved, s.actual)
+                        algorithm::fixed_window_settle(state, s.receipt.mark, s.reserved, actual)
                     {
                         if state.is_some() || (room && inner.reserve()) {
                             store(&mut shard.windows, fp, next);

@@ -169,6 +169,44 @@ async fn scenarios(target: &Target) {
     );
     assert_eq!(v[0].remaining, 3);
 
+    // A cost no quota can admit is refused as such; huge charges stop at their caps, and a
+    // refund after one is counted from the cap.
+    for limit in all_algorithms("huge", minute) {
+        let v = target.check(&limit, b"shop", u32::MAX, at).await;
+        assert_eq!(v[0].status, Status::CostTooHigh, "{}", limit.name());
+        target
+            .reserve_settle(&limit, b"shop", 1, u32::MAX, at, at)
+            .await;
+        target.reserve_settle(&limit, b"other", 10, 0, at, at).await;
+        let v = target.check(&limit, b"shop", 1, at + 1).await;
+        assert!(
+            matches!(v[0].status, Status::Denied { .. }),
+            "{}",
+            limit.name()
+        );
+        assert_eq!(v[0].remaining, 0, "{}", limit.name());
+    }
+    let window = Limit::fixed_window("huge-window-refund", minute).unwrap();
+    let v = target.check(&window, b"shop", 1, at).await;
+    let settlement = Settlement {
+        limit: &window,
+        key: b"shop",
+        reserved: 1,
+        actual: u32::MAX,
+        receipt: v.receipt(0),
+    };
+    target.settle(settlement, at).await;
+    // The count is 21 (1 + twice the limit): a refund of 12 in the same window leaves 9, one
+    // unit free.
+    let refund = Settlement {
+        reserved: 12,
+        actual: 0,
+        ..settlement
+    };
+    target.settle(refund, at).await;
+    let v = target.check(&window, b"shop", 1, at).await;
+    assert_eq!((v[0].status, v[0].remaining), (Status::Allowed, 0));
+
     // A sliding log's debt is at most twice its limit, and leaves a period later.
     let log = Limit::sliding_log("debt-log", minute).unwrap();
     target
