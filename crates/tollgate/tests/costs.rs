@@ -182,6 +182,49 @@ async fn the_response_shows_the_settled_state_when_the_cost_comes_with_the_head(
 }
 
 #[tokio::test]
+async fn two_stacked_layers_charged_by_the_handler_share_one_handle() {
+    let backend = memory();
+    let inner = RateLimitLayer::builder()
+        .backend(backend.clone())
+        .metered(
+            Limit::gcra("inner", Quota::per_hour(1000).unwrap()).unwrap(),
+            Global,
+            Metered::new()
+                .header(HeaderName::from_static("x-estimate"))
+                .charged_by_handler(),
+        )
+        .build()
+        .unwrap();
+    let outer = RateLimitLayer::builder()
+        .backend(backend.clone())
+        .metered(
+            Limit::gcra("outer", Quota::per_hour(1000).unwrap()).unwrap(),
+            Global,
+            Metered::new()
+                .header(HeaderName::from_static("x-estimate"))
+                .charged_by_handler(),
+        )
+        .build()
+        .unwrap();
+    let handler = service_fn(|req: Request<Body>| async move {
+        req.extensions().get::<Settle>().unwrap().charge(250);
+        Ok::<_, Infallible>(Response::new(Body::empty()))
+    });
+    let svc = outer.layer(inner.layer(handler));
+    let mut svc: Svc = tower::util::BoxCloneService::new(svc.map_response(
+        |r: Response<tollgate::ResponseBody<tollgate::ResponseBody<Body>>>| r.map(Body::new),
+    ));
+    drain(send(&mut svc, post(&[("x-estimate", "100")])).await).await;
+    for name in ["inner", "outer"] {
+        let limit = Limit::gcra(name, Quota::per_hour(1000).unwrap()).unwrap();
+        let v = backend
+            .check_now(&[tollgate::core::Check::new(&limit, b"global").with_cost(0)])
+            .unwrap();
+        assert_eq!(v[0].remaining, 750, "{name}");
+    }
+}
+
+#[tokio::test]
 async fn a_charge_above_what_was_left_is_a_debt_the_next_request_waits_for() {
     let mut svc = tokens(Metered::new().charged_by_handler());
     drain(

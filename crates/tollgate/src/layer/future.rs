@@ -13,6 +13,7 @@ use tower_service::Service;
 use super::body::ResponseBody;
 use super::settle::{Owed, Settler};
 use super::{Decided, Plan, Shared};
+use crate::cost::Settle;
 use crate::decision::Decision;
 
 pin_project! {
@@ -101,12 +102,20 @@ where
                 if let Some(outer) = req.extensions_mut().insert(decision.clone()) {
                     req.extensions_mut().insert(outer.then(&decision));
                 }
-                let owed = items.map(|items| {
+                let mut owed = items.map(|items| {
                     let sink: Arc<dyn Settler> = Arc::clone(&shared) as Arc<dyn Settler>;
                     Box::new(Owed::new(sink, items))
                 });
-                if let Some(handle) = owed.as_ref().and_then(|o| o.handle()) {
-                    req.extensions_mut().insert(handle.clone());
+                if let Some(owed) = owed.as_mut() {
+                    match req.extensions().get::<Settle>() {
+                        // Under an outer layer charged by the handler too: one handle for both.
+                        Some(outer) => owed.share(outer),
+                        None => {
+                            if let Some(handle) = owed.handle() {
+                                req.extensions_mut().insert(handle.clone());
+                            }
+                        }
+                    }
                 }
                 Self {
                     state: State::Calling {

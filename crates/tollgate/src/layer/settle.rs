@@ -68,6 +68,14 @@ impl Owed {
         self.handle.as_ref()
     }
 
+    /// Reads the cost from `outer`, the handle of a layer around this one, so that the one
+    /// handle the handler finds reports to both layers.
+    pub(crate) fn share(&mut self, outer: &Settle) {
+        if self.handle.is_some() {
+            self.handle = Some(outer.clone());
+        }
+    }
+
     /// Takes what the response head says: each limit's `count_if`, and a [`Charge`].
     pub(crate) fn responded<T>(&mut self, response: &Response<T>) {
         let view = ResponseView::new(response);
