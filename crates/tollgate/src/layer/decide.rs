@@ -116,8 +116,10 @@ impl<B: Backend> Shared<B> {
         let mut receipts = [Receipt::default(); MAX_CHECKS];
         let decision = match result {
             Ok(verdicts) if verdicts.len() == plan.n => {
-                for (j, &i) in plan.limit_of[..plan.n].iter().enumerate() {
-                    receipts[i] = verdicts.receipt(j);
+                if self.settles {
+                    for (j, &i) in plan.limit_of[..plan.n].iter().enumerate() {
+                        receipts[i] = verdicts.receipt(j);
+                    }
                 }
                 // Every verdict came back: each limit's outcome is its verdict, or a skip for
                 // a limit that had no key, in the layer's order.
