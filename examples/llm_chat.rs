@@ -8,20 +8,36 @@
 //! `limited` is `false`, `tollgate_bypass_total` rises on `GET /metrics`, and a canary that
 //! probes Redis every 10 s sets `tollgate_canary_ok`.
 //!
+//! Each shop also has a budget of `TOKENS_PER_HOUR` tokens (default 20,000), counted in Redis
+//! too. A request's tokens are the UTF-8 bytes of its JSON body's `message` (standing in for
+//! the model's count, known once it has answered). The request reserves its `content-length`
+//! as an estimate when it is admitted; the handler reports the actual count, and the
+//! difference is given back (or taken). A body that is not JSON is `400`, JSON without a
+//! string `message` is `422`: neither consumes anything, from either limit. A request without
+//! a body is a message of no tokens. If Redis fails, the token budget is kept in each copy's
+//! memory, at its share of the budget (`REPLICAS` copies, default 2): an outage cannot open it
+//! without bound.
+//!
 //! ```text
 //! redis-server --port 6379 --save '' &
-//! cargo run --example llm_chat &
-//! for i in $(seq 1 31); do
-//!   curl -s -o /dev/null -w '%{http_code} ' -X POST -H 'x-shop-domain: demo.myshopify.com' localhost:3000/api/chat
-//! done
+//! TOKENS_PER_HOUR=1000 cargo run --example llm_chat &
+//! msg=$(printf 'a%.0s' $(seq 1 300))
+//! for i in $(seq 1 4); do
+//!   curl -s -o /dev/null -w '%{http_code} ' -X POST -H 'x-shop-domain: demo.myshopify.com' \
+//!     -d "{\"message\":\"$msg\"}" localhost:3000/api/chat
+//! done   # 200 200 200 429
 //! ```
 
 use std::net::SocketAddr;
+use std::num::NonZeroU32;
 use std::time::Duration;
 
-use axum::http::header::CONTENT_TYPE;
-use axum::{routing::get, routing::post, Router};
+use axum::body::Bytes;
+use axum::http::header::{CONTENT_LENGTH, CONTENT_TYPE};
+use axum::http::{HeaderName, StatusCode};
+use axum::{routing::get, routing::post, Extension, Router};
 use metrics_exporter_prometheus::PrometheusBuilder;
+use tollgate::cost::{parse_units, Metered, Settle};
 use tollgate::key::Tenant;
 use tollgate::{Decision, Limit, Quota, RateLimitLayer};
 use tollgate_redis::RedisBackend;
@@ -41,7 +57,15 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let redis_url =
         std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned());
-    // Starts without Redis if it is down: the limit's failure policy applies until it is back.
+    let tokens_per_hour: u32 = match std::env::var("TOKENS_PER_HOUR") {
+        Ok(n) => n.parse()?,
+        Err(_) => 20_000,
+    };
+    let replicas = match std::env::var("REPLICAS") {
+        Ok(n) => n.parse()?,
+        Err(_) => NonZeroU32::MIN.saturating_add(1),
+    };
+    // Starts without Redis if it is down: the limits' failure policies apply until it is back.
     // `REDIS_CLUSTER` (seed URLs, comma-separated) names a Redis Cluster instead.
     let backend = match std::env::var("REDIS_CLUSTER") {
         Ok(seeds) => RedisBackend::builder().cluster(seeds.split(',')).build()?,
@@ -49,9 +73,26 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
 
     let limits = RateLimitLayer::builder()
-        .limit(
+        .metered(
             Limit::gcra("chat-per-shop", Quota::per_minute(30)?)?.fail_open(),
             Tenant::header("x-shop-domain"),
+            // A body that is not a message is refused by the handler and not counted.
+            Metered::new().count_if(|r| !is_bad_message(r.status())),
+        )
+        .metered(
+            Limit::gcra("tokens-per-shop", Quota::per_hour(tokens_per_hour)?)?.fallback(replicas),
+            Tenant::header("x-shop-domain"),
+            Metered::new()
+                // The estimate: the body's size, at most the whole budget. No body, no tokens.
+                .cost_from(move |req| {
+                    match req.headers().get(CONTENT_LENGTH) {
+                        None => Ok(0),
+                        Some(v) => parse_units(Some(v.as_bytes())),
+                    }
+                    .map(|n| n.min(tokens_per_hour))
+                })
+                .charged_by_handler()
+                .count_if(|r| r.status().is_success()),
         )
         .backend(backend.clone())
         .build()?;
@@ -71,7 +112,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
     println!(
-        "llm_chat listening on http://{} (Redis at {redis_url})",
+        "llm_chat listening on http://{} (Redis at {redis_url}, {tokens_per_hour} tokens an hour per shop)",
         listener.local_addr()?
     );
     axum::serve(
@@ -82,14 +123,43 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     Ok(())
 }
 
-/// Stands in for the expensive call; reports what the limiter decided.
-async fn chat(decision: Decision) -> ([(axum::http::HeaderName, &'static str); 1], String) {
+fn is_bad_message(status: StatusCode) -> bool {
+    status == StatusCode::BAD_REQUEST || status == StatusCode::UNPROCESSABLE_ENTITY
+}
+
+type Reply = (StatusCode, [(HeaderName, &'static str); 1], String);
+
+/// Stands in for the expensive call; reports the tokens it used and what the limiter decided.
+async fn chat(decision: Decision, settle: Option<Extension<Settle>>, body: Bytes) -> Reply {
+    let json = [(CONTENT_TYPE, "application/json")];
+    let tokens = if body.is_empty() {
+        0
+    } else {
+        let message = match serde_json::from_slice::<serde_json::Value>(&body) {
+            Err(_) => {
+                let error = "{\"error\":\"the body is not JSON\"}".to_owned();
+                return (StatusCode::BAD_REQUEST, json, error);
+            }
+            Ok(value) => value.get("message").and_then(|m| m.as_str()).map(str::len),
+        };
+        let Some(tokens) = message else {
+            let error = "{\"error\":\"the body has no string \\\"message\\\"\"}".to_owned();
+            return (StatusCode::UNPROCESSABLE_ENTITY, json, error);
+        };
+        tokens
+    };
+    // The model has answered: its count is the request's actual cost.
+    // (No handle: the token budget was not counted, its backend and fallback both failed.)
+    if let Some(Extension(settle)) = settle {
+        settle.charge(u32::try_from(tokens).unwrap_or(u32::MAX));
+    }
     let body = match decision.get("chat-per-shop").map(|d| *d.outcome()) {
         Some(tollgate::Outcome::Allowed { remaining, .. }) => {
-            format!("{{\"reply\":\"Your order is on its way.\",\"limited\":true,\"remaining\":{remaining}}}")
+            format!("{{\"reply\":\"Your order is on its way.\",\"limited\":true,\"remaining\":{remaining},\"tokens\":{tokens}}}")
         }
-        _ => "{\"reply\":\"Your order is on its way.\",\"limited\":false,\"remaining\":null}"
-            .to_owned(),
+        _ => format!(
+            "{{\"reply\":\"Your order is on its way.\",\"limited\":false,\"remaining\":null,\"tokens\":{tokens}}}"
+        ),
     };
-    ([(CONTENT_TYPE, "application/json")], body)
+    (StatusCode::OK, json, body)
 }

@@ -20,6 +20,8 @@
 //! | `tollgate-redis-spread` | as `tollgate-redis-allow`, but each request counts under the next of 100,000 keys in turn |
 //! | `tollgate-redis-flood` | tollgate on Redis, GCRA `--flood-limit` per second per IP, flooded |
 //! | `tollgate-redis-flood-window` | the same with a fixed window of `--flood-limit` per second |
+//! | `tollgate-mem-settle` | as `tollgate-mem-allow`, metered: every answer (200) gives its unit back, a settle per request |
+//! | `tollgate-redis-settle` | as `tollgate-redis-allow`, metered the same way: a `SETTLE` per request, merged |
 //! | `naive-incr` | per-request `INCR` + `EXPIRE NX` on Redis, a limit nothing reaches |
 
 // A measurement tool: a bad flag or a failed bind should stop it loudly.
@@ -31,6 +33,7 @@ use std::time::Duration;
 
 use axum::routing::get;
 use axum::Router;
+use tollgate::cost::Metered;
 use tollgate::key::{ClientIp, Global};
 use tollgate::{Limit, Quota, RateLimitLayer};
 use tollgate_bench::naive::NaiveIncr;
@@ -128,6 +131,20 @@ fn spread_keys() -> impl tollgate::key::KeyExtractor {
     })
 }
 
+/// A limit whose every reservation is settled after the answer: the `count_if` says no to the
+/// 200 every request gets, so each one gives its unit back.
+fn settled<B: tollgate::core::Backend>(backend: B) -> RateLimitLayer<B> {
+    RateLimitLayer::builder()
+        .metered(
+            Limit::gcra("per-ip", unreachable_quota()).unwrap(),
+            ClientIp::peer(),
+            Metered::new().count_if(|r| r.status() != axum::http::StatusCode::OK),
+        )
+        .backend(backend)
+        .build()
+        .unwrap()
+}
+
 async fn hello() -> &'static str {
     "hello\n"
 }
@@ -147,6 +164,8 @@ async fn app(args: &Args) -> Router {
                 .build()
                 .unwrap(),
         ),
+        "tollgate-mem-settle" => app.layer(settled(tollgate::MemoryBackend::new())),
+        "tollgate-redis-settle" => app.layer(settled(redis(&args.redis))),
         "tollgate-mem-deny" => app.layer(per_ip(Quota::per_day(1).unwrap())),
         "governor-allow" => app.layer(governor(Duration::from_micros(1), u32::MAX)),
         "governor-deny" => app.layer(governor(Duration::from_secs(86_400), 1)),

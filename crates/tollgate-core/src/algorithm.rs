@@ -212,6 +212,69 @@ pub fn sliding_log(quota: &Quota, log: &[Micros], now: Micros, cost: u32) -> (Ve
     (verdict, expired)
 }
 
+/// GCRA's settle (see [`Settlement`](crate::Settlement)) of a check that reserved
+/// `reserved` units and should have cost `actual`, on the stored `tat` at `now`.
+///
+/// Returns the TAT to store, or `None` to leave the state as it is. A TAT at or before `now`
+/// is a full bucket, the same as no state.
+pub fn gcra_settle(
+    quota: &Quota,
+    tat: Option<Micros>,
+    now: Micros,
+    reserved: u32,
+    actual: u32,
+) -> Option<Micros> {
+    let interval = quota.emission_interval();
+    if actual < reserved {
+        let back = interval.saturating_mul(u64::from(reserved - actual));
+        let tat = tat?;
+        return Some(tat.saturating_sub(back).max(now));
+    }
+    if actual == reserved {
+        return None;
+    }
+    let debt_cap = now + 2 * interval * u64::from(quota.burst());
+    let base = tat.map_or(now, |t| t.max(now));
+    let more = interval.saturating_mul(u64::from(actual - reserved));
+    Some(base.saturating_add(more).min(debt_cap.max(base)))
+}
+
+/// A fixed window's settle of a check that reserved `reserved` units in the window that ends
+/// at `window_end` and should have cost `actual`.
+///
+/// Returns the state to store, or `None` to leave it as it is (the window has ended, or
+/// nothing changes).
+pub fn fixed_window_settle(
+    state: Option<WindowState>,
+    window_end: Micros,
+    reserved: u32,
+    actual: u32,
+) -> Option<WindowState> {
+    let state = match state {
+        Some(s) if s.window_end == window_end => s,
+        // The check's units were counted in that window: a key without state there has
+        // nothing to give back, and a charge makes the window's count.
+        None if actual > reserved => WindowState {
+            window_end,
+            count: 0,
+        },
+        _ => return None,
+    };
+    let count = if actual < reserved {
+        state.count.saturating_sub(u64::from(reserved - actual))
+    } else {
+        state.count.saturating_add(u64::from(actual - reserved))
+    };
+    (count != state.count || actual > reserved).then_some(WindowState { window_end, count })
+}
+
+/// The units a sliding log's charge of `actual - reserved` records when the log counts
+/// `alive` units: a log holds at most twice the quota's limit.
+pub fn sliding_log_charge(quota: &Quota, alive: u64, reserved: u32, actual: u32) -> u64 {
+    let room = (2 * u64::from(quota.limit())).saturating_sub(alive);
+    u64::from(actual.saturating_sub(reserved)).min(room)
+}
+
 fn too_costly(remaining: u64, reset: Micros) -> Verdict {
     Verdict {
         status: Status::CostTooHigh,

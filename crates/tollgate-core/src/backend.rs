@@ -45,6 +45,66 @@ impl<'a> Check<'a> {
         self.quota = quota;
         self
     }
+    /// This check with a cost of its own, for this request only (a cost read from the
+    /// request, or the estimate a later [`Settlement`] corrects).
+    #[must_use]
+    pub fn with_cost(mut self, cost: u32) -> Self {
+        self.cost = cost;
+        self
+    }
+}
+
+/// Where an admitted check's units went, as the backend that took them recorded it: what a
+/// later [`Settlement`] of the same check needs to find them again.
+///
+/// `at` is the backend's time of the check (for a sliding log, the time its units were
+/// recorded at); `mark` is the algorithm's: the end of a fixed window's window, the last
+/// sequence number of a sliding log's units on Redis, 0 otherwise.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Receipt {
+    /// The backend's time of the check, in microseconds since the Unix epoch.
+    pub at: Micros,
+    /// What the algorithm needs besides the time (see above).
+    pub mark: u64,
+}
+
+/// The settle of one check admitted earlier: it reserved `reserved` units, and should have
+/// cost `actual`.
+///
+/// A settle gives back `reserved - actual` units, or consumes `actual - reserved` more, at
+/// once and whether or not the quota has them (the key then goes into debt). Per algorithm:
+///
+/// - **GCRA** moves the key's theoretical arrival time (TAT) back by the refund's emission
+///   intervals, never before now (a refund never makes a bucket fuller than full), or forward
+///   by the charge's. A charge never puts the TAT more than twice the burst's refill time ahead
+///   of now: the debt is at most one whole burst, paid back at the quota's rate, and the
+///   key's next request waits until it is paid.
+/// - **A fixed window** settles in the window of the check only: a refund decrements its count
+///   (never below zero), a charge increments it past the limit if need be, by at most twice
+///   the limit at a time. Once that window has
+///   ended, a settle changes nothing: its debt, like its count, ends with the window.
+/// - **A sliding log** removes the refunded units among those the check recorded, or records
+///   the charge's units at the time of the settle. A log holds at most twice the quota's
+///   limit: a charge past that is cut to it. The debt leaves with its entries, a period later.
+#[derive(Debug, Clone, Copy)]
+pub struct Settlement<'a> {
+    /// The limit, as in the check.
+    pub limit: &'a Limit,
+    /// The key's bytes, as in the check.
+    pub key: &'a [u8],
+    /// The units the check took.
+    pub reserved: u32,
+    /// The units the request should have cost.
+    pub actual: u32,
+    /// Where the check's units went, from its [`Verdicts`].
+    pub receipt: Receipt,
+}
+
+impl Settlement<'_> {
+    /// Whether this settle gives units back.
+    pub fn refunds(&self) -> bool {
+        self.actual < self.reserved
+    }
 }
 
 /// How one limit answered one check.
@@ -115,6 +175,7 @@ impl Verdict {
 pub struct Verdicts {
     len: usize,
     items: [Verdict; MAX_CHECKS],
+    receipts: [Receipt; MAX_CHECKS],
 }
 
 impl Verdicts {
@@ -124,6 +185,25 @@ impl Verdicts {
         Self {
             len: 0,
             items: [Verdict::EMPTY; MAX_CHECKS],
+            receipts: [Receipt { at: 0, mark: 0 }; MAX_CHECKS],
+        }
+    }
+
+    /// Where the `i`-th check's units went, for a later settle (the default receipt if the
+    /// backend records none, or past the end).
+    #[inline]
+    pub fn receipt(&self, i: usize) -> Receipt {
+        self.receipts[..self.len]
+            .get(i)
+            .copied()
+            .unwrap_or_default()
+    }
+
+    /// Records where the `i`-th check's units went; ignored past the end.
+    #[inline]
+    pub fn set_receipt(&mut self, i: usize, receipt: Receipt) {
+        if let Some(slot) = self.receipts[..self.len].get_mut(i) {
+            *slot = receipt;
         }
     }
 
@@ -209,6 +289,16 @@ pub trait Backend: Send + Sync + 'static {
     /// `checks` holds at most [`MAX_CHECKS`] entries with distinct limit names.
     fn check(&self, checks: &[Check<'_>]) -> Self::Future;
 
+    /// Settles checks admitted earlier (see [`Settlement`] for what each algorithm does),
+    /// without waiting: a networked backend sends the call and returns. The settlements of one
+    /// call are independent of each other (no all-or-nothing).
+    ///
+    /// The default does nothing: a backend that does not implement it keeps every reservation
+    /// as it was taken.
+    fn settle(&self, settlements: &[Settlement<'_>]) {
+        let _ = settlements;
+    }
+
     /// A short, fixed name for metrics and logs, such as `memory` or `redis`.
     fn kind(&self) -> &'static str;
 
@@ -225,6 +315,10 @@ impl<B: Backend> Backend for std::sync::Arc<B> {
 
     fn check(&self, checks: &[Check<'_>]) -> Self::Future {
         (**self).check(checks)
+    }
+
+    fn settle(&self, settlements: &[Settlement<'_>]) {
+        (**self).settle(settlements)
     }
 
     fn kind(&self) -> &'static str {

@@ -36,7 +36,8 @@ mod memory;
 mod sip;
 
 pub use backend::{
-    Backend, BackendError, BackendErrorKind, Check, Status, Verdict, Verdicts, MAX_CHECKS,
+    Backend, BackendError, BackendErrorKind, Check, Receipt, Settlement, Status, Verdict, Verdicts,
+    MAX_CHECKS,
 };
 pub use clock::{Clock, FakeClock, Micros, SystemClock};
 pub use error::ConfigError;

@@ -40,7 +40,8 @@ use std::time::Duration;
 
 use crate::algorithm::{self, WindowState};
 use crate::backend::{
-    Backend, BackendError, BackendErrorKind, Check, Status, Verdict, Verdicts, MAX_CHECKS,
+    Backend, BackendError, BackendErrorKind, Check, Receipt, Settlement, Status, Verdict, Verdicts,
+    MAX_CHECKS,
 };
 use crate::clock::{micros, Clock, Micros, SystemClock};
 use crate::limit::Algorithm;
@@ -362,7 +363,109 @@ impl<C: Clock> MemoryBackend<C> {
         if sweeps.swept > 0 {
             inner.most_swept.fetch_max(sweeps.swept, Ordering::Relaxed);
         }
+        let mut verdicts = verdicts;
+        for (i, check) in checks.iter().enumerate() {
+            if let Some(v) = verdicts.get(i).copied().filter(Verdict::is_allowed) {
+                let mark = match check.limit.algorithm() {
+                    Algorithm::FixedWindow => now + v.reset,
+                    Algorithm::Gcra | Algorithm::SlidingLog => 0,
+                };
+                verdicts.set_receipt(i, Receipt { at: now, mark });
+            }
+        }
         Ok(verdicts)
+    }
+
+    /// Settles checks admitted earlier, at once (see [`Settlement`] for what each algorithm
+    /// does). A settle that would add a key while every place is taken changes nothing.
+    pub fn settle_now(&self, settlements: &[Settlement<'_>]) {
+        let inner = &*self.inner;
+        let now = inner.clock.now();
+        let mask = inner.shards.len() - 1;
+        let mut sweeps = Sweeps {
+            swept: 0,
+            cap: inner.shard_cap,
+        };
+        for s in settlements {
+            if s.actual == s.reserved {
+                continue;
+            }
+            // The check's own fingerprint (a fixed window's mixes in its period).
+            let fp = inner.fingerprint(&Check::new(s.limit, s.key));
+            let mut guard = inner.lock(fp.shard(mask), now, &mut sweeps);
+            let shard = &mut *guard;
+            let room = shard.len() < inner.shard_cap;
+            let quota = s.limit.quota();
+            match s.limit.algorithm() {
+                Algorithm::Gcra => {
+                    // The TAT under this quota's interval (carried if another quota wrote it).
+                    let tat = carried(shard.gcra.get_mut(&fp).map(Slot::get), quota, now);
+                    match algorithm::gcra_settle(quota, tat, now, s.reserved, s.actual) {
+                        Some(t) if t <= now && shard.gcra.remove(&fp).is_some() => {
+                            inner.tracked.fetch_sub(1, Ordering::Relaxed);
+                        }
+                        Some(t) if t <= now => {}
+                        Some(t) if tat.is_some() || (room && inner.reserve()) => {
+                            store(&mut shard.gcra, fp, (t, quota.emission_interval()));
+                        }
+                        _ => {}
+                    }
+                }
+                Algorithm::FixedWindow => {
+                    if s.receipt.mark <= now {
+                        continue;
+                    }
+                    let state = shard.windows.get(&fp).copied();
+                    let most = s.reserved.saturating_add(quota.limit().saturating_mul(2));
+                    let actual = s.actual.min(most);
+                    if let Some(next) =
+                        algorithm::fixed_window_settle(state, s.receipt.mark, s.reserved, actual)
+                    {
+                        if state.is_some() || (room && inner.reserve()) {
+                            store(&mut shard.windows, fp, next);
+                        }
+                    }
+                }
+                Algorithm::SlidingLog => {
+                    let period = quota.period_micros();
+                    if s.actual < s.reserved {
+                        let Some(log) = shard.logs.get_mut(&fp) else {
+                            continue;
+                        };
+                        // The check's units were recorded at its time, or at the newest
+                        // entry's if that was later (by a fraction of a microsecond): the
+                        // first entries from its time on. Units recorded at the same time are
+                        // the same units.
+                        let entries = log.entries.make_contiguous();
+                        let from = entries.partition_point(|&t| t < s.receipt.at);
+                        let n = (entries.len() - from).min((s.reserved - s.actual) as usize);
+                        log.entries.drain(from..from + n);
+                    } else {
+                        let log = match shard.logs.entry(fp) {
+                            Entry::Occupied(e) => e.into_mut(),
+                            Entry::Vacant(e) => {
+                                if !(room && inner.reserve()) {
+                                    continue;
+                                }
+                                e.insert(Log {
+                                    entries: VecDeque::new(),
+                                    period,
+                                })
+                            }
+                        };
+                        let alive = log
+                            .entries
+                            .iter()
+                            .filter(|&&t| t.saturating_add(period) > now)
+                            .count() as u64;
+                        let more =
+                            algorithm::sliding_log_charge(quota, alive, s.reserved, s.actual);
+                        let at = log.entries.back().map_or(now, |&newest| newest.max(now));
+                        log.entries.extend(std::iter::repeat_n(at, more as usize));
+                    }
+                }
+            }
+        }
     }
 
     /// How many keys are tracked, and the cap.
@@ -686,6 +789,10 @@ impl<C: Clock> Backend for MemoryBackend<C> {
 
     fn check(&self, checks: &[Check<'_>]) -> Self::Future {
         ready(self.check_now(checks))
+    }
+
+    fn settle(&self, settlements: &[Settlement<'_>]) {
+        self.settle_now(settlements);
     }
 
     fn kind(&self) -> &'static str {

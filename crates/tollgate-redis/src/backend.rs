@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 use tollgate_core::{
-    Backend, BackendError, BackendErrorKind, Check, Limit, Micros, Status, Verdict, Verdicts,
+    Backend, BackendError, BackendErrorKind, Check, Limit, Micros, Settlement, Status, Verdict,
+    Verdicts,
 };
 
 use crate::breaker::{Breaker, BreakerConfig, CircuitState, Permit};
@@ -19,6 +20,7 @@ use crate::failure::map_error;
 use crate::future::ResponseFuture;
 use crate::keys;
 use crate::script::{self, Answer, Prepared, Reply, Script};
+use crate::settle::SettleQueue;
 
 pub(crate) const BACKEND: &str = "redis";
 
@@ -40,8 +42,11 @@ pub(crate) struct Inner {
     pub(crate) deny: DenyCache,
     pub(crate) check_script: Script,
     pub(crate) refund_script: Script,
+    pub(crate) settle_script: Script,
     /// Merges concurrent requests' batches into one call (standalone Redis only).
     pub(crate) coalescer: Coalescer,
+    /// Settles waiting for the call in flight to end, sent together next (standalone Redis).
+    pub(crate) settles: SettleQueue,
     /// The server's `TIME` minus the local clock, in microseconds, as last seen.
     pub(crate) skew: AtomicI64,
     /// Registered on the first call, like the layer's, so that a recorder installed after the
@@ -101,7 +106,9 @@ impl RedisBackend {
             deny: DenyCache::new(config.deny_cache_capacity, config.deadline),
             check_script: Script::new(script::CHECK),
             refund_script: Script::new(script::REFUND),
+            settle_script: Script::new(script::SETTLE),
             coalescer: Coalescer::default(),
+            settles: SettleQueue::default(),
             skew: AtomicI64::new(0),
             metrics: OnceLock::new(),
         };
@@ -219,6 +226,7 @@ pub(crate) const NOT_CHECKED: Verdict = Verdict {
 pub(crate) const UNANSWERED: Answer = Answer {
     verdict: NOT_CHECKED,
     extra: 0,
+    at: 0,
 };
 
 impl RedisBackend {
@@ -301,6 +309,14 @@ impl Backend for RedisBackend {
     /// without I/O or allocation.
     fn check(&self, checks: &[Check<'_>]) -> ResponseFuture {
         self.dispatch(checks, None)
+    }
+
+    /// Sends the settlements from a task and returns at once: on a standalone server in one
+    /// `SETTLE` call with every settle that waits for the call in flight to end (at once when
+    /// none is), in a cluster in one call per hash slot. A failure is logged at debug level,
+    /// and the reservations stay as they were. Outside a Tokio runtime nothing is sent.
+    fn settle(&self, settlements: &[Settlement<'_>]) {
+        self.settle_later(settlements);
     }
 
     fn kind(&self) -> &'static str {

@@ -1,7 +1,9 @@
 //! Deny-cache lookups: a batch refused locally before Redis is asked, and what Redis' answers
 //! tell the cache.
 
-use tollgate_core::{algorithm, Algorithm, Check, Micros, Status, Verdict, Verdicts, MAX_CHECKS};
+use tollgate_core::{
+    algorithm, Algorithm, Check, Micros, Receipt, Status, Verdict, Verdicts, MAX_CHECKS,
+};
 
 use crate::backend::{Inner, Outcome, RedisBackend, NOT_CHECKED};
 use crate::deny_cache::Lookup;
@@ -49,6 +51,23 @@ impl Inner {
                 }
             }
             let _ = verdicts.push(verdict);
+            if verdict.is_allowed() {
+                let mark = match p.algorithm {
+                    // The end of the window, as the in-memory backend marks it.
+                    Algorithm::FixedWindow => answer
+                        .extra
+                        .saturating_add(1)
+                        .saturating_mul(p.quota.period_micros()),
+                    _ => answer.extra,
+                };
+                verdicts.set_receipt(
+                    verdicts.len() - 1,
+                    Receipt {
+                        at: answer.at,
+                        mark,
+                    },
+                );
+            }
         }
         verdicts
     }

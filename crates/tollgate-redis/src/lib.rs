@@ -119,6 +119,18 @@
 //! policy; admissions the old master acknowledged but had not yet copied to the replica are
 //! lost with it (Redis replication is asynchronous), so the promoted replica may admit up to
 //! that many more.
+//! # Settles
+//!
+//! [`Backend::settle`](tollgate_core::Backend::settle) (the layer's metered limits) gives back
+//! or consumes the difference between what admitted checks reserved and what they cost, with
+//! the arithmetic of the in-memory backend (see `tollgate_core::Settlement`), in one `SETTLE`
+//! call: on a standalone server merged with the settles that arrive while one is in flight
+//! (a lone settle is sent at once), in a cluster one call per hash slot. It is sent from a task
+//! and nobody waits for it; a settle that fails, or finds the breaker open, leaves the
+//! reservations as they were. A verdict's receipt (the server's time of the check, a window's
+//! end, a log's last sequence number) tells the settle where the units went. A settle that
+//! gives units back clears this replica's cached denial of the key.
+//! [`RedisBackend::settle_at`] is the same call, awaited, for tests.
 //!
 //! # Failures
 //!
@@ -184,6 +196,7 @@ mod future;
 mod keys;
 mod merged;
 mod script;
+mod settle;
 
 pub use backend::RedisBackend;
 pub use breaker::CircuitState;

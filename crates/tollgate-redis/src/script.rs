@@ -346,6 +346,105 @@ end
 return 1
 ";
 
+/// Settles checks admitted earlier: gives back or consumes the difference between what each
+/// reserved and what it should have cost (see `tollgate_core::Settlement` for each algorithm).
+///
+/// `KEYS`: per settlement, its key (a GCRA TAT at `<base>:v2`, a fixed window's
+/// `<base>:<index>`), or two for
+/// a sliding log (`<base>:log`, `<base>:seq`). `ARGV[1]`: `now` or empty, as for `CHECK`.
+/// `ARGV[2 + 7 (i - 1) ..]`: per settlement: algorithm, refund, charge, then GCRA: interval,
+/// the most the TAT may run ahead of now, 0, 0; fixed window: the end of its window, 0, 0, 0;
+/// sliding log: the stamp of its units, their last sequence number, the period, the most
+/// units the log may hold. Refunds and charges are cut in the client so that every product
+/// here stays an exact integer.
+pub(crate) const SETTLE: &str = r"
+local k = 1
+for i = 0, (#ARGV - 1) / 7 - 1 do
+  local a = 2 + i * 7
+  local algo, refund, charge = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
+  local x, y, z, w = tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5]), tonumber(ARGV[a + 6])
+  local key = KEYS[k]
+  if algo == 1 then
+    k = k + 1
+    local tat, from = read_tat(key)
+    if tat and from ~= 0 and from ~= x and tat > now then
+      -- Written under another quota: the units used, at this quota's interval (as CHECK).
+      local d = tat - now
+      local used = idiv(d, from)
+      if used * from < d then used = used + 1 end
+      tat = now + used * x
+      if tat > now + y then tat = now + y end
+    end
+    if not tat then tat = nil end
+    if refund > 0 and tat ~= nil then
+      local back = tat - x * refund
+      if back <= now then
+        redis.call('DEL', key)
+      else
+        redis.call('SET', key, tat_value(back, x), 'PX', ttl_ms(back - now))
+      end
+    elseif charge > 0 then
+      local base = now
+      if tat ~= nil and tat > now then base = tat end
+      local cap = now + y
+      if cap < base then cap = base end
+      local new = base + x * charge
+      if new > cap then new = cap end
+      redis.call('SET', key, tat_value(new, x), 'PX', ttl_ms(new - now))
+    end
+  elseif algo == 2 then
+    k = k + 1
+    if now < x then
+      if refund > 0 then
+        local count = tonumber(redis.call('GET', key) or '')
+        if count ~= nil then
+          if count <= refund then redis.call('DEL', key) else redis.call('DECRBY', key, refund) end
+        end
+      elseif charge > 0 then
+        redis.call('INCRBY', key, charge)
+        redis.call('PEXPIRE', key, ttl_ms(x - now))
+      end
+    end
+  elseif algo == 3 then
+    local seq_key = KEYS[k + 1]
+    k = k + 2
+    if refund > 0 then
+      local stamp, members, from = fmt(x), {}, y - refund + 1
+      while from <= y do
+        local to, n = math.min(from + CHUNK - 1, y), 0
+        for s = from, to do
+          n = n + 1
+          members[n] = stamp .. '-' .. fmt(s)
+        end
+        redis.call('ZREM', key, unpack(members, 1, n))
+        from = to + 1
+      end
+    elseif charge > 0 then
+      redis.call('ZREMRANGEBYSCORE', key, '-inf', now - z)
+      local alive = redis.call('ZCARD', key)
+      local more = charge
+      if alive + more > w then more = w - alive end
+      if more > 0 then
+        local last = redis.call('INCRBY', seq_key, more)
+        local stamp, members, from = fmt(now), {}, last - more + 1
+        while from <= last do
+          local to, n = math.min(from + CHUNK - 1, last), 0
+          for s = from, to do
+            members[n + 1], members[n + 2] = stamp, stamp .. '-' .. fmt(s)
+            n = n + 2
+          end
+          redis.call('ZADD', key, unpack(members, 1, n))
+          from = to + 1
+        end
+        redis.call('PEXPIRE', key, ttl_ms(z))
+        redis.call('PEXPIRE', seq_key, ttl_ms(z))
+      end
+    end
+  end
+end
+return 1
+";
+
 /// A Lua script, called by its SHA-1 with `EVALSHA` (see `Conn::invoke`).
 pub(crate) struct Script {
     code: String,
@@ -562,6 +661,8 @@ impl<'p> CheckArgs<'p> {
 pub(crate) struct Answer {
     pub(crate) verdict: Verdict,
     pub(crate) extra: u64,
+    /// The server's time of the call that answered.
+    pub(crate) at: Micros,
 }
 
 /// A whole `CHECK` reply.
@@ -642,7 +743,11 @@ pub(crate) fn parse_replies(
                 Algorithm::Gcra => {
                     let tat = Some(next()?).filter(|&t| t != 0);
                     let (verdict, _) = algorithm::gcra(&p.quota, tat, now, p.cost);
-                    Answer { verdict, extra: 0 }
+                    Answer {
+                        verdict,
+                        extra: 0,
+                        at: now,
+                    }
                 }
                 Algorithm::FixedWindow => {
                     let state = WindowState {
@@ -651,7 +756,11 @@ pub(crate) fn parse_replies(
                     };
                     let (verdict, _) = algorithm::fixed_window(&p.quota, Some(state), now, p.cost);
                     let extra = algorithm::window_index(&p.quota, now);
-                    Answer { verdict, extra }
+                    Answer {
+                        verdict,
+                        extra,
+                        at: now,
+                    }
                 }
                 _ => {
                     let [remaining, reset, retry_after, extra] =
@@ -667,7 +776,11 @@ pub(crate) fn parse_replies(
                         remaining,
                         reset,
                     };
-                    Answer { verdict, extra }
+                    Answer {
+                        verdict,
+                        extra,
+                        at: now,
+                    }
                 }
             };
             if status_code(answer.verdict.status) != status {

@@ -17,11 +17,7 @@ fn write_state(con: &mut redis::Connection, v: &Vector, stem: &str) {
         State::None => {}
         State::Tat(tat) => {
             let value = format!("{tat}:{}", v.quota().emission_interval());
-            let _: () = redis::cmd("SET")
-                .arg(stem)
-                .arg(value)
-                .query(con)
-                .unwrap();
+            let _: () = redis::cmd("SET").arg(stem).arg(value).query(con).unwrap();
         }
         State::TatUnder { tat, interval } => {
             let _: () = redis::cmd("SET")

@@ -1,7 +1,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tollgate_core::{BackendErrorKind, Quota, Status, Verdict};
+use tollgate_core::{Algorithm, BackendErrorKind, Quota, Status, Verdict};
 
 /// Why a limit refused a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -170,6 +170,38 @@ impl LimitDecision {
             source,
             shadow,
         }
+    }
+
+    /// This part after a settle from `reserved` to `actual` units: what an admitted limit
+    /// has left, and when it is whole again, as the backend's settle leaves them (a key in
+    /// debt has 0 left).
+    pub(crate) fn settled(mut self, algorithm: Algorithm, reserved: u32, actual: u32) -> Self {
+        if let Outcome::Allowed { remaining, reset } = &mut self.outcome {
+            let interval = Duration::from_micros(self.quota.emission_interval());
+            if actual < reserved {
+                let back = reserved - actual;
+                let most = match algorithm {
+                    Algorithm::Gcra => self.quota.burst(),
+                    _ => self.quota.limit(),
+                };
+                *remaining = remaining
+                    .saturating_add(u64::from(back))
+                    .min(u64::from(most));
+                if algorithm == Algorithm::Gcra {
+                    *reset = reset.saturating_sub(interval.saturating_mul(back));
+                }
+            } else {
+                let more = actual - reserved;
+                *remaining = remaining.saturating_sub(u64::from(more));
+                if algorithm == Algorithm::Gcra {
+                    let cap = interval.saturating_mul(self.quota.burst().saturating_mul(2));
+                    *reset = reset
+                        .saturating_add(interval.saturating_mul(more))
+                        .min(cap.max(*reset));
+                }
+            }
+        }
+        self
     }
 
     /// The limit's name.

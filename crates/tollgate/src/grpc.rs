@@ -44,7 +44,7 @@ pub(crate) fn code_of(kind: RejectionKind) -> u8 {
     match kind {
         RejectionKind::TooManyRequests => RESOURCE_EXHAUSTED,
         RejectionKind::Unavailable => UNAVAILABLE,
-        RejectionKind::MissingKey(_) => INVALID_ARGUMENT,
+        RejectionKind::MissingKey(_) | RejectionKind::InvalidCost => INVALID_ARGUMENT,
     }
 }
 
@@ -80,6 +80,9 @@ fn message(rejection: &Rejection<'_>) -> String {
             format!("rate limit \"{limit}\" cannot be checked right now")
         }
         (RejectionKind::MissingKey(why), _) => format!("{why} (rate limit \"{limit}\")"),
+        (RejectionKind::InvalidCost, _) => {
+            format!("the call's cost for rate limit \"{limit}\" is not a whole number of units")
+        }
     }
 }
 

@@ -60,6 +60,14 @@
 //! Without a framework, [`ClientIp`](key::ClientIp) reads a `SocketAddr` from the request's
 //! extensions, or asks a function ([`ClientIp::peer_fn`](key::ClientIp::peer_fn)).
 //!
+//! # Costs from the request, settled after the response
+//!
+//! [`RateLimitLayerBuilder::metered`] adds a limit whose cost each request gives (a header,
+//! `content-length`, an extension) and whose reservation is settled once the answer is known:
+//! refunded by outcome (`count_if`), or charged at the cost the handler reports, through the
+//! [`Settle`](cost::Settle) handle (usable until the response body ends) or a
+//! [`Charge`](cost::Charge). See [`cost`].
+//!
 //! # Observability
 //!
 //! Through the [`metrics`](https://docs.rs/metrics) facade (install any exporter) and
@@ -78,6 +86,8 @@
 //! `docs/operations.md` says what each metric means and gives ready Prometheus alerts.
 
 pub mod key;
+
+pub mod cost;
 
 mod canary;
 mod decision;

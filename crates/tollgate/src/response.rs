@@ -57,6 +57,9 @@ pub enum RejectionKind {
     Unavailable,
     /// A limit found no key and rejects keyless requests: `400 Bad Request`.
     MissingKey(MissingKey),
+    /// A limit reads its cost from the request, and the request's is not a whole number of
+    /// units (absent, not a number, negative, or above `u32::MAX`): `400 Bad Request`.
+    InvalidCost,
 }
 
 /// A refused request, as handed to a custom responder.
@@ -113,7 +116,7 @@ impl<'a> Rejection<'a> {
         match self.kind {
             RejectionKind::TooManyRequests => StatusCode::TOO_MANY_REQUESTS,
             RejectionKind::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
-            RejectionKind::MissingKey(_) => StatusCode::BAD_REQUEST,
+            RejectionKind::MissingKey(_) | RejectionKind::InvalidCost => StatusCode::BAD_REQUEST,
         }
     }
 
@@ -169,6 +172,13 @@ pub(crate) fn default_response(rejection: &Rejection<'_>) -> Response<Bytes> {
             b" (rate limit \\\"",
             name,
             b"\\\").",
+            b"",
+        ],
+        (RejectionKind::InvalidCost, _) => [
+            b"The request's cost for rate limit \\\"",
+            name,
+            b"\\\" is not a whole number of units.",
+            b"",
             b"",
         ],
     };

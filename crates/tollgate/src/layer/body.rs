@@ -5,6 +5,8 @@ use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 
+use super::settle::Owed;
+
 pin_project! {
     /// The response body of [`RateLimit`](super::RateLimit): the inner service's body, or the
     /// layer's own refusal.
@@ -15,6 +17,9 @@ pin_project! {
     pub struct ResponseBody<B> {
         #[pin]
         kind: Kind<B>,
+        // A reservation that settles when the body ends or is dropped, with the cost the
+        // handler reported by then.
+        owed: Option<Box<Owed>>,
     }
 }
 
@@ -35,6 +40,14 @@ impl<B> ResponseBody<B> {
     pub(crate) fn inner(body: B) -> Self {
         Self {
             kind: Kind::Inner { body },
+            owed: None,
+        }
+    }
+
+    pub(crate) fn settling(body: B, owed: Box<Owed>) -> Self {
+        Self {
+            kind: Kind::Inner { body },
+            owed: Some(owed),
         }
     }
 
@@ -43,6 +56,7 @@ impl<B> ResponseBody<B> {
             kind: Kind::Refusal {
                 bytes: Some(bytes).filter(|b| !b.is_empty()),
             },
+            owed: None,
         }
     }
 
@@ -63,8 +77,18 @@ where
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
-        match self.project().kind.project() {
-            KindProj::Inner { body } => body.poll_frame(cx),
+        let this = self.project();
+        match this.kind.project() {
+            KindProj::Inner { mut body } => {
+                let frame = body.as_mut().poll_frame(cx);
+                if this.owed.is_some() && frame.is_ready() && body.is_end_stream() {
+                    // The end of the body: the handler has reported all it will.
+                    drop(this.owed.take());
+                } else if matches!(frame, Poll::Ready(None)) {
+                    drop(this.owed.take());
+                }
+                frame
+            }
             KindProj::Refusal { bytes } => Poll::Ready(bytes.take().map(|b| Ok(Frame::data(b)))),
         }
     }

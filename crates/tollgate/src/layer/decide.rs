@@ -7,10 +7,11 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{Request, Response};
 use tollgate_core::{
-    Backend, BackendError, Check, FailurePolicy, MissingKeyPolicy, Verdicts, MAX_CHECKS,
+    Backend, BackendError, Check, FailurePolicy, MissingKeyPolicy, Receipt, Verdicts, MAX_CHECKS,
 };
 
-use super::{Decided, Entry, Plan, Prepared, Shared};
+use super::settle::Item;
+use super::{Decided, Entry, LimitSet, Plan, Prepared, Shared};
 use crate::decision::{Decision, DenyReason, LimitDecision, Outcome, SkipReason, Source};
 use crate::key::{Key, MissingKey, RequestView};
 use crate::metrics as obs;
@@ -74,6 +75,7 @@ impl<B: Backend> Shared<B> {
                 }
             }
         }
+        let mut cost = [0u32; MAX_CHECKS];
         let check = {
             let mut checks = [Check::new(&set.limits[0].limit, b""); MAX_CHECKS];
             for (i, (entry, key)) in set.limits.iter().zip(&keys).enumerate() {
@@ -81,7 +83,28 @@ impl<B: Backend> Shared<B> {
                     let (index, quota) = entry.limit.quota_of(plan_name);
                     // A limit has at most `MAX_PLANS` plans.
                     quota_of[i] = u8::try_from(index).unwrap_or(0);
-                    checks[n] = Check::new(&entry.limit, key.as_bytes()).with_quota(*quota);
+                    let mut check = Check::new(&entry.limit, key.as_bytes()).with_quota(*quota);
+                    if let Some(of) = entry.metered.as_ref().and_then(|m| m.cost.as_ref()) {
+                        match of(&view) {
+                            Ok(units) => check = check.with_cost(units),
+                            Err(_) => {
+                                entry.metrics.record_missing_key(&span);
+                                return Prepared::Refuse(
+                                    self.refuse(
+                                        &Rejection::new(
+                                            RejectionKind::InvalidCost,
+                                            entry.limit.name(),
+                                            None,
+                                            None,
+                                        )
+                                        .grpc(crate::grpc::is_grpc(req.headers())),
+                                    ),
+                                );
+                            }
+                        }
+                    }
+                    cost[i] = check.cost;
+                    checks[n] = check;
                     limit_of[n] = i;
                     n += 1;
                 }
@@ -93,6 +116,7 @@ impl<B: Backend> Shared<B> {
             n,
             limit_of,
             quota_of,
+            cost,
             span,
         };
         Prepared::Check(check, plan)
@@ -110,8 +134,15 @@ impl<B: Backend> Shared<B> {
     ) -> Decided {
         // Warnings about bypasses and capacity are logged inside the request's span.
         let _entered = plan.span.enter();
+        // Where each limit's units went, in the layer's order, for a settle.
+        let mut receipts = [Receipt::default(); MAX_CHECKS];
         let decision = match result {
             Ok(verdicts) if verdicts.len() == plan.n => {
+                if plan.set.settles {
+                    for (j, &i) in plan.limit_of[..plan.n].iter().enumerate() {
+                        receipts[i] = verdicts.receipt(j);
+                    }
+                }
                 // Every verdict came back: each limit's outcome is its verdict, or a skip for
                 // a limit that had no key, in the layer's order.
                 let mut checked = plan.limit_of[..plan.n].iter().zip(verdicts.iter());
@@ -139,9 +170,9 @@ impl<B: Backend> Shared<B> {
                     tollgate_core::BackendErrorKind::Protocol,
                     format!("{} verdicts for {} checks", verdicts.len(), plan.n),
                 );
-                self.decide_failure(&error, req, plan)
+                self.decide_failure(&error, req, plan, &mut receipts)
             }
-            Err(error) => self.decide_failure(error, req, plan),
+            Err(error) => self.decide_failure(error, req, plan, &mut receipts),
         };
         let admitted = decision.is_admitted();
         for (entry, d) in plan.set.limits.iter().zip(decision.limits()) {
@@ -149,7 +180,12 @@ impl<B: Backend> Shared<B> {
         }
         obs::record_span(&plan.span, &decision);
         if admitted {
-            return Decided::Admit(decision);
+            let owed = if plan.set.settles {
+                self.owed(&decision, req, plan, &receipts)
+            } else {
+                None
+            };
+            return Decided::Admit(decision, owed);
         }
         let (kind, limit) = response::refusal_of(&decision).unwrap_or((
             RejectionKind::TooManyRequests,
@@ -165,14 +201,20 @@ impl<B: Backend> Shared<B> {
     }
 
     /// The decision when the backend failed: each checked limit's failure policy.
-    fn decide_failure<T>(&self, error: &BackendError, req: &Request<T>, plan: &Plan) -> Decision {
+    fn decide_failure<T>(
+        &self,
+        error: &BackendError,
+        req: &Request<T>,
+        plan: &Plan,
+        receipts: &mut [Receipt; MAX_CHECKS],
+    ) -> Decision {
         let mut outcomes = [(
             Outcome::Skipped {
                 reason: SkipReason::MissingKey,
             },
             Source::Backend,
         ); MAX_CHECKS];
-        self.on_failure(error, req, plan, &mut outcomes);
+        self.on_failure(error, req, plan, &mut outcomes, receipts);
         // A refused request went nowhere: a fail-open limit beside the one that refused it
         // bypassed nothing, and must not say it did.
         let refused = plan
@@ -208,6 +250,7 @@ impl<B: Backend> Shared<B> {
         req: &Request<T>,
         plan: &Plan,
         outcomes: &mut [(Outcome, Source); MAX_CHECKS],
+        receipts: &mut [Receipt; MAX_CHECKS],
     ) {
         let limits = &plan.set.limits;
         let mut closed = false;
@@ -255,6 +298,9 @@ impl<B: Backend> Shared<B> {
             if let (Some(local), Some(key)) = (&entry.local, key) {
                 let quota = *local.quota_at(usize::from(plan.quota_of[i]));
                 checks[n] = Check::new(local, key.as_bytes()).with_quota(quota);
+                if entry.metered.as_ref().is_some_and(|m| m.cost.is_some()) {
+                    checks[n] = checks[n].with_cost(plan.cost[i]);
+                }
                 index[n] = i;
                 n += 1;
             }
@@ -262,8 +308,44 @@ impl<B: Backend> Shared<B> {
         if let Ok(verdicts) = self.fallback.check_now(&checks[..n]) {
             for (j, verdict) in verdicts.iter().enumerate() {
                 outcomes[index[j]] = (Outcome::from_verdict(verdict), Source::Fallback);
+                receipts[index[j]] = verdicts.receipt(j);
             }
         }
+    }
+
+    /// What an admitted request owes the metered limits that settle: the units each took,
+    /// where, and under which key (extracted again: the request's keys were borrowed).
+    fn owed<T>(
+        &self,
+        decision: &Decision,
+        req: &Request<T>,
+        plan: &Plan,
+        receipts: &[Receipt; MAX_CHECKS],
+    ) -> Option<(Vec<Item>, Arc<LimitSet>)> {
+        let view = RequestView::new(req);
+        let mut items = Vec::new();
+        for (i, (entry, d)) in plan.set.limits.iter().zip(decision.limits()).enumerate() {
+            let Some(metered) = entry.metered.as_ref().filter(|m| m.settles()) else {
+                continue;
+            };
+            if !matches!(d.outcome(), Outcome::Allowed { .. }) {
+                continue;
+            }
+            let Ok(Some(key)) = key_of(entry, &view) else {
+                continue;
+            };
+            items.push(Item {
+                entry: i,
+                key: key.as_bytes().into(),
+                reserved: plan.cost[i],
+                receipt: receipts[i],
+                fallback: d.source() == Source::Fallback,
+                by_handler: metered.by_handler,
+                on_drop: metered.on_drop,
+                counted: true,
+            });
+        }
+        (!items.is_empty()).then(|| (items, Arc::clone(&plan.set)))
     }
 
     fn refuse(&self, rejection: &Rejection<'_>) -> Response<Bytes> {

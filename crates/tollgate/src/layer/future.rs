@@ -11,7 +11,9 @@ use tollgate_core::Backend;
 use tower_service::Service;
 
 use super::body::ResponseBody;
+use super::settle::{Owed, SetSink, Settler};
 use super::{Decided, Plan, Shared};
+use crate::cost::Settle;
 use crate::decision::Decision;
 
 pin_project! {
@@ -43,6 +45,9 @@ pin_project! {
             #[pin]
             call: S::Future,
             finish: Option<(Decision, Arc<Shared<B>>)>,
+            // What the request owes its metered limits: settled when dropped, so a request
+            // dropped before its answer follows their drop policy.
+            owed: Option<Box<Owed>>,
         },
         Refused {
             response: Option<Response<Bytes>>,
@@ -92,15 +97,36 @@ where
         shared: Arc<Shared<B>>,
     ) -> Self {
         match decided {
-            Decided::Admit(decision) => {
+            Decided::Admit(decision, items) => {
                 // Under an outer `RateLimitLayer`, the handler sees both layers' limits.
                 if let Some(outer) = req.extensions_mut().insert(decision.clone()) {
                     req.extensions_mut().insert(outer.then(&decision));
+                }
+                let mut owed = items.map(|(items, set)| {
+                    // The limits the request was checked under, even if a reload has replaced
+                    // them since.
+                    let sink: Arc<dyn Settler> = Arc::new(SetSink {
+                        shared: Arc::clone(&shared),
+                        set,
+                    });
+                    Box::new(Owed::new(sink, items))
+                });
+                if let Some(owed) = owed.as_mut() {
+                    match req.extensions().get::<Settle>() {
+                        // Under an outer layer charged by the handler too: one handle for both.
+                        Some(outer) => owed.share(outer),
+                        None => {
+                            if let Some(handle) = owed.handle() {
+                                req.extensions_mut().insert(handle.clone());
+                            }
+                        }
+                    }
                 }
                 Self {
                     state: State::Calling {
                         call: inner.call(req),
                         finish: Some((decision, shared)),
+                        owed,
                     },
                 }
             }
@@ -149,11 +175,26 @@ where
                     this.state
                         .set(Self::decided(decided, req, &mut inner, shared).state);
                 }
-                StateProj::Calling { call, finish } => {
+                StateProj::Calling { call, finish, owed } => {
                     let mut response = ready!(call.poll(cx))?;
+                    let Some(mut owed) = owed.take() else {
+                        if let Some((decision, shared)) = finish.take() {
+                            shared.finish(&mut response, decision);
+                        }
+                        return Poll::Ready(Ok(response.map(ResponseBody::inner)));
+                    };
+                    owed.responded(&response);
                     if let Some((decision, shared)) = finish.take() {
-                        shared.finish(&mut response, decision);
+                        // The response's decision and fields show the settled state when
+                        // the actual cost is known with the head.
+                        shared.finish(&mut response, owed.settled(decision));
                     }
+                    if owed.waits_for_body() {
+                        return Poll::Ready(Ok(response.map(|b| ResponseBody::settling(b, owed))));
+                    }
+                    // Everything is known with the head: settle now (the backend does not
+                    // wait for its answer).
+                    drop(owed);
                     return Poll::Ready(Ok(response.map(ResponseBody::inner)));
                 }
                 StateProj::Refused { response } => {

@@ -23,6 +23,7 @@ use tollgate_core::{
 };
 use tower_layer::Layer;
 
+use crate::cost::Metered;
 use crate::decision::Decision;
 use crate::key::{KeyExtractor, RequestView};
 use crate::metrics::LimitMetrics;
@@ -34,6 +35,7 @@ mod decide;
 mod future;
 mod reload;
 mod service;
+mod settle;
 
 pub use body::ResponseBody;
 pub use future::ResponseFuture;
@@ -125,7 +127,7 @@ impl<B> RateLimitLayer<B> {
 /// [`LimitsFile`](crate::LimitsFile) reads them from TOML.
 #[derive(Default)]
 pub struct Limits {
-    entries: Vec<(Limit, Box<dyn KeyExtractor>)>,
+    entries: Vec<(Limit, Box<dyn KeyExtractor>, Option<Metered>)>,
 }
 
 impl Limits {
@@ -136,13 +138,18 @@ impl Limits {
 
     /// Adds a limit, counted per key that `key` extracts.
     pub fn limit(mut self, limit: Limit, key: impl KeyExtractor) -> Self {
-        self.entries.push((limit, Box::new(key)));
+        self.entries.push((limit, Box::new(key), None));
         self
     }
 
     /// Adds a limit with a boxed extractor.
     pub fn push(&mut self, limit: Limit, key: Box<dyn KeyExtractor>) {
-        self.entries.push((limit, key));
+        self.entries.push((limit, key, None));
+    }
+
+    /// Adds a metered limit (see [`RateLimitLayerBuilder::metered`]).
+    pub fn push_metered(&mut self, limit: Limit, key: Box<dyn KeyExtractor>, metered: Metered) {
+        self.entries.push((limit, key, Some(metered)));
     }
 
     /// How many limits.
@@ -157,7 +164,7 @@ impl Limits {
 
     /// The limits, in order.
     pub fn iter(&self) -> impl ExactSizeIterator<Item = &Limit> + '_ {
-        self.entries.iter().map(|(l, _)| l)
+        self.entries.iter().map(|(l, _, _)| l)
     }
 
     /// What a layer asks of its whole set of limits.
@@ -169,11 +176,14 @@ impl Limits {
         if limits.len() > MAX_CHECKS {
             return Err(ConfigError::TooManyLimits);
         }
-        if let Some((limit, _)) = limits.iter().find(|(l, _)| l.name() == crate::CANARY_LIMIT) {
+        if let Some((limit, _, _)) = limits
+            .iter()
+            .find(|(l, _, _)| l.name() == crate::CANARY_LIMIT)
+        {
             return Err(ConfigError::ReservedName(limit.name().to_owned()));
         }
-        for (i, (limit, _)) in limits.iter().enumerate() {
-            if limits[..i].iter().any(|(l, _)| l.name() == limit.name()) {
+        for (i, (limit, _, _)) in limits.iter().enumerate() {
+            if limits[..i].iter().any(|(l, _, _)| l.name() == limit.name()) {
                 return Err(ConfigError::DuplicateName(limit.name().to_owned()));
             }
         }
@@ -184,17 +194,20 @@ impl Limits {
     pub(crate) fn compile(self) -> Result<LimitSet, ConfigError> {
         self.check()?;
         let limits = self.entries;
-        let policy = response::policy_value(limits.iter().map(|(l, _)| (l.name(), l.quota())));
+        let policy = response::policy_value(limits.iter().map(|(l, _, _)| (l.name(), l.quota())));
         let names = limits
             .iter()
-            .map(|(l, _)| l.name())
+            .map(|(l, _, _)| l.name())
             .collect::<Vec<_>>()
             .join(",")
             .into();
-        let plans = limits.iter().any(|(l, _)| l.plans().len() > 0);
+        let plans = limits.iter().any(|(l, _, _)| l.plans().len() > 0);
+        let settles = limits
+            .iter()
+            .any(|(_, _, m)| m.as_ref().is_some_and(Metered::settles));
         let limits = limits
             .into_iter()
-            .map(|(limit, key)| Entry {
+            .map(|(limit, key, metered)| Entry {
                 local: match limit.failure_policy() {
                     FailurePolicy::Fallback { replicas } => Some(limit.local_share(replicas)),
                     _ => None,
@@ -202,6 +215,7 @@ impl Limits {
                 metrics: LimitMetrics::new(Arc::clone(limit.name_arc())),
                 limit,
                 key,
+                metered,
             })
             .collect();
         Ok(LimitSet {
@@ -209,6 +223,7 @@ impl Limits {
             policy,
             names,
             plans,
+            settles,
         })
     }
 }
@@ -250,6 +265,31 @@ impl<B: Backend> RateLimitLayerBuilder<B> {
     /// Adds a limit, counted per key that `key` extracts.
     pub fn limit(mut self, limit: Limit, key: impl KeyExtractor) -> Self {
         self.limits.push(limit, Box::new(key));
+        self
+    }
+
+    /// Adds a limit, counted per key that `key` extracts, whose cost comes from each request
+    /// and may be settled after the response (see [`crate::cost`]).
+    ///
+    /// ```
+    /// use http::StatusCode;
+    /// use tollgate::cost::Metered;
+    /// use tollgate::key::ClientIp;
+    /// use tollgate::{Limit, Quota, RateLimitLayer};
+    ///
+    /// # fn main() -> Result<(), tollgate::core::ConfigError> {
+    /// // Five failed logins a minute: only 401s count.
+    /// let layer = RateLimitLayer::builder()
+    ///     .metered(
+    ///         Limit::gcra("login-failures", Quota::per_minute(5)?)?,
+    ///         ClientIp::peer(),
+    ///         Metered::new().count_if(|r| r.status() == StatusCode::UNAUTHORIZED),
+    ///     )
+    ///     .build()?;
+    /// # Ok(()) }
+    /// ```
+    pub fn metered(mut self, limit: Limit, key: impl KeyExtractor, metered: Metered) -> Self {
+        self.limits.push_metered(limit, Box::new(key), metered);
         self
     }
 
@@ -419,6 +459,8 @@ pub(crate) struct LimitSet {
     names: Box<str>,
     /// Whether any limit has plans (else the request's `Plan` is not looked up).
     plans: bool,
+    /// Whether a limit settles after the response (see [`crate::cost`]).
+    settles: bool,
 }
 
 impl fmt::Debug for LimitSet {
@@ -432,6 +474,8 @@ impl fmt::Debug for LimitSet {
 struct Entry {
     limit: Limit,
     key: Box<dyn KeyExtractor>,
+    /// Where the cost comes from and how it settles, for a metered limit.
+    metered: Option<Metered>,
     /// The quota's local share, for [`FailurePolicy::Fallback`].
     local: Option<Limit>,
     metrics: LimitMetrics,
@@ -446,6 +490,8 @@ pub(crate) struct Plan {
     limit_of: [usize; MAX_CHECKS],
     /// Per limit, the index of the quota the request got ([`Limit::quota_of`]).
     quota_of: [u8; MAX_CHECKS],
+    /// Each checked limit's cost, in the layer's order.
+    cost: [u32; MAX_CHECKS],
     /// The request's `tollgate.check` span, open from the keys to the decision.
     span: tracing::Span,
 }
@@ -456,7 +502,8 @@ pub(crate) enum Prepared<F> {
 }
 
 pub(crate) enum Decided {
-    Admit(Decision),
+    /// Admitted, with what the request owes its metered limits, if any settle.
+    Admit(Decision, Option<(Vec<settle::Item>, Arc<LimitSet>)>),
     Refuse(Response<Bytes>),
 }
 

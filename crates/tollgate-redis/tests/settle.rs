@@ -1,0 +1,429 @@
+//! Settles on a real Redis and a real Redis Cluster, held to the in-memory backend's figures:
+//! the same scenarios, at the same fixed times, must give the same verdicts.
+
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use tollgate_core::{
+    Backend, Check, FakeClock, Limit, MemoryBackend, Micros, Quota, Settlement, Status, Verdicts,
+};
+use tollgate_redis::RedisBackend;
+use tollgate_testsupport::{RedisCluster, RedisServer};
+
+/// The start of a UTC day: windows of a minute or an hour start here.
+const T0: Micros = 1_728_000_000_000_000;
+const S: Micros = 1_000_000;
+
+enum Target {
+    Memory(MemoryBackend<FakeClock>, FakeClock),
+    Redis(RedisBackend),
+}
+
+impl Target {
+    fn memory() -> Self {
+        let clock = FakeClock::new(T0);
+        Self::Memory(MemoryBackend::builder().clock(clock.clone()).build(), clock)
+    }
+
+    async fn check(&self, limit: &Limit, key: &[u8], cost: u32, now: Micros) -> Verdicts {
+        let checks = [Check::new(limit, key).with_cost(cost)];
+        match self {
+            Self::Memory(backend, clock) => {
+                clock.set(now);
+                backend.check_now(&checks).unwrap()
+            }
+            Self::Redis(backend) => backend.check_at(&checks, now).await.unwrap(),
+        }
+    }
+
+    async fn settle(&self, settlement: Settlement<'_>, now: Micros) {
+        match self {
+            Self::Memory(backend, clock) => {
+                clock.set(now);
+                backend.settle_now(&[settlement]);
+            }
+            Self::Redis(backend) => backend.settle_at(&[settlement], Some(now)).await.unwrap(),
+        }
+    }
+
+    /// Reserves `reserved` at `now`, settles at `actual` at `later`.
+    async fn reserve_settle(
+        &self,
+        limit: &Limit,
+        key: &[u8],
+        reserved: u32,
+        actual: u32,
+        now: Micros,
+        later: Micros,
+    ) {
+        let v = self.check(limit, key, reserved, now).await;
+        assert!(v[0].is_allowed(), "{v:?}");
+        let settlement = Settlement {
+            limit,
+            key,
+            reserved,
+            actual,
+            receipt: v.receipt(0),
+        };
+        self.settle(settlement, later).await;
+    }
+}
+
+fn all_algorithms(name: &str, quota: Quota) -> [Limit; 3] {
+    [
+        Limit::gcra(&format!("{name}-gcra"), quota).unwrap(),
+        Limit::fixed_window(&format!("{name}-window"), quota).unwrap(),
+        Limit::sliding_log(&format!("{name}-log"), quota).unwrap(),
+    ]
+}
+
+/// Every scenario, with its exact figures, on `target`.
+async fn scenarios(target: &Target) {
+    let hour = Quota::per_hour(1000).unwrap();
+    let minute = Quota::per_minute(10).unwrap();
+    let at = T0 + 30 * S;
+
+    // Reserve 100, charge 250: 250 consumed.
+    for limit in all_algorithms("charge", hour) {
+        target
+            .reserve_settle(&limit, b"shop", 100, 250, at, at + 1)
+            .await;
+        let v = target.check(&limit, b"shop", 1, at + 2).await;
+        assert_eq!(v[0].remaining, 749, "{}", limit.name());
+    }
+
+    // Three of 315 settled at 300: 900 consumed, 315 more refused, 100 left.
+    for limit in all_algorithms("refund", hour) {
+        for i in 0..3 {
+            target
+                .reserve_settle(&limit, b"shop", 315, 300, at + i, at + i)
+                .await;
+        }
+        let v = target.check(&limit, b"shop", 315, at + 10).await;
+        assert!(
+            matches!(v[0].status, Status::Denied { .. }),
+            "{}",
+            limit.name()
+        );
+        assert_eq!(v[0].remaining, 100, "{}", limit.name());
+    }
+
+    // A refund of everything: the quota is whole again.
+    for limit in all_algorithms("all", minute) {
+        target
+            .reserve_settle(&limit, b"shop", 7, 0, at, at + 1)
+            .await;
+        let v = target.check(&limit, b"shop", 1, at + 2).await;
+        assert_eq!(v[0].remaining, 9, "{}", limit.name());
+    }
+
+    // GCRA's debt stops at twice the burst's refill: 120 s ahead, the next unit 66 s away.
+    let gcra = Limit::gcra("debt-gcra", minute).unwrap();
+    target.reserve_settle(&gcra, b"shop", 10, 30, at, at).await;
+    let v = target.check(&gcra, b"shop", 1, at).await;
+    assert_eq!(
+        v[0].status,
+        Status::Denied {
+            retry_after: 66 * S
+        }
+    );
+    let v = target.check(&gcra, b"shop", 1, at + 66 * S).await;
+    assert_eq!((v[0].status, v[0].remaining), (Status::Allowed, 0));
+
+    // A fixed window's debt ends with its window; a settle after it changes nothing.
+    let window = Limit::fixed_window("debt-window", minute).unwrap();
+    target.reserve_settle(&window, b"shop", 2, 15, at, at).await;
+    let v = target.check(&window, b"shop", 1, at + 1).await;
+    assert_eq!(
+        v[0].status,
+        Status::Denied {
+            retry_after: 30 * S - 1
+        }
+    );
+    target
+        .reserve_settle(&window, b"late", 8, 0, at, T0 + 60 * S)
+        .await;
+    target
+        .reserve_settle(&window, b"late", 1, 9, T0 + 60 * S, T0 + 60 * S)
+        .await;
+    let v = target.check(&window, b"late", 1, T0 + 61 * S).await;
+    assert_eq!(v[0].remaining, 0);
+    let v = target.check(&window, b"shop", 1, T0 + 60 * S).await;
+    assert_eq!(v[0].remaining, 9);
+
+    // A sliding log gives back the check's own units: 3 at T0, 5 at +20 s settled at 2.
+    let log = Limit::sliding_log("own-log", minute).unwrap();
+    target.check(&log, b"shop", 3, T0).await;
+    target
+        .reserve_settle(&log, b"shop", 5, 2, T0 + 20 * S, T0 + 21 * S)
+        .await;
+    let v = target.check(&log, b"shop", 5, T0 + 22 * S).await;
+    assert_eq!(v[0].remaining, 0);
+    let v = target.check(&log, b"shop", 4, T0 + 60 * S).await;
+    assert_eq!(
+        v[0].status,
+        Status::Denied {
+            retry_after: 20 * S
+        }
+    );
+    assert_eq!(v[0].remaining, 3);
+
+    // A cost no quota can admit is refused as such; huge charges stop at their caps, and a
+    // refund after one is counted from the cap.
+    for limit in all_algorithms("huge", minute) {
+        let v = target.check(&limit, b"shop", u32::MAX, at).await;
+        assert_eq!(v[0].status, Status::CostTooHigh, "{}", limit.name());
+        target
+            .reserve_settle(&limit, b"shop", 1, u32::MAX, at, at)
+            .await;
+        target.reserve_settle(&limit, b"other", 10, 0, at, at).await;
+        let v = target.check(&limit, b"shop", 1, at + 1).await;
+        assert!(
+            matches!(v[0].status, Status::Denied { .. }),
+            "{}",
+            limit.name()
+        );
+        assert_eq!(v[0].remaining, 0, "{}", limit.name());
+    }
+    let window = Limit::fixed_window("huge-window-refund", minute).unwrap();
+    let v = target.check(&window, b"shop", 1, at).await;
+    let settlement = Settlement {
+        limit: &window,
+        key: b"shop",
+        reserved: 1,
+        actual: u32::MAX,
+        receipt: v.receipt(0),
+    };
+    target.settle(settlement, at).await;
+    // The count is 21 (1 + twice the limit): a refund of 12 in the same window leaves 9, one
+    // unit free.
+    let refund = Settlement {
+        reserved: 12,
+        actual: 0,
+        ..settlement
+    };
+    target.settle(refund, at).await;
+    let v = target.check(&window, b"shop", 1, at).await;
+    assert_eq!((v[0].status, v[0].remaining), (Status::Allowed, 0));
+
+    // A sliding log's debt is at most twice its limit, and leaves a period later.
+    let log = Limit::sliding_log("debt-log", minute).unwrap();
+    target
+        .reserve_settle(&log, b"shop", 1, u32::MAX, at, at)
+        .await;
+    let v = target.check(&log, b"shop", 1, at + S).await;
+    assert_eq!(
+        (v[0].status, v[0].remaining),
+        (
+            Status::Denied {
+                retry_after: 59 * S
+            },
+            0
+        )
+    );
+    let v = target.check(&log, b"shop", 1, at + 60 * S).await;
+    assert_eq!(v[0].remaining, 9);
+}
+
+#[tokio::test]
+async fn in_memory() {
+    scenarios(&Target::memory()).await;
+}
+
+#[tokio::test]
+async fn on_redis_settles_are_exact_and_one_call_each() {
+    let server = RedisServer::start();
+    let backend = support::standalone(&server.url()).build().unwrap();
+    let target = Target::Redis(backend);
+    scenarios(&target).await;
+    let Target::Redis(backend) = target else {
+        unreachable!()
+    };
+    let limit = Limit::gcra("calls", Quota::per_hour(1000).unwrap()).unwrap();
+    let v = backend
+        .check_at(&[Check::new(&limit, b"shop").with_cost(10)], T0)
+        .await
+        .unwrap();
+    server.reset_stats();
+    let settlement = Settlement {
+        limit: &limit,
+        key: b"shop",
+        reserved: 10,
+        actual: 4,
+        receipt: v.receipt(0),
+    };
+    backend.settle_at(&[settlement], Some(T0)).await.unwrap();
+    assert_eq!(server.calls("evalsha"), 1);
+    // Nothing to settle: no call.
+    let same = Settlement {
+        actual: 10,
+        ..settlement
+    };
+    backend.settle_at(&[same], Some(T0)).await.unwrap();
+    assert_eq!(server.calls("evalsha"), 1);
+}
+
+#[tokio::test]
+async fn on_a_cluster_settles_are_exact_and_one_call_per_slot_group() {
+    let cluster = RedisCluster::start(3);
+    let backend = support::cluster(cluster.urls()).build().unwrap();
+    let target = Target::Redis(backend);
+    scenarios(&target).await;
+    let Target::Redis(backend) = target else {
+        unreachable!()
+    };
+    // Two keys in two slots: two calls, one per group.
+    let limit = Limit::gcra("slots", Quota::per_hour(1000).unwrap()).unwrap();
+    let (a, b) = (b"shop-a", b"shop-b");
+    assert_ne!(
+        cluster.slot_of_key(&backend.key_for(&limit, a)),
+        cluster.slot_of_key(&backend.key_for(&limit, b))
+    );
+    let settle = |key: &'static [u8]| Settlement {
+        limit: &limit,
+        key,
+        reserved: 10,
+        actual: 0,
+        receipt: Default::default(),
+    };
+    for key in [&a[..], &b[..]] {
+        backend
+            .check_at(&[Check::new(&limit, key).with_cost(10)], T0)
+            .await
+            .unwrap();
+    }
+    for node in cluster.nodes() {
+        node.reset_stats();
+    }
+    backend
+        .settle_at(&[settle(a), settle(b)], Some(T0))
+        .await
+        .unwrap();
+    let calls: u64 = cluster.nodes().iter().map(|n| n.calls("evalsha")).sum();
+    assert_eq!(calls, 2);
+    for key in [&a[..], &b[..]] {
+        let v = backend
+            .check_at(&[Check::new(&limit, key)], T0)
+            .await
+            .unwrap();
+        assert_eq!(v[0].remaining, 999);
+    }
+}
+
+#[tokio::test]
+async fn a_refund_clears_this_replicas_cached_denial() {
+    let server = RedisServer::start();
+    let backend = support::standalone(&server.url()).build().unwrap();
+    let limit = Limit::gcra("cached", Quota::per_hour(10).unwrap()).unwrap();
+    let first = backend
+        .check(&[Check::new(&limit, b"shop").with_cost(10)])
+        .await
+        .unwrap();
+    assert!(first[0].is_allowed());
+    let denied = backend.check(&[Check::new(&limit, b"shop")]).await.unwrap();
+    assert!(!denied[0].is_allowed());
+    assert_eq!(backend.deny_cache_len(), 1);
+    let settlement = Settlement {
+        limit: &limit,
+        key: b"shop",
+        reserved: 10,
+        actual: 3,
+        receipt: first.receipt(0),
+    };
+    backend.settle_at(&[settlement], None).await.unwrap();
+    assert_eq!(backend.deny_cache_len(), 0);
+    server.reset_stats();
+    let v = backend.check(&[Check::new(&limit, b"shop")]).await.unwrap();
+    assert_eq!((v[0].status, v[0].remaining), (Status::Allowed, 6));
+    assert_eq!(server.calls("evalsha"), 1);
+}
+
+#[tokio::test]
+async fn the_backend_trait_sends_the_settle_without_waiting() {
+    let server = RedisServer::start();
+    let backend = support::standalone(&server.url()).build().unwrap();
+    let limit = Limit::gcra("spawned", Quota::per_hour(1000).unwrap()).unwrap();
+    let v = backend
+        .check(&[Check::new(&limit, b"shop").with_cost(100)])
+        .await
+        .unwrap();
+    Backend::settle(
+        &backend,
+        &[Settlement {
+            limit: &limit,
+            key: b"shop",
+            reserved: 100,
+            actual: 250,
+            receipt: v.receipt(0),
+        }],
+    );
+    // The settle is sent from a task: a check made once it has run sees it (each check is a
+    // round trip, during which the task runs).
+    let mut left = 0;
+    for _ in 0..100 {
+        tokio::task::yield_now().await;
+        let v = backend
+            .check(&[Check::new(&limit, b"shop").with_cost(0)])
+            .await
+            .unwrap();
+        left = v[0].remaining;
+        if left != 900 {
+            break;
+        }
+    }
+    assert_eq!(left, 750);
+}
+
+#[tokio::test]
+async fn settles_that_wait_for_the_call_in_flight_share_the_next_one() {
+    let server = RedisServer::start();
+    let backend = support::standalone(&server.url()).build().unwrap();
+    let limit = Limit::gcra("merged", Quota::per_hour(1000).unwrap()).unwrap();
+    let mut receipts = Vec::new();
+    for _ in 0..50 {
+        let v = backend
+            .check(&[Check::new(&limit, b"shop").with_cost(10)])
+            .await
+            .unwrap();
+        receipts.push(v.receipt(0));
+    }
+    // The script is loaded by a first settle.
+    let warm = Settlement {
+        limit: &limit,
+        key: b"other",
+        reserved: 0,
+        actual: 1,
+        receipt: Default::default(),
+    };
+    backend.settle_at(&[warm], None).await.unwrap();
+    server.reset_stats();
+    // Fifty settles before the sending task first runs: one call carries them all.
+    for receipt in receipts {
+        Backend::settle(
+            &backend,
+            &[Settlement {
+                limit: &limit,
+                key: b"shop",
+                reserved: 10,
+                actual: 4,
+                receipt,
+            }],
+        );
+    }
+    let mut checks = 0;
+    let mut left = 0;
+    while checks < 100 {
+        checks += 1;
+        let v = backend
+            .check(&[Check::new(&limit, b"shop").with_cost(0)])
+            .await
+            .unwrap();
+        left = v[0].remaining;
+        if left != 500 {
+            break;
+        }
+    }
+    assert_eq!(left, 800);
+    assert_eq!(server.calls("evalsha"), 1 + checks);
+}

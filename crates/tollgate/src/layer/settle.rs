@@ -1,0 +1,230 @@
+//! What an admitted request owes its metered limits, from the decision to the settle.
+//!
+//! An [`Owed`] is made when a request with metered limits is admitted. It travels in the
+//! response future, then (if the actual cost may still be reported) in the response body,
+//! and settles when it is dropped: with the request's outcome if the response came, under the
+//! limits' [`OnDrop`] policy if it did not.
+
+use std::sync::Arc;
+
+use http::Response;
+use tollgate_core::{Algorithm, Backend, Receipt, Settlement, MAX_CHECKS};
+
+use super::{LimitSet, Shared};
+use crate::cost::{Charge, OnDrop, ResponseView, Settle};
+use crate::decision::Decision;
+
+/// One metered limit's reservation.
+pub(crate) struct Item {
+    /// The limit's index in the layer.
+    pub(crate) entry: usize,
+    pub(crate) key: Box<[u8]>,
+    pub(crate) reserved: u32,
+    pub(crate) receipt: Receipt,
+    /// Counted by the local fallback limiter, not the backend.
+    pub(crate) fallback: bool,
+    pub(crate) by_handler: bool,
+    pub(crate) on_drop: OnDrop,
+    /// What the limit's `count_if` said of the response (`true` until it comes).
+    pub(crate) counted: bool,
+}
+
+/// Settles reservations; the layer's shared state, without its backend's type.
+pub(crate) trait Settler: Send + Sync + 'static {
+    /// Whether the limit at `entry` counts `response`.
+    fn counts(&self, entry: usize, response: &ResponseView<'_>) -> bool;
+
+    /// The algorithm of the limit at `entry`.
+    fn algorithm(&self, entry: usize) -> Algorithm;
+
+    /// Settles each item at its actual cost.
+    fn settle(&self, items: &[Item], actual: &[u32]);
+}
+
+/// The reservations of one admitted request; settles them when dropped.
+pub(crate) struct Owed {
+    sink: Arc<dyn Settler>,
+    items: Vec<Item>,
+    handle: Option<Settle>,
+    /// A [`Charge`] found in the response's extensions.
+    charged: Option<u32>,
+    responded: bool,
+}
+
+impl Owed {
+    pub(crate) fn new(sink: Arc<dyn Settler>, items: Vec<Item>) -> Self {
+        let handle = items.iter().any(|i| i.by_handler).then(Settle::new);
+        Self {
+            sink,
+            items,
+            handle,
+            charged: None,
+            responded: false,
+        }
+    }
+
+    /// The handle for the request's extensions, if a limit is charged by the handler.
+    pub(crate) fn handle(&self) -> Option<&Settle> {
+        self.handle.as_ref()
+    }
+
+    /// Reads the cost from `outer`, the handle of a layer around this one, so that the one
+    /// handle the handler finds reports to both layers.
+    pub(crate) fn share(&mut self, outer: &Settle) {
+        if self.handle.is_some() {
+            self.handle = Some(outer.clone());
+        }
+    }
+
+    /// Takes what the response head says: each limit's `count_if`, and a [`Charge`].
+    pub(crate) fn responded<T>(&mut self, response: &Response<T>) {
+        let view = ResponseView::new(response);
+        for item in &mut self.items {
+            item.counted = self.sink.counts(item.entry, &view);
+        }
+        self.charged = response.extensions().get::<Charge>().map(|c| c.0);
+        self.responded = true;
+    }
+
+    /// Whether the actual cost may still be reported through the handle, while the body runs.
+    pub(crate) fn waits_for_body(&self) -> bool {
+        let reported =
+            self.charged.is_some() || self.handle.as_ref().is_some_and(|h| h.charged().is_some());
+        !reported && self.items.iter().any(|i| i.by_handler && i.counted)
+    }
+
+    /// `decision` as the settle leaves it, when the actual costs are known with the response
+    /// head (after [`responded`](Self::responded)); as it is otherwise.
+    pub(crate) fn settled(&self, decision: Decision) -> Decision {
+        if self.waits_for_body()
+            || self
+                .items
+                .iter()
+                .all(|item| self.actual(item) == item.reserved)
+        {
+            return decision;
+        }
+        decision
+            .limits()
+            .iter()
+            .enumerate()
+            .map(
+                |(i, limit)| match self.items.iter().find(|item| item.entry == i) {
+                    Some(item) => limit.clone().settled(
+                        self.sink.algorithm(i),
+                        item.reserved,
+                        self.actual(item),
+                    ),
+                    None => limit.clone(),
+                },
+            )
+            .collect()
+    }
+
+    fn actual(&self, item: &Item) -> u32 {
+        if !self.responded {
+            return match item.on_drop {
+                OnDrop::Refund => 0,
+                OnDrop::Keep => item.reserved,
+            };
+        }
+        if !item.counted {
+            return 0;
+        }
+        if !item.by_handler {
+            return item.reserved;
+        }
+        self.handle
+            .as_ref()
+            .and_then(Settle::charged)
+            .or(self.charged)
+            .unwrap_or(item.reserved)
+    }
+}
+
+impl Drop for Owed {
+    fn drop(&mut self) {
+        let mut actual = [0u32; MAX_CHECKS];
+        for (a, item) in actual.iter_mut().zip(&self.items) {
+            *a = self.actual(item);
+        }
+        let n = self.items.len().min(MAX_CHECKS);
+        if self.items[..n]
+            .iter()
+            .zip(&actual)
+            .any(|(item, &a)| a != item.reserved)
+        {
+            self.sink.settle(&self.items[..n], &actual[..n]);
+        }
+    }
+}
+
+/// Settles against the limit set a request was checked under.
+pub(crate) struct SetSink<B> {
+    pub(crate) shared: Arc<Shared<B>>,
+    pub(crate) set: Arc<LimitSet>,
+}
+
+impl<B: Backend> Settler for SetSink<B> {
+    fn counts(&self, entry: usize, response: &ResponseView<'_>) -> bool {
+        self.set
+            .limits
+            .get(entry)
+            .and_then(|e| e.metered.as_ref())
+            .and_then(|m| m.count_if.as_ref())
+            .is_none_or(|count| count(response))
+    }
+
+    fn algorithm(&self, entry: usize) -> Algorithm {
+        self.set
+            .limits
+            .get(entry)
+            .map_or(Algorithm::Gcra, |e| e.limit.algorithm())
+    }
+
+    fn settle(&self, items: &[Item], actual: &[u32]) {
+        let empty = Settlement {
+            limit: &self.set.limits[0].limit,
+            key: b"",
+            reserved: 0,
+            actual: 0,
+            receipt: Receipt::default(),
+        };
+        let mut remote = [empty; MAX_CHECKS];
+        let mut local = [empty; MAX_CHECKS];
+        let (mut r, mut l) = (0, 0);
+        for (item, &actual) in items.iter().zip(actual) {
+            let Some(entry) = self.set.limits.get(item.entry) else {
+                continue;
+            };
+            if actual == item.reserved {
+                continue;
+            }
+            let limit = match (item.fallback, &entry.local) {
+                (false, _) => &entry.limit,
+                (true, Some(local)) => local,
+                (true, None) => continue,
+            };
+            let settlement = Settlement {
+                limit,
+                key: &item.key,
+                reserved: item.reserved,
+                actual,
+                receipt: item.receipt,
+            };
+            if item.fallback {
+                local[l] = settlement;
+                l += 1;
+            } else {
+                remote[r] = settlement;
+                r += 1;
+            }
+        }
+        if r > 0 {
+            self.shared.backend.settle(&remote[..r]);
+        }
+        if l > 0 {
+            self.shared.fallback.settle_now(&local[..l]);
+        }
+    }
+}
