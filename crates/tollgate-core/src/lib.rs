@@ -41,7 +41,7 @@ pub use backend::{
 pub use clock::{Clock, FakeClock, Micros, SystemClock};
 pub use error::ConfigError;
 pub use limit::{
-    Algorithm, FailurePolicy, Limit, MissingKeyPolicy, Quota, MAX_LOG_UNITS, MAX_NAME_LEN,
-    MAX_PERIOD,
+    Algorithm, FailurePolicy, Limit, MissingKeyPolicy, Quota, DEFAULT_BUSY_RETRY_AFTER,
+    DEFAULT_SLOT_TTL, MAX_LOG_UNITS, MAX_NAME_LEN, MAX_PERIOD,
 };
 pub use memory::{MemoryBackend, MemoryBackendBuilder, MemoryStats};

@@ -165,6 +165,8 @@ struct Shard {
     gcra: FpMap<AtomicU64>,
     windows: FpMap<WindowState>,
     logs: FpMap<Log>,
+    /// Concurrency slots held per key; an entry lives while its count is above 0.
+    inflight: FpMap<u32>,
     next_sweep: AtomicU64,
 }
 
@@ -182,6 +184,16 @@ impl Slot for AtomicU64 {
     }
     fn get(&mut self) -> Micros {
         *self.get_mut()
+    }
+}
+
+impl Slot for u32 {
+    type State = u32;
+    fn new(held: u32) -> Self {
+        held
+    }
+    fn get(&mut self) -> u32 {
+        *self
     }
 }
 
@@ -208,7 +220,7 @@ fn store<S: Slot>(map: &mut FpMap<S>, fp: Fp, state: S::State) {
 
 impl Shard {
     fn len(&self) -> usize {
-        self.gcra.len() + self.windows.len() + self.logs.len()
+        self.gcra.len() + self.windows.len() + self.logs.len() + self.inflight.len()
     }
 
     /// Drops every entry whose state equals a fresh key's; returns how many.
@@ -251,6 +263,16 @@ impl Shard {
                 };
                 (v, pending, log.is_none())
             }
+            Algorithm::Concurrency => {
+                let held = self.inflight.get(fp).copied();
+                let busy = check.limit.busy_retry_after_micros();
+                let (v, next) = algorithm::concurrency(quota, held.unwrap_or(0), check.cost, busy);
+                (
+                    v,
+                    next.map_or(Pending::None, Pending::Slots),
+                    held.is_none(),
+                )
+            }
         }
     }
 
@@ -260,6 +282,7 @@ impl Shard {
             Pending::None => {}
             Pending::Tat(tat) => store(&mut self.gcra, fp, tat),
             Pending::Window(state) => store(&mut self.windows, fp, state),
+            Pending::Slots(held) => store(&mut self.inflight, fp, held),
             Pending::Log { trim } => {
                 let period = check.limit.quota().period_micros();
                 let log = match self.logs.entry(fp) {
@@ -287,6 +310,7 @@ enum Pending {
     Tat(Micros),
     Window(WindowState),
     Log { trim: usize },
+    Slots(u32),
 }
 
 impl MemoryBackend<SystemClock> {
@@ -356,6 +380,32 @@ impl<C: Clock> MemoryBackend<C> {
     /// The clock this backend reads.
     pub fn clock(&self) -> &C {
         &self.inner.clock
+    }
+
+    /// Gives back the concurrency slots that `checks` took (their other checks are ignored):
+    /// what [`Backend::release`] does, at once. A key whose last slot comes back is no longer
+    /// tracked.
+    pub fn release_now(&self, checks: &[Check<'_>]) {
+        let inner = &*self.inner;
+        let mask = inner.shards.len() - 1;
+        for check in checks {
+            if check.limit.algorithm() != Algorithm::Concurrency {
+                continue;
+            }
+            let fp = inner.fingerprint(check);
+            let mut shard = inner.shards[fp.shard(mask)]
+                .write()
+                .unwrap_or_else(PoisonError::into_inner);
+            if let Entry::Occupied(mut held) = shard.inflight.entry(fp) {
+                let left = held.get().saturating_sub(check.cost);
+                if left == 0 {
+                    held.remove();
+                    inner.tracked.fetch_sub(1, Ordering::Relaxed);
+                } else {
+                    *held.get_mut() = left;
+                }
+            }
+        }
     }
 
     /// The most entries one call has swept so far.
@@ -550,7 +600,7 @@ impl<C> Inner<C> {
         let s = fp.shard(mask);
         let shared = match check.limit.algorithm() {
             Algorithm::Gcra => self.gcra_shared(s, fp, check, now),
-            Algorithm::FixedWindow | Algorithm::SlidingLog => None,
+            Algorithm::FixedWindow | Algorithm::SlidingLog | Algorithm::Concurrency => None,
         };
         let verdict = match shared {
             Some(verdict) => verdict,
@@ -583,7 +633,7 @@ impl<C> Inner<C> {
             Algorithm::FixedWindow => self.step(&mut shard.windows, room, fp, |state| {
                 algorithm::fixed_window(quota, state, now, check.cost)
             }),
-            Algorithm::SlidingLog => {
+            Algorithm::SlidingLog | Algorithm::Concurrency => {
                 let (mut verdict, pending, new) = shard.evaluate(check, &fp, now);
                 if verdict.is_allowed() && new && !(room && self.reserve()) {
                     verdict.status = self.at_capacity();
@@ -653,6 +703,10 @@ impl<C: Clock> Backend for MemoryBackend<C> {
 
     fn check(&self, checks: &[Check<'_>]) -> Self::Future {
         ready(self.check_now(checks))
+    }
+
+    fn release(&self, checks: &[Check<'_>]) {
+        self.release_now(checks);
     }
 
     fn kind(&self) -> &'static str {
@@ -762,6 +816,52 @@ mod tests {
             .clock(clock.clone())
             .build();
         (b, clock)
+    }
+
+    #[test]
+    fn concurrency_slots_are_taken_all_or_nothing_and_given_back() {
+        let (b, clock) = backend(100);
+        let slots = Limit::concurrency("in-flight", 2).unwrap();
+        let rate = Limit::gcra("rate", Quota::per_minute(3).unwrap()).unwrap();
+        let both = |key: &'static [u8]| [Check::new(&rate, key), Check::new(&slots, key)];
+
+        let admitted: Vec<bool> = (0..3)
+            .map(|_| b.check_now(&both(b"a")).unwrap().admits(&both(b"a")))
+            .collect();
+        assert_eq!(admitted, [true, true, false]);
+        // Refused for lack of a slot: the rate limit consumed nothing (1 of 3 left, as after
+        // two admissions), and the refusal says to come back in a second.
+        let v = b.check_now(&both(b"a")).unwrap();
+        assert_eq!(v[0].remaining, 1);
+        assert_eq!(v[1].retry_after(), Some(Duration::from_secs(1)));
+        assert_eq!(v[1].remaining, 0);
+
+        // One slot back: one more request fits; the rate limit then refuses the next one
+        // (3 a minute), and that refusal takes no slot.
+        b.release_now(&both(b"a"));
+        assert!(b.check_now(&both(b"a")).unwrap().admits(&both(b"a")));
+        b.release_now(&both(b"a"));
+        let v = b.check_now(&both(b"a")).unwrap();
+        assert!(!v.admits(&both(b"a")));
+        assert!(v[1].is_allowed(), "the slot was free");
+        clock.advance(Duration::from_secs(20));
+        let v = b.check_now(&[Check::new(&slots, b"a")]).unwrap();
+        assert_eq!((v[0].is_allowed(), v[0].remaining), (true, 0));
+
+        // Every slot back: the key is no longer tracked; another key has slots of its own.
+        assert_eq!(b.stats().tracked_keys, 2);
+        for _ in 0..2 {
+            b.release_now(&[Check::new(&slots, b"a")]);
+        }
+        assert_eq!(
+            b.stats().tracked_keys,
+            1,
+            "only the rate limit's state is left"
+        );
+        // A release with nothing held changes nothing.
+        b.release_now(&[Check::new(&slots, b"a")]);
+        assert_eq!(b.stats().tracked_keys, 1);
+        assert!(b.check_now(&[Check::new(&slots, b"b")]).unwrap()[0].is_allowed());
     }
 
     #[test]
