@@ -24,6 +24,9 @@ pin_project! {
         Inner {
             #[pin]
             body: B,
+            // What the request holds until its body ends (concurrency slots): dropped then,
+            // or with the body.
+            hold: Option<Box<dyn Send + Sync>>,
         },
         Refusal {
             bytes: Option<Bytes>,
@@ -34,7 +37,17 @@ pin_project! {
 impl<B> ResponseBody<B> {
     pub(crate) fn inner(body: B) -> Self {
         Self {
-            kind: Kind::Inner { body },
+            kind: Kind::Inner { body, hold: None },
+        }
+    }
+
+    /// The inner body, holding `hold` until it ends or is dropped.
+    pub(crate) fn holding(body: B, hold: Box<dyn Send + Sync>) -> Self {
+        Self {
+            kind: Kind::Inner {
+                body,
+                hold: Some(hold),
+            },
         }
     }
 
@@ -64,21 +77,36 @@ where
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
         match self.project().kind.project() {
-            KindProj::Inner { body } => body.poll_frame(cx),
+            KindProj::Inner { mut body, hold } => {
+                let frame = body.as_mut().poll_frame(cx);
+                if hold.is_some() {
+                    // The body has ended (or failed): what it held goes now, not when the
+                    // connection gets around to dropping it.
+                    let ended = match &frame {
+                        Poll::Ready(None | Some(Err(_))) => true,
+                        Poll::Ready(Some(Ok(_))) => body.is_end_stream(),
+                        Poll::Pending => false,
+                    };
+                    if ended {
+                        *hold = None;
+                    }
+                }
+                frame
+            }
             KindProj::Refusal { bytes } => Poll::Ready(bytes.take().map(|b| Ok(Frame::data(b)))),
         }
     }
 
     fn is_end_stream(&self) -> bool {
         match &self.kind {
-            Kind::Inner { body } => body.is_end_stream(),
+            Kind::Inner { body, .. } => body.is_end_stream(),
             Kind::Refusal { bytes } => bytes.is_none(),
         }
     }
 
     fn size_hint(&self) -> SizeHint {
         match &self.kind {
-            Kind::Inner { body } => body.size_hint(),
+            Kind::Inner { body, .. } => body.size_hint(),
             Kind::Refusal { bytes } => {
                 SizeHint::with_exact(bytes.as_ref().map_or(0, |b| b.len() as u64))
             }

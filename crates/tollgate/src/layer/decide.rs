@@ -43,6 +43,11 @@ impl<B: Backend> Shared<B> {
             n: 0,
             limit_of: [0; MAX_CHECKS],
             skipped: [false; MAX_CHECKS],
+            slot: if self.has_slots {
+                super::slots::next_id()
+            } else {
+                0
+            },
             span,
         };
         for (i, entry) in self.limits.iter().enumerate() {
@@ -68,7 +73,7 @@ impl<B: Backend> Shared<B> {
         let mut checks = [Check::new(&self.limits[0].limit, b""); MAX_CHECKS];
         for (i, (entry, key)) in self.limits.iter().zip(&keys).enumerate() {
             if let Some(key) = key {
-                checks[plan.n] = Check::new(&entry.limit, key.as_bytes());
+                checks[plan.n] = Check::new(&entry.limit, key.as_bytes()).with_slot(plan.slot);
                 plan.limit_of[plan.n] = i;
                 plan.n += 1;
             }
@@ -223,7 +228,7 @@ impl<B: Backend> Shared<B> {
         let mut n = 0;
         for (i, (entry, key)) in self.limits.iter().zip(&keys).enumerate() {
             if let (Some(local), Some(key)) = (&entry.local, key) {
-                checks[n] = Check::new(local, key.as_bytes());
+                checks[n] = Check::new(local, key.as_bytes()).with_slot(plan.slot);
                 index[n] = i;
                 n += 1;
             }
@@ -272,18 +277,37 @@ impl<B: Backend> Shared<B> {
 
 impl Entry {
     /// This limit's part of a decision.
-    fn decision(&self, outcome: Outcome, source: Source) -> LimitDecision {
-        LimitDecision::new(
+    fn decision(&self, mut outcome: Outcome, source: Source) -> LimitDecision {
+        let concurrent = self.limit.algorithm() == tollgate_core::Algorithm::Concurrency;
+        if let (
+            true,
+            Outcome::Denied {
+                reason: reason @ DenyReason::OverLimit,
+                ..
+            },
+        ) = (concurrent, &mut outcome)
+        {
+            *reason = DenyReason::InFlight;
+        }
+        let decision = LimitDecision::new(
             Arc::clone(self.limit.name_arc()),
             *self.limit.quota(),
             outcome,
             source,
             self.limit.is_shadow(),
-        )
+        );
+        if concurrent {
+            decision.concurrent()
+        } else {
+            decision
+        }
     }
 }
 
-fn key_of<'r>(entry: &Entry, view: &RequestView<'r>) -> Result<Option<Key<'r>>, MissingKey> {
+pub(super) fn key_of<'r>(
+    entry: &Entry,
+    view: &RequestView<'r>,
+) -> Result<Option<Key<'r>>, MissingKey> {
     match entry.key.extract(view) {
         Ok(key) => Ok(Some(key)),
         Err(missing) => match entry.limit.missing_key_policy() {

@@ -11,6 +11,7 @@ use tollgate_core::Backend;
 use tower_service::Service;
 
 use super::body::ResponseBody;
+use super::slots::Slots;
 use super::{Decided, Plan, Shared};
 use crate::decision::Decision;
 
@@ -43,6 +44,8 @@ pin_project! {
             #[pin]
             call: S::Future,
             finish: Option<(Decision, Arc<Shared<B>>)>,
+            // Given back when this future is dropped unanswered, or when the body ends.
+            slots: Option<Slots<B>>,
         },
         Refused {
             response: Option<Response<Bytes>>,
@@ -90,9 +93,11 @@ where
         mut req: Request<ReqBody>,
         inner: &mut S,
         shared: Arc<Shared<B>>,
+        slot: u64,
     ) -> Self {
         match decided {
             Decided::Admit(decision) => {
+                let slots = Slots::taken(&shared, &decision, &req, slot);
                 // Under an outer `RateLimitLayer`, the handler sees both layers' limits.
                 if let Some(outer) = req.extensions_mut().insert(decision.clone()) {
                     req.extensions_mut().insert(outer.then(&decision));
@@ -101,6 +106,7 @@ where
                     state: State::Calling {
                         call: inner.call(req),
                         finish: Some((decision, shared)),
+                        slots,
                     },
                 }
             }
@@ -146,15 +152,24 @@ where
                         ..
                     } = *waiting;
                     let decided = shared.decide(&result, &req, &plan);
+                    let slot = plan.slot();
                     this.state
-                        .set(Self::decided(decided, req, &mut inner, shared).state);
+                        .set(Self::decided(decided, req, &mut inner, shared, slot).state);
                 }
-                StateProj::Calling { call, finish } => {
+                StateProj::Calling {
+                    call,
+                    finish,
+                    slots,
+                } => {
                     let mut response = ready!(call.poll(cx))?;
                     if let Some((decision, shared)) = finish.take() {
                         shared.finish(&mut response, decision);
                     }
-                    return Poll::Ready(Ok(response.map(ResponseBody::inner)));
+                    let hold = slots.take();
+                    return Poll::Ready(Ok(response.map(|body| match hold {
+                        None => ResponseBody::inner(body),
+                        Some(slots) => ResponseBody::holding(body, Box::new(slots)),
+                    })));
                 }
                 StateProj::Refused { response } => {
                     let Some(response) = response.take() else {

@@ -30,6 +30,7 @@ mod body;
 mod decide;
 mod future;
 mod service;
+mod slots;
 
 pub use body::ResponseBody;
 pub use future::ResponseFuture;
@@ -230,6 +231,10 @@ impl<B: Backend> RateLimitLayerBuilder<B> {
             }
         }
         let policy = response::policy_value(self.limits.iter().map(|(l, _)| l));
+        let has_slots = self
+            .limits
+            .iter()
+            .any(|(l, _)| l.algorithm() == tollgate_core::Algorithm::Concurrency);
         let names = self
             .limits
             .iter()
@@ -264,6 +269,7 @@ impl<B: Backend> RateLimitLayerBuilder<B> {
                 responder: self.responder,
                 grpc_responder: self.grpc_responder,
                 unavailable_retry_after: self.unavailable_retry_after,
+                has_slots,
             }),
         })
     }
@@ -293,6 +299,8 @@ pub(crate) struct Shared<B> {
     responder: Option<Responder>,
     grpc_responder: Option<Responder>,
     unavailable_retry_after: Duration,
+    /// Whether any limit is a concurrency limit (its requests then draw a slot id).
+    has_slots: bool,
 }
 
 struct Entry {
@@ -309,8 +317,17 @@ pub(crate) struct Plan {
     n: usize,
     limit_of: [usize; MAX_CHECKS],
     skipped: [bool; MAX_CHECKS],
+    /// The request's concurrency slot id (0 when the layer has no concurrency limit).
+    slot: u64,
     /// The request's `tollgate.check` span, open from the keys to the decision.
     span: tracing::Span,
+}
+
+impl Plan {
+    /// The request's concurrency slot id.
+    pub(crate) fn slot(&self) -> u64 {
+        self.slot
+    }
 }
 
 pub(crate) enum Prepared<F> {
