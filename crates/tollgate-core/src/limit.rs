@@ -521,9 +521,9 @@ impl Limit {
     pub fn max_cost(&self) -> u32 {
         match self.algorithm {
             Algorithm::Gcra => self.quota.burst(),
-            Algorithm::FixedWindow | Algorithm::SlidingLog | Algorithm::Concurrency => {
-                self.quota.limit()
-            }
+            Algorithm::FixedWindow | Algorithm::SlidingLog => self.quota.limit(),
+            // One request, one slot.
+            Algorithm::Concurrency => 1,
         }
     }
 

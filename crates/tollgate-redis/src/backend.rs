@@ -19,6 +19,7 @@ use crate::failure::map_error;
 use crate::future::ResponseFuture;
 use crate::keys;
 use crate::script::{self, Answer, Prepared, Reply, Script};
+use crate::slots::{self, Held, Unclaimed};
 
 pub(crate) const BACKEND: &str = "redis";
 
@@ -40,6 +41,8 @@ pub(crate) struct Inner {
     pub(crate) deny: DenyCache,
     pub(crate) check_script: Script,
     pub(crate) refund_script: Script,
+    /// Moves a concurrency slot's deadline.
+    pub(crate) renew_script: Script,
     /// Merges concurrent requests' batches into one call (standalone Redis only).
     pub(crate) coalescer: Coalescer,
     /// The server's `TIME` minus the local clock, in microseconds, as last seen.
@@ -101,6 +104,7 @@ impl RedisBackend {
             deny: DenyCache::new(config.deny_cache_capacity, config.deadline),
             check_script: Script::new(script::CHECK),
             refund_script: Script::new(script::REFUND),
+            renew_script: slots::renew_script(),
             coalescer: Coalescer::default(),
             skew: AtomicI64::new(0),
             metrics: OnceLock::new(),
@@ -127,14 +131,28 @@ impl Inner {
         permit: Permit,
     ) -> Result<Verdicts, BackendError> {
         let started = Instant::now();
+        // Slots this call may take: given back unless the call is answered (see `slots`).
+        let unclaimed = batch
+            .iter()
+            .any(|p| p.algorithm == tollgate_core::Algorithm::Concurrency)
+            .then(|| Unclaimed::new(&self, Held::from_batch(&self.prefix, &batch)));
         let result = self.call(batch, now, started + self.deadline, permit).await;
         self.metrics()
             .duration
             .record(started.elapsed().as_secs_f64());
         match result {
-            Ok((batch, outcome)) => Ok(self.verdicts(&batch, &outcome, now)),
+            Ok((batch, outcome)) => {
+                if let Some(unclaimed) = unclaimed {
+                    unclaimed.disarm();
+                }
+                Ok(self.verdicts(&batch, &outcome, now))
+            }
             Err(e) => {
                 if e.is_overloaded() {
+                    // Never sent: nothing was taken.
+                    if let Some(unclaimed) = unclaimed {
+                        unclaimed.disarm();
+                    }
                     tracing::debug!(backend = BACKEND, error = %e, "rate-limit check not sent");
                 } else {
                     tracing::debug!(backend = BACKEND, error = %e, "rate-limit check failed");
@@ -234,13 +252,14 @@ impl RedisBackend {
     }
 
     /// The Redis key that holds `limit`'s state for `key`: `<prefix>:<limit name>:{<digest>}`
-    /// for GCRA, that with `:log` appended for a sliding log; for a fixed window, the stem to
-    /// which `:<window index>` is appended.
+    /// for GCRA, that with `:log` appended for a sliding log, `:slots` for a concurrency limit;
+    /// for a fixed window, the stem to which `:<window index>` is appended.
     pub fn key_for(&self, limit: &Limit, key: &[u8]) -> String {
         let digest = keys::digest(limit.name(), key);
         let base = keys::base_key(&self.inner.prefix, limit.name(), &digest);
         match limit.algorithm() {
             tollgate_core::Algorithm::SlidingLog => base + ":log",
+            tollgate_core::Algorithm::Concurrency => base + ":slots",
             _ => base,
         }
     }
@@ -303,6 +322,22 @@ impl Backend for RedisBackend {
 
     fn kind(&self) -> &'static str {
         BACKEND
+    }
+
+    /// `ZREM`s each slot in the background (retried while Redis fails, until the slot would
+    /// have expired anyway).
+    fn release(&self, checks: &[Check<'_>]) {
+        slots::release(&self.inner, Held::from_checks(&self.inner.prefix, checks));
+    }
+
+    fn renew(&self, checks: &[Check<'_>]) {
+        slots::renew(&self.inner, Held::from_checks(&self.inner.prefix, checks));
+    }
+
+    /// Slots expire one slot lifetime (the concurrency limit's period) after they were taken
+    /// or last renewed, so that a crashed replica cannot hold them.
+    fn slots_expire(&self) -> bool {
+        true
     }
 }
 

@@ -163,6 +163,7 @@ mod future;
 mod keys;
 mod merged;
 mod script;
+mod slots;
 
 pub use backend::RedisBackend;
 pub use breaker::CircuitState;

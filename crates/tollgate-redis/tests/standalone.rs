@@ -169,6 +169,7 @@ async fn denied_checks_write_nothing() {
         key: b"k",
         cost: 3,
         enforce: true,
+        slot: 0,
     };
     let keys_before = server.dbsize();
     let v = backend.check_at(&[too_much], now).await.unwrap()[0];

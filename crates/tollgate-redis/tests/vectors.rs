@@ -57,6 +57,7 @@ fn check_of<'a>(limit: &'a Limit, v: &Vector) -> Check<'a> {
         key: KEY,
         cost: v.cost,
         enforce: true,
+        slot: 0,
     }
 }
 
