@@ -8,6 +8,12 @@
 //! `limited` is `false`, `tollgate_bypass_total` rises on `GET /metrics`, and a canary that
 //! probes Redis every 10 s sets `tollgate_canary_ok`.
 //!
+//! At most `CONCURRENCY_PER_SHOP` (default 4) requests per shop are in flight at once, across
+//! every replica (a slot per request in Redis; with Redis down, each of two replicas keeps
+//! half locally). The JSON body is optional; its `delay_ms` (0 to 10000) makes the handler
+//! take that long, standing in for a slow model. Anything else in `delay_ms`, or a body that
+//! is not a JSON object, gets `400`.
+//!
 //! ```text
 //! redis-server --port 6379 --save '' &
 //! cargo run --example llm_chat &
@@ -17,6 +23,7 @@
 //! ```
 
 use std::net::SocketAddr;
+use std::num::NonZeroU32;
 use std::time::Duration;
 
 use axum::http::header::CONTENT_TYPE;
@@ -43,10 +50,23 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned());
     // Starts without Redis if it is down: the limit's failure policy applies until it is back.
     let backend = RedisBackend::builder().url(redis_url.as_str()).build()?;
+    // Connect before the first request, so that it does not pay for the connection within
+    // its deadline (and apply the failure policy for nothing). Redis may still be down.
+    let _ = backend.ping().await;
 
+    let in_flight: u32 = match std::env::var("CONCURRENCY_PER_SHOP") {
+        Ok(n) => n.parse()?,
+        Err(_) => 4,
+    };
     let limits = RateLimitLayer::builder()
         .limit(
             Limit::gcra("chat-per-shop", Quota::per_minute(30)?)?.fail_open(),
+            Tenant::header("x-shop-domain"),
+        )
+        // A slow model call holds a slot: one shop cannot take every worker.
+        .limit(
+            Limit::concurrency("chat-in-flight", in_flight)?
+                .fallback(NonZeroU32::MIN.saturating_add(1)),
             Tenant::header("x-shop-domain"),
         )
         .backend(backend.clone())
@@ -79,7 +99,28 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 }
 
 /// Stands in for the expensive call; reports what the limiter decided.
-async fn chat(decision: Decision) -> ([(axum::http::HeaderName, &'static str); 1], String) {
+async fn chat(
+    decision: Decision,
+    body: axum::body::Bytes,
+) -> Result<
+    ([(axum::http::HeaderName, &'static str); 1], String),
+    (axum::http::StatusCode, &'static str),
+> {
+    let bad = |why| (axum::http::StatusCode::BAD_REQUEST, why);
+    if !body.is_empty() {
+        let json: serde_json::Value =
+            serde_json::from_slice(&body).map_err(|_| bad("the body is not JSON\n"))?;
+        let object = json
+            .as_object()
+            .ok_or(bad("the body is not a JSON object\n"))?;
+        if let Some(delay) = object.get("delay_ms") {
+            let ms = delay
+                .as_u64()
+                .filter(|ms| *ms <= 10_000)
+                .ok_or(bad("delay_ms must be a whole number from 0 to 10000\n"))?;
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+        }
+    }
     let body = match decision.get("chat-per-shop").map(|d| *d.outcome()) {
         Some(tollgate::Outcome::Allowed { remaining, .. }) => {
             format!("{{\"reply\":\"Your order is on its way.\",\"limited\":true,\"remaining\":{remaining}}}")
@@ -87,5 +128,5 @@ async fn chat(decision: Decision) -> ([(axum::http::HeaderName, &'static str); 1
         _ => "{\"reply\":\"Your order is on its way.\",\"limited\":false,\"remaining\":null}"
             .to_owned(),
     };
-    ([(CONTENT_TYPE, "application/json")], body)
+    Ok(([(CONTENT_TYPE, "application/json")], body))
 }
