@@ -12,11 +12,17 @@
 //! too. A request's tokens are the UTF-8 bytes of its JSON body's `message` (standing in for
 //! the model's count, known once it has answered). The request reserves its `content-length`
 //! as an estimate when it is admitted; the handler reports the actual count, and the
-//! difference is given back (or taken). A body that is not JSON is `400`, JSON without a
-//! string `message` is `422`: neither consumes anything, from either limit. A request without
+//! difference is given back (or taken). A body that is not JSON is `400`, a JSON body that is not
+//! an object or whose `message` is not a string is `422` (no `message` is no tokens): neither consumes anything, from either limit. A request without
 //! a body is a message of no tokens. If Redis fails, the token budget is kept in each copy's
 //! memory, at its share of the budget (`REPLICAS` copies, default 2): an outage cannot open it
 //! without bound.
+//!
+//! At most `CONCURRENCY_PER_SHOP` (default 4) requests per shop are in flight at once, across
+//! every replica (a slot per request in Redis; with Redis down, each copy keeps its share
+//! locally, as for the token budget). The JSON body is optional; its `delay_ms` (0 to 10000) makes the handler
+//! take that long, standing in for a slow model. Anything else in `delay_ms`, or a body that
+//! is not a JSON object, gets `400`.
 //!
 //! ```text
 //! redis-server --port 6379 --save '' &
@@ -71,7 +77,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         Ok(seeds) => RedisBackend::builder().cluster(seeds.split(',')).build()?,
         Err(_) => RedisBackend::builder().url(redis_url.as_str()).build()?,
     };
+    // Connect before the first request, so that it does not pay for the connection within
+    // its deadline (and apply the failure policy for nothing). Redis may still be down.
+    let _ = backend.ping().await;
 
+    let in_flight: u32 = match std::env::var("CONCURRENCY_PER_SHOP") {
+        Ok(n) => n.parse()?,
+        Err(_) => 4,
+    };
     let limits = RateLimitLayer::builder()
         .metered(
             Limit::gcra("chat-per-shop", Quota::per_minute(30)?)?.fail_open(),
@@ -93,6 +106,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 })
                 .charged_by_handler()
                 .count_if(|r| r.status().is_success()),
+        )
+        // A slow model call holds a slot: one shop cannot take every worker.
+        .limit(
+            Limit::concurrency("chat-in-flight", in_flight)?.fallback(replicas),
+            Tenant::header("x-shop-domain"),
         )
         .backend(backend.clone())
         .build()?;
@@ -135,12 +153,28 @@ async fn chat(decision: Decision, settle: Option<Extension<Settle>>, body: Bytes
     let tokens = if body.is_empty() {
         0
     } else {
-        let message = match serde_json::from_slice::<serde_json::Value>(&body) {
+        let value = match serde_json::from_slice::<serde_json::Value>(&body) {
             Err(_) => {
                 let error = "{\"error\":\"the body is not JSON\"}".to_owned();
                 return (StatusCode::BAD_REQUEST, json, error);
             }
-            Ok(value) => value.get("message").and_then(|m| m.as_str()).map(str::len),
+            Ok(value) => value,
+        };
+        // A slow model: `delay_ms`, 0 to 10,000.
+        if let Some(delay) = value.get("delay_ms") {
+            let Some(ms) = delay.as_u64().filter(|ms| *ms <= 10_000) else {
+                let error =
+                    "{\"error\":\"delay_ms must be a whole number from 0 to 10000\"}".to_owned();
+                return (StatusCode::BAD_REQUEST, json, error);
+            };
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+        }
+        // No `message` is a message of no tokens (a call that only waits); a `message` that is
+        // not a string, or a body that is not an object, is unprocessable.
+        let message = match (value.is_object(), value.get("message")) {
+            (true, None) => Some(0),
+            (_, Some(m)) => m.as_str().map(str::len),
+            (false, None) => None,
         };
         let Some(tokens) = message else {
             let error = "{\"error\":\"the body has no string \\\"message\\\"\"}".to_owned();

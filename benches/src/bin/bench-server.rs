@@ -14,6 +14,8 @@
 //! | `tollgate-mem-allow` | tollgate, in memory, a quota nothing reaches |
 //! | `tollgate-mem-allow-lean` | the same without the `RateLimit` fields on admitted responses |
 //! | `tollgate-mem-deny` | tollgate, in memory, 1 a day: all but the first request refused |
+//! | `tollgate-mem-inflight` | as `tollgate-mem-allow`, plus a concurrency limit per IP nothing reaches |
+//! | `tollgate-redis-inflight` | as `tollgate-redis-allow`, plus a concurrency limit per IP nothing reaches |
 //! | `governor-allow` / `governor-deny` | tower_governor with the same two quotas |
 //! | `tollgate-redis-allow` | tollgate on Redis, a quota nothing reaches |
 //! | `tollgate-redis-allow3` | the same with 3 stacked limits (per IP GCRA, per IP daily window, global) |
@@ -167,6 +169,33 @@ async fn app(args: &Args) -> Router {
         "tollgate-mem-settle" => app.layer(settled(tollgate::MemoryBackend::new())),
         "tollgate-redis-settle" => app.layer(settled(redis(&args.redis))),
         "tollgate-mem-deny" => app.layer(per_ip(Quota::per_day(1).unwrap())),
+        "tollgate-mem-inflight" => app.layer(
+            RateLimitLayer::builder()
+                .limit(
+                    Limit::gcra("per-ip", unreachable_quota()).unwrap(),
+                    ClientIp::peer(),
+                )
+                .limit(
+                    Limit::concurrency("in-flight", 1_000).unwrap(),
+                    ClientIp::peer(),
+                )
+                .build()
+                .unwrap(),
+        ),
+        "tollgate-redis-inflight" => app.layer(
+            RateLimitLayer::builder()
+                .limit(
+                    Limit::gcra("per-ip", unreachable_quota()).unwrap(),
+                    ClientIp::peer(),
+                )
+                .limit(
+                    Limit::concurrency("in-flight", 1_000).unwrap(),
+                    ClientIp::peer(),
+                )
+                .backend(redis(&args.redis))
+                .build()
+                .unwrap(),
+        ),
         "governor-allow" => app.layer(governor(Duration::from_micros(1), u32::MAX)),
         "governor-deny" => app.layer(governor(Duration::from_secs(86_400), 1)),
         "tollgate-redis-allow" => app.layer(on_redis(

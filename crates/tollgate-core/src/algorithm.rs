@@ -299,7 +299,7 @@ pub fn unconsumed(algorithm: Algorithm, quota: &Quota, verdict: Verdict, cost: u
             .reset
             .saturating_sub(quota.emission_interval() * u64::from(cost)),
         Algorithm::SlidingLog if remaining >= u64::from(quota.limit()) => 0,
-        Algorithm::FixedWindow | Algorithm::SlidingLog => verdict.reset,
+        Algorithm::FixedWindow | Algorithm::SlidingLog | Algorithm::Concurrency => verdict.reset,
     };
     Verdict {
         status: Status::Allowed,
@@ -308,9 +308,78 @@ pub fn unconsumed(algorithm: Algorithm, quota: &Quota, verdict: Verdict, cost: u
     }
 }
 
+/// A concurrency limit on the `in_flight` slots its key holds: admitted while `cost` more fit
+/// in the quota's limit. Returns the verdict and, when admitted, the slots then held.
+/// A refusal's `retry_after` is `busy` (nobody knows when a slot frees); nothing here resets
+/// with time, so `reset` is 0.
+///
+/// # Examples
+///
+/// ```
+/// use tollgate_core::{algorithm, Quota};
+///
+/// let q = Quota::per_minute(2)?;
+/// let (v, held) = algorithm::concurrency(&q, 1, 1, 1_000_000);
+/// assert!(v.is_allowed());
+/// assert_eq!((v.remaining, held), (0, Some(2)));
+/// let (v, held) = algorithm::concurrency(&q, 2, 1, 1_000_000);
+/// assert_eq!(v.retry_after(), Some(std::time::Duration::from_secs(1)));
+/// assert_eq!(held, None);
+/// # Ok::<(), tollgate_core::ConfigError>(())
+/// ```
+#[inline]
+pub fn concurrency(
+    quota: &Quota,
+    in_flight: u32,
+    cost: u32,
+    busy: Micros,
+) -> (Verdict, Option<u32>) {
+    let limit = quota.limit();
+    let free = u64::from(limit.saturating_sub(in_flight));
+    if cost > limit {
+        return (too_costly(free, 0), None);
+    }
+    let held = in_flight.saturating_add(cost);
+    if held > limit {
+        let verdict = Verdict {
+            status: Status::Denied { retry_after: busy },
+            remaining: free,
+            reset: 0,
+        };
+        return (verdict, None);
+    }
+    let verdict = Verdict {
+        status: Status::Allowed,
+        remaining: u64::from(limit - held),
+        reset: 0,
+    };
+    (verdict, Some(held))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn concurrency_counts_slots() {
+        let q = Quota::per_minute(3).unwrap();
+        let busy = 1_000_000;
+        let (v, held) = concurrency(&q, 0, 1, busy);
+        assert_eq!((v.status, v.remaining, held), (Status::Allowed, 2, Some(1)));
+        let (v, held) = concurrency(&q, 2, 1, busy);
+        assert_eq!((v.status, v.remaining, held), (Status::Allowed, 0, Some(3)));
+        let (v, held) = concurrency(&q, 3, 1, busy);
+        assert_eq!(
+            (v.status, v.remaining, held),
+            (Status::Denied { retry_after: busy }, 0, None)
+        );
+        let (v, held) = concurrency(&q, 0, 4, busy);
+        assert_eq!((v.status, held), (Status::CostTooHigh, None));
+        // More held than the limit (a limit lowered while slots were out): refused, not wrapped.
+        let (v, held) = concurrency(&q, 7, 1, busy);
+        assert_eq!((v.remaining, held), (0, None));
+        assert!(!v.is_allowed());
+    }
 
     const S: Micros = 1_000_000;
 

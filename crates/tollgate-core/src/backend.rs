@@ -24,6 +24,11 @@ pub struct Check<'a> {
     /// Whether a denial by this limit refuses the batch. `false` for shadow limits: they
     /// consume when they admit and report when they would deny, but never refuse.
     pub enforce: bool,
+    /// The request's slot, for a concurrency limit: an id unique among the requests in flight
+    /// (the layer draws one per request), under which a backend whose slots expire (Redis)
+    /// records, renews and releases it. 0 from [`Check::new`]; the in-memory backend only
+    /// counts slots.
+    pub slot: u64,
 }
 
 impl<'a> Check<'a> {
@@ -35,7 +40,14 @@ impl<'a> Check<'a> {
             cost: limit.cost(),
             enforce: !limit.is_shadow(),
             quota: *limit.quota(),
+            slot: 0,
         }
+    }
+
+    /// This check, holding slot `slot` of a concurrency limit.
+    pub fn with_slot(mut self, slot: u64) -> Self {
+        self.slot = slot;
+        self
     }
 
     /// This check counted against `quota` instead of the limit's default (one of the limit's
@@ -297,6 +309,29 @@ pub trait Backend: Send + Sync + 'static {
     /// as it was taken.
     fn settle(&self, settlements: &[Settlement<'_>]) {
         let _ = settlements;
+    }
+
+    /// Gives back the slots that `checks` took: the concurrency checks of an admitted batch
+    /// whose request has finished (its response body ended or was dropped). Called exactly once
+    /// per admitted request that holds slots, with the same checks (and slot ids) as the
+    /// check. Returns at once; a networked backend sends the release in the background. The
+    /// default does nothing: a backend without concurrency limits has nothing to give back.
+    fn release(&self, checks: &[Check<'_>]) {
+        let _ = checks;
+    }
+
+    /// Extends the life of the slots `checks` hold, for a backend whose slots expire
+    /// ([`slots_expire`](Self::slots_expire)): the layer calls it every third of a slot's
+    /// lifetime while a response streams. Returns at once. The default does nothing.
+    fn renew(&self, checks: &[Check<'_>]) {
+        let _ = checks;
+    }
+
+    /// Whether this backend's concurrency slots expire unless renewed (Redis: so that a crashed
+    /// replica cannot hold them forever). The default, `false`, is right for a backend in the
+    /// process, whose slots die with it.
+    fn slots_expire(&self) -> bool {
+        false
     }
 
     /// A short, fixed name for metrics and logs, such as `memory` or `redis`.

@@ -42,7 +42,7 @@ pub use backend::{
 pub use clock::{Clock, FakeClock, Micros, SystemClock};
 pub use error::ConfigError;
 pub use limit::{
-    Algorithm, FailurePolicy, Limit, MissingKeyPolicy, Quota, MAX_LOG_UNITS, MAX_NAME_LEN,
-    MAX_PERIOD, MAX_PLANS,
+    Algorithm, FailurePolicy, Limit, MissingKeyPolicy, Quota, DEFAULT_BUSY_RETRY_AFTER,
+    DEFAULT_SLOT_TTL, MAX_LOG_UNITS, MAX_NAME_LEN, MAX_PERIOD, MAX_PLANS,
 };
 pub use memory::{MemoryBackend, MemoryBackendBuilder, MemoryStats};

@@ -199,15 +199,21 @@ pub enum Algorithm {
     /// At most `limit` in any sliding period, counted exactly from a log of admitted requests.
     /// Memory grows with the limit (one entry per admitted request in the period).
     SlidingLog,
+    /// At most `limit` requests in flight at once: a request takes a slot when it is admitted
+    /// and gives it back when its response body ends or is dropped. The quota's period is how
+    /// long a slot lives in a backend whose slots expire (Redis) unless its holder renews it,
+    /// so that a crashed replica cannot hold slots for longer. See [`Limit::concurrency`].
+    Concurrency,
 }
 
 impl Algorithm {
-    /// A short lowercase name: `gcra`, `fixed_window` or `sliding_log`.
+    /// A short lowercase name: `gcra`, `fixed_window`, `sliding_log` or `concurrency`.
     pub fn as_str(&self) -> &'static str {
         match self {
             Self::Gcra => "gcra",
             Self::FixedWindow => "fixed_window",
             Self::SlidingLog => "sliding_log",
+            Self::Concurrency => "concurrency",
         }
     }
 }
@@ -272,7 +278,15 @@ pub struct Limit {
     failure: FailurePolicy,
     missing_key: MissingKeyPolicy,
     shadow: bool,
+    /// The `Retry-After` of a concurrency refusal (nobody knows when a slot frees).
+    busy_retry_after: Micros,
 }
+
+/// How long a concurrency slot lives in a backend whose slots expire, unless renewed.
+pub const DEFAULT_SLOT_TTL: Duration = Duration::from_secs(30);
+
+/// The default `Retry-After` of a refusal for lack of a free slot.
+pub const DEFAULT_BUSY_RETRY_AFTER: Duration = Duration::from_secs(1);
 
 impl Limit {
     /// A limit with the given algorithm.
@@ -302,7 +316,68 @@ impl Limit {
             failure: FailurePolicy::default(),
             missing_key: MissingKeyPolicy::default(),
             shadow: false,
+            busy_retry_after: DEFAULT_BUSY_RETRY_AFTER.as_micros() as Micros,
         })
+    }
+
+    /// At most `max_in_flight` requests per key at once.
+    ///
+    /// A request takes a slot when it is admitted (all-or-nothing with the layer's other
+    /// limits: a request refused by a rate limit takes no slot, and one refused for lack of a
+    /// slot consumes no rate) and gives it back exactly once, when its response body ends or is
+    /// dropped. A full key is refused with `Retry-After` [`DEFAULT_BUSY_RETRY_AFTER`]
+    /// (see [`busy_retry_after`](Self::busy_retry_after)): nobody knows when a slot frees. In
+    /// Redis a slot expires after [`DEFAULT_SLOT_TTL`] unless its holder renews it (it does,
+    /// every third of that while the response streams), so a crashed replica's slots come back
+    /// (see [`with_slot_ttl`](Self::with_slot_ttl)).
+    ///
+    /// # Errors
+    ///
+    /// As [`Limit::new`]; [`ConfigError::ZeroLimit`] for 0.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tollgate_core::Limit;
+    ///
+    /// let in_flight = Limit::concurrency("in-flight", 4)?;
+    /// assert_eq!(in_flight.quota().limit(), 4);
+    /// # Ok::<(), tollgate_core::ConfigError>(())
+    /// ```
+    pub fn concurrency(name: &str, max_in_flight: u32) -> Result<Self, ConfigError> {
+        let quota = Quota::new(max_in_flight, DEFAULT_SLOT_TTL)?;
+        Self::new(name, Algorithm::Concurrency, quota)
+    }
+
+    /// How long a slot of this concurrency limit lives unless renewed (default
+    /// [`DEFAULT_SLOT_TTL`]): the longest a crashed replica can hold it.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError::PeriodTooShort`] under a second (slots are renewed every third of it),
+    /// [`ConfigError::PeriodTooLong`] past [`MAX_PERIOD`], [`ConfigError::InvalidBurst`] on a
+    /// limit that is not a concurrency limit.
+    pub fn with_slot_ttl(mut self, ttl: Duration) -> Result<Self, ConfigError> {
+        if self.algorithm != Algorithm::Concurrency {
+            return Err(ConfigError::InvalidBurst);
+        }
+        if ttl < Duration::from_secs(1) {
+            return Err(ConfigError::PeriodTooShort);
+        }
+        self.quota = Quota::new(self.quota.limit(), ttl)?;
+        Ok(self)
+    }
+
+    /// The `Retry-After` of a refusal for lack of a free slot (default
+    /// [`DEFAULT_BUSY_RETRY_AFTER`], at least one microsecond).
+    pub fn busy_retry_after(mut self, after: Duration) -> Self {
+        self.busy_retry_after = (after.as_micros().min(u128::from(u64::MAX)) as Micros).max(1);
+        self
+    }
+
+    /// The `Retry-After` of a concurrency refusal, in microseconds.
+    pub fn busy_retry_after_micros(&self) -> Micros {
+        self.busy_retry_after
     }
 
     /// A GCRA limit (the default algorithm).
@@ -547,6 +622,8 @@ fn max_cost_of(algorithm: Algorithm, quota: &Quota) -> u32 {
     match algorithm {
         Algorithm::Gcra => quota.burst(),
         Algorithm::FixedWindow | Algorithm::SlidingLog => quota.limit(),
+        // One request, one slot.
+        Algorithm::Concurrency => 1,
     }
 }
 

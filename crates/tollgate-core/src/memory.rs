@@ -166,6 +166,8 @@ struct Shard {
     gcra: FpMap<GcraSlot>,
     windows: FpMap<WindowState>,
     logs: FpMap<Log>,
+    /// Concurrency slots held per key; an entry lives while its count is above 0.
+    inflight: FpMap<u32>,
     next_sweep: AtomicU64,
 }
 
@@ -204,6 +206,16 @@ fn carried(state: Option<(Micros, Micros)>, quota: &crate::Quota, now: Micros) -
     state.map(|(tat, from)| algorithm::gcra_carry(tat, now, from, quota.emission_interval()))
 }
 
+impl Slot for u32 {
+    type State = u32;
+    fn new(held: u32) -> Self {
+        held
+    }
+    fn get(&mut self) -> u32 {
+        *self
+    }
+}
+
 impl Slot for WindowState {
     type State = WindowState;
     fn new(state: WindowState) -> Self {
@@ -227,7 +239,7 @@ fn store<S: Slot>(map: &mut FpMap<S>, fp: Fp, state: S::State) {
 
 impl Shard {
     fn len(&self) -> usize {
-        self.gcra.len() + self.windows.len() + self.logs.len()
+        self.gcra.len() + self.windows.len() + self.logs.len() + self.inflight.len()
     }
 
     /// Drops every entry whose state equals a fresh key's; returns how many.
@@ -270,6 +282,16 @@ impl Shard {
                 };
                 (v, pending, log.is_none())
             }
+            Algorithm::Concurrency => {
+                let held = self.inflight.get(fp).copied();
+                let busy = check.limit.busy_retry_after_micros();
+                let (v, next) = algorithm::concurrency(quota, held.unwrap_or(0), check.cost, busy);
+                (
+                    v,
+                    next.map_or(Pending::None, Pending::Slots),
+                    held.is_none(),
+                )
+            }
         }
     }
 
@@ -279,6 +301,7 @@ impl Shard {
             Pending::None => {}
             Pending::Tat(tat) => store(&mut self.gcra, fp, (tat, check.quota.emission_interval())),
             Pending::Window(state) => store(&mut self.windows, fp, state),
+            Pending::Slots(held) => store(&mut self.inflight, fp, held),
             Pending::Log { trim } => {
                 let period = check.quota.period_micros();
                 let log = match self.logs.entry(fp) {
@@ -308,6 +331,7 @@ enum Pending {
     Tat(Micros),
     Window(WindowState),
     Log { trim: usize },
+    Slots(u32),
 }
 
 impl MemoryBackend<SystemClock> {
@@ -368,7 +392,7 @@ impl<C: Clock> MemoryBackend<C> {
             if let Some(v) = verdicts.get(i).copied().filter(Verdict::is_allowed) {
                 let mark = match check.limit.algorithm() {
                     Algorithm::FixedWindow => now + v.reset,
-                    Algorithm::Gcra | Algorithm::SlidingLog => 0,
+                    Algorithm::Gcra | Algorithm::SlidingLog | Algorithm::Concurrency => 0,
                 };
                 verdicts.set_receipt(i, Receipt { at: now, mark });
             }
@@ -397,6 +421,8 @@ impl<C: Clock> MemoryBackend<C> {
             let room = shard.len() < inner.shard_cap;
             let quota = s.limit.quota();
             match s.limit.algorithm() {
+                // A slot is one request: nothing to settle.
+                Algorithm::Concurrency => {}
                 Algorithm::Gcra => {
                     // The TAT under this quota's interval (carried if another quota wrote it).
                     let tat = carried(shard.gcra.get_mut(&fp).map(Slot::get), quota, now);
@@ -479,6 +505,32 @@ impl<C: Clock> MemoryBackend<C> {
     /// The clock this backend reads.
     pub fn clock(&self) -> &C {
         &self.inner.clock
+    }
+
+    /// Gives back the concurrency slots that `checks` took (their other checks are ignored):
+    /// what [`Backend::release`] does, at once. A key whose last slot comes back is no longer
+    /// tracked.
+    pub fn release_now(&self, checks: &[Check<'_>]) {
+        let inner = &*self.inner;
+        let mask = inner.shards.len() - 1;
+        for check in checks {
+            if check.limit.algorithm() != Algorithm::Concurrency {
+                continue;
+            }
+            let fp = inner.fingerprint(check);
+            let mut shard = inner.shards[fp.shard(mask)]
+                .write()
+                .unwrap_or_else(PoisonError::into_inner);
+            if let Entry::Occupied(mut held) = shard.inflight.entry(fp) {
+                let left = held.get().saturating_sub(check.cost);
+                if left == 0 {
+                    held.remove();
+                    inner.tracked.fetch_sub(1, Ordering::Relaxed);
+                } else {
+                    *held.get_mut() = left;
+                }
+            }
+        }
     }
 
     /// The most entries one call has swept so far.
@@ -673,7 +725,7 @@ impl<C> Inner<C> {
         let s = fp.shard(mask);
         let shared = match check.limit.algorithm() {
             Algorithm::Gcra => self.gcra_shared(s, fp, check, now),
-            Algorithm::FixedWindow | Algorithm::SlidingLog => None,
+            Algorithm::FixedWindow | Algorithm::SlidingLog | Algorithm::Concurrency => None,
         };
         let verdict = match shared {
             Some(verdict) => verdict,
@@ -707,7 +759,7 @@ impl<C> Inner<C> {
             Algorithm::FixedWindow => self.step(&mut shard.windows, room, fp, |state| {
                 algorithm::fixed_window(quota, state, now, check.cost)
             }),
-            Algorithm::SlidingLog => {
+            Algorithm::SlidingLog | Algorithm::Concurrency => {
                 let (mut verdict, pending, new) = shard.evaluate(check, &fp, now);
                 if verdict.is_allowed() && new && !(room && self.reserve()) {
                     verdict.status = self.at_capacity();
@@ -738,7 +790,7 @@ impl<C> Inner<C> {
                         .period_micros()
                         .wrapping_mul(0x9e37_79b9_7f4a_7c15)
             }
-            Algorithm::Gcra | Algorithm::SlidingLog => check.limit.id(),
+            Algorithm::Gcra | Algorithm::SlidingLog | Algorithm::Concurrency => check.limit.id(),
         };
         Fp(self.seed.hash(id, check.key))
     }
@@ -793,6 +845,10 @@ impl<C: Clock> Backend for MemoryBackend<C> {
 
     fn settle(&self, settlements: &[Settlement<'_>]) {
         self.settle_now(settlements);
+    }
+
+    fn release(&self, checks: &[Check<'_>]) {
+        self.release_now(checks);
     }
 
     fn kind(&self) -> &'static str {
@@ -902,6 +958,52 @@ mod tests {
             .clock(clock.clone())
             .build();
         (b, clock)
+    }
+
+    #[test]
+    fn concurrency_slots_are_taken_all_or_nothing_and_given_back() {
+        let (b, clock) = backend(100);
+        let slots = Limit::concurrency("in-flight", 2).unwrap();
+        let rate = Limit::gcra("rate", Quota::per_minute(3).unwrap()).unwrap();
+        let both = |key: &'static [u8]| [Check::new(&rate, key), Check::new(&slots, key)];
+
+        let admitted: Vec<bool> = (0..3)
+            .map(|_| b.check_now(&both(b"a")).unwrap().admits(&both(b"a")))
+            .collect();
+        assert_eq!(admitted, [true, true, false]);
+        // Refused for lack of a slot: the rate limit consumed nothing (1 of 3 left, as after
+        // two admissions), and the refusal says to come back in a second.
+        let v = b.check_now(&both(b"a")).unwrap();
+        assert_eq!(v[0].remaining, 1);
+        assert_eq!(v[1].retry_after(), Some(Duration::from_secs(1)));
+        assert_eq!(v[1].remaining, 0);
+
+        // One slot back: one more request fits; the rate limit then refuses the next one
+        // (3 a minute), and that refusal takes no slot.
+        b.release_now(&both(b"a"));
+        assert!(b.check_now(&both(b"a")).unwrap().admits(&both(b"a")));
+        b.release_now(&both(b"a"));
+        let v = b.check_now(&both(b"a")).unwrap();
+        assert!(!v.admits(&both(b"a")));
+        assert!(v[1].is_allowed(), "the slot was free");
+        clock.advance(Duration::from_secs(20));
+        let v = b.check_now(&[Check::new(&slots, b"a")]).unwrap();
+        assert_eq!((v[0].is_allowed(), v[0].remaining), (true, 0));
+
+        // Every slot back: the key is no longer tracked; another key has slots of its own.
+        assert_eq!(b.stats().tracked_keys, 2);
+        for _ in 0..2 {
+            b.release_now(&[Check::new(&slots, b"a")]);
+        }
+        assert_eq!(
+            b.stats().tracked_keys,
+            1,
+            "only the rate limit's state is left"
+        );
+        // A release with nothing held changes nothing.
+        b.release_now(&[Check::new(&slots, b"a")]);
+        assert_eq!(b.stats().tracked_keys, 1);
+        assert!(b.check_now(&[Check::new(&slots, b"b")]).unwrap()[0].is_allowed());
     }
 
     #[test]

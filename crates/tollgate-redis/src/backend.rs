@@ -21,6 +21,7 @@ use crate::future::ResponseFuture;
 use crate::keys;
 use crate::script::{self, Answer, Prepared, Reply, Script};
 use crate::settle::SettleQueue;
+use crate::slots::{self, Held, Unclaimed};
 
 pub(crate) const BACKEND: &str = "redis";
 
@@ -43,6 +44,8 @@ pub(crate) struct Inner {
     pub(crate) check_script: Script,
     pub(crate) refund_script: Script,
     pub(crate) settle_script: Script,
+    /// Moves a concurrency slot's deadline.
+    pub(crate) renew_script: Script,
     /// Merges concurrent requests' batches into one call (standalone Redis only).
     pub(crate) coalescer: Coalescer,
     /// Settles waiting for the call in flight to end, sent together next (standalone Redis).
@@ -107,6 +110,7 @@ impl RedisBackend {
             check_script: Script::new(script::CHECK),
             refund_script: Script::new(script::REFUND),
             settle_script: Script::new(script::SETTLE),
+            renew_script: slots::renew_script(),
             coalescer: Coalescer::default(),
             settles: SettleQueue::default(),
             skew: AtomicI64::new(0),
@@ -134,14 +138,28 @@ impl Inner {
         permit: Permit,
     ) -> Result<Verdicts, BackendError> {
         let started = Instant::now();
+        // Slots this call may take: given back unless the call is answered (see `slots`).
+        let unclaimed = batch
+            .iter()
+            .any(|p| p.algorithm == tollgate_core::Algorithm::Concurrency)
+            .then(|| Unclaimed::new(&self, Held::from_batch(&self.prefix, &batch)));
         let result = self.call(batch, now, started + self.deadline, permit).await;
         self.metrics()
             .duration
             .record(started.elapsed().as_secs_f64());
         match result {
-            Ok((batch, outcome)) => Ok(self.verdicts(&batch, &outcome, now)),
+            Ok((batch, outcome)) => {
+                if let Some(unclaimed) = unclaimed {
+                    unclaimed.disarm();
+                }
+                Ok(self.verdicts(&batch, &outcome, now))
+            }
             Err(e) => {
                 if e.is_overloaded() {
+                    // Never sent: nothing was taken.
+                    if let Some(unclaimed) = unclaimed {
+                        unclaimed.disarm();
+                    }
                     tracing::debug!(backend = BACKEND, error = %e, "rate-limit check not sent");
                 } else {
                     tracing::debug!(backend = BACKEND, error = %e, "rate-limit check failed");
@@ -243,14 +261,15 @@ impl RedisBackend {
 
     /// The Redis key that holds `limit`'s state for `key`. All of them start with the base
     /// key `<prefix>:<limit name>:{<digest>}`: GCRA's state is at `<base>:v2`, a sliding log
-    /// at `<base>:log`; for a fixed window this is the base, to which `:<window index>` is
-    /// appended.
+    /// at `<base>:log`, a concurrency limit's slots at `<base>:slots`; for a fixed window this
+    /// is the base, to which `:<window index>` is appended.
     pub fn key_for(&self, limit: &Limit, key: &[u8]) -> String {
         let digest = keys::digest(limit.name(), key);
         let base = keys::base_key(&self.inner.prefix, limit.name(), &digest);
         match limit.algorithm() {
             tollgate_core::Algorithm::Gcra => base + ":v2",
             tollgate_core::Algorithm::SlidingLog => base + ":log",
+            tollgate_core::Algorithm::Concurrency => base + ":slots",
             _ => base,
         }
     }
@@ -326,6 +345,22 @@ impl Backend for RedisBackend {
     /// Drops the local deny cache's denials of `limit`, so that a raised quota is seen at once.
     fn forget_denials(&self, limit: &str) {
         self.inner.deny.forget_limit(limit);
+    }
+
+    /// `ZREM`s each slot in the background (retried while Redis fails, until the slot would
+    /// have expired anyway).
+    fn release(&self, checks: &[Check<'_>]) {
+        slots::release(&self.inner, Held::from_checks(&self.inner.prefix, checks));
+    }
+
+    fn renew(&self, checks: &[Check<'_>]) {
+        slots::renew(&self.inner, Held::from_checks(&self.inner.prefix, checks));
+    }
+
+    /// Slots expire one slot lifetime (the concurrency limit's period) after they were taken
+    /// or last renewed, so that a crashed replica cannot hold them.
+    fn slots_expire(&self) -> bool {
+        true
     }
 }
 

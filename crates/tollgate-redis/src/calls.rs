@@ -129,6 +129,17 @@ impl Inner {
         self.invoke_raw(script, call).await.map_err(map_error)
     }
 
+    /// Sends a plain command.
+    pub(crate) async fn query(&self, cmd: &redis::Cmd) -> Result<redis::Value, BackendError> {
+        let (generation, mut conn) = self.connector.get().await.map_err(map_error)?;
+        conn.query(cmd).await.map_err(|e| {
+            if breaks_connection(&e) {
+                self.connector.invalidate(generation);
+            }
+            map_error(e)
+        })
+    }
+
     /// As [`invoke`](Self::invoke), with Redis' own error.
     async fn invoke_raw(
         &self,

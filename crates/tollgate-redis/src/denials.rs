@@ -25,7 +25,8 @@ impl Inner {
             if !outcome.committed {
                 verdict = algorithm::unconsumed(p.algorithm, &p.quota, verdict, p.cost);
             }
-            if now.is_none() && p.enforce {
+            // Slots free at any moment: a concurrency refusal is never kept.
+            if now.is_none() && p.enforce && p.algorithm != Algorithm::Concurrency {
                 match foreseen_denial(p.algorithm, &p.quota, p.cost, &verdict) {
                     Some(denial) => {
                         let per_unit = match p.algorithm {

@@ -65,6 +65,8 @@ pub(crate) enum Suffix {
     Log,
     /// `:seq`: a sliding log's sequence counter.
     Seq,
+    /// `:slots`: a concurrency limit's slots in flight (a sorted set of slot ids by deadline).
+    Slots,
 }
 
 /// A key written on the stack: every call writes each check's key, and a `String` per check
@@ -114,6 +116,7 @@ impl BaseKey {
             Suffix::Tat => self.push(b":v2"),
             Suffix::Log => self.push(b":log"),
             Suffix::Seq => self.push(b":seq"),
+            Suffix::Slots => self.push(b":slots"),
         }
         self
     }

@@ -197,6 +197,7 @@ mod keys;
 mod merged;
 mod script;
 mod settle;
+mod slots;
 
 pub use backend::RedisBackend;
 pub use breaker::CircuitState;

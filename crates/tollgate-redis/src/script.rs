@@ -153,6 +153,8 @@ local out, o = {now}, 1
 local state, first, written, ttl = {}, {}, {}, {}
 -- The emission interval each GCRA key's TAT in `state` is counted in.
 local t_of = {}
+-- The slots held per concurrency key, counted at its first check in the call.
+local in_flight = {}
 local function read(key, missing)
   local v = state[key]
   if v == nil then
@@ -183,6 +185,12 @@ while i <= figures do
     local limit = limits[l + 1]
     local algo, p1, p2, p3 = limit[1], limit[2], limit[3], limit[4]
     local status = 0
+    local slot
+    if algo == 4 then
+      -- A concurrency check also carries its request's slot id.
+      slot = fig[i]
+      i = i + 1
+    end
 
     if algo == 1 then
       local interval, burst, tolerance = p1, p3, p2
@@ -246,6 +254,26 @@ while i <= figures do
       out[o + 1], out[o + 2], out[o + 3], out[o + 4], out[o + 5] = status, remaining, reset, retry, 0
       o = o + 5
 
+    elseif algo == 4 then
+      local ttl, limit = p1, p2
+      -- The slots held: a slot's score is its deadline, and one past it is gone (its holder
+      -- crashed, or stopped renewing it). Counted once per call and key, then kept up to date.
+      local held = in_flight[key]
+      if held == nil then
+        redis.call('ZREMRANGEBYSCORE', key, '-inf', fmt(now))
+        held = redis.call('ZCARD', key)
+        in_flight[key] = held
+      end
+      if cost > limit then
+        status = 2
+      elseif held + cost > limit then
+        status = 1
+      else
+        w_algo[j], w_key[j], w_val[j], w_ttl[j] = 4, key, slot, ttl
+      end
+      out[o + 1], out[o + 2] = status, held
+      o = o + 2
+
     else
       return redis.error_reply('tollgate: unknown algorithm ' .. tostring(algo))
     end
@@ -282,6 +310,11 @@ while i <= figures do
         redis.call('PEXPIRE', log, ttl_ms(period))
         redis.call('PEXPIRE', seq_key, ttl_ms(period))
         out[w_seq[j]] = last
+      elseif algo == 4 then
+        local slot_ttl = w_ttl[j]
+        redis.call('ZADD', key, fmt(now + slot_ttl), fmt(w_val[j]))
+        redis.call('PEXPIRE', key, ttl_ms(slot_ttl))
+        in_flight[key] = in_flight[key] + 1
       end
     end
     out[head] = 1
@@ -307,7 +340,7 @@ return struct.pack('<' .. string.rep('d', o), unpack(out, 1, o))
 /// `KEYS[i]`: the key each check to refund wrote (a GCRA TAT, a window's count, a log). `ARGV[1]`: `now` or empty, as for `CHECK`.
 /// `ARGV[2 + 4 (i - 1) ..]`: per check: algorithm, then GCRA: `cost * interval`, 0, 0; fixed
 /// window: window index, cost, 0; sliding log: the `now` of the consume, last sequence number,
-/// cost.
+/// cost; concurrency: the slot id, 0, 0.
 pub(crate) const REFUND: &str = r"
 for i = 1, #KEYS do
   local a = 2 + (i - 1) * 4
@@ -330,6 +363,8 @@ for i = 1, #KEYS do
     if count ~= nil then
       if count <= y then redis.call('DEL', wkey) else redis.call('DECRBY', wkey, y) end
     end
+  elseif algo == 4 then
+    redis.call('ZREM', key, fmt(x))
   elseif algo == 3 then
     local stamp, members, from = fmt(x), {}, y - z + 1
     while from <= y do
@@ -491,6 +526,10 @@ pub(crate) struct Prepared {
     pub(crate) params: [u64; 3],
     pub(crate) cost: u32,
     pub(crate) enforce: bool,
+    /// A concurrency check's slot id (see [`Check::slot`]).
+    pub(crate) slot: u64,
+    /// A concurrency refusal's `Retry-After`, in microseconds.
+    pub(crate) busy_retry_after: Micros,
     /// Whether this check holds the deny cache's lease on its key (see `DenyCache::lookup`).
     pub(crate) leased: bool,
 }
@@ -512,6 +551,7 @@ impl Prepared {
             }
             Algorithm::FixedWindow => (2, [quota.period_micros(), u64::from(quota.limit()), 0]),
             Algorithm::SlidingLog => (3, [quota.period_micros(), u64::from(quota.limit()), 0]),
+            Algorithm::Concurrency => (4, [quota.period_micros(), u64::from(quota.limit()), 0]),
             other => {
                 return Err(BackendError::new(
                     BackendErrorKind::Protocol,
@@ -528,6 +568,8 @@ impl Prepared {
             params,
             cost: check.cost,
             enforce: check.enforce,
+            slot: check.slot,
+            busy_retry_after: check.limit.busy_retry_after_micros(),
             leased: false,
         })
     }
@@ -547,6 +589,7 @@ impl Prepared {
         match self.code {
             1 => Suffix::Tat,
             2 => Suffix::Window(answer.extra),
+            4 => Suffix::Slots,
             _ => Suffix::Log,
         }
     }
@@ -563,6 +606,7 @@ impl Prepared {
         match self.code {
             1 => [1, self.params[0].saturating_mul(cost), 0, 0],
             2 => [2, answer.extra, cost, 0],
+            4 => [4, self.slot, 0, 0],
             _ => [3, now, answer.extra, cost],
         }
     }
@@ -634,6 +678,7 @@ impl<'p> CheckArgs<'p> {
                         keys.push((all[i], Suffix::Log));
                         keys.push((all[i], Suffix::Seq));
                     }
+                    4 => keys.push((all[i], Suffix::Slots)),
                     _ => keys.push((all[i], Suffix::Tat)),
                 }
             }
@@ -646,6 +691,9 @@ impl<'p> CheckArgs<'p> {
             for ((p, limit), key) in checks.by_ref().take(batch.len()) {
                 packed.extend_from_slice(&figure_bytes(p.check_arg(limit)));
                 packed.extend_from_slice(&figure_bytes(key as u64));
+                if p.code == 4 {
+                    packed.extend_from_slice(&figure_bytes(p.slot));
+                }
             }
         }
         Ok(Self {
@@ -691,7 +739,7 @@ pub(crate) fn parse_reply(value: &redis::Value, batch: &[Prepared]) -> Result<Re
 /// The figures of one check's answer in a `CHECK` reply.
 fn answer_len(p: &Prepared) -> usize {
     match p.algorithm {
-        Algorithm::Gcra | Algorithm::FixedWindow => 2,
+        Algorithm::Gcra | Algorithm::FixedWindow | Algorithm::Concurrency => 2,
         _ => 5,
     }
 }
@@ -759,6 +807,16 @@ pub(crate) fn parse_replies(
                     Answer {
                         verdict,
                         extra,
+                        at: now,
+                    }
+                }
+                Algorithm::Concurrency => {
+                    let held = u32::try_from(next()?).unwrap_or(u32::MAX);
+                    let (verdict, _) =
+                        algorithm::concurrency(&p.quota, held, p.cost, p.busy_retry_after);
+                    Answer {
+                        verdict,
+                        extra: 0,
                         at: now,
                     }
                 }

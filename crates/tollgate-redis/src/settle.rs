@@ -94,7 +94,8 @@ struct Settling {
 
 impl Settling {
     fn new(s: &Settlement<'_>) -> Result<Option<Self>, BackendError> {
-        if s.actual == s.reserved {
+        // A concurrency slot is one request: nothing to settle.
+        if s.actual == s.reserved || s.limit.algorithm() == Algorithm::Concurrency {
             return Ok(None);
         }
         let digest = keys::digest(s.limit.name(), s.key);

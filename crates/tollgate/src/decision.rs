@@ -15,6 +15,8 @@ pub enum DenyReason {
     AtCapacity,
     /// The backend failed and the limit fails closed.
     BackendUnavailable,
+    /// A concurrency limit: the key has as many requests in flight as the limit allows.
+    InFlight,
 }
 
 /// Why a limit let a request through without counting it.
@@ -152,6 +154,7 @@ pub struct LimitDecision {
     outcome: Outcome,
     source: Source,
     shadow: bool,
+    concurrent: bool,
 }
 
 impl LimitDecision {
@@ -169,6 +172,7 @@ impl LimitDecision {
             outcome,
             source,
             shadow,
+            concurrent: false,
         }
     }
 
@@ -202,6 +206,18 @@ impl LimitDecision {
             }
         }
         self
+    }
+
+    /// Marks this as a concurrency limit's decision.
+    pub(crate) fn concurrent(mut self) -> Self {
+        self.concurrent = true;
+        self
+    }
+
+    /// Whether this is a concurrency limit's decision: its quota counts requests in flight,
+    /// and its `remaining` is the free slots.
+    pub fn is_concurrency(&self) -> bool {
+        self.concurrent
     }
 
     /// The limit's name.

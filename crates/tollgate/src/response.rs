@@ -215,14 +215,24 @@ fn reset_seconds(d: Duration) -> u64 {
     d.as_secs() + u64::from(d.subsec_nanos() > 0)
 }
 
-/// The `RateLimit-Policy` value of a layer's limits; fixed, so built once.
+/// The `RateLimit-Policy` value of limits as (name, quota, whether it counts requests in
+/// flight).
 pub(crate) fn policy_value<'a>(
-    limits: impl Iterator<Item = (&'a str, &'a Quota)>,
+    limits: impl Iterator<Item = (&'a str, &'a Quota, bool)>,
 ) -> Option<HeaderValue> {
     let mut out = String::new();
-    for (name, quota) in limits {
+    for (name, quota, concurrent) in limits {
         if !out.is_empty() {
             out.push_str(", ");
+        }
+        if concurrent {
+            // Requests in flight: a quota with no window.
+            let _ = write!(
+                out,
+                "\"{name}\";q={};qu=\"concurrent-requests\"",
+                quota.limit()
+            );
+            continue;
         }
         let (quota, window) = policy_of(quota);
         let _ = write!(out, "\"{name}\";q={quota};w={}", reset_seconds(window));
@@ -252,7 +262,9 @@ pub(crate) fn write_headers(
 ) {
     // This runs on every admitted request, so the `RateLimit` value is written without `fmt`
     // straight into an exactly-sized buffer that the `HeaderValue` takes over as it is.
-    let mut items = [(0, 0, ""); MAX_CHECKS];
+    // (remaining, seconds, name); no `t` for a concurrency limit that admitted: nothing about
+    // it resets with time.
+    let mut items = [(0, None, ""); MAX_CHECKS];
     let mut n = 0;
     let mut len = 0;
     let mut tightest: Option<(u64, u64, u32)> = None;
@@ -273,15 +285,27 @@ pub(crate) fn write_headers(
             }
             Outcome::Bypassed { .. } | Outcome::Skipped { .. } => continue,
         };
+        let seconds = match limit.outcome() {
+            Outcome::Allowed { .. } if limit.is_concurrency() => None,
+            _ => Some(seconds),
+        };
         let Some(item) = items.get_mut(n) else {
             break;
         };
         *item = (remaining, seconds, limit.name());
         n += 1;
         // `, "name";r=R;t=T` (no separator before the first item).
-        len += 2 + limit.name().len() + 8 + decimal_len(remaining) + decimal_len(seconds);
+        len += 2 + limit.name().len() + 5 + decimal_len(remaining);
+        if let Some(seconds) = seconds {
+            len += 3 + decimal_len(seconds);
+        }
         if tightest.is_none_or(|(r, _, _)| remaining < r) {
-            tightest = Some((remaining, seconds, policy_of(limit.quota()).0));
+            let quota = if limit.is_concurrency() {
+                limit.quota().limit()
+            } else {
+                policy_of(limit.quota()).0
+            };
+            tightest = Some((remaining, seconds.unwrap_or(0), quota));
         }
     }
     // Appended, not inserted: under stacked layers each adds its own items to the lists (the
@@ -297,8 +321,10 @@ pub(crate) fn write_headers(
             out.extend_from_slice(name.as_bytes());
             out.extend_from_slice(b"\";r=");
             out.extend_from_slice(digits(remaining, &mut [0; 20]));
-            out.extend_from_slice(b";t=");
-            out.extend_from_slice(digits(seconds, &mut [0; 20]));
+            if let Some(seconds) = seconds {
+                out.extend_from_slice(b";t=");
+                out.extend_from_slice(digits(seconds, &mut [0; 20]));
+            }
         }
         if let Ok(v) = HeaderValue::from_maybe_shared(Bytes::from(out)) {
             headers.append(RATELIMIT.clone(), v);

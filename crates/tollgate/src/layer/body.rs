@@ -20,6 +20,9 @@ pin_project! {
         // A reservation that settles when the body ends or is dropped, with the cost the
         // handler reported by then.
         owed: Option<Box<Owed>>,
+        // What the request holds until its body ends (concurrency slots): dropped then, or
+        // with the body.
+        hold: Option<Box<dyn Send + Sync>>,
     }
 }
 
@@ -41,6 +44,7 @@ impl<B> ResponseBody<B> {
         Self {
             kind: Kind::Inner { body },
             owed: None,
+            hold: None,
         }
     }
 
@@ -48,7 +52,14 @@ impl<B> ResponseBody<B> {
         Self {
             kind: Kind::Inner { body },
             owed: Some(owed),
+            hold: None,
         }
+    }
+
+    /// This body, holding `hold` until it ends or is dropped.
+    pub(crate) fn holding(mut self, hold: Option<Box<dyn Send + Sync>>) -> Self {
+        self.hold = hold;
+        self
     }
 
     pub(crate) fn refusal(bytes: Bytes) -> Self {
@@ -57,6 +68,7 @@ impl<B> ResponseBody<B> {
                 bytes: Some(bytes).filter(|b| !b.is_empty()),
             },
             owed: None,
+            hold: None,
         }
     }
 
@@ -81,11 +93,16 @@ where
         match this.kind.project() {
             KindProj::Inner { mut body } => {
                 let frame = body.as_mut().poll_frame(cx);
-                if this.owed.is_some() && frame.is_ready() && body.is_end_stream() {
-                    // The end of the body: the handler has reported all it will.
+                // The end of the body (or its failure): the handler has reported all it will,
+                // and what the request held goes now, not when the connection drops the body.
+                let ended = match &frame {
+                    Poll::Ready(None | Some(Err(_))) => true,
+                    Poll::Ready(Some(Ok(_))) => body.is_end_stream(),
+                    Poll::Pending => false,
+                };
+                if ended {
                     drop(this.owed.take());
-                } else if matches!(frame, Poll::Ready(None)) {
-                    drop(this.owed.take());
+                    drop(this.hold.take());
                 }
                 frame
             }
@@ -95,14 +112,14 @@ where
 
     fn is_end_stream(&self) -> bool {
         match &self.kind {
-            Kind::Inner { body } => body.is_end_stream(),
+            Kind::Inner { body, .. } => body.is_end_stream(),
             Kind::Refusal { bytes } => bytes.is_none(),
         }
     }
 
     fn size_hint(&self) -> SizeHint {
         match &self.kind {
-            Kind::Inner { body } => body.size_hint(),
+            Kind::Inner { body, .. } => body.size_hint(),
             Kind::Refusal { bytes } => {
                 SizeHint::with_exact(bytes.as_ref().map_or(0, |b| b.len() as u64))
             }

@@ -76,6 +76,11 @@ impl<B: Backend> Shared<B> {
             }
         }
         let mut cost = [0u32; MAX_CHECKS];
+        let slot = if set.has_slots {
+            super::slots::next_id()
+        } else {
+            0
+        };
         let check = {
             let mut checks = [Check::new(&set.limits[0].limit, b""); MAX_CHECKS];
             for (i, (entry, key)) in set.limits.iter().zip(&keys).enumerate() {
@@ -83,7 +88,9 @@ impl<B: Backend> Shared<B> {
                     let (index, quota) = entry.limit.quota_of(plan_name);
                     // A limit has at most `MAX_PLANS` plans.
                     quota_of[i] = u8::try_from(index).unwrap_or(0);
-                    let mut check = Check::new(&entry.limit, key.as_bytes()).with_quota(*quota);
+                    let mut check = Check::new(&entry.limit, key.as_bytes())
+                        .with_quota(*quota)
+                        .with_slot(slot);
                     if let Some(of) = entry.metered.as_ref().and_then(|m| m.cost.as_ref()) {
                         match of(&view) {
                             Ok(units) => check = check.with_cost(units),
@@ -117,6 +124,7 @@ impl<B: Backend> Shared<B> {
             limit_of,
             quota_of,
             cost,
+            slot,
             span,
         };
         Prepared::Check(check, plan)
@@ -185,7 +193,8 @@ impl<B: Backend> Shared<B> {
             } else {
                 None
             };
-            return Decided::Admit(decision, owed);
+            let slots = plan.set.has_slots.then(|| Arc::clone(&plan.set));
+            return Decided::Admit(decision, owed, slots);
         }
         let (kind, limit) = response::refusal_of(&decision).unwrap_or((
             RejectionKind::TooManyRequests,
@@ -297,7 +306,9 @@ impl<B: Backend> Shared<B> {
         for (i, (entry, key)) in limits.iter().zip(&keys).enumerate() {
             if let (Some(local), Some(key)) = (&entry.local, key) {
                 let quota = *local.quota_at(usize::from(plan.quota_of[i]));
-                checks[n] = Check::new(local, key.as_bytes()).with_quota(quota);
+                checks[n] = Check::new(local, key.as_bytes())
+                    .with_quota(quota)
+                    .with_slot(plan.slot);
                 if entry.metered.as_ref().is_some_and(|m| m.cost.is_some()) {
                     checks[n] = checks[n].with_cost(plan.cost[i]);
                 }
@@ -380,8 +391,12 @@ impl<B: Backend> Shared<B> {
             let policy = if defaults {
                 set.policy.as_ref()
             } else {
-                custom =
-                    response::policy_value(decision.limits().iter().map(|d| (d.name(), d.quota())));
+                custom = response::policy_value(
+                    decision
+                        .limits()
+                        .iter()
+                        .map(|d| (d.name(), d.quota(), d.is_concurrency())),
+                );
                 custom.as_ref()
             };
             response::write_headers(response.headers_mut(), &decision, policy, self.headers);
@@ -398,18 +413,37 @@ impl<B: Backend> Shared<B> {
 
 impl Entry {
     /// This limit's part of a decision.
-    fn decision(&self, outcome: Outcome, source: Source, quota: u8) -> LimitDecision {
-        LimitDecision::new(
+    fn decision(&self, mut outcome: Outcome, source: Source, quota: u8) -> LimitDecision {
+        let concurrent = self.limit.algorithm() == tollgate_core::Algorithm::Concurrency;
+        if let (
+            true,
+            Outcome::Denied {
+                reason: reason @ DenyReason::OverLimit,
+                ..
+            },
+        ) = (concurrent, &mut outcome)
+        {
+            *reason = DenyReason::InFlight;
+        }
+        let decision = LimitDecision::new(
             Arc::clone(self.limit.name_arc()),
             *self.limit.quota_at(usize::from(quota)),
             outcome,
             source,
             self.limit.is_shadow(),
-        )
+        );
+        if concurrent {
+            decision.concurrent()
+        } else {
+            decision
+        }
     }
 }
 
-fn key_of<'r>(entry: &Entry, view: &RequestView<'r>) -> Result<Option<Key<'r>>, MissingKey> {
+pub(super) fn key_of<'r>(
+    entry: &Entry,
+    view: &RequestView<'r>,
+) -> Result<Option<Key<'r>>, MissingKey> {
     match entry.key.extract(view) {
         Ok(key) => Ok(Some(key)),
         Err(missing) => match entry.limit.missing_key_policy() {

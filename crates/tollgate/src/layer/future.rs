@@ -12,6 +12,7 @@ use tower_service::Service;
 
 use super::body::ResponseBody;
 use super::settle::{Owed, SetSink, Settler};
+use super::slots::Slots;
 use super::{Decided, Plan, Shared};
 use crate::cost::Settle;
 use crate::decision::Decision;
@@ -48,6 +49,8 @@ pin_project! {
             // What the request owes its metered limits: settled when dropped, so a request
             // dropped before its answer follows their drop policy.
             owed: Option<Box<Owed>>,
+            // Given back when this future is dropped unanswered, or when the body ends.
+            slots: Option<Slots<B>>,
         },
         Refused {
             response: Option<Response<Bytes>>,
@@ -95,9 +98,12 @@ where
         mut req: Request<ReqBody>,
         inner: &mut S,
         shared: Arc<Shared<B>>,
+        slot: u64,
     ) -> Self {
         match decided {
-            Decided::Admit(decision, items) => {
+            Decided::Admit(decision, items, slot_set) => {
+                let slots =
+                    slot_set.and_then(|set| Slots::taken(&shared, set, &decision, &req, slot));
                 // Under an outer `RateLimitLayer`, the handler sees both layers' limits.
                 if let Some(outer) = req.extensions_mut().insert(decision.clone()) {
                     req.extensions_mut().insert(outer.then(&decision));
@@ -127,6 +133,7 @@ where
                         call: inner.call(req),
                         finish: Some((decision, shared)),
                         owed,
+                        slots,
                     },
                 }
             }
@@ -172,16 +179,26 @@ where
                         ..
                     } = *waiting;
                     let decided = shared.decide(&result, &req, &plan);
+                    let slot = plan.slot();
                     this.state
-                        .set(Self::decided(decided, req, &mut inner, shared).state);
+                        .set(Self::decided(decided, req, &mut inner, shared, slot).state);
                 }
-                StateProj::Calling { call, finish, owed } => {
+                StateProj::Calling {
+                    call,
+                    finish,
+                    owed,
+                    slots,
+                } => {
                     let mut response = ready!(call.poll(cx))?;
+                    // The slots stay held until the body ends or is dropped.
+                    let hold = slots.take().map(|s| Box::new(s) as Box<dyn Send + Sync>);
                     let Some(mut owed) = owed.take() else {
                         if let Some((decision, shared)) = finish.take() {
                             shared.finish(&mut response, decision);
                         }
-                        return Poll::Ready(Ok(response.map(ResponseBody::inner)));
+                        return Poll::Ready(Ok(
+                            response.map(|b| ResponseBody::inner(b).holding(hold))
+                        ));
                     };
                     owed.responded(&response);
                     if let Some((decision, shared)) = finish.take() {
@@ -190,12 +207,14 @@ where
                         shared.finish(&mut response, owed.settled(decision));
                     }
                     if owed.waits_for_body() {
-                        return Poll::Ready(Ok(response.map(|b| ResponseBody::settling(b, owed))));
+                        return Poll::Ready(Ok(
+                            response.map(|b| ResponseBody::settling(b, owed).holding(hold))
+                        ));
                     }
                     // Everything is known with the head: settle now (the backend does not
                     // wait for its answer).
                     drop(owed);
-                    return Poll::Ready(Ok(response.map(ResponseBody::inner)));
+                    return Poll::Ready(Ok(response.map(|b| ResponseBody::inner(b).holding(hold))));
                 }
                 StateProj::Refused { response } => {
                     let Some(response) = response.take() else {

@@ -19,7 +19,8 @@ use arc_swap::ArcSwap;
 use bytes::Bytes;
 use http::{HeaderValue, Response};
 use tollgate_core::{
-    Backend, Clock, ConfigError, FailurePolicy, Limit, MemoryBackend, SystemClock, MAX_CHECKS,
+    Algorithm, Backend, Clock, ConfigError, FailurePolicy, Limit, MemoryBackend, SystemClock,
+    MAX_CHECKS,
 };
 use tower_layer::Layer;
 
@@ -36,6 +37,7 @@ mod future;
 mod reload;
 mod service;
 mod settle;
+mod slots;
 
 pub use body::ResponseBody;
 pub use future::ResponseFuture;
@@ -194,7 +196,14 @@ impl Limits {
     pub(crate) fn compile(self) -> Result<LimitSet, ConfigError> {
         self.check()?;
         let limits = self.entries;
-        let policy = response::policy_value(limits.iter().map(|(l, _, _)| (l.name(), l.quota())));
+        let policy = response::policy_value(
+            limits
+                .iter()
+                .map(|(l, _, _)| (l.name(), l.quota(), l.algorithm() == Algorithm::Concurrency)),
+        );
+        let has_slots = limits
+            .iter()
+            .any(|(l, _, _)| l.algorithm() == Algorithm::Concurrency);
         let names = limits
             .iter()
             .map(|(l, _, _)| l.name())
@@ -224,6 +233,7 @@ impl Limits {
             names,
             plans,
             settles,
+            has_slots,
         })
     }
 }
@@ -461,6 +471,8 @@ pub(crate) struct LimitSet {
     plans: bool,
     /// Whether a limit settles after the response (see [`crate::cost`]).
     settles: bool,
+    /// Whether any limit is a concurrency limit (its requests then draw a slot id).
+    has_slots: bool,
 }
 
 impl fmt::Debug for LimitSet {
@@ -492,8 +504,17 @@ pub(crate) struct Plan {
     quota_of: [u8; MAX_CHECKS],
     /// Each checked limit's cost, in the layer's order.
     cost: [u32; MAX_CHECKS],
+    /// The request's concurrency slot id (0 when the layer has no concurrency limit).
+    slot: u64,
     /// The request's `tollgate.check` span, open from the keys to the decision.
     span: tracing::Span,
+}
+
+impl Plan {
+    /// The request's concurrency slot id.
+    pub(crate) fn slot(&self) -> u64 {
+        self.slot
+    }
 }
 
 pub(crate) enum Prepared<F> {
@@ -502,8 +523,13 @@ pub(crate) enum Prepared<F> {
 }
 
 pub(crate) enum Decided {
-    /// Admitted, with what the request owes its metered limits, if any settle.
-    Admit(Decision, Option<(Vec<settle::Item>, Arc<LimitSet>)>),
+    /// Admitted, with what the request owes its metered limits, and the limits it was checked
+    /// under when some are concurrency limits (its slots are given back against them).
+    Admit(
+        Decision,
+        Option<(Vec<settle::Item>, Arc<LimitSet>)>,
+        Option<Arc<LimitSet>>,
+    ),
     Refuse(Response<Bytes>),
 }
 

@@ -79,7 +79,14 @@ where
         match answer {
             Poll::Ready(result) => {
                 let decided = self.shared.decide(&result, &req, &plan);
-                ResponseFuture::decided(decided, req, &mut self.inner, Arc::clone(&self.shared))
+                let slot = plan.slot();
+                ResponseFuture::decided(
+                    decided,
+                    req,
+                    &mut self.inner,
+                    Arc::clone(&self.shared),
+                    slot,
+                )
             }
             Poll::Pending => {
                 // Call the service that was polled ready later, leave a fresh clone in its place.

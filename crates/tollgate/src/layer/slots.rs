@@ -1,0 +1,165 @@
+//! The concurrency slots an admitted request holds, given back exactly once.
+//!
+//! A [`Slots`] is made when a request that took slots is admitted, travels with the response
+//! future and then the response body, and gives its slots back when it is dropped: when the
+//! body ends, when the body is dropped unfinished, or when the future is dropped before the
+//! service answered (the client went away, the handler panicked). Ownership makes "exactly
+//! once" structural: one value, one `Drop`.
+
+use std::collections::hash_map::RandomState;
+use std::hash::BuildHasher;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use http::Request;
+use tollgate_core::{Algorithm, Backend, Check, MAX_CHECKS};
+
+use super::{LimitSet, Shared};
+use crate::decision::{Decision, Outcome, Source};
+use crate::key::{Key, RequestView};
+
+/// A slot id unique among the requests in flight on every replica: 21 random bits drawn once
+/// per process above a 32-bit counter, so below 2^53 (a Redis script's numbers are doubles).
+pub(crate) fn next_id() -> u64 {
+    static PREFIX: OnceLock<u64> = OnceLock::new();
+    static COUNTER: AtomicU64 = AtomicU64::new(1);
+    let prefix = *PREFIX.get_or_init(|| RandomState::new().hash_one(0x736c_6f74_u64) & 0x1f_ffff);
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed) & 0xffff_ffff;
+    (prefix << 32) | n.max(1)
+}
+
+/// What the slots are: the limits (by index in the layer) whose slots the request holds, the
+/// key of each, and where each was taken.
+struct Held<B> {
+    shared: Arc<Shared<B>>,
+    /// The limits the request was checked under (a reload may have replaced them since).
+    set: Arc<LimitSet>,
+    slot: u64,
+    items: Vec<(usize, Key<'static>, Source)>,
+}
+
+impl<B: Backend> Held<B> {
+    /// The checks to release or renew: `source`'s slots, against the backend's limits or the
+    /// fallback's local shares.
+    fn with_checks(&self, source: Source, f: impl FnOnce(&[Check<'_>])) {
+        let entries = &self.set.limits;
+        let mut checks = [Check::new(&entries[0].limit, b""); MAX_CHECKS];
+        let mut n = 0;
+        for (i, key, from) in &self.items {
+            let entry = &entries[*i];
+            let limit = match source {
+                Source::Fallback => match &entry.local {
+                    Some(local) => local,
+                    None => continue,
+                },
+                _ => &entry.limit,
+            };
+            if *from == source && n < MAX_CHECKS {
+                checks[n] = Check::new(limit, key.as_bytes()).with_slot(self.slot);
+                n += 1;
+            }
+        }
+        if n > 0 {
+            f(&checks[..n]);
+        }
+    }
+}
+
+/// The slots one admitted request holds; dropping it gives them back.
+pub(crate) struct Slots<B: Backend> {
+    held: Arc<Held<B>>,
+    renewing: Option<tokio::task::AbortHandle>,
+}
+
+impl<B: Backend> Slots<B> {
+    /// The slots `decision` says the request took, if any.
+    pub(crate) fn taken<T>(
+        shared: &Arc<Shared<B>>,
+        set: Arc<LimitSet>,
+        decision: &Decision,
+        req: &Request<T>,
+        slot: u64,
+    ) -> Option<Self> {
+        let view = RequestView::new(req);
+        let mut items = Vec::new();
+        for (i, (entry, d)) in set.limits.iter().zip(decision.limits()).enumerate() {
+            let took = entry.limit.algorithm() == Algorithm::Concurrency
+                && matches!(d.outcome(), Outcome::Allowed { .. });
+            if !took {
+                continue;
+            }
+            // The key the check used: extracted again (keys borrow from the request, and only
+            // a request with slots pays for an owned copy, inline for addresses and short
+            // tenants).
+            if let Ok(Some(key)) = super::decide::key_of(entry, &view) {
+                if let Ok(key) = Key::copied(key.as_bytes()) {
+                    items.push((i, key, d.source()));
+                }
+            }
+        }
+        if items.is_empty() {
+            return None;
+        }
+        let held = Arc::new(Held {
+            shared: Arc::clone(shared),
+            set,
+            slot,
+            items,
+        });
+        let renewing = renew_every(&held).and_then(|every| {
+            let handle = tokio::runtime::Handle::try_current().ok()?;
+            let held = Arc::clone(&held);
+            let task = handle.spawn(async move {
+                let mut ticks = tokio::time::interval(every);
+                ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                ticks.tick().await;
+                loop {
+                    ticks.tick().await;
+                    held.with_checks(Source::Backend, |checks| {
+                        held.shared.backend.renew(checks);
+                    });
+                }
+            });
+            Some(task.abort_handle())
+        });
+        Some(Self { held, renewing })
+    }
+}
+
+/// How often slots are renewed: a third of the shortest slot lifetime among the request's
+/// backend slots, when the backend's slots expire.
+fn renew_every<B: Backend>(held: &Held<B>) -> Option<Duration> {
+    if !held.shared.backend.slots_expire() {
+        return None;
+    }
+    held.items
+        .iter()
+        .filter(|(_, _, source)| *source == Source::Backend)
+        .map(|(i, _, _)| held.set.limits[*i].limit.quota().period() / 3)
+        .min()
+}
+
+impl<B: Backend> Drop for Slots<B> {
+    fn drop(&mut self) {
+        if let Some(task) = self.renewing.take() {
+            task.abort();
+        }
+        let held = &self.held;
+        held.with_checks(Source::Backend, |checks| {
+            held.shared.backend.release(checks)
+        });
+        held.with_checks(Source::Fallback, |checks| {
+            held.shared.fallback.release_now(checks);
+        });
+    }
+}
+
+impl<B: Backend> std::fmt::Debug for Slots<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Slots")
+            .field("slot", &self.held.slot)
+            .field("limits", &self.held.items.len())
+            .finish()
+    }
+}
