@@ -99,30 +99,33 @@ impl Unclaimed {
 
 impl Drop for Unclaimed {
     fn drop(&mut self) {
-        if !self.held.is_empty() {
-            release(&self.inner, std::mem::take(&mut self.held));
-        }
+        release(&self.inner, std::mem::take(&mut self.held));
+    }
+}
+
+/// Runs `work` on `held` in a spawned task. Without a runtime (a process shutting down),
+/// nothing is sent: the slots expire.
+fn spawn_for<F, Fut>(inner: &Arc<Inner>, held: Vec<Held>, work: F)
+where
+    F: FnOnce(Arc<Inner>, Vec<Held>) -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    if held.is_empty() {
+        return;
+    }
+    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+        runtime.spawn(work(Arc::clone(inner), held));
     }
 }
 
 /// `ZREM`s `held` in a spawned task, again and again while Redis fails, until each slot would
-/// have expired anyway. Without a runtime (a process shutting down), the slots expire.
+/// have expired anyway.
 pub(crate) fn release(inner: &Arc<Inner>, held: Vec<Held>) {
-    if held.is_empty() {
-        return;
-    }
-    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-        return;
-    };
-    let inner = Arc::clone(inner);
-    runtime.spawn(async move {
+    spawn_for(inner, held, |inner, held| async move {
         for slot in held {
             let mut cmd = redis::cmd("ZREM");
             cmd.arg(&slot.key[..]).arg(slot.slot);
-            retry(&inner, &cmd, slot.ttl, |inner, cmd| async move {
-                inner.query(&cmd).await
-            })
-            .await;
+            retry(&inner, &cmd, slot.ttl).await;
         }
     });
 }
@@ -130,14 +133,7 @@ pub(crate) fn release(inner: &Arc<Inner>, held: Vec<Held>) {
 /// Renews `held` in a spawned task (one attempt per slot: the next renewal comes a third of a
 /// lifetime later).
 pub(crate) fn renew(inner: &Arc<Inner>, held: Vec<Held>) {
-    if held.is_empty() {
-        return;
-    }
-    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-        return;
-    };
-    let inner = Arc::clone(inner);
-    runtime.spawn(async move {
+    spawn_for(inner, held, |inner, held| async move {
         for slot in held {
             let mut call = inner.renew_script.call(1, 4, slot.key.len() + 40);
             call.arg(&slot.key[..]).arg("").arg(slot.ttl).arg(slot.slot);
@@ -148,17 +144,14 @@ pub(crate) fn renew(inner: &Arc<Inner>, held: Vec<Held>) {
 
 /// Sends `cmd` until Redis answers, waiting longer each time, for at most `within`
 /// microseconds.
-async fn retry<F, Fut>(inner: &Arc<Inner>, cmd: &redis::Cmd, within: Micros, send: F)
-where
-    F: Fn(Arc<Inner>, redis::Cmd) -> Fut,
-    Fut: std::future::Future<Output = Result<redis::Value, tollgate_core::BackendError>>,
-{
+async fn retry(inner: &Arc<Inner>, cmd: &redis::Cmd, within: Micros) {
     let give_up = tokio::time::Instant::now() + Duration::from_micros(within);
     let mut wait = Duration::from_millis(50);
     loop {
-        let attempt = tokio::time::timeout(inner.deadline.max(Duration::from_millis(100)), {
-            send(Arc::clone(inner), cmd.clone())
-        })
+        let attempt = tokio::time::timeout(
+            inner.deadline.max(Duration::from_millis(100)),
+            inner.query(cmd),
+        )
         .await;
         if matches!(attempt, Ok(Ok(_))) || tokio::time::Instant::now() + wait >= give_up {
             return;
