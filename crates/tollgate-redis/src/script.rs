@@ -45,6 +45,24 @@ local function tat_value(tat, interval) return fmt(tat) .. ':' .. fmt(interval) 
 -- Members of a sliding log that one ZADD or ZREM takes: unpack passes at most a few
 -- thousand values.
 local CHUNK = 1000
+-- Adds (`ZADD`, scored at `stamp`) or removes (`ZREM`) a sliding log's members
+-- `<stamp>-<from>` to `<stamp>-<to>`: one unique member per unit, a chunk per command.
+local function log_units(cmd, key, stamp, from, to)
+  local members = {}
+  while from <= to do
+    local last, n = math.min(from + CHUNK - 1, to), 0
+    for s = from, last do
+      if cmd == 'ZADD' then
+        n = n + 1
+        members[n] = stamp
+      end
+      n = n + 1
+      members[n] = stamp .. '-' .. fmt(s)
+    end
+    redis.call(cmd, key, unpack(members, 1, n))
+    from = last + 1
+  end
+end
 local function ttl_ms(us)
   local ms = idiv(us + 999, 1000)
   if ms < 1 then ms = 1 end
@@ -294,19 +312,8 @@ while i <= figures do
         local cost, period, log, seq_key = w_val[j], w_ttl[j], KEYS[key], KEYS[key + 1]
         redis.call('ZREMRANGEBYSCORE', log, '-inf', now - period)
         local last = redis.call('INCRBY', seq_key, cost)
-        local stamp = fmt(now)
-        -- A unique member per unit (two units in the same microsecond are two entries),
-        -- added by one ZADD per chunk that unpack can pass.
-        local members, from = {}, last - cost + 1
-        while from <= last do
-          local to, n = math.min(from + CHUNK - 1, last), 0
-          for s = from, to do
-            members[n + 1], members[n + 2] = stamp, stamp .. '-' .. fmt(s)
-            n = n + 2
-          end
-          redis.call('ZADD', log, unpack(members, 1, n))
-          from = to + 1
-        end
+        -- A unique member per unit (two units in the same microsecond are two entries).
+        log_units('ZADD', log, fmt(now), last - cost + 1, last)
         redis.call('PEXPIRE', log, ttl_ms(period))
         redis.call('PEXPIRE', seq_key, ttl_ms(period))
         out[w_seq[j]] = last
@@ -366,16 +373,7 @@ for i = 1, #KEYS do
   elseif algo == 4 then
     redis.call('ZREM', key, fmt(x))
   elseif algo == 3 then
-    local stamp, members, from = fmt(x), {}, y - z + 1
-    while from <= y do
-      local to, n = math.min(from + CHUNK - 1, y), 0
-      for s = from, to do
-        n = n + 1
-        members[n] = stamp .. '-' .. fmt(s)
-      end
-      redis.call('ZREM', key, unpack(members, 1, n))
-      from = to + 1
-    end
+    log_units('ZREM', key, fmt(x), y - z + 1, y)
   end
 end
 return 1
@@ -444,16 +442,7 @@ for i = 0, (#ARGV - 1) / 7 - 1 do
     local seq_key = KEYS[k + 1]
     k = k + 2
     if refund > 0 then
-      local stamp, members, from = fmt(x), {}, y - refund + 1
-      while from <= y do
-        local to, n = math.min(from + CHUNK - 1, y), 0
-        for s = from, to do
-          n = n + 1
-          members[n] = stamp .. '-' .. fmt(s)
-        end
-        redis.call('ZREM', key, unpack(members, 1, n))
-        from = to + 1
-      end
+      log_units('ZREM', key, fmt(x), y - refund + 1, y)
     elseif charge > 0 then
       redis.call('ZREMRANGEBYSCORE', key, '-inf', now - z)
       local alive = redis.call('ZCARD', key)
@@ -461,16 +450,7 @@ for i = 0, (#ARGV - 1) / 7 - 1 do
       if alive + more > w then more = w - alive end
       if more > 0 then
         local last = redis.call('INCRBY', seq_key, more)
-        local stamp, members, from = fmt(now), {}, last - more + 1
-        while from <= last do
-          local to, n = math.min(from + CHUNK - 1, last), 0
-          for s = from, to do
-            members[n + 1], members[n + 2] = stamp, stamp .. '-' .. fmt(s)
-            n = n + 2
-          end
-          redis.call('ZADD', key, unpack(members, 1, n))
-          from = to + 1
-        end
+        log_units('ZADD', key, fmt(now), last - more + 1, last)
         redis.call('PEXPIRE', key, ttl_ms(z))
         redis.call('PEXPIRE', seq_key, ttl_ms(z))
       end
