@@ -14,7 +14,7 @@ use tokio::sync::Semaphore;
 use tollgate::key::Tenant;
 use tollgate::{Limit, RateLimitLayer};
 use tollgate_redis::RedisBackend;
-use tollgate_testsupport::{RedisCluster, RedisServer};
+use tollgate_testsupport::{until, RedisCluster, RedisServer};
 use tower::ServiceExt;
 
 /// What the handlers of every instance see: how many run now, the most that ever ran at once.
@@ -103,19 +103,6 @@ async fn ten_slow_requests_over_two_instances(a: Router, b: Router, gauge: Arc<G
         3,
         "never more than 3 at once"
     );
-}
-
-/// Waits (bounded) until `count()` is `want`: slots are given back in the background.
-async fn until(want: u64, mut count: impl FnMut() -> u64) -> u64 {
-    let mut seen = count();
-    for _ in 0..500 {
-        if seen == want {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-        seen = count();
-    }
-    seen
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

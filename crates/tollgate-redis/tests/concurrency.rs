@@ -10,20 +10,7 @@ use std::time::Duration;
 use support::{cluster, gcra, standalone, DEADLINE};
 use tollgate_core::{Backend, Check, Limit, Status};
 use tollgate_redis::RedisBackend;
-use tollgate_testsupport::{RedisCluster, RedisServer};
-
-/// Waits (bounded) until `count()` is `want`: a release is sent in the background.
-async fn until(want: u64, mut count: impl FnMut() -> u64) -> u64 {
-    let mut seen = count();
-    for _ in 0..500 {
-        if seen == want {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-        seen = count();
-    }
-    seen
-}
+use tollgate_testsupport::{until, RedisCluster, RedisServer};
 
 fn server_now(conn: &mut redis::Connection) -> u64 {
     let (secs, micros): (u64, u64) = redis::cmd("TIME").query(conn).unwrap();

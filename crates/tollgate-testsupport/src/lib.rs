@@ -738,6 +738,21 @@ fn slot_ranges(nodes: &str) -> Vec<(u16, u16, u16)> {
     out
 }
 
+/// Waits until `count()` is `want`, for at most 5 s (500 looks 10 ms apart), and returns the last
+/// count: for state that the code under test changes in the background (a release sent from a
+/// spawned task). A test asserts the returned figure, so a regression fails instead of hanging.
+pub async fn until(want: u64, mut count: impl FnMut() -> u64) -> u64 {
+    let mut seen = count();
+    for _ in 0..500 {
+        if seen == want {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        seen = count();
+    }
+    seen
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
