@@ -1,10 +1,16 @@
 use std::fmt;
 use std::future::Future;
 use std::ops::Deref;
+use std::pin::Pin;
 use std::time::Duration;
 
+use crate::algorithm;
 use crate::clock::Micros;
-use crate::limit::{Limit, Quota};
+use crate::limit::{Algorithm, Limit, Quota};
+
+/// The answer of [`Backend::peek`] and [`Backend::reset`]: boxed, since operators call them
+/// rarely and a backend can then answer with any future.
+pub type AdminFuture<T> = Pin<Box<dyn Future<Output = Result<T, BackendError>> + Send + 'static>>;
 
 /// The most limits one request can be checked against in one call.
 pub const MAX_CHECKS: usize = 8;
@@ -182,6 +188,46 @@ impl Verdict {
     }
 }
 
+/// One key's state under one limit, read without consuming anything ([`Backend::peek`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KeyState {
+    /// Units the key may take now (for a concurrency limit: slots free now).
+    pub remaining: u64,
+    /// Time until the quota is whole again (0 for a concurrency limit: nothing refills with
+    /// time).
+    pub reset: Duration,
+    /// Time until one more unit can be taken, when none is left now; `None` when one is
+    /// left, or when it never can be (a concurrency limit's slots free when requests end).
+    pub retry_after: Option<Duration>,
+}
+
+impl KeyState {
+    /// The state a check of one unit of `check`'s limit saw, from its `verdict`, which the
+    /// backend did not consume.
+    pub fn from_probe(check: &Check<'_>, verdict: Verdict) -> Self {
+        let unconsumed = algorithm::unconsumed(check.limit.algorithm(), &check.quota, verdict, 1);
+        let retry_after = match (check.limit.algorithm(), unconsumed.status) {
+            (Algorithm::Concurrency, _) => None,
+            (_, Status::Allowed) => None,
+            _ => unconsumed.retry_after(),
+        };
+        Self {
+            remaining: unconsumed.remaining,
+            reset: unconsumed.reset(),
+            retry_after,
+        }
+    }
+
+    /// The state of a key the backend holds nothing for: its whole quota.
+    pub fn fresh(quota: &Quota) -> Self {
+        Self {
+            remaining: u64::from(quota.limit()),
+            reset: Duration::ZERO,
+            retry_after: None,
+        }
+    }
+}
+
 /// The verdicts of one batch, in the order of its checks. Stored inline: no allocation.
 #[derive(Clone, Copy)]
 pub struct Verdicts {
@@ -343,6 +389,34 @@ pub trait Backend: Send + Sync + 'static {
     fn forget_denials(&self, limit: &str) {
         let _ = limit;
     }
+
+    /// Reads `check`'s key (under `check.quota`) without consuming anything: what a request
+    /// of one unit would find now. `check.cost` is ignored.
+    ///
+    /// The default answers [`BackendErrorKind::Unsupported`].
+    fn peek(&self, check: &Check<'_>) -> AdminFuture<KeyState> {
+        let _ = check;
+        Box::pin(std::future::ready(Err(unsupported(self.kind(), "peek"))))
+    }
+
+    /// Forgets what `check`'s key has used, so that its next request finds the whole quota,
+    /// and drops whatever this process remembers of its denials. A concurrency limit's slots
+    /// are not reset (they are requests still in flight, given back when they end): that
+    /// answers [`BackendErrorKind::Unsupported`].
+    ///
+    /// The default answers [`BackendErrorKind::Unsupported`].
+    fn reset(&self, check: &Check<'_>) -> AdminFuture<()> {
+        let _ = check;
+        Box::pin(std::future::ready(Err(unsupported(self.kind(), "reset"))))
+    }
+}
+
+/// The error of an operation `backend` does not offer.
+pub fn unsupported(backend: &str, what: &str) -> BackendError {
+    BackendError::new(
+        BackendErrorKind::Unsupported,
+        format!("the {backend} backend cannot {what} this key"),
+    )
 }
 
 impl<B: Backend> Backend for std::sync::Arc<B> {
@@ -360,8 +434,28 @@ impl<B: Backend> Backend for std::sync::Arc<B> {
         (**self).kind()
     }
 
+    fn release(&self, checks: &[Check<'_>]) {
+        (**self).release(checks)
+    }
+
+    fn renew(&self, checks: &[Check<'_>]) {
+        (**self).renew(checks)
+    }
+
+    fn slots_expire(&self) -> bool {
+        (**self).slots_expire()
+    }
+
     fn forget_denials(&self, limit: &str) {
         (**self).forget_denials(limit);
+    }
+
+    fn peek(&self, check: &Check<'_>) -> AdminFuture<KeyState> {
+        (**self).peek(check)
+    }
+
+    fn reset(&self, check: &Check<'_>) -> AdminFuture<()> {
+        (**self).reset(check)
     }
 }
 
@@ -381,6 +475,9 @@ pub enum BackendErrorKind {
     /// deadline (a full queue, or a deadline that passed before the check was sent): the
     /// backend was not asked, and says nothing about its health.
     Overloaded,
+    /// The backend does not offer what was asked (see [`Backend::peek`] and
+    /// [`Backend::reset`]).
+    Unsupported,
 }
 
 /// A backend that could not answer a batch.
@@ -419,8 +516,8 @@ impl BackendError {
         self.kind == BackendErrorKind::Overloaded
     }
 
-    /// A fixed label for metrics: `timeout`, `error`, `circuit_open`, `protocol` or
-    /// `overloaded`.
+    /// A fixed label for metrics: `timeout`, `error`, `circuit_open`, `protocol`,
+    /// `overloaded` or `unsupported`.
     pub fn reason(&self) -> &'static str {
         match self.kind {
             BackendErrorKind::Timeout => "timeout",
@@ -428,6 +525,7 @@ impl BackendError {
             BackendErrorKind::CircuitOpen => "circuit_open",
             BackendErrorKind::Protocol => "protocol",
             BackendErrorKind::Overloaded => "overloaded",
+            BackendErrorKind::Unsupported => "unsupported",
         }
     }
 }

@@ -59,6 +59,9 @@ pub enum ConfigError {
         /// The longest key.
         max: usize,
     },
+    /// An allowlist entry that no request could match: a name its key extractor refuses
+    /// (an address that does not parse, a tenant with characters tenants cannot have).
+    InvalidAllowlistEntry(String),
 }
 
 impl fmt::Display for ConfigError {
@@ -116,6 +119,10 @@ impl fmt::Display for ConfigError {
                     "key length {len} is invalid: it must be between 1 and {max}"
                 )
             }
+            Self::InvalidAllowlistEntry(entry) => write!(
+                f,
+                "allowlist entry {entry:?} is not a key that any request could have"
+            ),
         }
     }
 }

@@ -36,8 +36,8 @@ mod memory;
 mod sip;
 
 pub use backend::{
-    Backend, BackendError, BackendErrorKind, Check, Receipt, Settlement, Status, Verdict, Verdicts,
-    MAX_CHECKS,
+    unsupported, AdminFuture, Backend, BackendError, BackendErrorKind, Check, KeyState, Receipt,
+    Settlement, Status, Verdict, Verdicts, MAX_CHECKS,
 };
 pub use clock::{Clock, FakeClock, Micros, SystemClock};
 pub use error::ConfigError;

@@ -40,8 +40,8 @@ use std::time::Duration;
 
 use crate::algorithm::{self, WindowState};
 use crate::backend::{
-    Backend, BackendError, BackendErrorKind, Check, Receipt, Settlement, Status, Verdict, Verdicts,
-    MAX_CHECKS,
+    AdminFuture, Backend, BackendError, BackendErrorKind, Check, KeyState, Receipt, Settlement,
+    Status, Verdict, Verdicts, MAX_CHECKS,
 };
 use crate::clock::{micros, Clock, Micros, SystemClock};
 use crate::limit::Algorithm;
@@ -507,6 +507,49 @@ impl<C: Clock> MemoryBackend<C> {
         &self.inner.clock
     }
 
+    /// What a check of one unit of `check`'s limit and key would find now, consuming nothing
+    /// and adding no key: [`Backend::peek`], at once.
+    pub fn peek_now(&self, check: &Check<'_>) -> KeyState {
+        let inner = &*self.inner;
+        let now = inner.clock.now();
+        let probe = check.with_cost(1);
+        let fp = inner.fingerprint(&probe);
+        let mask = inner.shards.len() - 1;
+        let mut shard = inner.shards[fp.shard(mask)]
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        let (verdict, _, new) = shard.evaluate(&probe, &fp, now);
+        if new {
+            return KeyState::fresh(&check.quota);
+        }
+        KeyState::from_probe(&probe, verdict)
+    }
+
+    /// Forgets `check`'s key: [`Backend::reset`], at once.
+    ///
+    /// # Errors
+    ///
+    /// [`BackendErrorKind::Unsupported`] for a concurrency limit, whose slots are requests
+    /// still in flight.
+    pub fn reset_now(&self, check: &Check<'_>) -> Result<(), BackendError> {
+        let inner = &*self.inner;
+        let fp = inner.fingerprint(check);
+        let mask = inner.shards.len() - 1;
+        let mut shard = inner.shards[fp.shard(mask)]
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        let removed = match check.limit.algorithm() {
+            Algorithm::Gcra => shard.gcra.remove(&fp).is_some(),
+            Algorithm::FixedWindow => shard.windows.remove(&fp).is_some(),
+            Algorithm::SlidingLog => shard.logs.remove(&fp).is_some(),
+            Algorithm::Concurrency => return Err(crate::backend::unsupported("memory", "reset")),
+        };
+        if removed {
+            inner.tracked.fetch_sub(1, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
     /// Gives back the concurrency slots that `checks` took (their other checks are ignored):
     /// what [`Backend::release`] does, at once. A key whose last slot comes back is no longer
     /// tracked.
@@ -853,6 +896,14 @@ impl<C: Clock> Backend for MemoryBackend<C> {
 
     fn kind(&self) -> &'static str {
         "memory"
+    }
+
+    fn peek(&self, check: &Check<'_>) -> AdminFuture<KeyState> {
+        Box::pin(ready(Ok(self.peek_now(check))))
+    }
+
+    fn reset(&self, check: &Check<'_>) -> AdminFuture<()> {
+        Box::pin(ready(self.reset_now(check)))
     }
 }
 

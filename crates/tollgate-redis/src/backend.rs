@@ -8,10 +8,11 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 use tollgate_core::{
-    Backend, BackendError, BackendErrorKind, Check, Limit, Micros, Settlement, Status, Verdict,
-    Verdicts,
+    AdminFuture, Backend, BackendError, BackendErrorKind, Check, KeyState, Limit, Micros,
+    Settlement, Status, Verdict, Verdicts,
 };
 
+use crate::admin::OwnedCheck;
 use crate::breaker::{Breaker, BreakerConfig, CircuitState, Permit};
 use crate::coalesce::Coalescer;
 use crate::conn::{breaks_connection, Connector, Target};
@@ -361,6 +362,18 @@ impl Backend for RedisBackend {
     /// or last renewed, so that a crashed replica cannot hold them.
     fn slots_expire(&self) -> bool {
         true
+    }
+
+    /// One `EVAL` that reads the key with the server's `TIME`; writes nothing.
+    fn peek(&self, check: &Check<'_>) -> AdminFuture<KeyState> {
+        Box::pin(Arc::clone(&self.inner).peek(OwnedCheck::of(check)))
+    }
+
+    /// One `EVAL` that deletes the key's state (a fixed window's current and next window),
+    /// then drops this replica's cached denial of it. Other replicas' deny caches keep theirs
+    /// until it expires (at most the deny cache's lease).
+    fn reset(&self, check: &Check<'_>) -> AdminFuture<()> {
+        Box::pin(Arc::clone(&self.inner).reset(OwnedCheck::of(check)))
     }
 }
 

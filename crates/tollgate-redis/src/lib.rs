@@ -180,6 +180,7 @@
 //! `tollgate_backend_up{backend="redis"}` (gauge, 1 after an answer, 0 after a failure) and
 //! `tollgate_deny_cache_hits_total{limit}`. No label ever holds a key.
 
+mod admin;
 mod backend;
 mod breaker;
 mod builder;
