@@ -103,6 +103,9 @@ pub enum Outcome {
         /// Why.
         reason: SkipReason,
     },
+    /// Admitted without being counted: the request matched the layer's
+    /// [`Allowlist`](crate::Allowlist).
+    Allowlisted,
 }
 
 impl Outcome {
@@ -251,7 +254,7 @@ impl LimitDecision {
     }
 
     /// A fixed label for this limit's own outcome: `allowed`, `denied`, `shadow_denied`,
-    /// `bypassed`, `fallback` (admitted by the fallback limiter) or `skipped`. The `outcome`
+    /// `bypassed`, `fallback` (admitted by the fallback limiter), `skipped` or `allowlisted`. The `outcome`
     /// label of `tollgate_decisions_total` can differ: `unavailable` for a fail-closed
     /// refusal, and `skipped` at the limits that did not refuse a refused request.
     pub fn label(&self) -> &'static str {
@@ -262,6 +265,7 @@ impl LimitDecision {
             (Outcome::Allowed { .. }, Source::Backend, _) => "allowed",
             (Outcome::Bypassed { .. }, _, _) => "bypassed",
             (Outcome::Skipped { .. }, _, _) => "skipped",
+            (Outcome::Allowlisted, _, _) => "allowlisted",
         }
     }
 }
@@ -364,6 +368,16 @@ impl Decision {
     /// Whether every limit admits the request.
     pub fn is_admitted(&self) -> bool {
         !self.limits().iter().any(LimitDecision::refuses)
+    }
+
+    /// Whether the request matched the layer's [`Allowlist`](crate::Allowlist): admitted,
+    /// and counted by no limit.
+    pub fn is_allowlisted(&self) -> bool {
+        let limits = self.limits();
+        !limits.is_empty()
+            && limits
+                .iter()
+                .all(|l| matches!(l.outcome, Outcome::Allowlisted))
     }
 
     /// Whether any limit let the request through uncounted because its backend failed.

@@ -89,6 +89,7 @@ pub mod key;
 
 pub mod cost;
 
+mod allowlist;
 mod canary;
 mod decision;
 #[cfg(feature = "axum")]
@@ -103,6 +104,7 @@ mod response;
 /// The parts that know nothing of HTTP: quotas, algorithms, clocks, backends.
 pub use tollgate_core as core;
 
+pub use allowlist::Allowlist;
 pub use canary::{Canary, CanaryHandle, CanaryStatus, CANARY_LIMIT};
 pub use decision::{
     BypassReason, Decision, DenyReason, LimitDecision, Outcome, SkipReason, Source,
@@ -110,8 +112,8 @@ pub use decision::{
 #[cfg(feature = "axum")]
 pub use extract::MissingDecision;
 pub use layer::{
-    Limits, RateLimit, RateLimitLayer, RateLimitLayerBuilder, ReloadError, Reloader, ResponseBody,
-    ResponseFuture,
+    AdminError, Limits, RateLimit, RateLimitLayer, RateLimitLayerBuilder, ReloadError, Reloader,
+    ResponseBody, ResponseFuture,
 };
 pub use limits_file::{LimitsFile, LimitsFileError};
 pub use plan::Plan;

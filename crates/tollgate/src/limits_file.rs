@@ -13,10 +13,12 @@ use std::time::Duration;
 
 use http::HeaderName;
 use serde::Deserialize;
-use tollgate_core::{Algorithm, ConfigError, Limit, MissingKeyPolicy, Quota};
+use tollgate_core::{Algorithm, ConfigError, Limit, MissingKeyPolicy, Quota, MAX_CHECKS};
 
+use crate::allowlist::Allowlist;
 use crate::key::{
-    ClientIp, ForwardedHeader, Global, KeyExtractor, Principal, PrincipalId, Tenant, TrustedProxies,
+    Cidr, ClientIp, ForwardedHeader, Global, KeyExtractor, Principal, PrincipalId, Tenant,
+    TrustedProxies,
 };
 use crate::layer::{Limits, RateLimitLayer};
 
@@ -46,6 +48,7 @@ type MakeKey = Arc<dyn Fn() -> Box<dyn KeyExtractor> + Send + Sync>;
 #[derive(Clone, Default)]
 pub struct LimitsFile {
     principals: BTreeMap<String, MakeKey>,
+    any_principal: bool,
 }
 
 impl fmt::Debug for LimitsFile {
@@ -75,6 +78,13 @@ impl LimitsFile {
         self
     }
 
+    /// Binds every principal name that no other call bound to string ids (`String`): for tools
+    /// that check a file without the application's types, such as `tollgate check`.
+    pub fn any_principal(mut self) -> Self {
+        self.any_principal = true;
+        self
+    }
+
     /// Parses `text` into limits.
     ///
     /// # Errors
@@ -85,6 +95,28 @@ impl LimitsFile {
         let file: FileSpec =
             toml::from_str(text).map_err(|e| LimitsFileError::at(text, e.span(), e.message()))?;
         let mut limits = Limits::new();
+        // What only the whole set can say, where it is said: a name given twice (at its
+        // second `[[limit]]`), more limits than a layer takes (at the first too many).
+        for (i, spec) in file.limit.iter().enumerate() {
+            let name = &spec.get_ref().name;
+            if let Some(first) = file.limit[..i].iter().find(|s| &s.get_ref().name == name) {
+                let (line, _) = LimitsFileError::position(text, first.span().start);
+                return Err(LimitsFileError::at(
+                    text,
+                    Some(spec.span()),
+                    &format!(
+                        "limit {name:?}: a second limit of this name (the first is at line {line})"
+                    ),
+                ));
+            }
+            if i == MAX_CHECKS {
+                return Err(LimitsFileError::at(
+                    text,
+                    Some(spec.span()),
+                    &format!("a layer holds at most {MAX_CHECKS} limits"),
+                ));
+            }
+        }
         for spec in &file.limit {
             let span = spec.span();
             let (limit, key) = self
@@ -94,6 +126,12 @@ impl LimitsFile {
         }
         if limits.is_empty() {
             return Err(LimitsFileError::at(text, None, "the file has no [[limit]]"));
+        }
+        for spec in &file.allowlist {
+            let allow = self
+                .allowlist(spec.get_ref())
+                .map_err(|message| LimitsFileError::at(text, Some(spec.span()), &message))?;
+            limits.add_allowlist(allow);
         }
         // What only the whole set can say (duplicate names, too many limits).
         limits
@@ -196,6 +234,34 @@ impl LimitsFile {
         Ok((limit, key))
     }
 
+    /// One `[[allowlist]]` table: a key and the networks (for an `ip` key) or the names it
+    /// admits.
+    fn allowlist(&self, spec: &AllowSpec) -> Result<Allowlist, String> {
+        let mut allow = Allowlist::new();
+        if spec.networks.is_none() && spec.values.is_none() {
+            return Err("an allowlist needs `networks` (for an ip key) or `values`".into());
+        }
+        if let Some(networks) = &spec.networks {
+            let ip = match &spec.key {
+                KeySpec::Word(w) if w == "ip" => ClientIp::peer(),
+                KeySpec::Ip { ip } => ip_key(ip)?,
+                _ => return Err("allowlist `networks` need an ip key".into()),
+            };
+            let cidrs = networks
+                .iter()
+                .map(|n| n.parse::<Cidr>().map_err(|e| format!("allowlist: {e}")))
+                .collect::<Result<Vec<_>, _>>()?;
+            allow = allow.networks(ip, cidrs);
+        }
+        if let Some(values) = &spec.values {
+            let key = self.key(&spec.key).map_err(|e| format!("allowlist: {e}"))?;
+            allow = allow
+                .keys(key, values.iter())
+                .map_err(|e| format!("allowlist: {e}"))?;
+        }
+        Ok(allow)
+    }
+
     fn key(&self, spec: &KeySpec) -> Result<Box<dyn KeyExtractor>, String> {
         match spec {
             KeySpec::Word(w) if w == "global" => Ok(Box::new(Global)),
@@ -215,55 +281,55 @@ impl LimitsFile {
                     None => Ok(Box::new(tenant)),
                 }
             }
-            KeySpec::Ip { ip } => {
-                let trusted = match &ip.trusted {
-                    None => TrustedProxies::none(),
-                    Some(Trusted::Word(w)) if w == "cloudflare" => TrustedProxies::cloudflare(),
-                    Some(Trusted::Word(w)) => {
-                        return Err(format!(
-                            "unknown trusted proxies {w:?} (cloudflare, or CIDRs)"
-                        ))
-                    }
-                    Some(Trusted::Cidrs(cidrs)) => {
-                        let cidrs: Vec<&str> = cidrs.iter().map(String::as_str).collect();
-                        TrustedProxies::parse(&cidrs).map_err(|e| e.to_string())?
-                    }
-                };
-                let mut key = match ip.header.as_deref() {
-                    None => ClientIp::peer(),
-                    Some("cf-connecting-ip") => {
-                        ClientIp::forwarded(ForwardedHeader::CfConnectingIp, trusted)
-                    }
-                    Some("x-forwarded-for") => {
-                        ClientIp::forwarded(ForwardedHeader::XForwardedFor, trusted)
-                    }
-                    Some(other) => {
-                        return Err(format!(
-                            "unknown client address header {other:?} (cf-connecting-ip, \
-                             x-forwarded-for)"
-                        ))
-                    }
-                };
-                if let Some(bits) = ip.ipv4_prefix {
-                    key = key.ipv4_prefix(bits).map_err(|e| e.to_string())?;
-                }
-                if let Some(bits) = ip.ipv6_prefix {
-                    key = key.ipv6_prefix(bits).map_err(|e| e.to_string())?;
-                }
-                Ok(Box::new(key))
-            }
+            KeySpec::Ip { ip } => Ok(Box::new(ip_key(ip)?)),
         }
     }
 
     fn principal_key(&self, name: &str) -> Result<Box<dyn KeyExtractor>, String> {
         match self.principals.get(name) {
             Some(make) => Ok(make()),
+            None if self.any_principal => Ok(Box::new(Principal::<String>::new())),
             None => Err(format!(
                 "principal {name:?} is bound to no type: load the file with \
                  LimitsFile::new().principal::<T>()"
             )),
         }
     }
+}
+
+/// A client address extractor from `{ ip = { ... } }`.
+fn ip_key(ip: &IpSpec) -> Result<ClientIp, String> {
+    let trusted = match &ip.trusted {
+        None => TrustedProxies::none(),
+        Some(Trusted::Word(w)) if w == "cloudflare" => TrustedProxies::cloudflare(),
+        Some(Trusted::Word(w)) => {
+            return Err(format!(
+                "unknown trusted proxies {w:?} (cloudflare, or CIDRs)"
+            ))
+        }
+        Some(Trusted::Cidrs(cidrs)) => {
+            let cidrs: Vec<&str> = cidrs.iter().map(String::as_str).collect();
+            TrustedProxies::parse(&cidrs).map_err(|e| e.to_string())?
+        }
+    };
+    let mut key = match ip.header.as_deref() {
+        None => ClientIp::peer(),
+        Some("cf-connecting-ip") => ClientIp::forwarded(ForwardedHeader::CfConnectingIp, trusted),
+        Some("x-forwarded-for") => ClientIp::forwarded(ForwardedHeader::XForwardedFor, trusted),
+        Some(other) => {
+            return Err(format!(
+                "unknown client address header {other:?} (cf-connecting-ip, \
+                             x-forwarded-for)"
+            ))
+        }
+    };
+    if let Some(bits) = ip.ipv4_prefix {
+        key = key.ipv4_prefix(bits).map_err(|e| e.to_string())?;
+    }
+    if let Some(bits) = ip.ipv6_prefix {
+        key = key.ipv6_prefix(bits).map_err(|e| e.to_string())?;
+    }
+    Ok(key)
 }
 
 impl RateLimitLayer {
@@ -299,17 +365,24 @@ pub struct LimitsFileError {
 }
 
 impl LimitsFileError {
+    /// The line and column (from 1) of byte `at` of `text`.
+    fn position(text: &str, at: usize) -> (usize, usize) {
+        let mut at = at.min(text.len());
+        while !text.is_char_boundary(at) {
+            at -= 1;
+        }
+        let before = &text[..at];
+        let line = before.matches('\n').count() + 1;
+        let column = before
+            .rfind('\n')
+            .map_or(before.len(), |n| before.len() - n - 1)
+            + 1;
+        (line, column)
+    }
+
     fn at(text: &str, span: Option<Range<usize>>, message: &str) -> Self {
         let (line, column) = match span {
-            Some(span) => {
-                let before = &text[..span.start.min(text.len())];
-                let line = before.matches('\n').count() + 1;
-                let column = before
-                    .rfind('\n')
-                    .map_or(before.len(), |n| before.len() - n - 1)
-                    + 1;
-                (line, column)
-            }
+            Some(span) => Self::position(text, span.start),
             None => (0, 0),
         };
         Self {
@@ -392,6 +465,16 @@ fn parse_period(text: &str) -> Result<Duration, String> {
 struct FileSpec {
     #[serde(default)]
     limit: Vec<toml::Spanned<LimitSpec>>,
+    #[serde(default)]
+    allowlist: Vec<toml::Spanned<AllowSpec>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AllowSpec {
+    key: KeySpec,
+    networks: Option<Vec<String>>,
+    values: Option<Vec<String>>,
 }
 
 #[derive(Deserialize)]

@@ -35,10 +35,11 @@ pub(crate) enum Label {
     Skipped,
     MissingKey,
     Unavailable,
+    Allowlisted,
 }
 
 impl Label {
-    const ALL: [Self; 8] = [
+    const ALL: [Self; 9] = [
         Self::Allowed,
         Self::Denied,
         Self::ShadowDenied,
@@ -47,6 +48,7 @@ impl Label {
         Self::Skipped,
         Self::MissingKey,
         Self::Unavailable,
+        Self::Allowlisted,
     ];
 
     pub(crate) fn as_str(self) -> &'static str {
@@ -59,6 +61,7 @@ impl Label {
             Self::Skipped => "skipped",
             Self::MissingKey => "missing_key",
             Self::Unavailable => "unavailable",
+            Self::Allowlisted => "allowlisted",
         }
     }
 
@@ -77,6 +80,7 @@ impl Label {
             Outcome::Allowed { .. } => Self::Allowed,
             Outcome::Bypassed { .. } => Self::Bypassed,
             Outcome::Skipped { .. } => Self::Skipped,
+            Outcome::Allowlisted => Self::Allowlisted,
         }
     }
 
@@ -228,6 +232,7 @@ pub(crate) fn record_span(span: &tracing::Span, decision: &Decision) {
             Label::Fallback,
             Label::ShadowDenied,
             Label::Allowed,
+            Label::Allowlisted,
         ]
         .into_iter()
         .find(|l| has(*l))

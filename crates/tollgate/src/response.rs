@@ -283,7 +283,7 @@ pub(crate) fn write_headers(
                 };
                 (remaining, seconds)
             }
-            Outcome::Bypassed { .. } | Outcome::Skipped { .. } => continue,
+            Outcome::Bypassed { .. } | Outcome::Skipped { .. } | Outcome::Allowlisted => continue,
         };
         let seconds = match limit.outcome() {
             Outcome::Allowed { .. } if limit.is_concurrency() => None,

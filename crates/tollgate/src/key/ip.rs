@@ -8,7 +8,7 @@ use http::header::{HeaderMap, HeaderName};
 use tollgate_core::ConfigError;
 
 use super::proxies::{canonical, mask_v4, mask_v6, TrustedProxies};
-use super::{Key, KeyExtractor, MissingKey, RequestView};
+use super::{Identity, Key, KeyExtractor, MissingKey, RequestView};
 
 const CF_CONNECTING_IP: HeaderName = HeaderName::from_static("cf-connecting-ip");
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
@@ -205,6 +205,17 @@ impl ClientIp {
         Ok(self)
     }
 
+    /// The client's address as this extractor finds it in `req` (the socket peer, or what a
+    /// trusted proxy names), before grouping: what an allowlist's networks are matched on.
+    ///
+    /// # Errors
+    ///
+    /// As [`KeyExtractor::extract`]: no peer address, or a trusted proxy's header that names
+    /// no valid client.
+    pub fn client_ip(&self, req: &RequestView<'_>) -> Result<IpAddr, MissingKey> {
+        self.client(req)
+    }
+
     fn client(&self, req: &RequestView<'_>) -> Result<IpAddr, MissingKey> {
         let peer = peer_ip(req, self.peer_fn.as_ref())?;
         match &self.source {
@@ -246,6 +257,39 @@ fn check_prefix(bits: u8, max: u8) -> Result<u8, ConfigError> {
 impl KeyExtractor for ClientIp {
     fn extract<'r>(&self, req: &RequestView<'r>) -> Result<Key<'r>, MissingKey> {
         self.client(req).and_then(|ip| self.key(ip))
+    }
+
+    /// The key of the address, grouped by this extractor's prefixes; a name that is not an
+    /// address is [`MissingKey::Invalid`].
+    fn key_of(&self, identity: &Identity) -> Result<Key<'static>, MissingKey> {
+        identity
+            .ip()
+            .ok_or(MissingKey::Invalid)
+            .and_then(|ip| self.key(ip))
+    }
+
+    /// `ip`, then where the address comes from and how it is grouped when not the defaults:
+    /// `ip (cf-connecting-ip from 22 trusted networks, IPv4 /24)`.
+    fn describe(&self) -> String {
+        let mut parts = Vec::new();
+        if let Source::Forwarded { header, trusted } = &self.source {
+            parts.push(format!(
+                "{} from {} trusted networks",
+                header.as_str(),
+                trusted.cidrs().len()
+            ));
+        }
+        if self.v4_prefix != 32 {
+            parts.push(format!("IPv4 /{}", self.v4_prefix));
+        }
+        if self.v6_prefix != 64 {
+            parts.push(format!("IPv6 /{}", self.v6_prefix));
+        }
+        if parts.is_empty() {
+            "ip".to_owned()
+        } else {
+            format!("ip ({})", parts.join(", "))
+        }
     }
 }
 

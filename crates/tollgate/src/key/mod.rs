@@ -17,6 +17,7 @@
 //! value is never a key.
 
 use std::fmt;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use http::{Extensions, HeaderMap, Method, Uri};
 
@@ -221,6 +222,120 @@ pub trait KeyExtractor: Send + Sync + 'static {
     ///
     /// [`MissingKey`] when the request has no valid key; the limit's missing-key policy applies.
     fn extract<'r>(&self, req: &RequestView<'r>) -> Result<Key<'r>, MissingKey>;
+
+    /// The key of a request whose client is `identity`, as [`extract`](Self::extract) would
+    /// find it: what operators' tools ([`RateLimitLayer::peek`](crate::RateLimitLayer::peek),
+    /// [`reset`](crate::RateLimitLayer::reset), allowlists) use, so that nobody handles key
+    /// bytes. [`ClientIp`] groups an address as it does a request's, [`Tenant`] normalises the
+    /// name, [`Principal`] asks its [`PrincipalId`] type, [`Global`] has its one key.
+    ///
+    /// The default, for [`key_fn`] closures and other extractors, takes the identity's text
+    /// (an address as written) as the key's bytes.
+    ///
+    /// # Errors
+    ///
+    /// [`MissingKey::Invalid`] (or `TooLong`) when no request could have this identity's key.
+    fn key_of(&self, identity: &Identity) -> Result<Key<'static>, MissingKey> {
+        Key::owned(identity.to_string())
+    }
+
+    /// What the keys are, in a few words for people (`ip`, `header x-shop-domain`, ...):
+    /// what a limits file check prints. The default is `custom`.
+    fn describe(&self) -> String {
+        "custom".to_owned()
+    }
+}
+
+/// Whom an operator means: a client address, or a name (a tenant, a principal's id), as it
+/// appears in requests. See [`KeyExtractor::key_of`].
+///
+/// ```
+/// use tollgate::key::{ClientIp, Identity, KeyExtractor};
+///
+/// let ip: std::net::IpAddr = "2001:db8::1".parse().unwrap();
+/// // One /64 is one client: any address in it has the same key.
+/// let same: Identity = "2001:db8::ffff".parse().unwrap();
+/// let ex = ClientIp::peer();
+/// assert_eq!(ex.key_of(&ip.into()).unwrap(), ex.key_of(&same).unwrap());
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Identity {
+    /// A client address.
+    Ip(IpAddr),
+    /// A name: a tenant, a principal's id, or any other key's text.
+    Name(String),
+}
+
+impl Identity {
+    /// The address this identity is, or names (text that parses as an address).
+    pub fn ip(&self) -> Option<IpAddr> {
+        match self {
+            Self::Ip(ip) => Some(*ip),
+            Self::Name(name) => name.trim().parse().ok(),
+        }
+    }
+}
+
+impl fmt::Display for Identity {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Ip(ip) => ip.fmt(f),
+            Self::Name(name) => f.write_str(name),
+        }
+    }
+}
+
+impl std::str::FromStr for Identity {
+    type Err = std::convert::Infallible;
+
+    /// An address when the text is one, else a name.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(Self::from(s))
+    }
+}
+
+impl From<IpAddr> for Identity {
+    fn from(ip: IpAddr) -> Self {
+        Self::Ip(ip)
+    }
+}
+
+impl From<Ipv4Addr> for Identity {
+    fn from(ip: Ipv4Addr) -> Self {
+        Self::Ip(ip.into())
+    }
+}
+
+impl From<Ipv6Addr> for Identity {
+    fn from(ip: Ipv6Addr) -> Self {
+        Self::Ip(ip.into())
+    }
+}
+
+impl From<&str> for Identity {
+    /// An address when the text is one, else a name.
+    fn from(s: &str) -> Self {
+        match s.trim().parse::<IpAddr>() {
+            Ok(ip) => Self::Ip(ip),
+            Err(_) => Self::Name(s.to_owned()),
+        }
+    }
+}
+
+impl From<String> for Identity {
+    /// An address when the text is one, else a name.
+    fn from(s: String) -> Self {
+        match s.trim().parse::<IpAddr>() {
+            Ok(ip) => Self::Ip(ip),
+            Err(_) => Self::Name(s),
+        }
+    }
+}
+
+impl From<&String> for Identity {
+    fn from(s: &String) -> Self {
+        Self::from(s.as_str())
+    }
 }
 
 /// One bucket for every request.
@@ -230,6 +345,15 @@ pub struct Global;
 impl KeyExtractor for Global {
     fn extract<'r>(&self, _: &RequestView<'r>) -> Result<Key<'r>, MissingKey> {
         Ok(Key(Repr::Borrowed(b"global")))
+    }
+
+    /// The one key, whoever is named.
+    fn key_of(&self, _: &Identity) -> Result<Key<'static>, MissingKey> {
+        Ok(Key(Repr::Borrowed(b"global")))
+    }
+
+    fn describe(&self) -> String {
+        "global".to_owned()
     }
 }
 
@@ -274,6 +398,14 @@ where
 impl<K: KeyExtractor + ?Sized> KeyExtractor for Box<K> {
     fn extract<'r>(&self, req: &RequestView<'r>) -> Result<Key<'r>, MissingKey> {
         (**self).extract(req)
+    }
+
+    fn key_of(&self, identity: &Identity) -> Result<Key<'static>, MissingKey> {
+        (**self).key_of(identity)
+    }
+
+    fn describe(&self) -> String {
+        (**self).describe()
     }
 }
 

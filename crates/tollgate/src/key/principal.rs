@@ -20,6 +20,22 @@ pub trait PrincipalId: Send + Sync + 'static {
     /// A [`MissingKey`] when this value identifies no one (for example an empty string) or is
     /// longer than [`MAX_KEY_LEN`](super::MAX_KEY_LEN).
     fn principal_id(&self) -> Result<Key<'_>, MissingKey>;
+
+    /// The key bytes of the principal named `identity`, as an operator writes it (for
+    /// [`KeyExtractor::key_of`]): the same bytes [`principal_id`](Self::principal_id) gives
+    /// the value that `identity` names. The default takes the text's bytes, which is right for
+    /// string ids; the integers parse the text as a decimal number. A type whose key is not
+    /// its text (a wrapper around an integer, say) implements this too.
+    ///
+    /// # Errors
+    ///
+    /// [`MissingKey::Invalid`] when the text names no principal of this type.
+    fn identity_key(identity: &str) -> Result<Key<'static>, MissingKey>
+    where
+        Self: Sized,
+    {
+        str_id(identity).and_then(|key| Key::copied(key.as_bytes()))
+    }
 }
 
 /// An empty identifier is what a half-configured authentication layer produces; counting every
@@ -53,17 +69,32 @@ impl PrincipalId for u64 {
     fn principal_id(&self) -> Result<Key<'_>, MissingKey> {
         Key::copied(&self.to_le_bytes())
     }
+
+    fn identity_key(identity: &str) -> Result<Key<'static>, MissingKey> {
+        let id: Self = identity.trim().parse().map_err(|_| MissingKey::Invalid)?;
+        Key::copied(&id.to_le_bytes())
+    }
 }
 
 impl PrincipalId for u128 {
     fn principal_id(&self) -> Result<Key<'_>, MissingKey> {
         Key::copied(&self.to_le_bytes())
     }
+
+    fn identity_key(identity: &str) -> Result<Key<'static>, MissingKey> {
+        let id: Self = identity.trim().parse().map_err(|_| MissingKey::Invalid)?;
+        Key::copied(&id.to_le_bytes())
+    }
 }
 
 impl PrincipalId for i64 {
     fn principal_id(&self) -> Result<Key<'_>, MissingKey> {
         Key::copied(&self.to_le_bytes())
+    }
+
+    fn identity_key(identity: &str) -> Result<Key<'static>, MissingKey> {
+        let id: Self = identity.trim().parse().map_err(|_| MissingKey::Invalid)?;
+        Key::copied(&id.to_le_bytes())
     }
 }
 
@@ -134,6 +165,16 @@ impl<T: PrincipalId> KeyExtractor for Principal<T> {
             .get::<T>()
             .ok_or(MissingKey::Absent)?
             .principal_id()
+    }
+
+    /// What [`PrincipalId::identity_key`] makes of the identity's text.
+    fn key_of(&self, identity: &super::Identity) -> Result<Key<'static>, MissingKey> {
+        T::identity_key(&identity.to_string())
+    }
+
+    fn describe(&self) -> String {
+        let name = std::any::type_name::<T>();
+        format!("principal {}", name.rsplit("::").next().unwrap_or(name))
     }
 }
 

@@ -149,6 +149,21 @@ impl KeyExtractor for Tenant {
     fn extract<'r>(&self, req: &RequestView<'r>) -> Result<Key<'r>, MissingKey> {
         self.raw(req).and_then(|raw| normalise(raw, self.max_len))
     }
+
+    /// The tenant's name, normalised as a request's is (trimmed, lowercase).
+    fn key_of(&self, identity: &super::Identity) -> Result<Key<'static>, MissingKey> {
+        let name = identity.to_string();
+        normalise(name.as_bytes(), self.max_len).and_then(|key| Key::copied(key.as_bytes()))
+    }
+
+    /// `header <name>`, `query <parameter>` or `extension <type>`.
+    fn describe(&self) -> String {
+        match &self.source {
+            Source::Header(name) => format!("header {name}"),
+            Source::Query(param) => format!("query {param}"),
+            Source::Extension { type_name, .. } => format!("extension {type_name}"),
+        }
+    }
 }
 
 impl fmt::Debug for Tenant {

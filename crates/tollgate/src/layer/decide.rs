@@ -40,6 +40,11 @@ impl<B: Backend> Shared<B> {
             tracing::Span::none()
         };
         let view = RequestView::new(req);
+        if let Some(allowlist) = &set.allowlist {
+            if allowlist.matches(&view) {
+                return Prepared::Admit(allowlisted(&set, &span));
+            }
+        }
         // The request's plan is looked up only when some limit has plans: its extension, or
         // what the layer's plan function makes of the request.
         let chosen;
@@ -370,8 +375,10 @@ impl<B: Backend> Shared<B> {
     }
 
     /// Adds the decision and (if configured) the rate-limit fields to an admitted response.
+    /// An allowlisted request's response has no fields: nothing was counted.
     pub(crate) fn finish<T>(&self, response: &mut Response<T>, decision: Decision) {
-        self.stamp(response, decision, self.headers.on_allowed);
+        let fields = self.headers.on_allowed && !decision.is_allowlisted();
+        self.stamp(response, decision, fields);
     }
 
     /// Puts the decision in the response's extensions, and the rate-limit fields if `fields`.
@@ -438,6 +445,20 @@ impl Entry {
             decision
         }
     }
+}
+
+/// The decision of a request that `set`'s allowlist matched: every limit `Allowlisted`.
+fn allowlisted(set: &LimitSet, span: &tracing::Span) -> Decision {
+    let decision: Decision = set
+        .limits
+        .iter()
+        .map(|entry| entry.decision(Outcome::Allowlisted, Source::Backend, 0))
+        .collect();
+    for (entry, d) in set.limits.iter().zip(decision.limits()) {
+        entry.metrics.record(d, true);
+    }
+    obs::record_span(span, &decision);
+    decision
 }
 
 pub(super) fn key_of<'r>(

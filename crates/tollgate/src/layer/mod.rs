@@ -24,6 +24,7 @@ use tollgate_core::{
 };
 use tower_layer::Layer;
 
+use crate::allowlist::Allowlist;
 use crate::cost::Metered;
 use crate::decision::Decision;
 use crate::key::{KeyExtractor, RequestView};
@@ -31,6 +32,7 @@ use crate::metrics::LimitMetrics;
 use crate::plan::Plan as RequestPlan;
 use crate::response::{self, HeaderConfig, Rejection};
 
+mod admin;
 mod body;
 mod decide;
 mod future;
@@ -39,6 +41,7 @@ mod service;
 mod settle;
 mod slots;
 
+pub use admin::AdminError;
 pub use body::ResponseBody;
 pub use future::ResponseFuture;
 pub use reload::{ReloadError, Reloader};
@@ -130,6 +133,7 @@ impl<B> RateLimitLayer<B> {
 #[derive(Default)]
 pub struct Limits {
     entries: Vec<(Limit, Box<dyn KeyExtractor>, Option<Metered>)>,
+    allowlist: Allowlist,
 }
 
 impl Limits {
@@ -152,6 +156,36 @@ impl Limits {
     /// Adds a metered limit (see [`RateLimitLayerBuilder::metered`]).
     pub fn push_metered(&mut self, limit: Limit, key: Box<dyn KeyExtractor>, metered: Metered) {
         self.entries.push((limit, key, Some(metered)));
+    }
+
+    /// These limits with `allowlist`'s rules added to their allowlist (see [`Allowlist`]).
+    pub fn with_allowlist(mut self, allowlist: Allowlist) -> Self {
+        self.add_allowlist(allowlist);
+        self
+    }
+
+    /// Adds `allowlist`'s rules to these limits' allowlist.
+    pub fn add_allowlist(&mut self, allowlist: Allowlist) {
+        let own = std::mem::take(&mut self.allowlist);
+        self.allowlist = own.extend(allowlist);
+    }
+
+    /// The requests these limits admit without counting.
+    pub fn allowlist(&self) -> &Allowlist {
+        &self.allowlist
+    }
+
+    /// The limit named `name` and the extractor of its keys.
+    pub fn get(&self, name: &str) -> Option<(&Limit, &dyn KeyExtractor)> {
+        self.entries
+            .iter()
+            .find(|(l, _, _)| l.name() == name)
+            .map(|(l, k, _)| (l, &**k))
+    }
+
+    /// The limits with the extractors of their keys, in order.
+    pub fn entries(&self) -> impl ExactSizeIterator<Item = (&Limit, &dyn KeyExtractor)> + '_ {
+        self.entries.iter().map(|(l, k, _)| (l, &**k))
     }
 
     /// How many limits.
@@ -195,6 +229,7 @@ impl Limits {
     /// Checks the whole set and prepares it for requests.
     pub(crate) fn compile(self) -> Result<LimitSet, ConfigError> {
         self.check()?;
+        let allowlist = (!self.allowlist.is_empty()).then_some(self.allowlist);
         let limits = self.entries;
         let policy = response::policy_value(
             limits
@@ -229,6 +264,7 @@ impl Limits {
             .collect();
         Ok(LimitSet {
             limits,
+            allowlist,
             policy,
             names,
             plans,
@@ -329,9 +365,18 @@ impl<B: Backend> RateLimitLayerBuilder<B> {
         self
     }
 
-    /// Adds every limit of `limits` (for example from a [`LimitsFile`](crate::LimitsFile)).
+    /// Adds every limit of `limits` (for example from a [`LimitsFile`](crate::LimitsFile)),
+    /// and its allowlist.
     pub fn limits(mut self, limits: Limits) -> Self {
         self.limits.entries.extend(limits.entries);
+        self.limits.add_allowlist(limits.allowlist);
+        self
+    }
+
+    /// Admits the requests that `allowlist` matches without counting them (see
+    /// [`Allowlist`]). Adds to the rules already given.
+    pub fn allowlist(mut self, allowlist: Allowlist) -> Self {
+        self.limits.add_allowlist(allowlist);
         self
     }
 
@@ -463,6 +508,8 @@ pub(crate) struct Shared<B> {
 /// One version of a layer's limits, checked whole.
 pub(crate) struct LimitSet {
     limits: Box<[Entry]>,
+    /// The requests admitted without counting; `None` when there is no rule.
+    allowlist: Option<Allowlist>,
     /// `RateLimit-Policy` of a request that gets every limit's default quota.
     policy: Option<HeaderValue>,
     /// The limits' names, comma-separated, for the check span.
@@ -519,6 +566,8 @@ impl Plan {
 
 pub(crate) enum Prepared<F> {
     Check(F, Plan),
+    /// Admitted without asking the backend (allowlisted).
+    Admit(Decision),
     Refuse(Response<Bytes>),
 }
 

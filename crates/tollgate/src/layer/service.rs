@@ -11,7 +11,7 @@ use tower_service::Service;
 
 use super::body::ResponseBody;
 use super::future::ResponseFuture;
-use super::{Prepared, Shared};
+use super::{Decided, Prepared, Shared};
 
 /// The service a [`RateLimitLayer`](super::RateLimitLayer) wraps around `S`.
 ///
@@ -69,6 +69,15 @@ where
     fn call(&mut self, req: Request<ReqBody>) -> Self::Future {
         let (mut check, plan) = match self.shared.prepare(&req) {
             Prepared::Refuse(response) => return ResponseFuture::refused(response),
+            Prepared::Admit(decision) => {
+                return ResponseFuture::decided(
+                    Decided::Admit(decision, None, None),
+                    req,
+                    &mut self.inner,
+                    Arc::clone(&self.shared),
+                    0,
+                )
+            }
             Prepared::Check(check, plan) => (check, plan),
         };
         // The in-memory backend, and a networked one's local deny cache, answer at once. Then

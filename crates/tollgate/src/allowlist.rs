@@ -1,0 +1,153 @@
+//! Clients that a layer admits without counting them: trusted networks, principals, tenants.
+
+use std::collections::HashSet;
+use std::fmt;
+
+use tollgate_core::ConfigError;
+
+use crate::key::{Cidr, ClientIp, Identity, KeyExtractor, RequestView};
+
+/// Requests that no limit of a layer counts: from a network (by client address), or whose key
+/// for an extractor is one of a set (a principal, a tenant).
+///
+/// An allowlisted request is admitted at once: the backend is not asked, nothing is consumed,
+/// the [`Decision`](crate::Decision) says [`Outcome::Allowlisted`](crate::Outcome::Allowlisted)
+/// for every limit (and `tollgate_decisions_total` counts `outcome="allowlisted"`), and the
+/// response carries no `RateLimit` fields. Rules are tried in order; a request that has no
+/// key for a rule (no address, no tenant header) simply does not match it.
+///
+/// The allowlist belongs to the layer's limits: [`Limits::allowlist`](crate::Limits::allowlist)
+/// or [`RateLimitLayerBuilder::allowlist`](crate::RateLimitLayerBuilder::allowlist), the
+/// `[[allowlist]]` tables of a [limits file](crate::LimitsFile), and a reload replaces it with
+/// the new limits' own.
+///
+/// # Examples
+///
+/// ```
+/// use tollgate::key::{ClientIp, Principal, Tenant};
+/// use tollgate::{Allowlist, Limit, Quota, RateLimitLayer};
+///
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let allow = Allowlist::new()
+///     .networks(ClientIp::peer(), ["10.0.0.0/8".parse()?, "2001:db8:1::/48".parse()?])
+///     .keys(Principal::<String>::new(), ["ops-bot"])?
+///     .keys(Tenant::header("x-shop-domain"), ["internal.example"])?;
+/// let layer = RateLimitLayer::builder()
+///     .limit(Limit::gcra("per-ip", Quota::per_minute(60)?)?, ClientIp::peer())
+///     .allowlist(allow)
+///     .build()?;
+/// # Ok(()) }
+/// ```
+#[derive(Default)]
+pub struct Allowlist {
+    rules: Vec<Rule>,
+}
+
+enum Rule {
+    Networks {
+        ip: ClientIp,
+        networks: Vec<Cidr>,
+    },
+    Keys {
+        key: Box<dyn KeyExtractor>,
+        keys: HashSet<Box<[u8]>>,
+        names: Vec<String>,
+    },
+}
+
+impl Allowlist {
+    /// An empty allowlist: matches nothing.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Admits requests whose client address, as `ip` finds it (the socket peer, or a trusted
+    /// proxy's header), is in one of `networks`.
+    pub fn networks(mut self, ip: ClientIp, networks: impl IntoIterator<Item = Cidr>) -> Self {
+        let networks: Vec<Cidr> = networks.into_iter().collect();
+        if !networks.is_empty() {
+            self.rules.push(Rule::Networks { ip, networks });
+        }
+        self
+    }
+
+    /// Admits requests whose key for `key` is the key of one of `identities` (see
+    /// [`KeyExtractor::key_of`]): principals with [`Principal`](crate::key::Principal),
+    /// tenants with [`Tenant`](crate::key::Tenant), any key with a custom extractor.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError::InvalidAllowlistEntry`] for an identity that no request could have
+    /// under `key` (an empty name, a tenant with characters tenants cannot have).
+    pub fn keys<K, I>(
+        mut self,
+        key: K,
+        identities: impl IntoIterator<Item = I>,
+    ) -> Result<Self, ConfigError>
+    where
+        K: KeyExtractor,
+        I: Into<Identity>,
+    {
+        let mut keys = HashSet::new();
+        let mut names = Vec::new();
+        for identity in identities {
+            let identity = identity.into();
+            let bytes = key
+                .key_of(&identity)
+                .map_err(|_| ConfigError::InvalidAllowlistEntry(identity.to_string()))?;
+            keys.insert(Box::from(bytes.as_bytes()));
+            names.push(identity.to_string());
+        }
+        if !keys.is_empty() {
+            self.rules.push(Rule::Keys {
+                key: Box::new(key),
+                keys,
+                names,
+            });
+        }
+        Ok(self)
+    }
+
+    /// Appends `other`'s rules to this one's.
+    pub fn extend(mut self, other: Allowlist) -> Self {
+        self.rules.extend(other.rules);
+        self
+    }
+
+    /// Whether there is no rule.
+    pub fn is_empty(&self) -> bool {
+        self.rules.is_empty()
+    }
+
+    /// Whether `req` matches a rule.
+    pub fn matches(&self, req: &RequestView<'_>) -> bool {
+        self.rules.iter().any(|rule| match rule {
+            Rule::Networks { ip, networks } => ip
+                .client_ip(req)
+                .is_ok_and(|addr| networks.iter().any(|n| n.contains(addr))),
+            Rule::Keys { key, keys, .. } => {
+                key.extract(req).is_ok_and(|k| keys.contains(k.as_bytes()))
+            }
+        })
+    }
+
+    /// The rules, for people: one line each (`networks 10.0.0.0/8, ...` or `keys ops-bot`).
+    pub fn describe(&self) -> Vec<String> {
+        self.rules
+            .iter()
+            .map(|rule| match rule {
+                Rule::Networks { networks, .. } => {
+                    let list: Vec<String> = networks.iter().map(ToString::to_string).collect();
+                    format!("networks {}", list.join(", "))
+                }
+                Rule::Keys { names, .. } => format!("keys {}", names.join(", ")),
+            })
+            .collect()
+    }
+}
+
+impl fmt::Debug for Allowlist {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_list().entries(self.describe()).finish()
+    }
+}

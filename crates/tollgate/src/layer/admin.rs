@@ -1,0 +1,151 @@
+//! Operators' calls on a layer: one client's state under one limit, read (`peek`) or
+//! forgotten (`reset`), named as requests name it.
+
+use std::fmt;
+
+use tollgate_core::{Backend, BackendError, Check, KeyState};
+
+use super::RateLimitLayer;
+use crate::key::{Identity, MissingKey};
+
+/// Why [`RateLimitLayer::peek`] or [`RateLimitLayer::reset`] could not answer.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub enum AdminError {
+    /// The layer has no limit of this name.
+    UnknownLimit(String),
+    /// The limit has no plan of this name.
+    UnknownPlan(String),
+    /// No request could have this identity under the limit's key extractor (an address for a
+    /// limit keyed by tenant, a name with characters tenants cannot have).
+    Identity(MissingKey),
+    /// The backend failed, or does not offer the operation (a concurrency limit's reset).
+    Backend(BackendError),
+}
+
+impl fmt::Display for AdminError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::UnknownLimit(name) => write!(f, "no limit named {name:?}"),
+            Self::UnknownPlan(name) => write!(f, "no plan named {name:?}"),
+            Self::Identity(missing) => write!(f, "not a key of this limit: {missing}"),
+            Self::Backend(e) => e.fmt(f),
+        }
+    }
+}
+
+impl std::error::Error for AdminError {}
+
+impl<B: Backend> RateLimitLayer<B> {
+    /// The state of `identity` under the limit named `limit`, with the limit's default quota,
+    /// read without consuming anything: what its next request of one unit would find.
+    ///
+    /// `identity` is whom requests are counted as: an address for a [`ClientIp`] limit
+    /// (grouped as the extractor groups it: any address of an IPv6 /64 is the same client), a
+    /// tenant's or a principal's name (see [`KeyExtractor::key_of`]). The backend hashes it
+    /// as it hashes requests' keys; nobody handles key bytes.
+    ///
+    /// ```
+    /// use std::net::IpAddr;
+    /// use tollgate::key::ClientIp;
+    /// use tollgate::{Limit, Quota, RateLimitLayer};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let layer = RateLimitLayer::builder()
+    ///     .limit(Limit::gcra("per-ip", Quota::per_minute(60)?)?, ClientIp::peer())
+    ///     .build()?;
+    /// let ip: IpAddr = "203.0.113.7".parse()?;
+    /// assert_eq!(layer.peek("per-ip", ip).await?.remaining, 60);
+    /// layer.reset("per-ip", ip).await?;
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// [`ClientIp`]: crate::key::ClientIp
+    /// [`KeyExtractor::key_of`]: crate::key::KeyExtractor::key_of
+    ///
+    /// # Errors
+    ///
+    /// An [`AdminError`]: no such limit, an identity the limit's keys cannot be, or the
+    /// backend's error.
+    pub async fn peek(
+        &self,
+        limit: &str,
+        identity: impl Into<Identity>,
+    ) -> Result<KeyState, AdminError> {
+        self.peek_plan(limit, None, identity).await
+    }
+
+    /// [`peek`](Self::peek) under the quota of `plan` (`None`: the default quota).
+    ///
+    /// # Errors
+    ///
+    /// As [`peek`](Self::peek), and [`AdminError::UnknownPlan`].
+    pub async fn peek_plan(
+        &self,
+        limit: &str,
+        plan: Option<&str>,
+        identity: impl Into<Identity>,
+    ) -> Result<KeyState, AdminError> {
+        let answer = {
+            let set = self.shared.set.load();
+            let entry = set
+                .limits
+                .iter()
+                .find(|e| e.limit.name() == limit)
+                .ok_or_else(|| AdminError::UnknownLimit(limit.to_owned()))?;
+            let quota = match plan {
+                None => *entry.limit.quota(),
+                Some(name) => *entry
+                    .limit
+                    .plans()
+                    .find(|(n, _)| *n == name)
+                    .map(|(_, q)| q)
+                    .ok_or_else(|| AdminError::UnknownPlan(name.to_owned()))?,
+            };
+            let key = entry
+                .key
+                .key_of(&identity.into())
+                .map_err(AdminError::Identity)?;
+            let check = Check::new(&entry.limit, key.as_bytes()).with_quota(quota);
+            self.shared.backend.peek(&check)
+        };
+        answer.await.map_err(AdminError::Backend)
+    }
+
+    /// Forgets what `identity` has used under the limit named `limit` (after a false
+    /// positive, say): its next request finds the whole quota. The backend's state of the key
+    /// is removed, and so is this replica's cached denial of it (a Redis backend's deny
+    /// cache; other replicas' expire on their own, within the cache's lease).
+    ///
+    /// A concurrency limit cannot be reset: its slots are requests still in flight, given back
+    /// as they end.
+    ///
+    /// # Errors
+    ///
+    /// As [`peek`](Self::peek); `AdminError::Backend` with
+    /// [`BackendErrorKind::Unsupported`](tollgate_core::BackendErrorKind::Unsupported) for
+    /// a concurrency limit.
+    pub async fn reset(
+        &self,
+        limit: &str,
+        identity: impl Into<Identity>,
+    ) -> Result<(), AdminError> {
+        let answer = {
+            let set = self.shared.set.load();
+            let entry = set
+                .limits
+                .iter()
+                .find(|e| e.limit.name() == limit)
+                .ok_or_else(|| AdminError::UnknownLimit(limit.to_owned()))?;
+            let key = entry
+                .key
+                .key_of(&identity.into())
+                .map_err(AdminError::Identity)?;
+            self.shared
+                .backend
+                .reset(&Check::new(&entry.limit, key.as_bytes()))
+        };
+        answer.await.map_err(AdminError::Backend)
+    }
+}

@@ -1,0 +1,435 @@
+//! Operators' tools on every backend: allowlists (never counted), and `peek` / `reset` by
+//! the identity requests are counted as.
+
+#![allow(clippy::unwrap_used)]
+
+use std::convert::Infallible;
+use std::net::{IpAddr, SocketAddr};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::ConnectInfo;
+use http::{Request, Response, StatusCode};
+use tollgate::core::{Backend, BackendErrorKind, KeyState};
+use tollgate::key::{ClientIp, MissingKey, Principal, Tenant};
+use tollgate::{
+    AdminError, Allowlist, Decision, Limit, Limits, LimitsFile, Outcome, Quota, RateLimitLayer,
+};
+use tollgate_redis::RedisBackend;
+use tollgate_testsupport::{RedisCluster, RedisServer};
+use tower::{service_fn, Layer, Service, ServiceExt};
+
+type Svc = tower::util::BoxCloneService<Request<Body>, Response<Body>, Infallible>;
+
+/// The handler answers `allowlisted` or `counted`, from the Decision it reads.
+fn app<B: Backend>(layer: &RateLimitLayer<B>) -> Svc {
+    let handler = service_fn(|req: Request<Body>| async move {
+        let d = req.extensions().get::<Decision>().cloned().unwrap();
+        let body = if d.is_allowlisted() {
+            "allowlisted"
+        } else {
+            "counted"
+        };
+        Ok::<_, Infallible>(Response::new(Body::from(body)))
+    });
+    tower::util::BoxCloneService::new(
+        layer
+            .clone()
+            .layer(handler)
+            .map_response(|r| r.map(Body::new)),
+    )
+}
+
+fn from(ip: &str, shop: Option<&str>, user: Option<&str>) -> Request<Body> {
+    let mut req = Request::get("/").body(Body::empty()).unwrap();
+    let ip: IpAddr = ip.parse().unwrap();
+    req.extensions_mut()
+        .insert(ConnectInfo(SocketAddr::new(ip, 4000)));
+    if let Some(shop) = shop {
+        req.headers_mut()
+            .insert("x-shop-domain", shop.parse().unwrap());
+    }
+    if let Some(user) = user {
+        req.extensions_mut().insert(user.to_owned());
+    }
+    req
+}
+
+/// The status, the handler's body, and whether the response has a `RateLimit` field.
+async fn send(svc: &mut Svc, req: Request<Body>) -> (StatusCode, String, bool) {
+    let response = svc.ready().await.unwrap().call(req).await.unwrap();
+    let status = response.status();
+    let fields = response.headers().contains_key("ratelimit");
+    let body = axum::body::to_bytes(response.into_body(), 1024)
+        .await
+        .unwrap();
+    (status, String::from_utf8(body.to_vec()).unwrap(), fields)
+}
+
+fn redis(url: &str) -> RedisBackend {
+    RedisBackend::builder()
+        .url(url)
+        .prefix("ops")
+        .deadline(Duration::from_secs(5))
+        .build()
+        .unwrap()
+}
+
+fn cluster(urls: Vec<String>) -> RedisBackend {
+    RedisBackend::builder()
+        .cluster(urls)
+        .prefix("ops")
+        .deadline(Duration::from_secs(5))
+        .build()
+        .unwrap()
+}
+
+fn per_ip_limits() -> Limits {
+    Limits::new().limit(
+        Limit::gcra("per-ip", Quota::per_minute(2).unwrap()).unwrap(),
+        ClientIp::peer(),
+    )
+}
+
+fn allowlist() -> Allowlist {
+    Allowlist::new()
+        .networks(
+            ClientIp::peer(),
+            [
+                "10.0.0.0/8".parse().unwrap(),
+                "2001:db8:1::/48".parse().unwrap(),
+            ],
+        )
+        .keys(Tenant::header("x-shop-domain"), ["Internal.example"])
+        .unwrap()
+        .keys(Principal::<String>::new(), ["ops-bot"])
+        .unwrap()
+}
+
+/// Allowlisted requests by network, tenant and principal are all admitted, say so, carry no
+/// fields and consume nothing; everyone else has the limit of 2.
+async fn allowlisted_requests_are_never_counted<B: Backend + Clone>(backend: B) -> B {
+    let layer = RateLimitLayer::builder()
+        .backend(backend)
+        .limits(per_ip_limits())
+        .allowlist(allowlist())
+        .build()
+        .unwrap();
+    let mut svc = app(&layer);
+    let allowed = (StatusCode::OK, "allowlisted".to_owned(), false);
+    for _ in 0..20 {
+        assert_eq!(send(&mut svc, from("10.1.2.3", None, None)).await, allowed);
+        assert_eq!(
+            send(&mut svc, from("2001:db8:1:ff::9", None, None)).await,
+            allowed
+        );
+        // The tenant is matched as the extractor normalises it.
+        let shop = from("203.0.113.5", Some("internal.EXAMPLE"), None);
+        assert_eq!(send(&mut svc, shop).await, allowed);
+        assert_eq!(
+            send(&mut svc, from("203.0.113.5", None, Some("ops-bot"))).await,
+            allowed
+        );
+    }
+    // None of them was counted: their keys are whole.
+    for ip in ["10.1.2.3", "2001:db8:1:ff::9", "203.0.113.5"] {
+        assert_eq!(layer.peek("per-ip", ip).await.unwrap().remaining, 2, "{ip}");
+    }
+    // Others are counted, including the network's neighbour and another tenant.
+    for ip in ["11.0.0.1", "2001:db8:2::1"] {
+        let counted = (StatusCode::OK, "counted".to_owned(), true);
+        assert_eq!(
+            send(&mut svc, from(ip, Some("shop.example"), None)).await,
+            counted
+        );
+        assert_eq!(
+            send(&mut svc, from(ip, None, Some("someone"))).await,
+            counted
+        );
+        let refused = send(&mut svc, from(ip, None, None)).await;
+        assert_eq!(refused.0, StatusCode::TOO_MANY_REQUESTS, "{ip}");
+    }
+    layer.backend().clone()
+}
+
+#[tokio::test]
+async fn an_allowlisted_client_is_never_counted_in_memory() {
+    let backend = allowlisted_requests_are_never_counted(tollgate::MemoryBackend::new()).await;
+    // Only the four counted clients' keys (2 addresses, per-ip) are tracked.
+    assert_eq!(backend.stats().tracked_keys, 2);
+}
+
+#[tokio::test]
+async fn an_allowlisted_client_is_never_counted_on_redis() {
+    let server = RedisServer::start();
+    allowlisted_requests_are_never_counted(redis(&server.url())).await;
+    // Two keys, the two counted addresses': the 80 allowlisted requests wrote nothing.
+    assert_eq!(server.dbsize(), 2);
+}
+
+#[tokio::test]
+async fn an_allowlist_changes_with_a_reload() {
+    let layer = RateLimitLayer::builder()
+        .limits(per_ip_limits())
+        .allowlist(allowlist())
+        .build()
+        .unwrap();
+    let mut svc = app(&layer);
+    for _ in 0..5 {
+        assert_eq!(
+            send(&mut svc, from("10.0.0.7", None, None)).await.0,
+            StatusCode::OK
+        );
+    }
+    // The new limits have no allowlist: 10.0.0.7 is counted from now on.
+    layer.reloader().reload(per_ip_limits()).unwrap();
+    assert_eq!(
+        send(&mut svc, from("10.0.0.7", None, None)).await.1,
+        "counted"
+    );
+    assert_eq!(
+        send(&mut svc, from("10.0.0.7", None, None)).await.1,
+        "counted"
+    );
+    assert_eq!(
+        send(&mut svc, from("10.0.0.7", None, None)).await.0,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    // And a file brings one back.
+    let text = r#"
+[[limit]]
+name = "per-ip"
+period = "1m"
+key = "ip"
+[limit.quota]
+default = 2
+
+[[allowlist]]
+key = "ip"
+networks = ["10.0.0.0/24"]
+"#;
+    layer
+        .reloader()
+        .reload_toml_str(&LimitsFile::new(), text)
+        .unwrap();
+    let (status, body, _) = send(&mut svc, from("10.0.0.7", None, None)).await;
+    assert_eq!((status, body.as_str()), (StatusCode::OK, "allowlisted"));
+    assert_eq!(
+        send(&mut svc, from("10.0.1.7", None, None)).await.1,
+        "counted"
+    );
+}
+
+#[test]
+fn limits_file_allowlists_name_their_mistakes() {
+    let cases = [
+        (
+            "[[allowlist]]\nkey = \"ip\"\nnetworks = [\"10.0.0.1/8\"]\n",
+            "line 1 column 1",
+        ),
+        (
+            "[[allowlist]]\nkey = { header = \"x-shop\" }\nnetworks = [\"10.0.0.0/8\"]\n",
+            "need an ip key",
+        ),
+        (
+            "[[allowlist]]\nkey = { header = \"x-shop\" }\nvalues = [\"bad shop!\"]\n",
+            "allowlist entry \"bad shop!\"",
+        ),
+        ("[[allowlist]]\nkey = \"ip\"\n", "needs `networks`"),
+    ];
+    let limit =
+        "[[limit]]\nname = \"a\"\nperiod = \"1m\"\nkey = \"ip\"\n[limit.quota]\ndefault = 1\n\n";
+    for (allow, want) in cases {
+        let text = format!("{allow}\n{limit}");
+        let err = LimitsFile::new().parse(&text).unwrap_err().to_string();
+        assert!(err.contains(want), "{err:?} lacks {want:?}");
+        assert!(err.contains("line 1 column 1"), "{err:?}");
+    }
+}
+
+/// GCRA per IP (5 a minute), a fixed window per shop (10 a day), a sliding log per IP (10 an
+/// hour); peeked and reset by the identities requests carry.
+async fn peek_and_reset<B: Backend>(backend: B) {
+    let layer = RateLimitLayer::builder()
+        .backend(backend)
+        .limit(
+            Limit::gcra("per-ip", Quota::per_minute(5).unwrap()).unwrap(),
+            ClientIp::peer(),
+        )
+        .limit(
+            Limit::fixed_window("per-shop", Quota::per_day(10).unwrap()).unwrap(),
+            Tenant::header("x-shop-domain"),
+        )
+        .limit(
+            Limit::sliding_log("hourly", Quota::per_hour(10).unwrap()).unwrap(),
+            ClientIp::peer(),
+        )
+        .build()
+        .unwrap();
+    let mut svc = app(&layer);
+    let whole = |n| KeyState {
+        remaining: n,
+        reset: Duration::ZERO,
+        retry_after: None,
+    };
+    assert_eq!(layer.peek("per-ip", "2001:db8::1").await.unwrap(), whole(5));
+    assert_eq!(
+        layer.peek("per-shop", "a.example").await.unwrap(),
+        whole(10)
+    );
+    assert_eq!(
+        layer.peek("hourly", "2001:db8::1").await.unwrap(),
+        whole(10)
+    );
+
+    for _ in 0..3 {
+        let req = from("2001:db8::1", Some("a.example"), None);
+        assert_eq!(send(&mut svc, req).await.0, StatusCode::OK);
+    }
+    // Any address of the /64 is the same client; a shop is named as requests name it. Peeking
+    // twice consumes nothing.
+    for _ in 0..2 {
+        let ip: IpAddr = "2001:db8::ffff".parse().unwrap();
+        let s = layer.peek("per-ip", ip).await.unwrap();
+        assert_eq!((s.remaining, s.retry_after), (2, None));
+        assert!(
+            s.reset > Duration::from_secs(35) && s.reset <= Duration::from_secs(36),
+            "{s:?}"
+        );
+        let s = layer.peek("per-shop", " A.Example ").await.unwrap();
+        assert_eq!(s.remaining, 7);
+        assert_eq!(layer.peek("hourly", ip).await.unwrap().remaining, 7);
+    }
+    assert_eq!(
+        layer.peek("per-ip", "2001:db8:0:1::1").await.unwrap(),
+        whole(5)
+    );
+
+    // Use up the GCRA: refused (and, on Redis, the denial cached in this replica).
+    for _ in 0..2 {
+        let req = from("2001:db8::1", Some("a.example"), None);
+        assert_eq!(send(&mut svc, req).await.0, StatusCode::OK);
+    }
+    let req = from("2001:db8::1", Some("a.example"), None);
+    assert_eq!(send(&mut svc, req).await.0, StatusCode::TOO_MANY_REQUESTS);
+    let s = layer.peek("per-ip", "2001:db8::1").await.unwrap();
+    assert_eq!(s.remaining, 0);
+    let after = s.retry_after.unwrap();
+    assert!(
+        after > Duration::from_secs(11) && after <= Duration::from_secs(12),
+        "{s:?}"
+    );
+    assert_eq!(
+        layer.peek("per-shop", "a.example").await.unwrap().remaining,
+        5
+    );
+
+    // Reset: the next request is admitted at once (no cached denial stands in the way).
+    layer.reset("per-ip", "2001:db8::1").await.unwrap();
+    assert_eq!(layer.peek("per-ip", "2001:db8::1").await.unwrap(), whole(5));
+    let req = from("2001:db8::1", Some("a.example"), None);
+    assert_eq!(send(&mut svc, req).await.0, StatusCode::OK);
+    assert_eq!(
+        layer.peek("per-ip", "2001:db8::1").await.unwrap().remaining,
+        4
+    );
+    assert_eq!(
+        layer.peek("per-shop", "a.example").await.unwrap().remaining,
+        4
+    );
+    layer.reset("per-shop", "A.EXAMPLE").await.unwrap();
+    layer.reset("hourly", "2001:db8::1").await.unwrap();
+    assert_eq!(
+        layer.peek("per-shop", "a.example").await.unwrap(),
+        whole(10)
+    );
+    assert_eq!(
+        layer.peek("hourly", "2001:db8::1").await.unwrap(),
+        whole(10)
+    );
+
+    // What cannot be a key is said so, and nothing is asked of the backend.
+    assert!(matches!(
+        layer.peek("nope", "1.2.3.4").await,
+        Err(AdminError::UnknownLimit(name)) if name == "nope"
+    ));
+    assert!(matches!(
+        layer.peek("per-ip", "shop.example").await,
+        Err(AdminError::Identity(MissingKey::Invalid))
+    ));
+    assert!(matches!(
+        layer.reset("per-shop", "bad shop!").await,
+        Err(AdminError::Identity(MissingKey::Invalid))
+    ));
+}
+
+#[tokio::test]
+async fn peek_and_reset_in_memory() {
+    peek_and_reset(tollgate::MemoryBackend::new()).await;
+}
+
+#[tokio::test]
+async fn peek_and_reset_on_redis() {
+    let server = RedisServer::start();
+    peek_and_reset(redis(&server.url())).await;
+}
+
+#[tokio::test]
+async fn peek_and_reset_on_a_cluster() {
+    let cluster = RedisCluster::start(3);
+    peek_and_reset(self::cluster(cluster.urls())).await;
+}
+
+#[tokio::test]
+async fn a_concurrency_limit_is_peeked_but_not_reset() {
+    let layer = RateLimitLayer::builder()
+        .limit(
+            Limit::concurrency("in-flight", 3).unwrap(),
+            ClientIp::peer(),
+        )
+        .build()
+        .unwrap();
+    assert_eq!(
+        layer.peek("in-flight", "10.0.0.1").await.unwrap().remaining,
+        3
+    );
+    match layer.reset("in-flight", "10.0.0.1").await {
+        Err(AdminError::Backend(e)) => assert_eq!(e.kind(), BackendErrorKind::Unsupported),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn the_decision_of_an_allowlisted_request_says_so_for_every_limit() {
+    let layer = RateLimitLayer::builder()
+        .limits(per_ip_limits())
+        .limit(
+            Limit::fixed_window("per-shop", Quota::per_day(1).unwrap()).unwrap(),
+            Tenant::header("x-shop-domain"),
+        )
+        .allowlist(allowlist())
+        .build()
+        .unwrap();
+    let response = app(&layer)
+        .oneshot(from("10.9.9.9", None, None))
+        .await
+        .unwrap();
+    let d = response.extensions().get::<Decision>().cloned().unwrap();
+    let labels: Vec<_> = d
+        .limits()
+        .iter()
+        .map(|l| (l.name().to_owned(), l.label()))
+        .collect();
+    assert_eq!(
+        labels,
+        [
+            ("per-ip".to_owned(), "allowlisted"),
+            ("per-shop".to_owned(), "allowlisted")
+        ]
+    );
+    assert!(d
+        .limits()
+        .iter()
+        .all(|l| *l.outcome() == Outcome::Allowlisted));
+    assert!(d.is_admitted() && d.is_allowlisted());
+}
