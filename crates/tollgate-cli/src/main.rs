@@ -101,7 +101,8 @@ fn check(file: &str) -> ExitCode {
         }
     }
     println!();
-    println!("{file}: ok, {} limits", limits.len());
+    let n = limits.len();
+    println!("{file}: ok, {n} limit{}", if n == 1 { "" } else { "s" });
     ExitCode::SUCCESS
 }
 

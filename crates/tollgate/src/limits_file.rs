@@ -92,8 +92,8 @@ impl LimitsFile {
     /// A [`LimitsFileError`] with the line and column of the mistake: TOML that does not
     /// parse, a field this format does not have, or a limit that cannot be built.
     pub fn parse(&self, text: &str) -> Result<Limits, LimitsFileError> {
-        let file: FileSpec =
-            toml::from_str(text).map_err(|e| LimitsFileError::at(text, e.span(), e.message()))?;
+        let file: FileSpec = toml::from_str(text)
+            .map_err(|e| LimitsFileError::at(text, e.span(), &said(e.message())))?;
         let mut limits = Limits::new();
         // What only the whole set can say, where it is said: a name given twice (at its
         // second `[[limit]]`), more limits than a layer takes (at the first too many).
@@ -104,9 +104,7 @@ impl LimitsFile {
                 return Err(LimitsFileError::at(
                     text,
                     Some(spec.span()),
-                    &format!(
-                        "limit {name:?}: a second limit of this name (the first is at line {line})"
-                    ),
+                    &format!("two limits are named {name:?} (the first at line {line})"),
                 ));
             }
             if i == MAX_CHECKS {
@@ -433,6 +431,22 @@ impl fmt::Display for LimitsFileError {
 }
 
 impl std::error::Error for LimitsFileError {}
+
+/// The parser's message, or what the field may be when it names one of this file's types.
+fn said(message: &str) -> String {
+    let expected = [
+        ("QuotaSpec", "a quota is a number, or { limit = N, burst = M }"),
+        ("KeySpec", "a key is \"global\", \"ip\", \"principal\", { ip = { ... } }, { header = \"...\" } or { principal = \"...\" }"),
+        ("FailureSpec", "a failure policy is \"open\", \"closed\" or { fallback = N }"),
+        ("Trusted", "trusted proxies are \"cloudflare\" or a list of CIDRs"),
+    ];
+    for (name, what) in expected {
+        if message.contains(&format!("untagged enum {name}")) {
+            return what.to_owned();
+        }
+    }
+    message.to_owned()
+}
 
 /// `1s`, `30s`, `1m`, `1h`, `1d`, `500ms`.
 fn parse_period(text: &str) -> Result<Duration, String> {

@@ -544,3 +544,29 @@ async fn with_redis_stopped_k_requests_add_k_bypasses_with_their_reason() {
         assert!(!value.contains("secret-shop"), "{value:?} carries a key");
     }
 }
+
+#[tokio::test]
+async fn allowlisted_requests_are_counted_as_allowlisted_and_nothing_else() {
+    let metrics = Recorder::install();
+    let layer = RateLimitLayer::builder()
+        .limit(limit("per-ip", 1), ClientIp::peer())
+        .limit(limit("per-shop", 1), Tenant::header("x-shop-domain"))
+        .allowlist(tollgate::Allowlist::new().networks(
+            ClientIp::peer(),
+            ["10.0.0.0/8".parse::<tollgate::key::Cidr>().unwrap()],
+        ))
+        .build()
+        .unwrap();
+    let mut svc = app(layer);
+    const N: u64 = 9;
+    for _ in 0..N {
+        assert_eq!(
+            send(&mut svc, shop([10, 1, 1, 1], "a.example")).await,
+            StatusCode::OK
+        );
+    }
+    let snap = metrics.snapshot();
+    assert_eq!(snap.decisions("per-ip", "allowlisted"), N);
+    assert_eq!(snap.decisions("per-shop", "allowlisted"), N);
+    assert_eq!(snap.total("tollgate_decisions_total"), 2 * N);
+}

@@ -594,8 +594,12 @@ fn limits_file_errors_say_where() {
         "{0}{0}",
         "[[limit]]\nname = \"a\"\nperiod = \"1m\"\nkey = \"global\"\nquota = { default = 5 }\n"
     ));
-    assert_eq!(line, 0);
-    assert!(message.contains("two limits are named \"a\""), "{message}");
+    // At the second one, which names the first.
+    assert_eq!(line, 6);
+    assert!(
+        message.contains("two limits are named \"a\" (the first at line 1)"),
+        "{message}"
+    );
 }
 
 #[tokio::test]

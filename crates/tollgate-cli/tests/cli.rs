@@ -1,0 +1,278 @@
+//! The `tollgate` command on good and broken limits files, and `peek` on a real Redis.
+
+#![allow(clippy::unwrap_used)]
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+use std::time::Duration;
+
+use tollgate::core::{Backend, Check};
+use tollgate::key::{ClientIp, KeyExtractor};
+use tollgate::{Limit, Quota};
+use tollgate_redis::RedisBackend;
+use tollgate_testsupport::RedisServer;
+
+const GOOD: &str = r#"
+[[limit]]
+name = "per-ip"
+period = "1m"
+key = { ip = { header = "cf-connecting-ip", trusted = "cloudflare" } }
+failure = { fallback = 3 }
+[limit.quota]
+default = { limit = 60, burst = 10 }
+
+[[limit]]
+name = "per-token"
+algorithm = "fixed_window"
+period = "1d"
+key = "principal"
+failure = "closed"
+[limit.quota]
+default = 5000
+pro = 50000
+
+[[limit]]
+name = "per-shop"
+algorithm = "sliding_log"
+period = "1h"
+key = { header = "x-shop-domain" }
+shadow = true
+[limit.quota]
+default = 100
+
+[[allowlist]]
+key = "ip"
+networks = ["10.0.0.0/8", "2001:db8::/32"]
+
+[[allowlist]]
+key = "principal"
+values = ["ops-bot"]
+"#;
+
+/// A file of its own for each test, in the system's temporary directory.
+fn file(name: &str, text: &str) -> PathBuf {
+    let path =
+        std::env::temp_dir().join(format!("tollgate-cli-{}-{name}.toml", std::process::id()));
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+fn run(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8(o.stdout.clone()).unwrap()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8(o.stderr.clone()).unwrap()
+}
+
+#[test]
+fn check_prints_the_effective_limits() {
+    let path = file("good", GOOD);
+    let out = run(&["check", path.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let want = format!(
+        "\
+name       algorithm     quota                                key                                        failure     shadow
+per-ip     gcra          default 60/1m burst 10               ip (cf-connecting-ip from 22 trusted networks)  fallback 3  no
+per-token  fixed_window  default 5000/1d, pro 50000/1d        principal String                           closed      no
+per-shop   sliding_log   default 100/1h                       header x-shop-domain                       open        yes
+
+allowlist (admitted, counted by no limit):
+  networks 10.0.0.0/8, 2001:db8::/32
+  keys ops-bot
+
+{}: ok, 3 limits
+",
+        path.display()
+    );
+    // Columns are padded to their widest cell: compare cell by cell.
+    let cells = |s: &str| -> Vec<Vec<String>> {
+        s.lines()
+            .map(|l| {
+                l.split("  ")
+                    .map(str::trim)
+                    .filter(|c| !c.is_empty())
+                    .map(String::from)
+                    .collect()
+            })
+            .collect()
+    };
+    assert_eq!(cells(&stdout(&out)), cells(&want));
+}
+
+/// A broken file: exit 1, and the error names the line and column.
+fn broken(name: &str, text: &str, line: usize, column: usize, says: &str) {
+    let path = file(name, text);
+    let out = run(&["check", path.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1), "{name}: {}", stdout(&out));
+    let err = stderr(&out);
+    assert!(
+        err.contains(&format!("line {line} column {column}:")),
+        "{name}: {err}"
+    );
+    assert!(err.contains(says), "{name}: {err}");
+    assert_eq!(stdout(&out), "", "{name}");
+}
+
+#[test]
+fn check_names_the_line_and_column_of_a_broken_file() {
+    let limit = |name: &str, quota: &str, key: &str| {
+        format!("[[limit]]\nname = \"{name}\"\nperiod = \"1m\"\nkey = {key}\n[limit.quota]\ndefault = {quota}\n\n")
+    };
+    // A quota of zero, in the second limit (which starts on line 8).
+    let text = limit("a", "5", "\"ip\"") + &limit("b", "0", "\"ip\"");
+    broken(
+        "zero-quota",
+        &text,
+        8,
+        1,
+        "limit \"b\": a quota must admit at least one request",
+    );
+    // An unknown key kind.
+    let text = limit("a", "5", "\"cookie\"");
+    broken("unknown-key", &text, 1, 1, "unknown key \"cookie\"");
+    // A name given twice: the second one is the mistake.
+    let text = limit("a", "5", "\"ip\"") + &limit("b", "5", "\"ip\"") + &limit("a", "7", "\"ip\"");
+    broken(
+        "duplicate",
+        &text,
+        15,
+        1,
+        "two limits are named \"a\" (the first at line 1)",
+    );
+    // TOML that does not parse, and a field the format does not have.
+    broken(
+        "syntax",
+        "[[limit]]\nname = \"a\"\nperiod = [\"1m\"\n",
+        3,
+        15,
+        "",
+    );
+    let text = "[[limit]]\nname = \"a\"\nqota = 3\nperiod = \"1m\"\nkey = \"ip\"\n[limit.quota]\ndefault = 5\n";
+    broken("field", text, 3, 1, "unknown field `qota`");
+    // A quota that is not a number.
+    let text = limit("a", "\"five\"", "\"ip\"");
+    broken(
+        "not-a-number",
+        &text,
+        6,
+        11,
+        "a quota is a number, or { limit = N, burst = M }",
+    );
+}
+
+#[test]
+fn usage_errors_exit_2() {
+    assert_eq!(run(&[]).status.code(), Some(2));
+    assert_eq!(run(&["check"]).status.code(), Some(2));
+    assert_eq!(run(&["peek", "--redis"]).status.code(), Some(2));
+    let missing = run(&["check", "/nonexistent/limits.toml"]);
+    assert_eq!(missing.status.code(), Some(1));
+    assert!(
+        stderr(&missing).contains("cannot read"),
+        "{}",
+        stderr(&missing)
+    );
+}
+
+#[tokio::test]
+async fn peek_reads_one_key_in_redis_and_writes_nothing() {
+    let server = RedisServer::start();
+    let text = r#"
+[[limit]]
+name = "daily"
+algorithm = "fixed_window"
+period = "1d"
+key = "ip"
+[limit.quota]
+default = 10
+"#;
+    let path = file("peek", text);
+    // Three requests of 203.0.113.7, counted by a backend as a layer would.
+    let backend = RedisBackend::builder()
+        .url(server.url())
+        .prefix("app")
+        .deadline(Duration::from_secs(5))
+        .build()
+        .unwrap();
+    let limit = Limit::fixed_window("daily", Quota::per_day(10).unwrap()).unwrap();
+    let ip: std::net::IpAddr = "203.0.113.7".parse().unwrap();
+    let key = ClientIp::peer().key_of(&ip.into()).unwrap();
+    for _ in 0..3 {
+        let v = backend
+            .check(&[Check::new(&limit, key.as_bytes())])
+            .await
+            .unwrap();
+        assert!(v[0].is_allowed());
+    }
+    let keys_before = server.dbsize();
+    server.reset_stats();
+
+    let peek = |identity: &str| {
+        run(&[
+            "peek",
+            "--redis",
+            &server.url(),
+            "--prefix",
+            "app",
+            "--limits",
+            path.to_str().unwrap(),
+            "daily",
+            identity,
+        ])
+    };
+    for _ in 0..2 {
+        let out = peek("203.0.113.7");
+        assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+        let text = stdout(&out);
+        assert!(
+            text.contains("limit      daily (fixed_window 10/1d)\n"),
+            "{text}"
+        );
+        assert!(text.contains("remaining  7\n"), "{text}");
+        assert!(text.contains("retry      -\n"), "{text}");
+    }
+    let fresh = stdout(&peek("198.51.100.1"));
+    assert!(fresh.contains("remaining  10\n"), "{fresh}");
+    // Read-only: no key added, no write command, and the count is still 3.
+    assert_eq!(server.dbsize(), keys_before);
+    let stats = server.command_stats();
+    for write in [
+        "set", "incrby", "del", "expire", "pexpire", "zadd", "evalsha",
+    ] {
+        assert_eq!(
+            stats.get(write).copied().unwrap_or(0),
+            0,
+            "{write}: {stats:?}"
+        );
+    }
+    let v = backend
+        .check(&[Check::new(&limit, key.as_bytes())])
+        .await
+        .unwrap();
+    assert_eq!(v[0].remaining, 6);
+    // An unknown limit, and an identity the limit's keys cannot be.
+    assert_eq!(peek("not-an-address").status.code(), Some(1));
+    let out = run(&[
+        "peek",
+        "--redis",
+        &server.url(),
+        "--limits",
+        path.to_str().unwrap(),
+        "nope",
+        "1.2.3.4",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        stderr(&out).contains("no limit named \"nope\""),
+        "{}",
+        stderr(&out)
+    );
+}
