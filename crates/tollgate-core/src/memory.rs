@@ -380,14 +380,13 @@ impl<C: Clock> MemoryBackend<C> {
         if inner.tracked.load(Ordering::Relaxed) >= inner.max_keys {
             inner.sweep_round(now, mask, &mut sweeps);
         }
-        let verdicts = match checks {
+        let mut verdicts = match checks {
             [check] => inner.check_one(check, now, mask, &mut sweeps),
             _ => inner.check_batch(checks, now, mask, &mut sweeps),
         };
         if sweeps.swept > 0 {
             inner.most_swept.fetch_max(sweeps.swept, Ordering::Relaxed);
         }
-        let mut verdicts = verdicts;
         for (i, check) in checks.iter().enumerate() {
             if let Some(v) = verdicts.get(i).copied().filter(Verdict::is_allowed) {
                 let mark = match check.limit.algorithm() {

@@ -56,67 +56,55 @@ impl<B: Backend> Shared<B> {
                 chosen.as_ref().map(crate::Plan::as_str)
             }
         };
-        let mut keys: [Option<Key<'_>>; MAX_CHECKS] = Default::default();
-        let mut n = 0;
-        let mut limit_of = [0; MAX_CHECKS];
-        let mut quota_of = [0u8; MAX_CHECKS];
-        for (i, entry) in set.limits.iter().enumerate() {
-            match key_of(entry, &view) {
-                Ok(Some(key)) => keys[i] = Some(key),
-                Ok(None) => {}
-                Err(missing) => {
-                    entry.metrics.record_missing_key(&span);
-                    return Prepared::Refuse(
-                        self.refuse(
-                            &Rejection::new(
-                                RejectionKind::MissingKey(missing),
-                                entry.limit.name(),
-                                None,
-                                None,
-                            )
-                            .grpc(crate::grpc::is_grpc(req.headers())),
-                        ),
-                    );
-                }
-            }
-        }
-        let mut cost = [0u32; MAX_CHECKS];
         let slot = if set.has_slots {
             super::slots::next_id()
         } else {
             0
         };
-        let check = {
+        let mut n = 0;
+        let mut limit_of = [0; MAX_CHECKS];
+        let mut quota_of = [0u8; MAX_CHECKS];
+        let mut cost = [0u32; MAX_CHECKS];
+        // One limit (most layers): no arrays of keys and checks to fill and drop.
+        let check = if let [entry] = &*set.limits {
+            let key = match key_of(entry, &view) {
+                Ok(key) => key,
+                Err(missing) => {
+                    return Prepared::Refuse(self.refuse_keyless(entry, missing, req, &span))
+                }
+            };
+            match &key {
+                Some(key) => {
+                    let check =
+                        match self.check_of(entry, key, plan_name, slot, (&view, req, &span)) {
+                            Ok(check) => check,
+                            Err(refusal) => return Prepared::Refuse(*refusal),
+                        };
+                    (quota_of[0], cost[0], n) = (check.1, check.0.cost, 1);
+                    span.in_scope(|| self.backend.check(&[check.0]))
+                }
+                None => span.in_scope(|| self.backend.check(&[])),
+            }
+        } else {
+            let mut keys: [Option<Key<'_>>; MAX_CHECKS] = Default::default();
+            for (i, entry) in set.limits.iter().enumerate() {
+                match key_of(entry, &view) {
+                    Ok(key) => keys[i] = key,
+                    Err(missing) => {
+                        return Prepared::Refuse(self.refuse_keyless(entry, missing, req, &span))
+                    }
+                }
+            }
             let mut checks = [Check::new(&set.limits[0].limit, b""); MAX_CHECKS];
             for (i, (entry, key)) in set.limits.iter().zip(&keys).enumerate() {
                 if let Some(key) = key {
-                    let (index, quota) = entry.limit.quota_of(plan_name);
-                    // A limit has at most `MAX_PLANS` plans.
-                    quota_of[i] = u8::try_from(index).unwrap_or(0);
-                    let mut check = Check::new(&entry.limit, key.as_bytes())
-                        .with_quota(*quota)
-                        .with_slot(slot);
-                    if let Some(of) = entry.metered.as_ref().and_then(|m| m.cost.as_ref()) {
-                        match of(&view) {
-                            Ok(units) => check = check.with_cost(units),
-                            Err(_) => {
-                                entry.metrics.record_missing_key(&span);
-                                return Prepared::Refuse(
-                                    self.refuse(
-                                        &Rejection::new(
-                                            RejectionKind::InvalidCost,
-                                            entry.limit.name(),
-                                            None,
-                                            None,
-                                        )
-                                        .grpc(crate::grpc::is_grpc(req.headers())),
-                                    ),
-                                );
-                            }
-                        }
-                    }
-                    cost[i] = check.cost;
-                    checks[n] = check;
+                    let check =
+                        match self.check_of(entry, key, plan_name, slot, (&view, req, &span)) {
+                            Ok(check) => check,
+                            Err(refusal) => return Prepared::Refuse(*refusal),
+                        };
+                    (quota_of[i], cost[i]) = (check.1, check.0.cost);
+                    checks[n] = check.0;
                     limit_of[n] = i;
                     n += 1;
                 }
@@ -133,6 +121,63 @@ impl<B: Backend> Shared<B> {
             span,
         };
         Prepared::Check(check, plan)
+    }
+
+    /// The refusal of a request without `entry`'s key, under a limit that rejects it.
+    fn refuse_keyless<T>(
+        &self,
+        entry: &Entry,
+        missing: MissingKey,
+        req: &Request<T>,
+        span: &tracing::Span,
+    ) -> Response<Bytes> {
+        entry.metrics.record_missing_key(span);
+        self.refuse(
+            &Rejection::new(
+                RejectionKind::MissingKey(missing),
+                entry.limit.name(),
+                None,
+                None,
+            )
+            .grpc(crate::grpc::is_grpc(req.headers())),
+        )
+    }
+
+    /// `entry`'s check of `key` under the request's plan (and the index of its quota), with
+    /// the request's cost for a metered limit; or the refusal of a cost that is not one.
+    fn check_of<'k, T>(
+        &self,
+        entry: &'k Entry,
+        key: &'k Key<'_>,
+        plan_name: Option<&str>,
+        slot: u64,
+        (view, req, span): (&RequestView<'_>, &Request<T>, &tracing::Span),
+    ) -> Result<(Check<'k>, u8), Box<Response<Bytes>>> {
+        let (index, quota) = entry.limit.quota_of(plan_name);
+        let mut check = Check::new(&entry.limit, key.as_bytes())
+            .with_quota(*quota)
+            .with_slot(slot);
+        if let Some(of) = entry.metered.as_ref().and_then(|m| m.cost.as_ref()) {
+            match of(view) {
+                Ok(units) => check = check.with_cost(units),
+                Err(_) => {
+                    entry.metrics.record_missing_key(span);
+                    return Err(Box::new(
+                        self.refuse(
+                            &Rejection::new(
+                                RejectionKind::InvalidCost,
+                                entry.limit.name(),
+                                None,
+                                None,
+                            )
+                            .grpc(crate::grpc::is_grpc(req.headers())),
+                        ),
+                    ));
+                }
+            }
+        }
+        // A limit has at most `MAX_PLANS` plans.
+        Ok((check, u8::try_from(index).unwrap_or(0)))
     }
 
     /// Turns the backend's answer into a decision, or a refusal.

@@ -67,42 +67,42 @@ where
     }
 
     fn call(&mut self, req: Request<ReqBody>) -> Self::Future {
-        let (mut check, plan) = match self.shared.prepare(&req) {
-            Prepared::Refuse(response) => return ResponseFuture::refused(response),
-            Prepared::Admit(decision) => {
-                return ResponseFuture::decided(
-                    Decided::Admit(decision, None, None),
-                    req,
-                    &mut self.inner,
-                    Arc::clone(&self.shared),
-                    0,
-                )
-            }
-            Prepared::Check(check, plan) => (check, plan),
-        };
-        // The in-memory backend, and a networked one's local deny cache, answer at once. Then
-        // the request goes straight to the service that was polled ready: no clone of it, and
-        // no trip of the request through the future. A pending answer is polled again, with
-        // the task's waker, by the future.
-        let answer = Pin::new(&mut check).poll(&mut Context::from_waker(Waker::noop()));
-        match answer {
-            Poll::Ready(result) => {
-                let decided = self.shared.decide(&result, &req, &plan);
+        // The prepared check (its answer inline) is a few hundred bytes: it is answered in
+        // place, and only a pending answer moves it, into the future.
+        let mut prepared = self.shared.prepare(&req);
+        if let Prepared::Check(check, plan) = &mut prepared {
+            // The in-memory backend, and a networked one's local deny cache, answer at once.
+            // Then the request goes straight to the service that was polled ready: no clone of
+            // it, and no trip of the request through the future.
+            let answer = Pin::new(check).poll(&mut Context::from_waker(Waker::noop()));
+            if let Poll::Ready(result) = &answer {
+                let decided = self.shared.decide(result, &req, plan);
                 let slot = plan.slot();
-                ResponseFuture::decided(
+                return ResponseFuture::decided(
                     decided,
                     req,
                     &mut self.inner,
                     Arc::clone(&self.shared),
                     slot,
-                )
+                );
             }
-            Poll::Pending => {
-                // Call the service that was polled ready later, leave a fresh clone in its place.
+        }
+        match prepared {
+            // Pending: polled again, with the task's waker, by the future. The service that
+            // was polled ready is called later; a fresh clone takes its place.
+            Prepared::Check(check, plan) => {
                 let clone = self.inner.clone();
                 let inner = std::mem::replace(&mut self.inner, clone);
                 ResponseFuture::checking(check, req, inner, plan, Arc::clone(&self.shared))
             }
+            Prepared::Refuse(response) => ResponseFuture::refused(response),
+            Prepared::Admit(decision) => ResponseFuture::decided(
+                Decided::Admit(decision, None, None),
+                req,
+                &mut self.inner,
+                Arc::clone(&self.shared),
+                0,
+            ),
         }
     }
 }
