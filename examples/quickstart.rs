@@ -145,10 +145,11 @@ async fn reset(
     Path((limit, identity)): Path<(String, String)>,
     headers: HeaderMap,
 ) -> Response {
-    if let Err(refused) = admin.authorize(&headers) {
-        return refused.into_response();
-    }
-    match admin.limits.reset(&limit, identity.as_str()).await {
+    let answer = match admin.authorize(&headers) {
+        Ok(()) => admin.limits.reset(&limit, identity.as_str()).await,
+        Err(refused) => return refused.into_response(),
+    };
+    match answer {
         Ok(()) => StatusCode::NO_CONTENT.into_response(),
         Err(e) => admin_error(e),
     }

@@ -87,29 +87,9 @@ impl<B: Backend> RateLimitLayer<B> {
         plan: Option<&str>,
         identity: impl Into<Identity>,
     ) -> Result<KeyState, AdminError> {
-        let answer = {
-            let set = self.shared.set.load();
-            let entry = set
-                .limits
-                .iter()
-                .find(|e| e.limit.name() == limit)
-                .ok_or_else(|| AdminError::UnknownLimit(limit.to_owned()))?;
-            let quota = match plan {
-                None => *entry.limit.quota(),
-                Some(name) => *entry
-                    .limit
-                    .plans()
-                    .find(|(n, _)| *n == name)
-                    .map(|(_, q)| q)
-                    .ok_or_else(|| AdminError::UnknownPlan(name.to_owned()))?,
-            };
-            let key = entry
-                .key
-                .key_of(&identity.into())
-                .map_err(AdminError::Identity)?;
-            let check = Check::new(&entry.limit, key.as_bytes()).with_quota(quota);
-            self.shared.backend.peek(&check)
-        };
+        let identity = identity.into();
+        let answer =
+            self.with_check(limit, plan, &identity, |backend, check| backend.peek(check))?;
         answer.await.map_err(AdminError::Backend)
     }
 
@@ -131,21 +111,39 @@ impl<B: Backend> RateLimitLayer<B> {
         limit: &str,
         identity: impl Into<Identity>,
     ) -> Result<(), AdminError> {
-        let answer = {
-            let set = self.shared.set.load();
-            let entry = set
-                .limits
-                .iter()
-                .find(|e| e.limit.name() == limit)
-                .ok_or_else(|| AdminError::UnknownLimit(limit.to_owned()))?;
-            let key = entry
-                .key
-                .key_of(&identity.into())
-                .map_err(AdminError::Identity)?;
-            self.shared
-                .backend
-                .reset(&Check::new(&entry.limit, key.as_bytes()))
-        };
+        let identity = identity.into();
+        let answer = self.with_check(limit, None, &identity, |backend, check| {
+            backend.reset(check)
+        })?;
         answer.await.map_err(AdminError::Backend)
+    }
+
+    /// `f` of the backend and the check of `identity` under the limit named `limit` (with
+    /// `plan`'s quota): the limit set is held only while the check is made.
+    fn with_check<T>(
+        &self,
+        limit: &str,
+        plan: Option<&str>,
+        identity: &Identity,
+        f: impl FnOnce(&B, &Check<'_>) -> T,
+    ) -> Result<T, AdminError> {
+        let set = self.shared.set.load();
+        let entry = set
+            .limits
+            .iter()
+            .find(|e| e.limit.name() == limit)
+            .ok_or_else(|| AdminError::UnknownLimit(limit.to_owned()))?;
+        let quota = match plan {
+            None => *entry.limit.quota(),
+            Some(name) => *entry
+                .limit
+                .plans()
+                .find(|(n, _)| *n == name)
+                .map(|(_, q)| q)
+                .ok_or_else(|| AdminError::UnknownPlan(name.to_owned()))?,
+        };
+        let key = entry.key.key_of(identity).map_err(AdminError::Identity)?;
+        let check = Check::new(&entry.limit, key.as_bytes()).with_quota(quota);
+        Ok(f(&self.shared.backend, &check))
     }
 }
