@@ -2,6 +2,7 @@
 //! other requests' batches of that slot, see `coalesce`), and refunds of the groups that wrote
 //! when another refused.
 
+use std::future::Future;
 use std::sync::Arc;
 
 use tokio::time::Instant;
@@ -83,40 +84,49 @@ impl Inner {
         permit: Option<Permit>,
     ) -> Result<Outcome, BackendError> {
         let shadow_deadline = deadline.checked_sub(self.deadline / 10).unwrap_or(deadline);
-        let tasks: Vec<_> = groups
-            .iter()
-            .map(|(slot, group)| {
-                let (this, slot) = (Arc::clone(self), *slot);
-                let sub: Vec<Prepared> = group.iter().map(|&i| batch[i].clone()).collect();
-                // What a shadow group reports if it fails or is late: its checks not checked.
-                let unanswered = sub.iter().all(|p| !p.enforce).then(|| sub.clone());
-                tokio::spawn(async move {
-                    let call = this.group_call(slot, sub, now, deadline, permit);
-                    match unanswered {
-                        Some(sub) => {
-                            let answer = tokio::time::timeout_at(shadow_deadline, call).await;
-                            Ok(answer.ok().and_then(Result::ok).unwrap_or_else(|| {
-                                let answers = vec![UNANSWERED; sub.len()];
-                                let reply = Reply {
-                                    committed: true,
-                                    now: 0,
-                                    answers,
-                                };
-                                (sub, reply)
-                            }))
-                        }
-                        None => call.await,
-                    }
-                })
-            })
-            .collect();
-        let mut results = Vec::with_capacity(tasks.len());
-        for task in tasks {
-            results.push(
-                task.await
-                    .map_err(|e| unavailable(format!("rate-limit task failed: {e}")))
-                    .and_then(|r| r),
-            );
+        let group_of = |group: &[usize]| -> (Vec<Prepared>, Option<Vec<Prepared>>) {
+            let sub: Vec<Prepared> = group.iter().map(|&i| batch[i].clone()).collect();
+            // What a shadow group reports if it fails or is late: its checks not checked.
+            let unanswered = sub.iter().all(|p| !p.enforce).then(|| sub.clone());
+            (sub, unanswered)
+        };
+        let mut results = Vec::with_capacity(groups.len());
+        match permit {
+            // Merged: every group is queued for its slot at once, then the answers are awaited
+            // in turn (the slots' tasks send the calls meanwhile).
+            Some(permit) => {
+                let queued: Vec<_> = groups
+                    .iter()
+                    .map(|(slot, group)| {
+                        let (sub, unanswered) = group_of(group);
+                        let answer = self.queue_in_slot(*slot, sub, deadline, permit);
+                        (answer, unanswered)
+                    })
+                    .collect();
+                for (answer, unanswered) in queued {
+                    results.push(shadowed(answer, unanswered, shadow_deadline).await);
+                }
+            }
+            None => {
+                let tasks: Vec<_> = groups
+                    .iter()
+                    .map(|(slot, group)| {
+                        let (this, slot) = (Arc::clone(self), *slot);
+                        let (sub, unanswered) = group_of(group);
+                        tokio::spawn(async move {
+                            let call = this.group_call(slot, sub, now, deadline, None);
+                            shadowed(call, unanswered, shadow_deadline).await
+                        })
+                    })
+                    .collect();
+                for task in tasks {
+                    results.push(
+                        task.await
+                            .map_err(|e| unavailable(format!("rate-limit task failed: {e}")))
+                            .and_then(|r| r),
+                    );
+                }
+            }
         }
         let committed = results
             .iter()
@@ -184,6 +194,27 @@ impl Inner {
         }
         Ok(())
     }
+}
+
+/// A slot group's answer; for a group of shadow checks only (`unanswered` holds them), its
+/// checks reported not checked if it fails or has not answered by `shadow_deadline`.
+async fn shadowed(
+    call: impl Future<Output = Result<(Vec<Prepared>, Reply), BackendError>>,
+    unanswered: Option<Vec<Prepared>>,
+    shadow_deadline: Instant,
+) -> Result<(Vec<Prepared>, Reply), BackendError> {
+    let Some(sub) = unanswered else {
+        return call.await;
+    };
+    let answer = tokio::time::timeout_at(shadow_deadline, call).await;
+    Ok(answer.ok().and_then(Result::ok).unwrap_or_else(|| {
+        let reply = Reply {
+            committed: true,
+            now: 0,
+            answers: vec![UNANSWERED; sub.len()],
+        };
+        (sub, reply)
+    }))
 }
 
 /// Indices of the checks grouped by hash slot, in order of first appearance.

@@ -1,6 +1,7 @@
 //! The merged-call senders: on a standalone server, the batches of concurrent requests share
 //! one `CHECK` call; in a cluster, those whose keys share a hash slot do (see `coalesce`).
 
+use std::future::Future;
 use std::sync::Arc;
 
 use tokio::time::Instant;
@@ -67,32 +68,44 @@ impl Inner {
         deadline: Instant,
         permit: Permit,
     ) -> Result<(Vec<Prepared>, Reply), BackendError> {
+        self.queue_in_slot(slot, batch, deadline, permit).await
+    }
+
+    /// Queues `batch` for `slot`'s next merged call now, and returns the wait for its answer:
+    /// a request in several slots queues each group at once, with no task of its own.
+    pub(crate) fn queue_in_slot(
+        self: &Arc<Self>,
+        slot: u16,
+        batch: Vec<Prepared>,
+        deadline: Instant,
+        permit: Permit,
+    ) -> impl Future<Output = Result<(Vec<Prepared>, Reply), BackendError>> + Send + 'static {
         let (reply, answer) = tokio::sync::oneshot::channel();
-        match self.slot_coalescer.push(
-            slot,
-            Waiter {
-                batch,
-                reply,
-                deadline,
-                permit,
-            },
-        ) {
-            Push::Waits => {}
+        let waiter = Waiter {
+            batch,
+            reply,
+            deadline,
+            permit,
+        };
+        let queued = match self.slot_coalescer.push(slot, waiter) {
+            Push::Waits => Ok(()),
             Push::StartCaller => {
                 let task = UnstartedSlot(Some(Arc::clone(self)), slot);
                 tokio::spawn(async move {
                     let (inner, slot) = task.start();
                     inner.send_slot_merged(slot).await
                 });
+                Ok(())
             }
-            Push::Full => {
-                return Err(overloaded(
-                    "too many rate-limit checks are waiting for Redis",
-                ))
-            }
+            Push::Full => Err(overloaded(
+                "too many rate-limit checks are waiting for Redis",
+            )),
+        };
+        async move {
+            queued?;
+            let answer = answer.await;
+            answer.unwrap_or_else(|_| Err(unavailable("the rate-limit call was dropped")))
         }
-        let answer = answer.await;
-        answer.unwrap_or_else(|_| Err(unavailable("the rate-limit call was dropped")))
     }
 
     /// Sends what waits for `slot`, one merged call after the other, until nothing does; as
