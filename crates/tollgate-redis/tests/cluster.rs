@@ -341,6 +341,13 @@ async fn merged_requests_in_several_slots_stay_all_or_nothing() {
     );
 }
 
+/// How many `kind` (`ASK`, `MOVED`) redirections `node` answered (`INFO errorstats`).
+fn redirections(node: &tollgate_testsupport::RedisServer, kind: &str) -> u64 {
+    tollgate_testsupport::server_info(node, "errorstats", &format!("errorstat_{kind}"))
+        .and_then(|v| v.strip_prefix("count=")?.trim().parse().ok())
+        .unwrap_or(0)
+}
+
 fn node_id(node: &tollgate_testsupport::RedisServer) -> String {
     redis::cmd("CLUSTER")
         .arg("MYID")
@@ -412,6 +419,8 @@ async fn a_slot_that_moves_mid_run_loses_and_doubles_no_request() {
     let asked = admitted_at_once(&backend, &[&limit], key, 2).await;
     assert_eq!(asked, 2);
     total += asked;
+    assert!(redirections(&nodes[from], "ASK") >= 1);
+    assert!(nodes[to].calls("asking") >= 1);
 
     // The slot is the new node's: the old one answers MOVED.
     for node in [to, from, 3 - to - from] {
@@ -420,6 +429,7 @@ async fn a_slot_that_moves_mid_run_loses_and_doubles_no_request() {
     let after = admitted_at_once(&backend, &[&limit], key, 20).await;
     assert_eq!(after, 1);
     total += after;
+    assert!(redirections(&nodes[from], "MOVED") >= 1);
     assert_eq!(total, 10);
     assert_eq!(cluster.node_of_key(&redis_key), to);
     assert_eq!(nodes[from].dbsize(), 0);
