@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! bench-server --mode MODE [--port 8080] [--redis redis://127.0.0.1:6379/] [--flood-limit 300]
-//!              [--threads 1]
+//!              [--threads 1] [--cluster redis://127.0.0.1:7000/,redis://127.0.0.1:7001/,...]
 //! ```
 //!
 //! Modes (every limiter keys on the client IP, from the socket peer):
@@ -24,6 +24,9 @@
 //! | `tollgate-redis-flood-window` | the same with a fixed window of `--flood-limit` per second |
 //! | `tollgate-mem-settle` | as `tollgate-mem-allow`, metered: every answer (200) gives its unit back, a settle per request |
 //! | `tollgate-redis-settle` | as `tollgate-redis-allow`, metered the same way: a `SETTLE` per request, merged |
+//! | `tollgate-cluster-allow` | as `tollgate-redis-allow`, on the Redis Cluster of `--cluster`: one hot key |
+//! | `tollgate-cluster-spread` | as `tollgate-redis-spread`, on the cluster: a key of its own per request |
+//! | `tollgate-cluster-allow3` | as `tollgate-redis-allow3`, on the cluster: 3 stacked limits, in 3 slots |
 //! | `naive-incr` | per-request `INCR` + `EXPIRE NX` on Redis, a limit nothing reaches |
 
 // A measurement tool: a bad flag or a failed bind should stop it loudly.
@@ -49,6 +52,8 @@ struct Args {
     redis: String,
     flood_limit: u32,
     threads: usize,
+    /// The seed nodes of a Redis Cluster, for the `tollgate-cluster-*` modes.
+    cluster: Vec<String>,
 }
 
 fn args() -> Args {
@@ -58,6 +63,7 @@ fn args() -> Args {
         redis: "redis://127.0.0.1:6379/".into(),
         flood_limit: 300,
         threads: 1,
+        cluster: Vec::new(),
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -68,6 +74,7 @@ fn args() -> Args {
             "--redis" => args.redis = value,
             "--flood-limit" => args.flood_limit = value.parse().unwrap(),
             "--threads" => args.threads = value.parse().unwrap(),
+            "--cluster" => args.cluster = value.split(',').map(str::to_owned).collect(),
             other => panic!("unknown flag {other}"),
         }
     }
@@ -109,15 +116,48 @@ fn redis(url: &str) -> RedisBackend {
     RedisBackend::builder().url(url).build().unwrap()
 }
 
+fn cluster(urls: &[String]) -> RedisBackend {
+    assert!(!urls.is_empty(), "the cluster modes need --cluster");
+    RedisBackend::builder()
+        .cluster(urls.to_vec())
+        .build()
+        .unwrap()
+}
+
 /// One limit, keyed by `key`, on the Redis at `url`.
 fn on_redis(
     limit: Limit,
     key: impl tollgate::key::KeyExtractor,
     url: &str,
 ) -> RateLimitLayer<RedisBackend> {
+    on_backend(limit, key, redis(url))
+}
+
+fn on_backend(
+    limit: Limit,
+    key: impl tollgate::key::KeyExtractor,
+    backend: RedisBackend,
+) -> RateLimitLayer<RedisBackend> {
     RateLimitLayer::builder()
         .limit(limit, key)
-        .backend(redis(url))
+        .backend(backend)
+        .build()
+        .unwrap()
+}
+
+/// Three stacked limits: per IP GCRA, per IP daily window, and a global GCRA.
+fn stacked3(backend: RedisBackend) -> RateLimitLayer<RedisBackend> {
+    RateLimitLayer::builder()
+        .limit(
+            Limit::gcra("per-ip", unreachable_quota()).unwrap(),
+            ClientIp::peer(),
+        )
+        .limit(
+            Limit::fixed_window("per-ip-daily", Quota::per_day(u32::MAX).unwrap()).unwrap(),
+            ClientIp::peer(),
+        )
+        .limit(Limit::gcra("global", unreachable_quota()).unwrap(), Global)
+        .backend(backend)
         .build()
         .unwrap()
 }
@@ -208,21 +248,18 @@ async fn app(args: &Args) -> Router {
             spread_keys(),
             &args.redis,
         )),
-        "tollgate-redis-allow3" => app.layer(
-            RateLimitLayer::builder()
-                .limit(
-                    Limit::gcra("per-ip", unreachable_quota()).unwrap(),
-                    ClientIp::peer(),
-                )
-                .limit(
-                    Limit::fixed_window("per-ip-daily", Quota::per_day(u32::MAX).unwrap()).unwrap(),
-                    ClientIp::peer(),
-                )
-                .limit(Limit::gcra("global", unreachable_quota()).unwrap(), Global)
-                .backend(redis(&args.redis))
-                .build()
-                .unwrap(),
-        ),
+        "tollgate-redis-allow3" => app.layer(stacked3(redis(&args.redis))),
+        "tollgate-cluster-allow" => app.layer(on_backend(
+            Limit::gcra("per-ip", unreachable_quota()).unwrap(),
+            ClientIp::peer(),
+            cluster(&args.cluster),
+        )),
+        "tollgate-cluster-spread" => app.layer(on_backend(
+            Limit::gcra("per-client", unreachable_quota()).unwrap(),
+            spread_keys(),
+            cluster(&args.cluster),
+        )),
+        "tollgate-cluster-allow3" => app.layer(stacked3(cluster(&args.cluster))),
         "tollgate-redis-flood" => app.layer(on_redis(
             Limit::gcra("per-ip", Quota::per_second(args.flood_limit).unwrap()).unwrap(),
             ClientIp::peer(),

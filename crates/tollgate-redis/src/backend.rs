@@ -14,7 +14,7 @@ use tollgate_core::{
 
 use crate::admin::OwnedCheck;
 use crate::breaker::{Breaker, BreakerConfig, CircuitState, Permit};
-use crate::coalesce::Coalescer;
+use crate::coalesce::{Coalescer, SlotCoalescer};
 use crate::conn::{breaks_connection, Connector, Target};
 use crate::deny_cache::DenyCache;
 use crate::failure::map_error;
@@ -49,6 +49,8 @@ pub(crate) struct Inner {
     pub(crate) renew_script: Script,
     /// Merges concurrent requests' batches into one call (standalone Redis only).
     pub(crate) coalescer: Coalescer,
+    /// The same in a Redis Cluster, one queue per hash slot.
+    pub(crate) slot_coalescer: SlotCoalescer,
     /// Settles waiting for the call in flight to end, sent together next (standalone Redis).
     pub(crate) settles: SettleQueue,
     /// The server's `TIME` minus the local clock, in microseconds, as last seen.
@@ -113,6 +115,7 @@ impl RedisBackend {
             settle_script: Script::new(script::SETTLE),
             renew_script: slots::renew_script(),
             coalescer: Coalescer::default(),
+            slot_coalescer: SlotCoalescer::default(),
             settles: SettleQueue::default(),
             skew: AtomicI64::new(0),
             metrics: OnceLock::new(),
@@ -201,11 +204,16 @@ impl Inner {
         deadline: Instant,
         permit: Permit,
     ) -> Result<(Vec<Prepared>, Outcome), BackendError> {
-        if !self.cluster && now.is_none() {
+        if now.is_none() {
             // The task sending merged calls keeps the deadline (one timer per call, not one
             // per request) and reports each call once.
-            let (batch, reply) = self.coalesced(batch, deadline, permit).await?;
-            return Ok((batch, reply.into()));
+            if !self.cluster {
+                let (batch, reply) = self.coalesced(batch, deadline, permit).await?;
+                return Ok((batch, reply.into()));
+            }
+            // In a cluster, each slot's: a batch waits for the merged call of each slot it
+            // touches.
+            return Box::pin(self.call_cluster(batch, None, deadline, Some(permit))).await;
         }
         // Boxed: the future of a direct call is large (over 1 KiB with the connection's), and
         // kept inline it would make every request's future as large, and its allocation one
@@ -220,7 +228,8 @@ impl Inner {
         result
     }
 
-    /// A call of its own for `batch`: at a fixed time (tests), or in a cluster.
+    /// A call of its own for `batch` (one per slot group in a cluster), at a fixed time: for
+    /// tests.
     async fn call_direct(
         self: &Arc<Self>,
         batch: Vec<Prepared>,
@@ -231,7 +240,7 @@ impl Inner {
             let reply = self.eval_check(&[batch.as_slice()], now).await?;
             return Ok((batch, reply.into()));
         }
-        self.call_cluster(batch, now, deadline).await
+        self.call_cluster(batch, now, deadline, None).await
     }
 }
 

@@ -1,12 +1,15 @@
-//! Redis Cluster: a batch split by hash slot, one call per slot group, and refunds of the
-//! groups that wrote when another refused.
+//! Redis Cluster: a batch split by hash slot, one call per slot group (merged with the
+//! other requests' batches of that slot, see `coalesce`), and refunds of the groups that wrote
+//! when another refused.
 
+use std::future::Future;
 use std::sync::Arc;
 
 use tokio::time::Instant;
 use tollgate_core::{BackendError, Micros};
 
 use crate::backend::{Inner, Outcome, BACKEND, UNANSWERED};
+use crate::breaker::Permit;
 use crate::failure::unavailable;
 use crate::keys;
 use crate::script::{Answer, Prepared, Reply};
@@ -14,26 +17,55 @@ use crate::script::{Answer, Prepared, Reply};
 impl Inner {
     /// `batch` in a cluster, by `deadline`: one call if its keys share a slot; otherwise one
     /// per slot group, with refunds.
+    ///
+    /// With a `permit` (the server's time, `now` is `None`), each group waits for its slot's
+    /// next merged call, which reports to the breaker; without, each group has a call of its
+    /// own, and the caller reports.
     pub(crate) async fn call_cluster(
         self: &Arc<Self>,
         batch: Vec<Prepared>,
         now: Option<Micros>,
         deadline: Instant,
+        permit: Option<Permit>,
     ) -> Result<(Vec<Prepared>, Outcome), BackendError> {
-        let groups = slot_groups(&batch);
+        let mut groups = slot_groups(&batch);
         if groups.len() == 1 {
-            let reply = self.eval_check(&[batch.as_slice()], now).await?;
+            let (slot, _) = groups.swap_remove(0);
+            let (batch, reply) = self.group_call(slot, batch, now, deadline, permit).await?;
             return Ok((batch, reply.into()));
         }
         // Several slots: the consume and any refund run in a task of their own, so that a
         // caller that gives up at its deadline does not leave a half-consumed batch behind.
         let this = Arc::clone(self);
-        tokio::spawn(async move {
-            let outcome = this.split(&batch, groups, now, deadline).await?;
+        let split = tokio::spawn(async move {
+            let outcome = this.split(&batch, groups, now, deadline, permit).await?;
             Ok((batch, outcome))
-        })
-        .await
-        .unwrap_or_else(|e| Err(unavailable(format!("rate-limit task failed: {e}"))))
+        });
+        let split = async {
+            split
+                .await
+                .unwrap_or_else(|e| Err(unavailable(format!("rate-limit task failed: {e}"))))
+        };
+        self.until(deadline, split, "from Redis").await
+    }
+
+    /// The `CHECK` of one slot group: merged with the slot's other waiting batches when there
+    /// is a `permit`, else a call of its own at `now`.
+    async fn group_call(
+        self: &Arc<Self>,
+        slot: u16,
+        group: Vec<Prepared>,
+        now: Option<Micros>,
+        deadline: Instant,
+        permit: Option<Permit>,
+    ) -> Result<(Vec<Prepared>, Reply), BackendError> {
+        match permit {
+            Some(permit) => self.coalesced_in_slot(slot, group, deadline, permit).await,
+            None => {
+                let reply = self.eval_check(&[group.as_slice()], now).await?;
+                Ok((group, reply))
+            }
+        }
     }
 
     /// Consumes slot groups concurrently; if any refuses or fails, refunds those that wrote.
@@ -46,41 +78,55 @@ impl Inner {
     async fn split(
         self: &Arc<Self>,
         batch: &[Prepared],
-        groups: Vec<Vec<usize>>,
+        groups: Vec<(u16, Vec<usize>)>,
         now: Option<Micros>,
         deadline: Instant,
+        permit: Option<Permit>,
     ) -> Result<Outcome, BackendError> {
         let shadow_deadline = deadline.checked_sub(self.deadline / 10).unwrap_or(deadline);
-        let tasks: Vec<_> = groups
-            .iter()
-            .map(|group| {
-                let this = Arc::clone(self);
-                let sub: Vec<Prepared> = group.iter().map(|&i| batch[i].clone()).collect();
-                let shadow = sub.iter().all(|p| !p.enforce);
-                tokio::spawn(async move {
-                    let one = [sub.as_slice()];
-                    let call = this.eval_check(&one, now);
-                    let reply = if shadow {
-                        let answer = tokio::time::timeout_at(shadow_deadline, call).await;
-                        Ok(answer.ok().and_then(Result::ok).unwrap_or_else(|| Reply {
-                            committed: true,
-                            now: 0,
-                            answers: vec![UNANSWERED; sub.len()],
-                        }))
-                    } else {
-                        call.await
-                    };
-                    (sub, reply)
-                })
-            })
-            .collect();
-        let mut results = Vec::with_capacity(tasks.len());
-        for task in tasks {
-            results.push(
-                task.await
-                    .map_err(|e| unavailable(format!("rate-limit task failed: {e}")))
-                    .and_then(|(sub, reply)| reply.map(|r| (sub, r))),
-            );
+        let group_of = |group: &[usize]| -> (Vec<Prepared>, Option<Vec<Prepared>>) {
+            let sub: Vec<Prepared> = group.iter().map(|&i| batch[i].clone()).collect();
+            // What a shadow group reports if it fails or is late: its checks not checked.
+            let unanswered = sub.iter().all(|p| !p.enforce).then(|| sub.clone());
+            (sub, unanswered)
+        };
+        let mut results = Vec::with_capacity(groups.len());
+        match permit {
+            // Merged: every group is queued for its slot at once, then the answers are awaited
+            // in turn (the slots' tasks send the calls meanwhile).
+            Some(permit) => {
+                let queued: Vec<_> = groups
+                    .iter()
+                    .map(|(slot, group)| {
+                        let (sub, unanswered) = group_of(group);
+                        let answer = self.queue_in_slot(*slot, sub, deadline, permit);
+                        (answer, unanswered)
+                    })
+                    .collect();
+                for (answer, unanswered) in queued {
+                    results.push(shadowed(answer, unanswered, shadow_deadline).await);
+                }
+            }
+            None => {
+                let tasks: Vec<_> = groups
+                    .iter()
+                    .map(|(slot, group)| {
+                        let (this, slot) = (Arc::clone(self), *slot);
+                        let (sub, unanswered) = group_of(group);
+                        tokio::spawn(async move {
+                            let call = this.group_call(slot, sub, now, deadline, None);
+                            shadowed(call, unanswered, shadow_deadline).await
+                        })
+                    })
+                    .collect();
+                for task in tasks {
+                    results.push(
+                        task.await
+                            .map_err(|e| unavailable(format!("rate-limit task failed: {e}")))
+                            .and_then(|r| r),
+                    );
+                }
+            }
         }
         let committed = results
             .iter()
@@ -109,7 +155,7 @@ impl Inner {
             }
         }
         let mut answers = vec![UNANSWERED; batch.len()];
-        for (group, result) in groups.iter().zip(results) {
+        for ((_, group), result) in groups.iter().zip(results) {
             let (_, reply) = result?;
             for (&i, answer) in group.iter().zip(reply.answers) {
                 answers[i] = answer;
@@ -150,8 +196,29 @@ impl Inner {
     }
 }
 
+/// A slot group's answer; for a group of shadow checks only (`unanswered` holds them), its
+/// checks reported not checked if it fails or has not answered by `shadow_deadline`.
+async fn shadowed(
+    call: impl Future<Output = Result<(Vec<Prepared>, Reply), BackendError>>,
+    unanswered: Option<Vec<Prepared>>,
+    shadow_deadline: Instant,
+) -> Result<(Vec<Prepared>, Reply), BackendError> {
+    let Some(sub) = unanswered else {
+        return call.await;
+    };
+    let answer = tokio::time::timeout_at(shadow_deadline, call).await;
+    Ok(answer.ok().and_then(Result::ok).unwrap_or_else(|| {
+        let reply = Reply {
+            committed: true,
+            now: 0,
+            answers: vec![UNANSWERED; sub.len()],
+        };
+        (sub, reply)
+    }))
+}
+
 /// Indices of the checks grouped by hash slot, in order of first appearance.
-fn slot_groups(batch: &[Prepared]) -> Vec<Vec<usize>> {
+fn slot_groups(batch: &[Prepared]) -> Vec<(u16, Vec<usize>)> {
     let mut groups: Vec<(u16, Vec<usize>)> = Vec::new();
     for (i, p) in batch.iter().enumerate() {
         let slot = keys::digest_slot(&p.digest);
@@ -160,5 +227,5 @@ fn slot_groups(batch: &[Prepared]) -> Vec<Vec<usize>> {
             None => groups.push((slot, vec![i])),
         }
     }
-    groups.into_iter().map(|(_, g)| g).collect()
+    groups
 }

@@ -1,4 +1,5 @@
-//! Merges the batches of concurrent requests into one script call (standalone Redis).
+//! Merges the batches of concurrent requests into one script call: on a standalone server all
+//! of them ([`Coalescer`]), in a cluster those of one hash slot ([`SlotCoalescer`]).
 //!
 //! A request's batch waits in a queue; one task at a time takes batches from it and sends
 //! everything waiting, up to [`MAX_REQUESTS_PER_CALL`] requests, in one `CHECK` call. When
@@ -13,7 +14,7 @@
 //! and a call times out at the earliest deadline of its requests. One timer per call, not one
 //! per request. A request whose caller went away is dropped from the queue.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
 
 use tokio::sync::oneshot;
@@ -97,33 +98,128 @@ impl Coalescer {
         }
     }
 
-    /// The batches for the next call, oldest first, skipping those whose caller gave up and
-    /// setting apart those whose deadline is not after `now`; `None` when nothing waits, and
-    /// then the calling task must stop (it has been counted out).
+    /// The batches for the next call (see [`take`]); `None` when nothing waits, and then the
+    /// calling task must stop (it has been counted out).
     fn next_call(&self, now: Instant) -> Option<Call> {
         let mut q = self.lock();
-        let mut call = Call {
-            send: Vec::new(),
-            late: Vec::new(),
-        };
-        while call.send.len() < MAX_REQUESTS_PER_CALL {
-            let Some(w) = q.waiting.pop_front() else {
-                break;
-            };
-            if w.reply.is_closed() {
-                continue;
-            }
-            if w.deadline <= now {
-                call.late.push(w);
-            } else {
-                call.send.push(w);
-            }
-        }
-        if call.send.is_empty() && call.late.is_empty() {
+        let call = take(&mut q.waiting, now);
+        if call.is_empty() {
             q.callers = q.callers.saturating_sub(1);
             return None;
         }
         Some(call)
+    }
+}
+
+/// The batches for the next call from `waiting`, oldest first, skipping those whose caller
+/// gave up and setting apart those whose deadline is not after `now`.
+fn take(waiting: &mut VecDeque<Waiter>, now: Instant) -> Call {
+    let mut call = Call {
+        send: Vec::new(),
+        late: Vec::new(),
+    };
+    while call.send.len() < MAX_REQUESTS_PER_CALL {
+        let Some(w) = waiting.pop_front() else {
+            break;
+        };
+        if w.reply.is_closed() {
+            continue;
+        }
+        if w.deadline <= now {
+            call.late.push(w);
+        } else {
+            call.send.push(w);
+        }
+    }
+    call
+}
+
+/// The queues of a Redis Cluster: one per hash slot, each with at most one task sending its
+/// merged calls, so that concurrent requests whose keys share a slot share one `CHECK` call
+/// (a script can touch the keys of one slot only), and calls for different slots go out side
+/// by side. A slot has an entry only while requests wait for it or its task runs.
+#[derive(Default)]
+pub(crate) struct SlotCoalescer {
+    slots: Mutex<Slots>,
+}
+
+#[derive(Default)]
+struct Slots {
+    queues: HashMap<u16, SlotQueue>,
+    /// Requests waiting over every slot, bounded by [`MAX_WAITING`].
+    waiting: usize,
+}
+
+#[derive(Default)]
+struct SlotQueue {
+    waiting: VecDeque<Waiter>,
+    /// Whether a task sends this slot's calls.
+    sending: bool,
+}
+
+impl SlotCoalescer {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Slots> {
+        self.slots.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Queues a batch whose keys are all in `slot`.
+    pub(crate) fn push(&self, slot: u16, waiter: Waiter) -> Push {
+        let mut s = self.lock();
+        if s.waiting >= MAX_WAITING {
+            return Push::Full;
+        }
+        s.waiting += 1;
+        let q = s.queues.entry(slot).or_default();
+        q.waiting.push_back(waiter);
+        if q.sending {
+            Push::Waits
+        } else {
+            q.sending = true;
+            Push::StartCaller
+        }
+    }
+
+    /// Counts a task that was started for `slot` after [`Push::StartCaller`]; as
+    /// [`Coalescer::caller`].
+    pub(crate) fn caller(&self, slot: u16) -> SlotCaller<'_> {
+        SlotCaller {
+            coalescer: self,
+            slot,
+            stopped: false,
+        }
+    }
+
+    fn next_call(&self, slot: u16, now: Instant) -> Option<Call> {
+        let mut s = self.lock();
+        let q = s.queues.get_mut(&slot)?;
+        let before = q.waiting.len();
+        let call = take(&mut q.waiting, now);
+        let taken = before - q.waiting.len();
+        if call.is_empty() {
+            // Nothing waits (those skipped gave up): the slot is idle again.
+            s.queues.remove(&slot);
+            s.waiting = s.waiting.saturating_sub(taken);
+            return None;
+        }
+        s.waiting = s.waiting.saturating_sub(taken);
+        Some(call)
+    }
+
+    /// A task of `slot` that stops without being told to: the next batch starts another.
+    fn stopped(&self, slot: u16) {
+        let mut s = self.lock();
+        if let Some(q) = s.queues.get_mut(&slot) {
+            q.sending = false;
+            if q.waiting.is_empty() {
+                s.queues.remove(&slot);
+            }
+        }
+    }
+
+    /// Slots with an entry: requests waiting or a task sending.
+    #[cfg(test)]
+    fn busy_slots(&self) -> usize {
+        self.lock().queues.len()
     }
 }
 
@@ -134,6 +230,12 @@ pub(crate) struct Call {
     /// Requests whose deadline passed while they waited: to be answered with a timeout, and
     /// not sent, so that they consume nothing.
     pub(crate) late: Vec<Waiter>,
+}
+
+impl Call {
+    fn is_empty(&self) -> bool {
+        self.send.is_empty() && self.late.is_empty()
+    }
 }
 
 /// A task sending merged calls; see [`Coalescer::caller`].
@@ -157,6 +259,31 @@ impl Drop for Caller<'_> {
         if !self.stopped {
             let mut q = self.coalescer.lock();
             q.callers = q.callers.saturating_sub(1);
+        }
+    }
+}
+
+/// A task sending one slot's merged calls; see [`SlotCoalescer::caller`].
+pub(crate) struct SlotCaller<'a> {
+    coalescer: &'a SlotCoalescer,
+    slot: u16,
+    stopped: bool,
+}
+
+impl SlotCaller<'_> {
+    /// The batches for the slot's next call, at `now`; `None` when nothing waits, and the
+    /// task must stop.
+    pub(crate) fn next_call(&mut self, now: Instant) -> Option<Call> {
+        let call = self.coalescer.next_call(self.slot, now);
+        self.stopped = call.is_none();
+        call
+    }
+}
+
+impl Drop for SlotCaller<'_> {
+    fn drop(&mut self) {
+        if !self.stopped {
+            self.coalescer.stopped(self.slot);
         }
     }
 }
@@ -245,6 +372,72 @@ mod tests {
         assert_eq!(deadlines(&call.send), [now + second, now + second]);
         assert_eq!(deadlines(&call.late), [now, now - second]);
         assert!(caller.next_call(now).is_none());
+    }
+
+    #[test]
+    fn each_slot_has_one_caller_and_merges_only_its_own_batches() {
+        let c = SlotCoalescer::default();
+        let mut receivers = Vec::new();
+        let mut started = Vec::new();
+        for i in 0..100u16 {
+            let (w, rx) = waiter();
+            receivers.push(rx);
+            let slot = i % 2 * 7;
+            if matches!(c.push(slot, w), Push::StartCaller) {
+                started.push(slot);
+            }
+        }
+        assert_eq!(started, [0, 7]);
+        let now = Instant::now();
+        let mut zero = c.caller(0);
+        assert_eq!(sent(zero.next_call(now)), Some(50));
+        assert!(zero.next_call(now).is_none());
+        drop(zero);
+        // Slot 0 is idle again, slot 7 still has its caller and waiting batches.
+        assert_eq!(c.busy_slots(), 1);
+        let (w, _rx) = waiter();
+        assert!(matches!(c.push(0, w), Push::StartCaller));
+        let (w, _rx) = waiter();
+        assert!(matches!(c.push(7, w), Push::Waits));
+        let mut seven = c.caller(7);
+        assert_eq!(sent(seven.next_call(now)), Some(51));
+        assert!(seven.next_call(now).is_none());
+        assert_eq!(c.busy_slots(), 1);
+    }
+
+    #[test]
+    fn a_slot_caller_dropped_midway_lets_the_next_batch_start_one() {
+        let c = SlotCoalescer::default();
+        let (w, _rx) = waiter();
+        assert!(matches!(c.push(3, w), Push::StartCaller));
+        let mut caller = c.caller(3);
+        assert!(caller.next_call(Instant::now()).is_some());
+        let (w, _rx2) = waiter();
+        assert!(matches!(c.push(3, w), Push::Waits));
+        drop(caller); // its task was dropped with a call in flight
+        let (w, _rx3) = waiter();
+        assert!(matches!(c.push(3, w), Push::StartCaller));
+        // The batch that waited behind the dropped caller is still there for the new one.
+        let mut caller = c.caller(3);
+        assert_eq!(sent(caller.next_call(Instant::now())), Some(2));
+    }
+
+    #[test]
+    fn a_full_slot_coalescer_refuses_whatever_the_slot() {
+        let c = SlotCoalescer::default();
+        let mut receivers = Vec::new();
+        for i in 0..MAX_WAITING {
+            let (w, rx) = waiter();
+            receivers.push(rx);
+            assert!(!matches!(c.push((i % 16_384) as u16, w), Push::Full));
+        }
+        let (w, _rx) = waiter();
+        assert!(matches!(c.push(16_000, w), Push::Full));
+        // Sent batches free their places.
+        let mut caller = c.caller(0);
+        assert!(caller.next_call(Instant::now()).is_some());
+        let (w, _rx) = waiter();
+        assert!(!matches!(c.push(16_000, w), Push::Full));
     }
 
     #[test]

@@ -42,8 +42,10 @@
 //! all-or-nothing on its own and run in arrival order. Nothing waits for a timer, so a lone
 //! request goes out at once; under load, Redis runs one script per round trip instead of one
 //! per request. Within a call, each GCRA or fixed-window key is read once and written once,
-//! however many of the call's requests it serves. In a cluster, each request's slot groups are
-//! their own calls.
+//! however many of the call's requests it serves. In a cluster a script can touch the keys of
+//! one hash slot only, so the merging is per slot: the batches (or a batch's slot groups) of
+//! concurrent requests whose keys share a slot share that slot's calls, in the same way, and
+//! the calls of different slots go out side by side.
 //!
 //! - **GCRA**: one string key, `<key>:v2`, holding the theoretical arrival time and the
 //!   emission interval it was counted in (`<tat>:<interval>`, microseconds), expiring when the
@@ -82,11 +84,19 @@
 //!
 //! # Redis Cluster
 //!
-//! A batch whose keys fall in several hash slots becomes one script call per slot, run
-//! concurrently. If any refuses (or fails), the calls that wrote are refunded by a second script
+//! A batch whose keys fall in several hash slots becomes one slot group per slot, each waiting
+//! for its slot's next merged call, concurrently. If any refuses (or fails), the calls that wrote are refunded by a second script
 //! that undoes exactly their writes (GCRA: the TAT moves back by `cost × interval`; fixed window:
 //! `DECRBY`; sliding log: `ZREM` of the members added). The consume and the refund run in a task
 //! of their own, so a caller that gives up at its deadline does not leave them half done.
+//!
+//! The cluster client routes each call by its keys' slot, and when a slot moves (`MOVED`, or
+//! `ASK` while it migrates) it sends that call again to the node named, after `ASKING` for an
+//! `ASK`: a redirected script has not run, so nothing is counted twice, and the other slots'
+//! calls are not touched. Calls bound for one node share one connection to it, so those sent
+//! together reach Redis in one write and come back in one read. (A pipeline of several slots'
+//! calls is not used: redis-rs sends a whole pipeline again when one of its commands is
+//! redirected, which would run the other slots' scripts twice.)
 //!
 //! The cost of this, compared with one atomic script:
 //!

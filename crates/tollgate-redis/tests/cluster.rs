@@ -258,3 +258,179 @@ async fn a_failing_shadow_group_leaves_the_enforced_answers_standing() {
     );
     assert_eq!(during[1].status, Status::NotChecked);
 }
+
+/// Script calls (`EVALSHA`) the masters ran since their statistics were last reset.
+fn script_calls(cluster: &RedisCluster) -> u64 {
+    cluster.nodes().iter().map(|n| n.calls("evalsha")).sum()
+}
+
+fn reset_stats(cluster: &RedisCluster) {
+    for node in cluster.nodes() {
+        node.reset_stats();
+    }
+}
+
+/// Checks `limits` for `key` `n` times at once: every check is made and first polled before
+/// any of them is answered. Returns how many were admitted.
+async fn admitted_at_once(
+    backend: &tollgate_redis::RedisBackend,
+    limits: &[&Limit],
+    key: &[u8],
+    n: usize,
+) -> usize {
+    let checks: Vec<Check<'_>> = limits.iter().map(|l| Check::new(l, key)).collect();
+    let answers = futures_util::future::join_all((0..n).map(|_| backend.check(&checks))).await;
+    answers
+        .into_iter()
+        .filter(|v| v.as_ref().unwrap().iter().all(|v| v.is_allowed()))
+        .count()
+}
+
+// Current-thread: the 100 checks are all queued before the task that sends the slot's calls
+// runs, so the figures are exact.
+#[tokio::test]
+async fn concurrent_requests_for_one_slot_share_calls_and_admit_exactly_the_limit() {
+    let cluster = RedisCluster::start(3);
+    let backend = support::cluster(cluster.urls()).build().unwrap();
+    let limit = gcra("hot", 10);
+    // One request first, which loads the script on the key's node.
+    assert!(admitted(&backend, &[&limit], b"tenant").await);
+    reset_stats(&cluster);
+
+    assert_eq!(
+        admitted_at_once(&backend, &[&limit], b"tenant", 100).await,
+        9
+    );
+    // 100 requests in 2 calls: 64 (the most one call carries), then the 36 that waited. A
+    // call per request would be 100.
+    assert_eq!(script_calls(&cluster), 2);
+}
+
+#[tokio::test]
+async fn merged_requests_in_several_slots_stay_all_or_nothing() {
+    let cluster = RedisCluster::start(3);
+    let backend = support::cluster(cluster.urls())
+        .deny_cache_capacity(0)
+        .build()
+        .unwrap();
+    let burst = gcra("burst", 10);
+    let daily = fixed("daily", Quota::per_day(100).unwrap());
+    let key = b"tenant";
+    assert_ne!(
+        cluster.slot_of_key(&backend.key_for(&burst, key)),
+        cluster.slot_of_key(&backend.key_for(&daily, key))
+    );
+    assert!(admitted(&backend, &[&burst, &daily], key).await);
+    // A refused batch, to load the refund script on daily's node before the count.
+    let blocker = gcra("blocker", 1);
+    assert!(admitted(&backend, &[&blocker], key).await);
+    assert!(!admitted(&backend, &[&daily, &blocker], key).await);
+    reset_stats(&cluster);
+
+    // 50 requests at once: each slot's checks go in one merged call; the 41 that the burst
+    // refuses have their daily unit given back (one refund call each).
+    assert_eq!(
+        admitted_at_once(&backend, &[&burst, &daily], key, 50).await,
+        9
+    );
+    assert_eq!(script_calls(&cluster), 2 + 41);
+    let v = check(&backend, &[&daily], key).await;
+    assert_eq!(
+        (v[0].status, v[0].remaining),
+        (Status::Allowed, 100 - 10 - 1)
+    );
+}
+
+/// How many `kind` (`ASK`, `MOVED`) redirections `node` answered (`INFO errorstats`).
+fn redirections(node: &tollgate_testsupport::RedisServer, kind: &str) -> u64 {
+    tollgate_testsupport::server_info(node, "errorstats", &format!("errorstat_{kind}"))
+        .and_then(|v| v.strip_prefix("count=")?.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+fn node_id(node: &tollgate_testsupport::RedisServer) -> String {
+    redis::cmd("CLUSTER")
+        .arg("MYID")
+        .query(&mut node.client())
+        .unwrap()
+}
+
+fn setslot(node: &tollgate_testsupport::RedisServer, slot: u16, state: &str, id: &str) {
+    let _: () = redis::cmd("CLUSTER")
+        .arg("SETSLOT")
+        .arg(slot)
+        .arg(state)
+        .arg(id)
+        .query(&mut node.client())
+        .unwrap();
+}
+
+#[tokio::test]
+async fn a_slot_that_moves_mid_run_loses_and_doubles_no_request() {
+    let cluster = RedisCluster::start(3);
+    let backend = support::cluster(cluster.urls())
+        .deny_cache_capacity(0)
+        .build()
+        .unwrap();
+    // An hour's quota: no unit comes back while the test runs.
+    let limit = Limit::gcra("moving", Quota::per_hour(10).unwrap()).unwrap();
+    let key = b"tenant";
+    let redis_key = backend.key_for(&limit, key);
+    let slot = cluster.slot_of_key(&redis_key);
+    let from = cluster.node_of_key(&redis_key);
+    let to = (from + 1) % 3;
+    let nodes = cluster.nodes();
+    let (from_id, to_id) = (node_id(&nodes[from]), node_id(&nodes[to]));
+    // The target has served a check of its own: the script is loaded there too.
+    let elsewhere = (0..1000)
+        .map(|i| format!("other-{i}").into_bytes())
+        .find(|k| cluster.node_of_key(&backend.key_for(&limit, k)) == to)
+        .unwrap();
+    assert!(admitted(&backend, &[&limit], &elsewhere).await);
+
+    let mut total = 0;
+    let before = admitted_at_once(&backend, &[&limit], key, 4).await;
+    assert_eq!(before, 4);
+    total += before;
+
+    // The move starts: the key is still on its node, which keeps serving it.
+    setslot(&nodes[to], slot, "IMPORTING", &from_id);
+    setslot(&nodes[from], slot, "MIGRATING", &to_id);
+    let migrating = admitted_at_once(&backend, &[&limit], key, 3).await;
+    assert_eq!(migrating, 3);
+    total += migrating;
+
+    // The key moves: its old node answers ASK, and the new one serves it after ASKING.
+    let keys: Vec<String> = redis::cmd("CLUSTER")
+        .arg("GETKEYSINSLOT")
+        .arg(slot)
+        .arg(100)
+        .query(&mut nodes[from].client())
+        .unwrap();
+    assert_eq!(keys, std::slice::from_ref(&redis_key));
+    let _: () = redis::cmd("MIGRATE")
+        .arg("127.0.0.1")
+        .arg(nodes[to].port())
+        .arg(&redis_key)
+        .arg(0)
+        .arg(5000)
+        .query(&mut nodes[from].client())
+        .unwrap();
+    let asked = admitted_at_once(&backend, &[&limit], key, 2).await;
+    assert_eq!(asked, 2);
+    total += asked;
+    assert!(redirections(&nodes[from], "ASK") >= 1);
+    assert!(nodes[to].calls("asking") >= 1);
+
+    // The slot is the new node's: the old one answers MOVED.
+    for node in [to, from, 3 - to - from] {
+        setslot(&nodes[node], slot, "NODE", &to_id);
+    }
+    let after = admitted_at_once(&backend, &[&limit], key, 20).await;
+    assert_eq!(after, 1);
+    total += after;
+    assert!(redirections(&nodes[from], "MOVED") >= 1);
+    assert_eq!(total, 10);
+    assert_eq!(cluster.node_of_key(&redis_key), to);
+    assert_eq!(nodes[from].dbsize(), 0);
+}
