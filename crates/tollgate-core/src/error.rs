@@ -1,5 +1,7 @@
 use std::fmt;
 
+use crate::limit::Algorithm;
+
 /// A limit, quota or backend that cannot be built as configured.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -59,6 +61,11 @@ pub enum ConfigError {
         /// The longest key.
         max: usize,
     },
+    /// A lease whose parameters are out of range (what is wrong is said).
+    InvalidLease(&'static str),
+    /// A lease on an algorithm that cannot be leased (a sliding log, a concurrency limit):
+    /// only GCRA and fixed windows count units that a slice can take.
+    LeaseUnsupported(Algorithm),
 }
 
 impl fmt::Display for ConfigError {
@@ -116,6 +123,12 @@ impl fmt::Display for ConfigError {
                     "key length {len} is invalid: it must be between 1 and {max}"
                 )
             }
+            Self::InvalidLease(why) => write!(f, "invalid lease: {why}"),
+            Self::LeaseUnsupported(algorithm) => write!(
+                f,
+                "a {} limit cannot be leased: only GCRA and fixed windows can",
+                algorithm.as_str()
+            ),
         }
     }
 }

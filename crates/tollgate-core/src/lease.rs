@@ -1,0 +1,297 @@
+//! Quota leases: a replica takes a slice of a key's quota from a shared backend in one call and
+//! admits from it locally.
+//!
+//! This module holds what a backend and a model of one need to agree on, as pure functions and
+//! plain data: how large a slice is ([`Lease::take_for`]), when it expires ([`Lease::expiry`])
+//! and what a replica holds of it ([`Slice`]). The Redis backend runs it against Redis; the
+//! accuracy simulation (`lease-sim`) runs the very same code against a model of Redis' state.
+//!
+//! # What a lease keeps and what it gives up
+//!
+//! - **Counted before granted.** A slice of `n` units is a check of cost `n` in the backend:
+//!   Redis consumes the units before any of them is admitted locally, with the algorithm's own
+//!   arithmetic. So the backend never counts more than the quota admits, and every local
+//!   admission is one of those units: over-admission is 0, across every replica.
+//! - **When.** A unit is admitted locally at most the lease's lifetime after Redis counted it.
+//!   A fixed window's slice expires with its window at the latest, so each unit is admitted in
+//!   the window that counted it: at most the limit per window, exactly. A GCRA slice's units
+//!   are counted at the take and refill from then at the quota's rate, as if admitted then.
+//! - **Under-admission.** Units held in slices that nobody uses are counted but not admitted.
+//!   At any moment the shortfall against an unleased limit is at most the units outstanding in
+//!   slices, and each slice holds at most `min(max_slice, remaining / divisor)` of the units
+//!   that remained when it was taken (see [`Lease::take_for`]). When every replica that holds
+//!   a slice has demand for it, the slices are spent and exactly the quota is admitted.
+//! - **The boundary stays exact.** Slices shrink as the remainder shrinks, and once
+//!   `remaining / divisor` is no more than a request's cost every request is checked in the
+//!   backend as without a lease.
+//! - **Unused units go back** when a slice expires and when the backend shuts down: a refund
+//!   with the algorithm's settle arithmetic ([`crate::algorithm::gcra_settle`],
+//!   [`crate::algorithm::fixed_window_settle`]). A replica that dies without giving its units
+//!   back loses nothing for good: a fixed window's units end with their window (the slice's
+//!   expiry at the latest), and a GCRA slice's units refill at the quota's rate like those of
+//!   admitted requests (`n` emission intervals after the take at most).
+
+use std::time::Duration;
+
+use crate::algorithm;
+use crate::clock::Micros;
+use crate::error::ConfigError;
+use crate::limit::{Algorithm, Quota};
+
+/// The largest slice a lease may take at once.
+pub const MAX_SLICE: u32 = 100_000;
+
+/// How a limit leases its quota (see the [module documentation](self)).
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+/// use tollgate_core::{Lease, Limit, Quota};
+///
+/// let lease = Lease::new(50)?.with_divisor(8)?.with_lifetime(Duration::from_secs(1))?;
+/// let global = Limit::gcra("global", Quota::per_day(5_000)?)?.with_lease(lease)?;
+/// assert_eq!(global.lease().map(|l| l.max_slice()), Some(50));
+/// // Sliding logs keep every admission's time: they cannot be leased.
+/// assert!(Limit::sliding_log("log", Quota::per_minute(10)?)?.with_lease(lease).is_err());
+/// # Ok::<(), tollgate_core::ConfigError>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Lease {
+    max_slice: u32,
+    divisor: u32,
+    lifetime: Micros,
+}
+
+impl Lease {
+    /// The default divisor: a slice takes at most an eighth of what remains.
+    pub const DEFAULT_DIVISOR: u32 = 8;
+    /// The default lifetime of a slice.
+    pub const DEFAULT_LIFETIME: Duration = Duration::from_secs(1);
+
+    /// A lease whose slices hold at most `max_slice` units (2 to [`MAX_SLICE`]), with the
+    /// default divisor and lifetime.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError::InvalidLease`] for a `max_slice` outside `2..=MAX_SLICE` (a slice of one
+    /// unit is a request's own check).
+    pub fn new(max_slice: u32) -> Result<Self, ConfigError> {
+        if !(2..=MAX_SLICE).contains(&max_slice) {
+            return Err(ConfigError::InvalidLease("max_slice must be 2 to 100000"));
+        }
+        Ok(Self {
+            max_slice,
+            divisor: Self::DEFAULT_DIVISOR,
+            lifetime: Self::DEFAULT_LIFETIME.as_micros() as Micros,
+        })
+    }
+
+    /// Slices take at most `1 / divisor` of the units that remain (1 to 1,000). Set it at
+    /// least to the number of replicas that share the limit, so that the slices outstanding
+    /// never hold more than what remains.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError::InvalidLease`] for 0 or above 1,000.
+    pub fn with_divisor(mut self, divisor: u32) -> Result<Self, ConfigError> {
+        if !(1..=1_000).contains(&divisor) {
+            return Err(ConfigError::InvalidLease("divisor must be 1 to 1000"));
+        }
+        self.divisor = divisor;
+        Ok(self)
+    }
+
+    /// How long a slice may be used (1 ms to 1 hour); then its unused units go back.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError::InvalidLease`] outside 1 ms to 1 hour.
+    pub fn with_lifetime(mut self, lifetime: Duration) -> Result<Self, ConfigError> {
+        if lifetime < Duration::from_millis(1) || lifetime > Duration::from_secs(3_600) {
+            return Err(ConfigError::InvalidLease("lifetime must be 1 ms to 1 hour"));
+        }
+        self.lifetime = lifetime.as_micros() as Micros;
+        Ok(self)
+    }
+
+    /// The most units one slice holds.
+    pub fn max_slice(&self) -> u32 {
+        self.max_slice
+    }
+
+    /// The divisor of the remainder (see [`with_divisor`](Self::with_divisor)).
+    pub fn divisor(&self) -> u32 {
+        self.divisor
+    }
+
+    /// How long a slice may be used.
+    pub fn lifetime(&self) -> Duration {
+        Duration::from_micros(self.lifetime)
+    }
+
+    /// The units to take from the backend for a request of `cost` when `remaining` units were
+    /// last seen left: `min(max_slice, remaining / divisor)` if that is more than `cost` (the
+    /// request takes `cost` of them, the rest is the slice), otherwise `cost` alone: near the
+    /// limit every request is checked in the backend, without a slice.
+    ///
+    /// ```
+    /// use tollgate_core::Lease;
+    ///
+    /// let lease = Lease::new(50)?; // divisor 8
+    /// assert_eq!(lease.take_for(1_000, 1), 50);
+    /// assert_eq!(lease.take_for(80, 1), 10);
+    /// assert_eq!(lease.take_for(15, 1), 1);
+    /// # Ok::<(), tollgate_core::ConfigError>(())
+    /// ```
+    pub fn take_for(&self, remaining: u64, cost: u32) -> u32 {
+        let share = (remaining / u64::from(self.divisor)).min(u64::from(self.max_slice)) as u32;
+        if share > cost {
+            share
+        } else {
+            cost
+        }
+    }
+
+    /// When a slice taken at `taken_at` (the backend's time) stops being used: its lifetime
+    /// later, and for a fixed window never after its window's end.
+    pub fn expiry(&self, algorithm: Algorithm, quota: &Quota, taken_at: Micros) -> Micros {
+        let end = taken_at.saturating_add(self.lifetime);
+        match algorithm {
+            Algorithm::FixedWindow => end.min(algorithm::window_end(quota, taken_at)),
+            _ => end,
+        }
+    }
+
+    /// Whether `algorithm` can be leased: GCRA and fixed windows.
+    pub fn supports(algorithm: Algorithm) -> bool {
+        matches!(algorithm, Algorithm::Gcra | Algorithm::FixedWindow)
+    }
+}
+
+/// The units of one slice that one replica still holds, and until when.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Slice {
+    units: u32,
+    expires: Micros,
+}
+
+impl Slice {
+    /// A slice of `units` usable until `expires` (excluded).
+    pub fn new(units: u32, expires: Micros) -> Self {
+        Self { units, expires }
+    }
+
+    /// Units held.
+    pub fn units(&self) -> u32 {
+        self.units
+    }
+
+    /// When the slice stops being used.
+    pub fn expires(&self) -> Micros {
+        self.expires
+    }
+
+    /// Whether the slice can still be used at `now`.
+    pub fn live(&self, now: Micros) -> bool {
+        now < self.expires
+    }
+
+    /// Takes `cost` units at `now`, if the slice is live and holds them.
+    #[inline]
+    pub fn take(&mut self, cost: u32, now: Micros) -> bool {
+        if self.live(now) && self.units >= cost {
+            self.units -= cost;
+            true
+        } else {
+            false
+        }
+    }
+
+    /// Puts back `cost` units taken by [`take`](Self::take) for a request that another limit
+    /// refused.
+    pub fn put_back(&mut self, cost: u32) {
+        self.units = self.units.saturating_add(cost);
+    }
+
+    /// Adds `units` freshly taken in the backend, which expire at `expires`. Units still held
+    /// from an earlier take keep their own, earlier expiry only if nothing is added.
+    ///
+    /// Returns the units of the earlier take that must go back first (they would otherwise
+    /// live past their own expiry): the caller gives them back and the slice holds only the new
+    /// units.
+    pub fn refill(&mut self, units: u32, expires: Micros) -> u32 {
+        let old = std::mem::replace(self, Self::new(units, expires));
+        old.units
+    }
+
+    /// Empties the slice: the units to give back.
+    pub fn drain(&mut self) -> u32 {
+        std::mem::take(&mut self.units)
+    }
+
+    /// The units to give back at `now`: all it holds once it has expired, none before.
+    pub fn expire(&mut self, now: Micros) -> u32 {
+        if self.live(now) {
+            0
+        } else {
+            self.drain()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slices_shrink_with_the_remainder_and_stop_near_the_limit() {
+        let lease = Lease::new(10).unwrap().with_divisor(4).unwrap();
+        assert_eq!(lease.take_for(1_000, 1), 10);
+        assert_eq!(lease.take_for(20, 1), 5);
+        assert_eq!(lease.take_for(8, 1), 2);
+        assert_eq!(lease.take_for(7, 1), 1);
+        assert_eq!(lease.take_for(0, 1), 1);
+        // A costly request takes its own cost, and a slice only beyond it.
+        assert_eq!(lease.take_for(20, 5), 5);
+        assert_eq!(lease.take_for(40, 5), 10);
+    }
+
+    #[test]
+    fn a_fixed_windows_slice_ends_with_its_window() {
+        let q = Quota::per_second(10).unwrap();
+        let lease = Lease::new(5)
+            .unwrap()
+            .with_lifetime(Duration::from_millis(300))
+            .unwrap();
+        assert_eq!(lease.expiry(Algorithm::FixedWindow, &q, 1_100_000), 1_400_000);
+        assert_eq!(lease.expiry(Algorithm::FixedWindow, &q, 1_900_000), 2_000_000);
+        assert_eq!(lease.expiry(Algorithm::Gcra, &q, 1_900_000), 2_200_000);
+    }
+
+    #[test]
+    fn a_slice_admits_what_it_holds_until_it_expires() {
+        let mut s = Slice::new(2, 100);
+        assert!(s.take(1, 10));
+        assert!(!s.take(2, 10));
+        s.put_back(1);
+        assert!(s.take(2, 99));
+        assert!(!s.take(1, 99));
+        let mut s = Slice::new(3, 100);
+        assert_eq!(s.expire(99), 0);
+        assert!(!s.take(1, 100));
+        assert_eq!(s.expire(100), 3);
+        assert_eq!(s.units(), 0);
+    }
+
+    #[test]
+    fn bad_leases_are_refused() {
+        assert!(Lease::new(1).is_err());
+        assert!(Lease::new(MAX_SLICE + 1).is_err());
+        assert!(Lease::new(2).unwrap().with_divisor(0).is_err());
+        assert!(Lease::new(2)
+            .unwrap()
+            .with_lifetime(Duration::from_micros(999))
+            .is_err());
+    }
+}
