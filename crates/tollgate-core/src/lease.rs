@@ -102,14 +102,14 @@ impl Lease {
         Ok(self)
     }
 
-    /// How long a slice may be used (1 ms to 1 hour); then its unused units go back.
+    /// How long a slice may be used (1 ms to 1 day); then its unused units go back.
     ///
     /// # Errors
     ///
-    /// [`ConfigError::InvalidLease`] outside 1 ms to 1 hour.
+    /// [`ConfigError::InvalidLease`] outside 1 ms to 1 day.
     pub fn with_lifetime(mut self, lifetime: Duration) -> Result<Self, ConfigError> {
-        if lifetime < Duration::from_millis(1) || lifetime > Duration::from_secs(3_600) {
-            return Err(ConfigError::InvalidLease("lifetime must be 1 ms to 1 hour"));
+        if lifetime < Duration::from_millis(1) || lifetime > Duration::from_secs(86_400) {
+            return Err(ConfigError::InvalidLease("lifetime must be 1 ms to 1 day"));
         }
         self.lifetime = lifetime.as_micros() as Micros;
         Ok(self)
@@ -264,8 +264,14 @@ mod tests {
             .unwrap()
             .with_lifetime(Duration::from_millis(300))
             .unwrap();
-        assert_eq!(lease.expiry(Algorithm::FixedWindow, &q, 1_100_000), 1_400_000);
-        assert_eq!(lease.expiry(Algorithm::FixedWindow, &q, 1_900_000), 2_000_000);
+        assert_eq!(
+            lease.expiry(Algorithm::FixedWindow, &q, 1_100_000),
+            1_400_000
+        );
+        assert_eq!(
+            lease.expiry(Algorithm::FixedWindow, &q, 1_900_000),
+            2_000_000
+        );
         assert_eq!(lease.expiry(Algorithm::Gcra, &q, 1_900_000), 2_200_000);
     }
 

@@ -194,6 +194,7 @@ mod error;
 mod failure;
 mod future;
 mod keys;
+mod lease;
 mod merged;
 mod script;
 mod settle;

@@ -512,6 +512,9 @@ pub(crate) struct Prepared {
     pub(crate) busy_retry_after: Micros,
     /// Whether this check holds the deny cache's lease on its key (see `DenyCache::lookup`).
     pub(crate) leased: bool,
+    /// Whether `cost` is a quota lease's slice (the request's cost and more, see `lease`):
+    /// its answer says nothing of the request's own cost to the deny cache.
+    pub(crate) slice: bool,
 }
 
 impl Prepared {
@@ -551,6 +554,7 @@ impl Prepared {
             slot: check.slot,
             busy_retry_after: check.limit.busy_retry_after_micros(),
             leased: false,
+            slice: false,
         })
     }
 
