@@ -336,3 +336,91 @@ async fn sliding_logs_and_slots_cannot_be_leased() {
     let slots = Limit::concurrency("slots", 4).unwrap();
     assert!(slots.with_lease(lease).is_err());
 }
+
+/// One sequential trace (three replicas, irregular times across expiries, window turns and
+/// refills, one replica shut down half-way) on a real Redis and on the model that the
+/// accuracy simulation runs: every answer and the number of calls must agree.
+#[tokio::test]
+async fn a_trace_on_redis_matches_the_model() {
+    use tollgate_testsupport::lease_model::{Answer, RedisModel, ReplicaModel};
+
+    let server = RedisServer::start();
+    let quota = Quota::new(20, Duration::from_secs(2)).unwrap();
+    let lease = Lease::new(6)
+        .unwrap()
+        .with_divisor(2)
+        .unwrap()
+        .with_lifetime(Duration::from_millis(300))
+        .unwrap();
+    for (i, limit) in [
+        Limit::gcra("trace-gcra", quota).unwrap(),
+        Limit::fixed_window("trace-fixed", quota).unwrap(),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let limit = limit.with_lease(lease).unwrap();
+        let replicas: Vec<RedisBackend> = (0..3)
+            .map(|_| support::standalone(&server.url()).build().unwrap())
+            .collect();
+        let mut redis = RedisModel::new(&limit);
+        let mut models: Vec<ReplicaModel> = (0..3).map(|_| ReplicaModel::new(&limit)).collect();
+        // Loads the scripts before counting calls.
+        let warm = Limit::gcra("warm", quota).unwrap();
+        at(&replicas[0], &[&warm], b"w", T0).await;
+        replicas[0].settle_at(&[], Some(T0)).await.unwrap();
+        let settle = tollgate_core::Settlement {
+            limit: &warm,
+            key: b"w",
+            reserved: 1,
+            actual: 0,
+            receipt: Default::default(),
+        };
+        replicas[0].settle_at(&[settle], Some(T0)).await.unwrap();
+        server.reset_stats();
+        let mut seed = 0x5eed_u64 + i as u64;
+        let mut now = T0;
+        let (mut admitted, mut local) = (0, 0);
+        for n in 0..400 {
+            let r = splitmix(&mut seed);
+            now += r % 120_000;
+            let who = (r >> 32) as usize % 3;
+            if n == 200 {
+                replicas[2].shutdown_at(Some(now)).await.unwrap();
+                models[2].shutdown(&mut redis, now);
+            }
+            let v = at(&replicas[who], &[&limit], b"key", now).await;
+            let got = Answer {
+                allowed: v[0].is_allowed(),
+                from_lease: v.from_lease(0),
+                remaining: v[0].remaining,
+            };
+            let want = models[who].check(&mut redis, b"key", 1, now);
+            assert_eq!(
+                got,
+                want,
+                "{} request {n} at +{} µs",
+                limit.name(),
+                now - T0
+            );
+            assert_eq!(replicas[who].leased_units(), models[who].held());
+            admitted += usize::from(got.allowed);
+            local += usize::from(got.from_lease);
+        }
+        assert_eq!(server.calls("evalsha"), redis.calls, "{}", limit.name());
+        // The trace is worth something: slices were used, and the limit was reached.
+        eprintln!("{}: {admitted} admitted, {local} from slices", limit.name());
+        assert!(
+            local >= 20 && admitted < 400,
+            "{admitted} admitted, {local} from slices"
+        );
+    }
+}
+
+fn splitmix(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
