@@ -163,6 +163,27 @@ impl Lease {
         }
     }
 
+    /// The slice of `units` that a take at `taken_at` (the backend's time) left this replica,
+    /// when the backend answered with `reset` (microseconds until the quota is whole: for
+    /// GCRA, the TAT after the take minus `taken_at`). It expires as
+    /// [`expiry`](Self::expiry) says, and a GCRA slice is [paced](Slice::paced) by that TAT.
+    pub fn slice(
+        &self,
+        algorithm: Algorithm,
+        quota: &Quota,
+        units: u32,
+        taken_at: Micros,
+        reset: Micros,
+    ) -> Slice {
+        let slice = Slice::new(units, self.expiry(algorithm, quota, taken_at));
+        match algorithm {
+            Algorithm::Gcra => {
+                slice.paced(taken_at.saturating_add(reset), quota.emission_interval())
+            }
+            _ => slice,
+        }
+    }
+
     /// Whether `algorithm` can be leased: GCRA and fixed windows.
     pub fn supports(algorithm: Algorithm) -> bool {
         matches!(algorithm, Algorithm::Gcra | Algorithm::FixedWindow)
@@ -170,16 +191,39 @@ impl Lease {
 }
 
 /// The units of one slice that one replica still holds, and until when.
+///
+/// A GCRA slice is also *paced*: it is used only while its units still fit before the TAT
+/// that its take left in the backend (`now + units × interval <= horizon`). A replica that
+/// holds units past that point would admit them after the bucket, as Redis counts it, has
+/// refilled past them: the admissions would then run ahead of the quota's rate. A slice
+/// that falls behind its pace is dead, as if expired.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Slice {
     units: u32,
     expires: Micros,
+    /// The backend's TAT after the take (GCRA), or 0: no pace.
+    horizon: Micros,
+    /// The emission interval of the pace (GCRA), or 0.
+    interval: Micros,
 }
 
 impl Slice {
     /// A slice of `units` usable until `expires` (excluded).
     pub fn new(units: u32, expires: Micros) -> Self {
-        Self { units, expires }
+        Self {
+            units,
+            expires,
+            horizon: 0,
+            interval: 0,
+        }
+    }
+
+    /// This slice, used only while `now + units × interval <= horizon`: a GCRA slice whose
+    /// take left the key's TAT at `horizon`, for a quota of emission interval `interval`.
+    pub fn paced(mut self, horizon: Micros, interval: Micros) -> Self {
+        self.horizon = horizon;
+        self.interval = interval;
+        self
     }
 
     /// Units held.
@@ -192,9 +236,13 @@ impl Slice {
         self.expires
     }
 
-    /// Whether the slice can still be used at `now`.
+    /// Whether the slice can still be used at `now`: before its expiry, and for a paced
+    /// slice while its units fit before its horizon.
     pub fn live(&self, now: Micros) -> bool {
         now < self.expires
+            && (self.interval == 0
+                || now.saturating_add(u64::from(self.units).saturating_mul(self.interval))
+                    <= self.horizon)
     }
 
     /// Takes `cost` units at `now`, if the slice is live and holds them.
@@ -214,15 +262,12 @@ impl Slice {
         self.units = self.units.saturating_add(cost);
     }
 
-    /// Adds `units` freshly taken in the backend, which expire at `expires`. Units still held
-    /// from an earlier take keep their own, earlier expiry only if nothing is added.
+    /// Replaces the slice with `fresh`, a slice just taken in the backend.
     ///
-    /// Returns the units of the earlier take that must go back first (they would otherwise
-    /// live past their own expiry): the caller gives them back and the slice holds only the new
-    /// units.
-    pub fn refill(&mut self, units: u32, expires: Micros) -> u32 {
-        let old = std::mem::replace(self, Self::new(units, expires));
-        old.units
+    /// Returns the units of the earlier slice, which must go back (kept, they would live past
+    /// their own expiry).
+    pub fn refill(&mut self, fresh: Slice) -> u32 {
+        std::mem::replace(self, fresh).units
     }
 
     /// Empties the slice: the units to give back.
@@ -288,6 +333,19 @@ mod tests {
         assert!(!s.take(1, 100));
         assert_eq!(s.expire(100), 3);
         assert_eq!(s.units(), 0);
+    }
+
+    #[test]
+    fn a_paced_slice_dies_once_its_units_no_longer_fit_before_its_horizon() {
+        // 3 units at an interval of 10, the TAT at 100: usable at 70 (70 + 30 <= 100).
+        let mut s = Slice::new(3, 1_000).paced(100, 10);
+        assert!(s.live(70));
+        assert!(!s.live(71));
+        assert!(s.take(1, 70));
+        // 2 units left: usable until 80.
+        assert!(s.take(1, 80));
+        assert!(!s.take(1, 91));
+        assert_eq!(s.expire(91), 1);
     }
 
     #[test]

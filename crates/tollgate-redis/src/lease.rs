@@ -488,8 +488,10 @@ impl RedisBackend {
                         let cost = owned[i].cost;
                         let extra = units - cost;
                         if admitted && verdict.is_allowed() {
-                            let expires = e.lease.expiry(e.algorithm(), &e.quota, at);
-                            let old = e.slice.refill(extra, expires);
+                            let fresh =
+                                e.lease
+                                    .slice(e.algorithm(), &e.quota, extra, at, verdict.reset);
+                            let old = e.slice.refill(fresh);
                             back.extend(e.give_back(old, at));
                             e.receipt = receipt;
                             if closed {

@@ -117,9 +117,15 @@ pub struct ReplicaModel {
     entries: HashMap<Vec<u8>, Entry>,
     next_sweep: Micros,
     closed: bool,
+    taken: u64,
 }
 
 impl ReplicaModel {
+    /// Units taken into slices so far, beyond the cost of the requests that took them.
+    pub fn taken(&self) -> u64 {
+        self.taken
+    }
+
     /// A replica checking `limit` (leased if the limit has a lease).
     pub fn new(limit: &Limit) -> Self {
         Self {
@@ -129,6 +135,7 @@ impl ReplicaModel {
             entries: HashMap::new(),
             next_sweep: 0,
             closed: false,
+            taken: 0,
         }
     }
 
@@ -267,9 +274,10 @@ impl ReplicaModel {
             }
             let extra = units - cost;
             if v.is_allowed() {
-                let expires = lease.expiry(algorithm, &quota, now);
+                let fresh = lease.slice(algorithm, &quota, extra, now, v.reset);
                 let old_mark = entry.mark;
-                let old = entry.slice.refill(extra, expires);
+                let old = entry.slice.refill(fresh);
+                self.taken += u64::from(extra);
                 entry.mark = algorithm::window_end(&quota, now);
                 counted_old = (old, old_mark);
                 let remaining = v.remaining.saturating_add(u64::from(extra));
