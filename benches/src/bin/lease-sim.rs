@@ -8,9 +8,9 @@
 //!
 //! Deterministic for a seed. For 2 to 16 replicas, uniform and skewed traffic (skewed: replica
 //! `i` sends in proportion to `1 / (i+1)²`, and every 2 s each replica falls silent for the
-//! next 2 s with probability 0.3), GCRA and fixed windows, leases off and on, it sends the
-//! same requests (1.5 times the quota's rate, for 60 simulated seconds) and prints per
-//! configuration:
+//! next 2 s with probability 0.3), GCRA and fixed windows, demand of 0.5 and 1.5 times the
+//! quota's rate, leases off and on, it sends the same requests (for 60 simulated seconds) and
+//! prints per configuration:
 //!
 //! - **over**: admissions beyond the quota. Fixed window: beyond the limit in a window. GCRA:
 //!   admissions that a GCRA of the same quota, run on the admission times themselves, would
@@ -43,6 +43,7 @@ enum Traffic {
 
 struct Row {
     algorithm: &'static str,
+    demand: f64,
     replicas: usize,
     traffic: &'static str,
     leased: bool,
@@ -181,14 +182,17 @@ fn main() {
         .unwrap()
         .with_lifetime(Duration::from_millis(250))
         .unwrap();
-    // 1.5 times the quota's rate.
-    let rate = 1.5 * 5_000.0 / 10.0;
     let mut rows = Vec::new();
     for (name, limit) in [
         ("gcra", Limit::gcra("hot", quota).unwrap()),
         ("fixed", Limit::fixed_window("hot", quota).unwrap()),
     ] {
-        for replicas in [2, 4, 8, 16] {
+        for (demand, replicas) in [0.5, 1.5]
+            .into_iter()
+            .flat_map(|d| [2, 4, 8, 16].map(|r| (d, r)))
+        {
+            // Requests a second: `demand` times the quota's rate.
+            let rate = demand * 5_000.0 / 10.0;
             for (traffic, tname) in [(Traffic::Uniform, "uniform"), (Traffic::Skewed, "skewed")] {
                 let reqs = requests(seed ^ replicas as u64, replicas, traffic, rate);
                 let (base, _, _, _) = run(&limit, &reqs, replicas);
@@ -204,6 +208,7 @@ fn main() {
                     let bound = taken - from_lease;
                     rows.push(Row {
                         algorithm: name,
+                        demand,
                         replicas,
                         traffic: tname,
                         leased,
@@ -221,17 +226,18 @@ fn main() {
     }
     println!(
         "quota 5000 per 10 s; lease: slices of at most 100, remaining / 16, living 250 ms; \
-         demand 1.5x the quota's rate for {SECONDS} s; seed {seed}"
+         demand 0.5 or 1.5 times the quota's rate, for {SECONDS} s; seed {seed}"
     );
     println!();
     println!(
-        "| algorithm | replicas | traffic | lease | requests | admitted | from slices | over | under | bound | under <= bound | calls/req |"
+        "| algorithm | demand | replicas | traffic | lease | requests | admitted | from slices | over | under | bound | under <= bound | calls/req |"
     );
-    println!("|---|---:|---|---|---:|---:|---:|---:|---:|---:|---|---:|");
+    println!("|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---|---:|");
     for r in &rows {
         println!(
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.3} |",
+            "| {} | {}x | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.3} |",
             r.algorithm,
+            r.demand,
             r.replicas,
             r.traffic,
             if r.leased { "on" } else { "off" },

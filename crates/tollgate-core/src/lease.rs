@@ -190,6 +190,40 @@ impl Lease {
     }
 }
 
+/// How a replica sizes its next slice from how its last ones ended: a slice that expired
+/// with units left halves the next ones (down to a 65,536th), a slice spent to the last unit
+/// doubles them back (up to [`Lease::take_for`]'s size). A replica whose share of the
+/// traffic cannot spend a slice in its lifetime (or, under GCRA, at the pace of the quota's
+/// rate: see [`Slice::paced`]) then takes small ones instead of taking and giving back
+/// large ones.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Sizing {
+    shift: u8,
+}
+
+impl Sizing {
+    /// The units to take for a request of `cost` when `remaining` were last seen left:
+    /// [`Lease::take_for`], scaled down by what earlier slices came to.
+    pub fn units(&self, lease: &Lease, remaining: u64, cost: u32) -> u32 {
+        let share = lease.take_for(remaining, cost) >> self.shift;
+        if share > cost {
+            share
+        } else {
+            cost
+        }
+    }
+
+    /// A slice ended with units left.
+    pub fn wasted(&mut self) {
+        self.shift = (self.shift + 1).min(16);
+    }
+
+    /// A slice was spent to its last unit.
+    pub fn spent(&mut self) {
+        self.shift = self.shift.saturating_sub(1);
+    }
+}
+
 /// The units of one slice that one replica still holds, and until when.
 ///
 /// A GCRA slice is also *paced*: it is used only while its units still fit before the TAT
@@ -346,6 +380,22 @@ mod tests {
         assert!(s.take(1, 80));
         assert!(!s.take(1, 91));
         assert_eq!(s.expire(91), 1);
+    }
+
+    #[test]
+    fn slices_shrink_after_waste_and_grow_back_when_spent() {
+        let lease = Lease::new(64).unwrap().with_divisor(1).unwrap();
+        let mut sizing = Sizing::default();
+        assert_eq!(sizing.units(&lease, 1_000, 1), 64);
+        sizing.wasted();
+        sizing.wasted();
+        assert_eq!(sizing.units(&lease, 1_000, 1), 16);
+        sizing.spent();
+        assert_eq!(sizing.units(&lease, 1_000, 1), 32);
+        for _ in 0..20 {
+            sizing.wasted();
+        }
+        assert_eq!(sizing.units(&lease, 1_000, 1), 1);
     }
 
     #[test]

@@ -25,7 +25,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use tollgate_core::{
     algorithm, Algorithm, BackendError, Check, Lease, Limit, Micros, Quota, Receipt, Settlement,
-    Slice, Status, Verdict, Verdicts, MAX_CHECKS,
+    Sizing, Slice, Status, Verdict, Verdicts, MAX_CHECKS,
 };
 
 use crate::backend::{Inner, RedisBackend, BACKEND};
@@ -62,6 +62,8 @@ struct Entry {
     receipt: Receipt,
     /// A check of this key asks Redis for a slice now.
     taking: bool,
+    /// How large the next slice is, from how the last ones ended.
+    sizing: Sizing,
     /// Redis' figures as last seen: when (server time), units left, time until full.
     seen_at: Micros,
     seen_remaining: u64,
@@ -96,6 +98,7 @@ impl Entry {
             slice: Slice::default(),
             receipt: Receipt::default(),
             taking: false,
+            sizing: Sizing::default(),
             seen_at: 0,
             seen_remaining: full(c.limit.algorithm(), &c.quota),
             seen_reset: 0,
@@ -222,6 +225,9 @@ impl Table {
             let life = e.lease.lifetime().as_micros() as Micros;
             shortest = shortest.min(life);
             let units = e.slice.expire(now);
+            if units > 0 {
+                e.sizing.wasted();
+            }
             back.extend(e.give_back(units, now));
             e.taking || e.seen_at.saturating_add(10 * life) > now
         });
@@ -327,8 +333,14 @@ impl RedisBackend {
                     std::collections::hash_map::Entry::Vacant(_) => continue,
                 };
                 let expired = entry.slice.expire(t);
+                if expired > 0 {
+                    entry.sizing.wasted();
+                }
                 back.extend(entry.give_back(expired, t));
                 if entry.slice.take(c.cost, t) {
+                    if entry.slice.units() == 0 {
+                        entry.sizing.spent();
+                    }
                     plan[i] = Plan::Local;
                     local.as_mut_slice()[i] = entry.local_verdict(t);
                     local.set_receipt(i, entry.receipt);
@@ -338,7 +350,7 @@ impl RedisBackend {
                 if entry.taking {
                     continue;
                 }
-                let units = lease.take_for(entry.estimate(t), c.cost);
+                let units = entry.sizing.units(lease, entry.estimate(t), c.cost);
                 if units > c.cost {
                     entry.taking = true;
                     plan[i] = Plan::Slice(units);
@@ -436,7 +448,7 @@ impl RedisBackend {
                             continue;
                         };
                         e.saw(v, t);
-                        let units = e.lease.take_for(v.remaining, cost);
+                        let units = e.sizing.units(&e.lease, v.remaining, cost);
                         holding.plan[i] = if attempt == 0 && units > cost {
                             Plan::Slice(units)
                         } else {

@@ -9,7 +9,7 @@
 use std::collections::HashMap;
 
 use tollgate_core::algorithm::{self, WindowState};
-use tollgate_core::{Algorithm, Lease, Limit, Micros, Quota, Slice, Status, Verdict};
+use tollgate_core::{Algorithm, Lease, Limit, Micros, Quota, Sizing, Slice, Status, Verdict};
 
 /// Redis' state of one limit's keys.
 #[derive(Debug)]
@@ -101,6 +101,7 @@ pub struct Answer {
 #[derive(Debug, Clone)]
 struct Entry {
     slice: Slice,
+    sizing: Sizing,
     /// The end of the window the slice was taken in (fixed windows).
     mark: Micros,
     seen_at: Micros,
@@ -203,6 +204,9 @@ impl ReplicaModel {
         let fixed = self.algorithm == Algorithm::FixedWindow;
         self.entries.retain(|key, e| {
             let units = e.slice.expire(now);
+            if units > 0 {
+                e.sizing.wasted();
+            }
             if units > 0 && (!fixed || now < e.mark) {
                 back.push((key.clone(), units, e.mark));
             }
@@ -225,13 +229,20 @@ impl ReplicaModel {
         let full = self.full();
         let e = self.entries.entry(key.to_vec()).or_insert(Entry {
             slice: Slice::default(),
+            sizing: Sizing::default(),
             mark: 0,
             seen_at: 0,
             seen_remaining: full,
             seen_reset: 0,
         });
         let expired = e.slice.expire(now);
+        if expired > 0 {
+            e.sizing.wasted();
+        }
         let (mark, took) = (e.mark, e.slice.take(cost, now));
+        if took && e.slice.units() == 0 {
+            e.sizing.spent();
+        }
         if expired > 0 && (self.algorithm != Algorithm::FixedWindow || now < mark) {
             back.push((key.to_vec(), expired, mark));
         }
@@ -249,14 +260,14 @@ impl ReplicaModel {
             };
         }
         redis.give_back(&back, now);
-        let mut units = lease.take_for(self.estimate(&e, now), cost);
+        let mut units = e.sizing.units(&lease, self.estimate(&e, now), cost);
         for attempt in 0..3 {
             let v = redis.check(key, units, now);
             let slice = units > cost;
             if !v.is_allowed() && slice && attempt < 2 {
                 let entry = self.entries.get_mut(key).expect("entry present");
                 see(entry, &v, now);
-                let again = lease.take_for(v.remaining, cost);
+                let again = entry.sizing.units(&lease, v.remaining, cost);
                 units = if attempt == 0 && again > cost {
                     again
                 } else {
