@@ -30,7 +30,6 @@ use tollgate_core::{
 
 use crate::backend::{Inner, RedisBackend, BACKEND};
 use crate::future::ResponseFuture;
-use crate::keys::{self, KeyDigest};
 
 /// Keys with a slice (or the figures to size one) that one backend keeps, at most. Past that,
 /// new keys are checked without a lease.
@@ -44,9 +43,13 @@ pub(crate) struct Leases {
     closed: AtomicBool,
 }
 
+/// Slices by limit name, then by key: exact keys, so that no two keys ever share a slice (the
+/// Redis digest would cost a SHA-256 per request; std's keyed hash costs a fraction of it).
 #[derive(Default)]
 struct Table {
-    entries: HashMap<KeyDigest, Entry>,
+    limits: HashMap<Arc<str>, HashMap<Box<[u8]>, Entry>>,
+    /// Entries over every limit.
+    count: usize,
     /// When expired slices are next looked for among keys nobody checks.
     next_sweep: Micros,
 }
@@ -193,8 +196,9 @@ impl Leases {
     /// Units held in slices now, over every key.
     pub(crate) fn held(&self) -> u64 {
         self.lock()
-            .entries
+            .limits
             .values()
+            .flat_map(HashMap::values)
             .map(|e| u64::from(e.slice.units()))
             .sum()
     }
@@ -204,16 +208,56 @@ impl Leases {
         self.closed.store(true, Ordering::Relaxed);
         let mut table = self.lock();
         let mut back = Vec::new();
-        for e in table.entries.values_mut() {
+        for e in table.limits.values_mut().flat_map(HashMap::values_mut) {
             let units = e.slice.drain();
             back.extend(e.give_back(units, now));
         }
-        table.entries.clear();
+        table.limits.clear();
+        table.count = 0;
         back
     }
 }
 
 impl Table {
+    /// `c`'s entry, made if there is room (`None` otherwise); a changed quota or lease starts
+    /// afresh, its old slice given back.
+    fn entry(
+        &mut self,
+        c: &Check<'_>,
+        lease: &Lease,
+        t: Micros,
+        back: &mut Vec<GiveBack>,
+    ) -> Option<&mut Entry> {
+        let room = self.count < MAX_LEASED_KEYS;
+        if !self.limits.contains_key(c.limit.name()) {
+            if !room {
+                return None;
+            }
+            self.limits
+                .insert(Arc::clone(c.limit.name_arc()), HashMap::new());
+        }
+        let keys = self.limits.get_mut(c.limit.name())?;
+        if !keys.contains_key(c.key) {
+            if !room {
+                return None;
+            }
+            keys.insert(c.key.into(), Entry::new(c, *lease));
+            self.count += 1;
+        }
+        let e = keys.get_mut(c.key)?;
+        if e.quota != c.quota || e.lease != *lease {
+            // The limit was reloaded under another quota or lease.
+            let units = e.slice.drain();
+            back.extend(e.give_back(units, t));
+            *e = Entry::new(c, *lease);
+        }
+        Some(e)
+    }
+
+    fn get_mut(&mut self, name: &str, key: &[u8]) -> Option<&mut Entry> {
+        self.limits.get_mut(name)?.get_mut(key)
+    }
+
     /// Gives back expired slices of keys nobody checked since, once per lifetime at most, and
     /// forgets keys idle for ten lifetimes (so that the table has room for new ones).
     fn sweep(&mut self, now: Micros, back: &mut Vec<GiveBack>) {
@@ -221,16 +265,22 @@ impl Table {
             return;
         }
         let mut shortest = Lease::DEFAULT_LIFETIME.as_micros() as Micros;
-        self.entries.retain(|_, e| {
-            let life = e.lease.lifetime().as_micros() as Micros;
-            shortest = shortest.min(life);
-            let units = e.slice.expire(now);
-            if units > 0 {
-                e.sizing.wasted();
-            }
-            back.extend(e.give_back(units, now));
-            e.taking || e.seen_at.saturating_add(10 * life) > now
+        let mut count = 0;
+        self.limits.retain(|_, keys| {
+            keys.retain(|_, e| {
+                let life = e.lease.lifetime().as_micros() as Micros;
+                shortest = shortest.min(life);
+                let units = e.slice.expire(now);
+                if units > 0 {
+                    e.sizing.wasted();
+                }
+                back.extend(e.give_back(units, now));
+                e.taking || e.seen_at.saturating_add(10 * life) > now
+            });
+            count += keys.len();
+            !keys.is_empty()
         });
+        self.count = count;
         self.next_sweep = now.saturating_add(shortest);
     }
 }
@@ -238,7 +288,8 @@ impl Table {
 /// What a batch holds while its Redis part is in flight: put back if it is dropped first.
 struct Holding {
     inner: Arc<Inner>,
-    digests: [KeyDigest; MAX_CHECKS],
+    /// Each check's limit name and key.
+    ids: Vec<(Arc<str>, Box<[u8]>)>,
     plan: [Plan; MAX_CHECKS],
     costs: [u32; MAX_CHECKS],
     len: usize,
@@ -253,7 +304,8 @@ impl Holding {
         }
         let mut table = self.inner.leases.lock();
         for i in 0..self.len {
-            let Some(e) = table.entries.get_mut(&self.digests[i]) else {
+            let (name, key) = &self.ids[i];
+            let Some(e) = table.get_mut(name, key) else {
                 continue;
             };
             match self.plan[i] {
@@ -303,7 +355,6 @@ impl RedisBackend {
         }
         let t = now.unwrap_or_else(|| inner.server_time());
         let mut plan = [Plan::Redis; MAX_CHECKS];
-        let mut digests = [[0u8; keys::DIGEST_LEN]; MAX_CHECKS];
         let mut local = Verdicts::new();
         let mut back = Vec::new();
         {
@@ -314,23 +365,8 @@ impl RedisBackend {
                 let Some(lease) = leasable(c) else {
                     continue;
                 };
-                digests[i] = keys::digest(c.limit.name(), c.key);
-                let room = table.entries.len() < MAX_LEASED_KEYS;
-                let entry = match table.entries.entry(digests[i]) {
-                    std::collections::hash_map::Entry::Occupied(mut o) => {
-                        let e = o.get_mut();
-                        if e.quota != c.quota || e.lease != *lease {
-                            // The limit was reloaded under another quota or lease.
-                            let units = e.slice.drain();
-                            back.extend(e.give_back(units, t));
-                            *e = Entry::new(c, *lease);
-                        }
-                        o.into_mut()
-                    }
-                    std::collections::hash_map::Entry::Vacant(v) if room => {
-                        v.insert(Entry::new(c, *lease))
-                    }
-                    std::collections::hash_map::Entry::Vacant(_) => continue,
+                let Some(entry) = table.entry(c, lease, t, &mut back) else {
+                    continue;
                 };
                 let expired = entry.slice.expire(t);
                 if expired > 0 {
@@ -369,7 +405,10 @@ impl RedisBackend {
         }
         let mut holding = Holding {
             inner: Arc::clone(inner),
-            digests,
+            ids: checks
+                .iter()
+                .map(|c| (Arc::clone(c.limit.name_arc()), c.key.into()))
+                .collect(),
             plan,
             costs: [0; MAX_CHECKS],
             len: checks.len(),
@@ -443,7 +482,8 @@ impl RedisBackend {
                             continue;
                         }
                         let cost = owned[i].cost;
-                        let Some(e) = table.entries.get_mut(&holding.digests[i]) else {
+                        let (name, key) = &holding.ids[i];
+                        let Some(e) = table.get_mut(name, key) else {
                             holding.plan[i] = Plan::Redis;
                             continue;
                         };
@@ -491,7 +531,8 @@ impl RedisBackend {
                 let mut verdict = answered[j];
                 let receipt = answered.receipt(j);
                 let at = if receipt.at > 0 { receipt.at } else { t };
-                if let Some(e) = table.entries.get_mut(&holding.digests[i]) {
+                let (name, key) = &holding.ids[i];
+                if let Some(e) = table.get_mut(name, key) {
                     if leasable(&owned[i].check()).is_some() {
                         e.saw(&verdict, at);
                     }
@@ -524,7 +565,8 @@ impl RedisBackend {
                     if holding.plan[i] != Plan::Local {
                         continue;
                     }
-                    if let Some(e) = table.entries.get_mut(&holding.digests[i]) {
+                    let (name, key) = &holding.ids[i];
+                    if let Some(e) = table.get_mut(name, key) {
                         e.slice.put_back(owned[i].cost);
                     }
                 }
