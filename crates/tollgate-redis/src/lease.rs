@@ -43,11 +43,12 @@ pub(crate) struct Leases {
     closed: AtomicBool,
 }
 
-/// Slices by limit name, then by key: exact keys, so that no two keys ever share a slice (the
-/// Redis digest would cost a SHA-256 per request; std's keyed hash costs a fraction of it).
+/// Slices by limit name (a short list: few limits are leased), then by key: exact keys, so
+/// that no two keys ever share a slice (the Redis digest would cost a SHA-256 per request;
+/// std's keyed hash costs a fraction of it).
 #[derive(Default)]
 struct Table {
-    limits: HashMap<Arc<str>, HashMap<Box<[u8]>, Entry>>,
+    limits: Vec<(Arc<str>, HashMap<Box<[u8]>, Entry>)>,
     /// Entries over every limit.
     count: usize,
     /// When expired slices are next looked for among keys nobody checks.
@@ -197,8 +198,8 @@ impl Leases {
     pub(crate) fn held(&self) -> u64 {
         self.lock()
             .limits
-            .values()
-            .flat_map(HashMap::values)
+            .iter()
+            .flat_map(|(_, keys)| keys.values())
             .map(|e| u64::from(e.slice.units()))
             .sum()
     }
@@ -208,7 +209,11 @@ impl Leases {
         self.closed.store(true, Ordering::Relaxed);
         let mut table = self.lock();
         let mut back = Vec::new();
-        for e in table.limits.values_mut().flat_map(HashMap::values_mut) {
+        for e in table
+            .limits
+            .iter_mut()
+            .flat_map(|(_, keys)| keys.values_mut())
+        {
             let units = e.slice.drain();
             back.extend(e.give_back(units, now));
         }
@@ -229,14 +234,16 @@ impl Table {
         back: &mut Vec<GiveBack>,
     ) -> Option<&mut Entry> {
         let room = self.count < MAX_LEASED_KEYS;
-        if !self.limits.contains_key(c.limit.name()) {
-            if !room {
-                return None;
+        let at = match self.limits.iter().position(|(n, _)| **n == *c.limit.name()) {
+            Some(at) => at,
+            None if room => {
+                self.limits
+                    .push((Arc::clone(c.limit.name_arc()), HashMap::new()));
+                self.limits.len() - 1
             }
-            self.limits
-                .insert(Arc::clone(c.limit.name_arc()), HashMap::new());
-        }
-        let keys = self.limits.get_mut(c.limit.name())?;
+            None => return None,
+        };
+        let keys = &mut self.limits[at].1;
         if !keys.contains_key(c.key) {
             if !room {
                 return None;
@@ -255,7 +262,11 @@ impl Table {
     }
 
     fn get_mut(&mut self, name: &str, key: &[u8]) -> Option<&mut Entry> {
-        self.limits.get_mut(name)?.get_mut(key)
+        self.limits
+            .iter_mut()
+            .find(|(n, _)| **n == *name)?
+            .1
+            .get_mut(key)
     }
 
     /// Gives back expired slices of keys nobody checked since, once per lifetime at most, and
@@ -266,7 +277,7 @@ impl Table {
         }
         let mut shortest = Lease::DEFAULT_LIFETIME.as_micros() as Micros;
         let mut count = 0;
-        self.limits.retain(|_, keys| {
+        self.limits.retain_mut(|(_, keys)| {
             keys.retain(|_, e| {
                 let life = e.lease.lifetime().as_micros() as Micros;
                 shortest = shortest.min(life);
