@@ -304,6 +304,11 @@ impl Slice {
         std::mem::replace(self, fresh).units
     }
 
+    /// The TAT the slice's take left in the backend (GCRA), or 0.
+    pub fn horizon(&self) -> Micros {
+        self.horizon
+    }
+
     /// Empties the slice: the units to give back.
     pub fn drain(&mut self) -> u32 {
         std::mem::take(&mut self.units)

@@ -80,6 +80,11 @@ pub(crate) struct GiveBack {
     key: Box<[u8]>,
     units: u32,
     receipt: Receipt,
+    /// GCRA: the TAT the slice's take left; the refund applies only while it is still the
+    /// key's. Other replicas' slices are paced by the TATs of their takes, which count these
+    /// units: once anything moved the TAT on, taking them back could let those slices run
+    /// ahead of the quota's rate. The units then come back as the TAT refills.
+    only_at: Micros,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -154,7 +159,8 @@ impl Entry {
         }
     }
 
-    /// The slice's units to give back at `now` (`units` of them), if Redis still counts them.
+    /// The slice's units to give back at `now` (`units` of them, drained from `self.slice`),
+    /// if Redis still counts them.
     fn give_back(&self, units: u32, now: Micros) -> Option<GiveBack> {
         // A fixed window's units end with their window: nothing to give back after it.
         let counted = match self.algorithm() {
@@ -166,6 +172,7 @@ impl Entry {
             key: self.key.clone(),
             units,
             receipt: self.receipt,
+            only_at: self.slice.horizon(),
         })
     }
 }
@@ -555,8 +562,12 @@ impl RedisBackend {
                             let fresh =
                                 e.lease
                                     .slice(e.algorithm(), &e.quota, extra, at, verdict.reset);
+                            let horizon = e.slice.horizon();
                             let old = e.slice.refill(fresh);
-                            back.extend(e.give_back(old, at));
+                            back.extend(e.give_back(old, at).map(|g| GiveBack {
+                                only_at: horizon,
+                                ..g
+                            }));
                             e.receipt = receipt;
                             if closed {
                                 let units = e.slice.drain();
@@ -609,11 +620,12 @@ impl RedisBackend {
                 receipt: g.receipt,
             })
             .collect();
+        let only_at: Vec<Micros> = back.iter().map(|g| g.only_at).collect();
         if now.is_none() {
-            self.settle_later(&settlements);
+            self.settle_later_at(&settlements, &only_at);
             return None;
         }
-        let sent = self.settle_at(&settlements, now);
+        let sent = self.settle_guarded(&settlements, &only_at, now);
         Some(async move {
             if let Err(e) = sent.await {
                 tracing::debug!(backend = BACKEND, error = %e, "lease give-back failed");
@@ -646,7 +658,8 @@ impl RedisBackend {
                 receipt: g.receipt,
             })
             .collect();
-        self.settle_at(&settlements, now)
+        let only_at: Vec<Micros> = back.iter().map(|g| g.only_at).collect();
+        self.settle_guarded(&settlements, &only_at, now)
     }
 
     /// Units this backend holds in leased slices now (admitted by Redis, not yet used here).

@@ -57,11 +57,14 @@ impl RedisModel {
     }
 
     /// A refund of `units` taken in the window that ends at `window_end` (fixed windows), as
-    /// `SETTLE` does it at `now`.
-    fn refund(&mut self, key: &[u8], units: u32, window_end: Micros, now: Micros) {
+    /// `SETTLE` does it at `now`; a GCRA refund only while the TAT is `only_at` (if above 0).
+    fn refund(&mut self, key: &[u8], units: u32, window_end: Micros, only_at: Micros, now: Micros) {
         match self.algorithm {
             Algorithm::Gcra => {
                 let tat = self.gcra.get(key).copied();
+                if only_at > 0 && tat != Some(only_at) {
+                    return;
+                }
                 if let Some(tat) = algorithm::gcra_settle(&self.quota, tat, now, units, 0) {
                     self.gcra.insert(key.to_vec(), tat);
                 }
@@ -76,15 +79,23 @@ impl RedisModel {
     }
 
     /// One `SETTLE` call of every give-back in `back`, if any.
-    fn give_back(&mut self, back: &[(Vec<u8>, u32, Micros)], now: Micros) {
+    fn give_back(&mut self, back: &[GiveBack], now: Micros) {
         if back.is_empty() {
             return;
         }
         self.calls += 1;
-        for (key, units, mark) in back {
-            self.refund(key, *units, *mark, now);
+        for g in back {
+            self.refund(&g.key, g.units, g.mark, g.only_at, now);
         }
     }
+}
+
+/// Units a replica gives back: key, units, the end of their window, the TAT they require.
+struct GiveBack {
+    key: Vec<u8>,
+    units: u32,
+    mark: Micros,
+    only_at: Micros,
 }
 
 /// One request's answer from a replica.
@@ -190,7 +201,7 @@ impl ReplicaModel {
             .sum()
     }
 
-    fn sweep(&mut self, now: Micros, back: &mut Vec<(Vec<u8>, u32, Micros)>) {
+    fn sweep(&mut self, now: Micros, back: &mut Vec<GiveBack>) {
         let Some(lease) = self.lease else { return };
         if now < self.next_sweep {
             return;
@@ -208,7 +219,12 @@ impl ReplicaModel {
                 e.sizing.wasted();
             }
             if units > 0 && (!fixed || now < e.mark) {
-                back.push((key.clone(), units, e.mark));
+                back.push(GiveBack {
+                    key: key.clone(),
+                    units,
+                    mark: e.mark,
+                    only_at: e.slice.horizon(),
+                });
             }
             e.seen_at.saturating_add(10 * life) > now
         });
@@ -239,12 +255,17 @@ impl ReplicaModel {
         if expired > 0 {
             e.sizing.wasted();
         }
-        let (mark, took) = (e.mark, e.slice.take(cost, now));
+        let (mark, horizon, took) = (e.mark, e.slice.horizon(), e.slice.take(cost, now));
         if took && e.slice.units() == 0 {
             e.sizing.spent();
         }
         if expired > 0 && (self.algorithm != Algorithm::FixedWindow || now < mark) {
-            back.push((key.to_vec(), expired, mark));
+            back.push(GiveBack {
+                key: key.to_vec(),
+                units: expired,
+                mark,
+                only_at: horizon,
+            });
         }
         let e = self.entries.get(key).cloned();
         let Some(e) = e else {
@@ -287,13 +308,20 @@ impl ReplicaModel {
             if v.is_allowed() {
                 let fresh = lease.slice(algorithm, &quota, extra, now, v.reset);
                 let old_mark = entry.mark;
+                let old_horizon = entry.slice.horizon();
                 let old = entry.slice.refill(fresh);
                 self.taken += u64::from(extra);
                 entry.mark = algorithm::window_end(&quota, now);
-                counted_old = (old, old_mark);
+                counted_old = (old, old_mark, old_horizon);
                 let remaining = v.remaining.saturating_add(u64::from(extra));
                 if counted_old.0 > 0 && self.counted(counted_old.1, now) {
-                    redis.give_back(&[(key.to_vec(), counted_old.0, counted_old.1)], now);
+                    let g = GiveBack {
+                        key: key.to_vec(),
+                        units: counted_old.0,
+                        mark: counted_old.1,
+                        only_at: counted_old.2,
+                    };
+                    redis.give_back(&[g], now);
                 }
                 return Answer {
                     allowed: true,
@@ -315,7 +343,12 @@ impl ReplicaModel {
             .iter_mut()
             .filter_map(|(k, e)| {
                 let units = e.slice.drain();
-                (units > 0 && (!fixed || now < e.mark)).then(|| (k.clone(), units, e.mark))
+                (units > 0 && (!fixed || now < e.mark)).then(|| GiveBack {
+                    key: k.clone(),
+                    units,
+                    mark: e.mark,
+                    only_at: e.slice.horizon(),
+                })
             })
             .collect();
         self.entries.clear();
