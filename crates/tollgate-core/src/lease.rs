@@ -14,8 +14,11 @@
 //!   admission is one of those units: over-admission is 0, across every replica.
 //! - **When.** A unit is admitted locally at most the lease's lifetime after Redis counted it.
 //!   A fixed window's slice expires with its window at the latest, so each unit is admitted in
-//!   the window that counted it: at most the limit per window, exactly. A GCRA slice's units
-//!   are counted at the take and refill from then at the quota's rate, as if admitted then.
+//!   the window that counted it: at most the limit per window, exactly. A GCRA slice is
+//!   [paced](Slice::paced) by the TAT its take left, so that the admissions of every replica,
+//!   at the times they happen, conform to the quota's GCRA; and its give-back applies only
+//!   while the key's TAT is still that one (a later take's slice is paced by a TAT that counts
+//!   these units: taking them back under it could let it run ahead of the rate).
 //! - **Under-admission.** Units held in slices that nobody uses are counted but not admitted.
 //!   At any moment the shortfall against an unleased limit is at most the units outstanding in
 //!   slices, and each slice holds at most `min(max_slice, remaining / divisor)` of the units
@@ -26,10 +29,12 @@
 //!   backend as without a lease.
 //! - **Unused units go back** when a slice expires and when the backend shuts down: a refund
 //!   with the algorithm's settle arithmetic ([`crate::algorithm::gcra_settle`],
-//!   [`crate::algorithm::fixed_window_settle`]). A replica that dies without giving its units
-//!   back loses nothing for good: a fixed window's units end with their window (the slice's
-//!   expiry at the latest), and a GCRA slice's units refill at the quota's rate like those of
-//!   admitted requests (`n` emission intervals after the take at most).
+//!   [`crate::algorithm::fixed_window_settle`]), for GCRA only while the TAT is unmoved (see
+//!   above). A replica that dies without giving its units back holds nothing in Redis for
+//!   long: a fixed window's units end with their window (the slice's expiry at the latest),
+//!   and a GCRA slice's units are TAT that refills at the quota's rate like that of admitted
+//!   requests (the bucket is whole `n` emission intervals after the take at most); the
+//!   shortfall is those units, once.
 
 use std::time::Duration;
 

@@ -31,7 +31,7 @@ pub mod algorithm;
 mod backend;
 mod clock;
 mod error;
-mod lease;
+pub mod lease;
 mod limit;
 mod memory;
 mod sip;

@@ -43,12 +43,15 @@ pub(crate) struct Leases {
     closed: AtomicBool,
 }
 
+/// One leased limit's keys.
+type Keys = HashMap<Box<[u8]>, Entry>;
+
 /// Slices by limit name (a short list: few limits are leased), then by key: exact keys, so
 /// that no two keys ever share a slice (the Redis digest would cost a SHA-256 per request;
 /// std's keyed hash costs a fraction of it).
 #[derive(Default)]
 struct Table {
-    limits: Vec<(Arc<str>, HashMap<Box<[u8]>, Entry>)>,
+    limits: Vec<(Arc<str>, Keys)>,
     /// Entries over every limit.
     count: usize,
     /// When expired slices are next looked for among keys nobody checks.
@@ -583,13 +586,13 @@ impl RedisBackend {
                 out.set_receipt(i, receipt);
             }
             if !admitted {
-                for i in 0..owned.len() {
+                for (i, o) in owned.iter().enumerate() {
                     if holding.plan[i] != Plan::Local {
                         continue;
                     }
                     let (name, key) = &holding.ids[i];
                     if let Some(e) = table.get_mut(name, key) {
-                        e.slice.put_back(owned[i].cost);
+                        e.slice.put_back(o.cost);
                     }
                 }
             }
