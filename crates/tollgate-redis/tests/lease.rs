@@ -157,7 +157,17 @@ async fn run_four_replicas(backend: impl Fn() -> RedisBackend) {
 #[tokio::test]
 async fn a_replica_shut_down_gives_its_units_back() {
     let server = RedisServer::start();
-    let replica = support::standalone(&server.url()).build().unwrap();
+    shut_down_gives_back(|| support::standalone(&server.url()).build().unwrap()).await;
+}
+
+#[tokio::test]
+async fn on_a_cluster_a_replica_shut_down_gives_its_units_back() {
+    let cluster = RedisCluster::start(3);
+    shut_down_gives_back(|| support::cluster(cluster.urls()).build().unwrap()).await;
+}
+
+async fn shut_down_gives_back(backend: impl Fn() -> RedisBackend) {
+    let replica = backend();
     let limit = leased(
         Limit::gcra("gone", Quota::per_hour(10).unwrap()).unwrap(),
         Duration::from_secs(3_600),
@@ -168,7 +178,7 @@ async fn a_replica_shut_down_gives_its_units_back() {
     replica.shutdown().await;
     assert_eq!(replica.leased_units(), 0);
     // The other replica finds the 9 units the first did not use.
-    let other = support::standalone(&server.url()).build().unwrap();
+    let other = backend();
     let mut n = 0;
     for _ in 0..12 {
         if support::admitted(&other, &[&plain], b"k").await {
@@ -209,7 +219,17 @@ async fn a_live_replica_gives_an_expired_slice_back() {
 #[tokio::test]
 async fn a_killed_replicas_units_come_back_when_its_slice_expires() {
     let server = RedisServer::start();
-    let other = support::standalone(&server.url()).build().unwrap();
+    killed_replica(|| support::standalone(&server.url()).build().unwrap()).await;
+}
+
+#[tokio::test]
+async fn on_a_cluster_a_killed_replicas_units_come_back_when_its_slice_expires() {
+    let cluster = RedisCluster::start(3);
+    killed_replica(|| support::cluster(cluster.urls()).build().unwrap()).await;
+}
+
+async fn killed_replica(backend: impl Fn() -> RedisBackend) {
+    let other = backend();
     let day = Duration::from_secs(86_400);
     // A fixed window: the slice ends with its window, and so do its units.
     let fixed = leased(
@@ -217,7 +237,7 @@ async fn a_killed_replicas_units_come_back_when_its_slice_expires() {
         day,
     );
     let plain = Limit::fixed_window("fw", Quota::per_minute(10).unwrap()).unwrap();
-    let killed = support::standalone(&server.url()).build().unwrap();
+    let killed = backend();
     assert!(at(&killed, &[&fixed], b"k", T0).await[0].is_allowed());
     assert_eq!(killed.leased_units(), 3);
     drop(killed);
@@ -230,7 +250,7 @@ async fn a_killed_replicas_units_come_back_when_its_slice_expires() {
         day,
     );
     let plain = Limit::gcra("g", Quota::per_minute(10).unwrap()).unwrap();
-    let killed = support::standalone(&server.url()).build().unwrap();
+    let killed = backend();
     assert!(at(&killed, &[&gcra], b"k", T0).await[0].is_allowed());
     assert_eq!(killed.leased_units(), 3);
     drop(killed);
@@ -243,7 +263,7 @@ async fn a_killed_replicas_units_come_back_when_its_slice_expires() {
         10
     );
     // Given back at shutdown instead, the 3 units are there at once.
-    let graceful = support::standalone(&server.url()).build().unwrap();
+    let graceful = backend();
     assert!(at(&graceful, &[&gcra], b"j", T0).await[0].is_allowed());
     graceful.shutdown_at(Some(T0)).await.unwrap();
     assert_eq!(admitted_at(&other, &plain, b"j", 12, T0).await, 9);
