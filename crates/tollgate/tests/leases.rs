@@ -150,3 +150,21 @@ async fn a_layer_shut_down_gives_its_slice_back_to_the_others() {
         Some(1 + 4)
     );
 }
+
+#[tokio::test]
+async fn while_redis_is_down_the_slice_admits_then_the_failure_policy_applies() {
+    let mut server = RedisServer::start();
+    let limit = leased("down").fail_closed();
+    let layer = replica(&server, &limit);
+    let mut svc = app(&layer);
+    // A slice of 4: one admitted through Redis, 3 held.
+    assert_eq!(send(&mut svc).await, Some(false));
+    server.stop();
+    for _ in 0..3 {
+        assert_eq!(send(&mut svc).await, Some(true));
+    }
+    // Spent: the fail-closed limit refuses with 503.
+    let req = Request::get("/").body(Body::empty()).unwrap();
+    let res = svc.ready().await.unwrap().call(req).await.unwrap();
+    assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+}
