@@ -3,6 +3,7 @@
 # other work on the machine cannot skew, to explain (not replace) the timings of run.sh.
 #
 #   benches/instructions.sh [MODE...]    # default: the in-memory modes and bare
+#   DURATION=5 benches/instructions.sh bare tollgate-mem-allow tollgate-redis-lease-hot
 #
 # Counts user-space instructions only (the kernel's TCP work is not in them) between a warm-up
 # and the end of a DURATION-second wrk run at CONNS connections (8 unless set), divided by the

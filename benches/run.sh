@@ -30,7 +30,7 @@ CONNS=${CONNS:-64}
 SERVER_CPU=${SERVER_CPU:-0}
 LOAD_CPU=${LOAD_CPU:-1}
 REDIS_CPU=${REDIS_CPU:-0}
-ALL_MODES="bare tollgate-mem-allow tollgate-mem-deny governor-allow governor-deny tollgate-redis-allow tollgate-redis-spread tollgate-redis-allow3 tollgate-redis-flood tollgate-redis-flood-window naive-incr tollgate-cluster-allow tollgate-cluster-spread tollgate-cluster-allow3"
+ALL_MODES="bare tollgate-mem-allow tollgate-mem-deny governor-allow governor-deny tollgate-redis-allow tollgate-redis-spread tollgate-redis-allow3 tollgate-redis-flood tollgate-redis-flood-window tollgate-redis-lease-hot naive-incr tollgate-cluster-allow tollgate-cluster-spread tollgate-cluster-allow3"
 MODES=${MODES:-$ALL_MODES}
 MICRO=0
 [[ ${1:-} == --micro ]] && MICRO=1

@@ -27,7 +27,11 @@
 //! | `tollgate-cluster-allow` | as `tollgate-redis-allow`, on the Redis Cluster of `--cluster`: one hot key |
 //! | `tollgate-cluster-spread` | as `tollgate-redis-spread`, on the cluster: a key of its own per request |
 //! | `tollgate-cluster-allow3` | as `tollgate-redis-allow3`, on the cluster: 3 stacked limits, in 3 slots |
+//! | `tollgate-redis-lease-hot` | tollgate on Redis, one global GCRA limit (100,000,000 a day) leased in slices of up to 10,000: the hot key every request touches |
 //! | `naive-incr` | per-request `INCR` + `EXPIRE NX` on Redis, a limit nothing reaches |
+//!
+//! In `tollgate-redis-lease-hot` the server stops gracefully on SIGINT or SIGTERM and then
+//! gives its slice back (`RateLimitLayer::shutdown`).
 
 // A measurement tool: a bad flag or a failed bind should stop it loudly.
 #![allow(clippy::unwrap_used)]
@@ -191,6 +195,23 @@ async fn hello() -> &'static str {
     "hello\n"
 }
 
+/// The leased hot key: one global GCRA limit every request touches, on Redis.
+fn lease_hot(url: &str) -> RateLimitLayer<RedisBackend> {
+    let lease = tollgate::core::Lease::new(10_000)
+        .unwrap()
+        .with_lifetime(Duration::from_secs(1))
+        .unwrap();
+    let quota = Quota::per_day(100_000_000).unwrap();
+    on_redis(
+        Limit::gcra("global", quota)
+            .unwrap()
+            .with_lease(lease)
+            .unwrap(),
+        Global,
+        url,
+    )
+}
+
 async fn app(args: &Args) -> Router {
     let app = Router::new().route("/", get(hello));
     match args.mode.as_str() {
@@ -270,6 +291,7 @@ async fn app(args: &Args) -> Router {
             ClientIp::peer(),
             &args.redis,
         )),
+        "tollgate-redis-lease-hot" => app.layer(lease_hot(&args.redis)),
         "naive-incr" => {
             let naive = NaiveIncr::connect(&args.redis, u64::MAX).await.unwrap();
             app.layer(axum::middleware::from_fn_with_state(
@@ -278,6 +300,16 @@ async fn app(args: &Args) -> Router {
             ))
         }
         other => panic!("unknown mode {other:?}"),
+    }
+}
+
+/// SIGINT or SIGTERM.
+async fn stop_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).unwrap();
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
     }
 }
 
@@ -298,6 +330,21 @@ fn main() {
             args.mode,
             listener.local_addr().unwrap()
         );
+        if args.mode == "tollgate-redis-lease-hot" {
+            // The layer is built again here to keep a handle on it for the shutdown.
+            let layer = lease_hot(&args.redis);
+            let app = Router::new()
+                .route("/", get(hello))
+                .layer(layer.clone())
+                .into_make_service_with_connect_info::<SocketAddr>();
+            axum::serve(listener, app)
+                .with_graceful_shutdown(stop_signal())
+                .await
+                .unwrap();
+            layer.shutdown().await;
+            eprintln!("bench-server: slices given back");
+            return;
+        }
         let service = app.into_make_service_with_connect_info::<SocketAddr>();
         axum::serve(listener, service).await.unwrap();
     });

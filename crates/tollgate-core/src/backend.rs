@@ -234,6 +234,8 @@ pub struct Verdicts {
     len: usize,
     items: [Verdict; MAX_CHECKS],
     receipts: [Receipt; MAX_CHECKS],
+    /// Bit `i`: the `i`-th check was admitted from a leased slice held locally.
+    from_lease: u8,
 }
 
 impl Verdicts {
@@ -244,6 +246,22 @@ impl Verdicts {
             len: 0,
             items: [Verdict::EMPTY; MAX_CHECKS],
             receipts: [Receipt { at: 0, mark: 0 }; MAX_CHECKS],
+            from_lease: 0,
+        }
+    }
+
+    /// Whether the `i`-th check was admitted from a slice of a leased quota held by this
+    /// process, without asking the shared backend (see [`Lease`](crate::Lease)).
+    #[inline]
+    pub fn from_lease(&self, i: usize) -> bool {
+        i < self.len && self.from_lease & (1 << i) != 0
+    }
+
+    /// Marks the `i`-th check as admitted from a leased slice; ignored past the end.
+    #[inline]
+    pub fn set_from_lease(&mut self, i: usize) {
+        if i < self.len {
+            self.from_lease |= 1 << i;
         }
     }
 
@@ -409,6 +427,14 @@ pub trait Backend: Send + Sync + 'static {
         let _ = check;
         Box::pin(std::future::ready(Err(unsupported(self.kind(), "reset"))))
     }
+
+    /// Gives back what this process holds of shared quotas (leased slices), for a graceful
+    /// shutdown; resolves once the backend has them back (or could not be reached). Checks
+    /// made after it are checked without leases. The default, for a backend that holds
+    /// nothing, is ready at once.
+    fn shutdown(&self) -> Pin<Box<dyn Future<Output = ()> + Send + 'static>> {
+        Box::pin(std::future::ready(()))
+    }
 }
 
 /// The error of an operation `backend` does not offer.
@@ -456,6 +482,10 @@ impl<B: Backend> Backend for std::sync::Arc<B> {
 
     fn reset(&self, check: &Check<'_>) -> AdminFuture<()> {
         (**self).reset(check)
+    }
+
+    fn shutdown(&self) -> Pin<Box<dyn Future<Output = ()> + Send + 'static>> {
+        (**self).shutdown()
     }
 }
 

@@ -1,5 +1,7 @@
 use std::fmt;
 
+use crate::limit::Algorithm;
+
 /// A limit, quota or backend that cannot be built as configured.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -62,6 +64,11 @@ pub enum ConfigError {
     /// An allowlist entry that no request could match: a name its key extractor refuses
     /// (an address that does not parse, a tenant with characters tenants cannot have).
     InvalidAllowlistEntry(String),
+    /// A lease whose parameters are out of range (what is wrong is said).
+    InvalidLease(&'static str),
+    /// A lease on an algorithm that cannot be leased (a sliding log, a concurrency limit):
+    /// only GCRA and fixed windows count units that a slice can take.
+    LeaseUnsupported(Algorithm),
 }
 
 impl fmt::Display for ConfigError {
@@ -122,6 +129,12 @@ impl fmt::Display for ConfigError {
             Self::InvalidAllowlistEntry(entry) => write!(
                 f,
                 "allowlist entry {entry:?} is not a key that any request could have"
+            ),
+            Self::InvalidLease(why) => write!(f, "invalid lease: {why}"),
+            Self::LeaseUnsupported(algorithm) => write!(
+                f,
+                "a {} limit cannot be leased: only GCRA and fixed windows can",
+                algorithm.as_str()
             ),
         }
     }

@@ -31,6 +31,7 @@ pub mod algorithm;
 mod backend;
 mod clock;
 mod error;
+pub mod lease;
 mod limit;
 mod memory;
 mod sip;
@@ -41,6 +42,7 @@ pub use backend::{
 };
 pub use clock::{Clock, FakeClock, Micros, SystemClock};
 pub use error::ConfigError;
+pub use lease::{Lease, Sizing, Slice, MAX_SLICE};
 pub use limit::{
     Algorithm, FailurePolicy, Limit, MissingKeyPolicy, Quota, DEFAULT_BUSY_RETRY_AFTER,
     DEFAULT_SLOT_TTL, MAX_LOG_UNITS, MAX_NAME_LEN, MAX_PERIOD, MAX_PLANS,

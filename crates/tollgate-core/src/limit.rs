@@ -3,6 +3,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::clock::{micros, Micros};
+use crate::lease::Lease;
 use crate::ConfigError;
 
 /// The longest limit name, in bytes.
@@ -280,6 +281,8 @@ pub struct Limit {
     shadow: bool,
     /// The `Retry-After` of a concurrency refusal (nobody knows when a slot frees).
     busy_retry_after: Micros,
+    /// Slices of the quota a replica may take from a shared backend (see [`Lease`]).
+    lease: Option<Lease>,
 }
 
 /// How long a concurrency slot lives in a backend whose slots expire, unless renewed.
@@ -317,6 +320,7 @@ impl Limit {
             missing_key: MissingKeyPolicy::default(),
             shadow: false,
             busy_retry_after: DEFAULT_BUSY_RETRY_AFTER.as_micros() as Micros,
+            lease: None,
         })
     }
 
@@ -596,6 +600,28 @@ impl Limit {
     /// Whether the limit only reports (shadow mode).
     pub fn is_shadow(&self) -> bool {
         self.shadow
+    }
+
+    /// This limit with its quota leased to replicas in slices (see [`Lease`] for what it keeps
+    /// and the bound on what it gives up). A shared backend (Redis) takes a slice of a key's
+    /// quota in one call and admits from it locally; a backend in the process ignores it.
+    /// Only checks under the default quota are leased: a plan's are checked as without.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError::LeaseUnsupported`] for a sliding log or a concurrency limit.
+    pub fn with_lease(mut self, lease: Lease) -> Result<Self, ConfigError> {
+        if !Lease::supports(self.algorithm) {
+            return Err(ConfigError::LeaseUnsupported(self.algorithm));
+        }
+        self.lease = Some(lease);
+        Ok(self)
+    }
+
+    /// The limit's lease, if its quota is leased.
+    #[inline]
+    pub fn lease(&self) -> Option<&Lease> {
+        self.lease.as_ref()
     }
 
     /// The largest cost one request can have and still be admitted.

@@ -113,6 +113,9 @@ impl Inner {
         if check.limit.algorithm() == Algorithm::Concurrency {
             return Err(tollgate_core::unsupported("redis", "reset"));
         }
+        // This replica's slice of the key is dropped first, so that it admits nothing the
+        // reset state does not count; other replicas' slices end with their lifetime.
+        self.leases.forget(check.limit.name(), &check.key);
         self.admin("reset", &check).await?;
         self.deny
             .forget(&keys::digest(check.limit.name(), &check.key));

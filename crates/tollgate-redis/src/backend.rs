@@ -20,6 +20,7 @@ use crate::deny_cache::DenyCache;
 use crate::failure::map_error;
 use crate::future::ResponseFuture;
 use crate::keys;
+use crate::lease::Leases;
 use crate::script::{self, Answer, Prepared, Reply, Script};
 use crate::settle::SettleQueue;
 use crate::slots::{self, Held, Unclaimed};
@@ -55,6 +56,8 @@ pub(crate) struct Inner {
     pub(crate) settles: SettleQueue,
     /// The server's `TIME` minus the local clock, in microseconds, as last seen.
     pub(crate) skew: AtomicI64,
+    /// Slices of leased quotas held here (see `lease`).
+    pub(crate) leases: Leases,
     /// Registered on the first call, like the layer's, so that a recorder installed after the
     /// backend was built still receives them; after that a call only updates them.
     metrics: OnceLock<Metrics>,
@@ -118,6 +121,7 @@ impl RedisBackend {
             slot_coalescer: SlotCoalescer::default(),
             settles: SettleQueue::default(),
             skew: AtomicI64::new(0),
+            leases: Leases::default(),
             metrics: OnceLock::new(),
         };
         Self {
@@ -265,7 +269,12 @@ impl RedisBackend {
     /// waiting for time to pass. Production code must use [`Backend::check`], so that every
     /// replica reads the same clock, the server's. Calls made this way neither read nor fill
     /// the local deny cache, whose time is the local clock.
+    ///
+    /// Leased limits are leased at that time too: slices expire and are given back by it.
     pub fn check_at(&self, checks: &[Check<'_>], now: Micros) -> ResponseFuture {
+        if checks.iter().any(|c| c.limit.lease().is_some()) {
+            return self.check_leased(checks, Some(now));
+        }
         self.dispatch(checks, Some(now))
     }
 
@@ -336,7 +345,13 @@ impl Backend for RedisBackend {
     /// The key digests are computed before this returns; the future owns what it needs. A
     /// batch the deny cache refuses, or one the open circuit breaker fails, is answered
     /// without I/O or allocation.
+    ///
+    /// A check of a leased limit is answered from the slice this backend holds when it can
+    /// (see [`tollgate_core::Lease`]): at once, without I/O.
     fn check(&self, checks: &[Check<'_>]) -> ResponseFuture {
+        if checks.iter().any(|c| c.limit.lease().is_some()) {
+            return self.check_leased(checks, None);
+        }
         self.dispatch(checks, None)
     }
 
@@ -383,6 +398,17 @@ impl Backend for RedisBackend {
     /// until it expires (at most the deny cache's lease).
     fn reset(&self, check: &Check<'_>) -> AdminFuture<()> {
         Box::pin(Arc::clone(&self.inner).reset(OwnedCheck::of(check)))
+    }
+
+    /// Gives back the unused units of every leased slice (one `SETTLE` refund each) and takes
+    /// no more slices; resolves when Redis has answered, or could not.
+    fn shutdown(&self) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> {
+        let sent = self.shutdown_at(None);
+        Box::pin(async move {
+            if let Err(e) = sent.await {
+                tracing::debug!(backend = BACKEND, error = %e, "lease give-back at shutdown failed");
+            }
+        })
     }
 }
 

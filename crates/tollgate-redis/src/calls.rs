@@ -109,7 +109,7 @@ impl Inner {
 
     /// The client's estimate of the server's `TIME`: the local clock, corrected by the
     /// difference last seen. It only names the fixed windows a call declares.
-    fn server_time(&self) -> Micros {
+    pub(crate) fn server_time(&self) -> Micros {
         let skew = self.skew.load(Ordering::Relaxed);
         local_time().saturating_add_signed(skew)
     }

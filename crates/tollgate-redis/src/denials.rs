@@ -27,7 +27,12 @@ impl Inner {
             }
             // Slots free at any moment: a concurrency refusal is never kept.
             if now.is_none() && p.enforce && p.algorithm != Algorithm::Concurrency {
-                match foreseen_denial(p.algorithm, &p.quota, p.cost, &verdict) {
+                let foreseen = if p.slice {
+                    None
+                } else {
+                    foreseen_denial(p.algorithm, &p.quota, p.cost, &verdict)
+                };
+                match foreseen {
                     Some(denial) => {
                         let per_unit = match p.algorithm {
                             Algorithm::Gcra => Some(p.quota.emission_interval()),

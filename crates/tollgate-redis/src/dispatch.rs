@@ -11,6 +11,18 @@ use crate::script::Prepared;
 
 impl RedisBackend {
     pub(crate) fn dispatch(&self, checks: &[Check<'_>], now: Option<Micros>) -> ResponseFuture {
+        self.dispatch_slices(checks, now, &[0; MAX_CHECKS])
+    }
+
+    /// As `dispatch`, with `slices[i]` units (when above 0) taken in Redis for the `i`-th
+    /// check instead of its cost: a quota lease's slice. The deny cache is asked with the
+    /// checks' own costs.
+    pub(crate) fn dispatch_slices(
+        &self,
+        checks: &[Check<'_>],
+        now: Option<Micros>,
+        slices: &[u32; MAX_CHECKS],
+    ) -> ResponseFuture {
         if checks.len() > MAX_CHECKS {
             return ResponseFuture::ready(Err(BackendError::new(
                 BackendErrorKind::Protocol,
@@ -32,8 +44,14 @@ impl RedisBackend {
             }
         }
         let mut batch = Vec::with_capacity(checks.len());
-        for ((c, d), leased) in checks.iter().zip(&digests).zip(leased) {
+        for (((c, d), leased), &slice) in checks.iter().zip(&digests).zip(leased).zip(slices) {
             match Prepared::new(c, *d) {
+                Ok(p) if slice > 0 => batch.push(Prepared {
+                    leased,
+                    cost: slice,
+                    slice: true,
+                    ..p
+                }),
                 Ok(p) => batch.push(Prepared { leased, ..p }),
                 Err(e) => return ResponseFuture::ready(Err(e)),
             }

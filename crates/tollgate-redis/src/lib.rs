@@ -184,6 +184,21 @@
 //! (10,000 entries by default; at capacity expired entries are dropped and, if it is still full,
 //! new denials are not cached) and holds digests, never keys.
 //!
+//! # Quota leases
+//!
+//! A limit with a [`Lease`](tollgate_core::Lease) is leased to each replica in slices: a check
+//! that finds no slice in hand asks Redis for the request's cost and a slice more, in the same
+//! all-or-nothing `CHECK`, and later checks of the key are admitted from the slice without a
+//! call (marked by [`Verdicts::from_lease`](tollgate_core::Verdicts::from_lease)). Redis counts
+//! every unit before it is admitted, so over-admission is 0 across replicas; the shortfall is
+//! at most the units held in slices. A slice in hand answers before the deny cache and while
+//! Redis is down; a slice's answer never fills the deny cache. Unused units go back with a
+//! `SETTLE` refund when a slice expires (its lifetime, its fixed window's end, or the pace of
+//! its GCRA TAT) and at [`Backend::shutdown`](tollgate_core::Backend::shutdown); a GCRA refund
+//! applies only while the key's TAT is still the one the take left (otherwise other slices,
+//! paced by TATs that count these units, could run ahead of the rate, and the units refill with
+//! the TAT instead). See `docs/leases.md` for the bound and the simulation that measures it.
+//!
 //! # Metrics
 //!
 //! `tollgate_backend_duration_seconds{backend="redis"}` (histogram, per request sent to Redis),
@@ -205,6 +220,7 @@ mod error;
 mod failure;
 mod future;
 mod keys;
+mod lease;
 mod merged;
 mod script;
 mod settle;

@@ -386,7 +386,8 @@ return 1
 /// `<base>:<index>`), or two for
 /// a sliding log (`<base>:log`, `<base>:seq`). `ARGV[1]`: `now` or empty, as for `CHECK`.
 /// `ARGV[2 + 7 (i - 1) ..]`: per settlement: algorithm, refund, charge, then GCRA: interval,
-/// the most the TAT may run ahead of now, 0, 0; fixed window: the end of its window, 0, 0, 0;
+/// the most the TAT may run ahead of now, the TAT a refund requires (0: any; a lease's
+/// give-back applies only while the TAT is still the one its take left), 0; fixed window: the end of its window, 0, 0, 0;
 /// sliding log: the stamp of its units, their last sequence number, the period, the most
 /// units the log may hold. Refunds and charges are cut in the client so that every product
 /// here stays an exact integer.
@@ -409,7 +410,8 @@ for i = 0, (#ARGV - 1) / 7 - 1 do
       if tat > now + y then tat = now + y end
     end
     if not tat then tat = nil end
-    if refund > 0 and tat ~= nil then
+    -- z > 0: a lease's give-back, only while nothing has moved the TAT since its take.
+    if refund > 0 and tat ~= nil and (z == 0 or tat == z) then
       local back = tat - x * refund
       if back <= now then
         redis.call('DEL', key)
@@ -512,6 +514,9 @@ pub(crate) struct Prepared {
     pub(crate) busy_retry_after: Micros,
     /// Whether this check holds the deny cache's lease on its key (see `DenyCache::lookup`).
     pub(crate) leased: bool,
+    /// Whether `cost` is a quota lease's slice (the request's cost and more, see `lease`):
+    /// its answer says nothing of the request's own cost to the deny cache.
+    pub(crate) slice: bool,
 }
 
 impl Prepared {
@@ -551,6 +556,7 @@ impl Prepared {
             slot: check.slot,
             busy_retry_after: check.limit.busy_retry_after_micros(),
             leased: false,
+            slice: false,
         })
     }
 

@@ -93,7 +93,9 @@ struct Settling {
 }
 
 impl Settling {
-    fn new(s: &Settlement<'_>) -> Result<Option<Self>, BackendError> {
+    /// `s` encoded; a GCRA refund with `only_at` above 0 applies only while the key's TAT is
+    /// exactly `only_at` (a lease's give-back: see `lease`).
+    fn new(s: &Settlement<'_>, only_at: Micros) -> Result<Option<Self>, BackendError> {
         // A concurrency slot is one request: nothing to settle.
         if s.actual == s.reserved || s.limit.algorithm() == Algorithm::Concurrency {
             return Ok(None);
@@ -112,7 +114,15 @@ impl Settling {
                 let cap = 2 * interval * u64::from(quota.burst());
                 (
                     [Some(Suffix::Tat), None],
-                    [1, refund.min(most), charge.min(most), interval, cap, 0, 0],
+                    [
+                        1,
+                        refund.min(most),
+                        charge.min(most),
+                        interval,
+                        cap,
+                        only_at,
+                        0,
+                    ],
                 )
             }
             Algorithm::FixedWindow => {
@@ -154,12 +164,18 @@ impl Settling {
 impl RedisBackend {
     /// What [`Backend::settle`](tollgate_core::Backend::settle) does (see there).
     pub(crate) fn settle_later(&self, settlements: &[Settlement<'_>]) {
+        self.settle_later_at(settlements, &[]);
+    }
+
+    /// As `settle_later`; the `i`-th GCRA refund applies only while its key's TAT is
+    /// `only_at[i]` (when given and above 0).
+    pub(crate) fn settle_later_at(&self, settlements: &[Settlement<'_>], only_at: &[Micros]) {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             tracing::debug!(backend = BACKEND, "rate-limit settle outside a runtime");
             return;
         };
         if self.inner.cluster {
-            let call = self.settle_at(settlements, None);
+            let call = self.settle_guarded(settlements, only_at, None);
             runtime.spawn(async move {
                 let _ = call.await;
             });
@@ -167,7 +183,8 @@ impl RedisBackend {
         }
         let settles: Vec<Settling> = match settlements
             .iter()
-            .filter_map(|s| Settling::new(s).transpose())
+            .enumerate()
+            .filter_map(|(i, s)| Settling::new(s, guard(only_at, i)).transpose())
             .collect()
         {
             Ok(settles) => settles,
@@ -218,10 +235,22 @@ impl RedisBackend {
         settlements: &[Settlement<'_>],
         now: Option<Micros>,
     ) -> impl Future<Output = Result<(), BackendError>> + Send + 'static {
+        self.settle_guarded(settlements, &[], now)
+    }
+
+    /// As `settle_at`; the `i`-th GCRA refund applies only while its key's TAT is
+    /// `only_at[i]` (when given and above 0).
+    pub(crate) fn settle_guarded(
+        &self,
+        settlements: &[Settlement<'_>],
+        only_at: &[Micros],
+        now: Option<Micros>,
+    ) -> impl Future<Output = Result<(), BackendError>> + Send + 'static {
         let inner = Arc::clone(&self.inner);
         let prepared: Result<Vec<Settling>, BackendError> = settlements
             .iter()
-            .filter_map(|s| Settling::new(s).transpose())
+            .enumerate()
+            .filter_map(|(i, s)| Settling::new(s, guard(only_at, i)).transpose())
             .collect();
         async move {
             let batch = prepared?;
@@ -294,4 +323,8 @@ impl Inner {
         }
         Ok(())
     }
+}
+
+fn guard(only_at: &[Micros], i: usize) -> Micros {
+    only_at.get(i).copied().unwrap_or(0)
 }

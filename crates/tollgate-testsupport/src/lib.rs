@@ -42,6 +42,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 pub use redis;
 
+pub mod lease_model;
 pub mod vectors;
 
 /// How long a server may take to answer its first `PING`.

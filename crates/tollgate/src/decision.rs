@@ -158,6 +158,7 @@ pub struct LimitDecision {
     source: Source,
     shadow: bool,
     concurrent: bool,
+    from_lease: bool,
 }
 
 impl LimitDecision {
@@ -176,6 +177,7 @@ impl LimitDecision {
             source,
             shadow,
             concurrent: false,
+            from_lease: false,
         }
     }
 
@@ -209,6 +211,21 @@ impl LimitDecision {
             }
         }
         self
+    }
+
+    /// Marks this as answered from a leased slice (see [`Verdicts::from_lease`]).
+    ///
+    /// [`Verdicts::from_lease`]: tollgate_core::Verdicts::from_lease
+    pub(crate) fn leased(mut self, from_lease: bool) -> Self {
+        self.from_lease = from_lease;
+        self
+    }
+
+    /// Whether the backend admitted this from a slice of a leased quota that this process
+    /// held (see [`tollgate_core::Lease`]): counted in the shared backend before, answered
+    /// without asking it. Counted by `tollgate_lease_admissions_total`.
+    pub fn is_from_lease(&self) -> bool {
+        self.from_lease
     }
 
     /// Marks this as a concurrency limit's decision.

@@ -124,6 +124,8 @@ struct Handles {
     decisions: [Counter; Label::ALL.len()],
     bypass: [Counter; REASONS.len()],
     capacity: Counter,
+    /// Admissions answered from a leased slice held by this process.
+    leased: Counter,
 }
 
 impl LimitMetrics {
@@ -147,6 +149,7 @@ impl LimitMetrics {
                     metrics::counter!("tollgate_bypass_total", "limit" => limit(), "reason" => reason.as_str())
                 }),
                 capacity: metrics::counter!("tollgate_capacity_refusals_total", "limit" => limit()),
+                leased: metrics::counter!("tollgate_lease_admissions_total", "limit" => limit()),
             }
         })
     }
@@ -156,6 +159,9 @@ impl LimitMetrics {
         let handles = self.handles();
         let label = Label::of(decision, admitted);
         handles.decisions[label.index()].increment(1);
+        if label == Label::Allowed && decision.is_from_lease() {
+            handles.leased.increment(1);
+        }
         match decision.outcome() {
             Outcome::Bypassed { reason } if label == Label::Bypassed => {
                 handles.bypass[reason_index(*reason)].increment(1);

@@ -205,21 +205,26 @@ impl<B: Backend> Shared<B> {
                 // a limit that had no key, in the layer's order.
                 let mut checked = plan.limit_of[..plan.n].iter().zip(verdicts.iter());
                 let mut next = checked.next();
+                let mut j = 0;
                 plan.set
                     .limits
                     .iter()
                     .enumerate()
                     .map(|(i, entry)| {
-                        let outcome = match next {
+                        let (outcome, leased) = match next {
                             Some((&at, verdict)) if at == i => {
                                 next = checked.next();
-                                Outcome::from_verdict(verdict)
+                                j += 1;
+                                (Outcome::from_verdict(verdict), verdicts.from_lease(j - 1))
                             }
-                            _ => Outcome::Skipped {
-                                reason: SkipReason::MissingKey,
-                            },
+                            _ => {
+                                let reason = SkipReason::MissingKey;
+                                (Outcome::Skipped { reason }, false)
+                            }
                         };
-                        entry.decision(outcome, Source::Backend, plan.quota_of[i])
+                        entry
+                            .decision(outcome, Source::Backend, plan.quota_of[i])
+                            .leased(leased)
                     })
                     .collect()
             }

@@ -127,6 +127,17 @@ impl<B> RateLimitLayer<B> {
     }
 }
 
+impl<B: Backend> RateLimitLayer<B> {
+    /// Gives back what the backend holds of shared quotas ([`Backend::shutdown`]: the unused
+    /// units of leased slices), for a graceful shutdown: call it once the server has stopped
+    /// taking requests. Requests checked afterwards are checked without leases. Resolves once
+    /// the backend has answered (or could not be reached: the units then come back when
+    /// their slices expire, see [`tollgate_core::Lease`]).
+    pub async fn shutdown(&self) {
+        self.shared.backend.shutdown().await;
+    }
+}
+
 /// Limits with the keys they are counted per: what a layer is built from
 /// ([`RateLimitLayerBuilder::limits`]) and what a [`Reloader`] installs. A
 /// [`LimitsFile`](crate::LimitsFile) reads them from TOML.
