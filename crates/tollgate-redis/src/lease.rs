@@ -621,17 +621,7 @@ impl RedisBackend {
         if back.is_empty() {
             return None;
         }
-        let settlements: Vec<Settlement<'_>> = back
-            .iter()
-            .map(|g| Settlement {
-                limit: &g.limit,
-                key: &g.key,
-                reserved: g.units,
-                actual: 0,
-                receipt: g.receipt,
-            })
-            .collect();
-        let only_at: Vec<Micros> = back.iter().map(|g| g.only_at).collect();
+        let (settlements, only_at) = refunds(&back);
         if now.is_none() {
             self.settle_later_at(&settlements, &only_at);
             return None;
@@ -659,17 +649,7 @@ impl RedisBackend {
     ) -> impl Future<Output = Result<(), BackendError>> + Send + 'static {
         let t = now.unwrap_or_else(|| self.inner.server_time());
         let back = self.inner.leases.drain(t);
-        let settlements: Vec<Settlement<'_>> = back
-            .iter()
-            .map(|g| Settlement {
-                limit: &g.limit,
-                key: &g.key,
-                reserved: g.units,
-                actual: 0,
-                receipt: g.receipt,
-            })
-            .collect();
-        let only_at: Vec<Micros> = back.iter().map(|g| g.only_at).collect();
+        let (settlements, only_at) = refunds(&back);
         self.settle_guarded(&settlements, &only_at, now)
     }
 
@@ -691,4 +671,19 @@ fn own_cost(algorithm: Algorithm, quota: &Quota, mut verdict: Verdict, extra: u3
         };
     }
     verdict
+}
+
+/// The refunds of `back`, with the TAT each GCRA refund requires (`GiveBack::only_at`).
+fn refunds(back: &[GiveBack]) -> (Vec<Settlement<'_>>, Vec<Micros>) {
+    let settlements = back
+        .iter()
+        .map(|g| Settlement {
+            limit: &g.limit,
+            key: &g.key,
+            reserved: g.units,
+            actual: 0,
+            receipt: g.receipt,
+        })
+        .collect();
+    (settlements, back.iter().map(|g| g.only_at).collect())
 }
