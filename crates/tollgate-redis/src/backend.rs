@@ -17,6 +17,7 @@ use crate::breaker::{Breaker, BreakerConfig, CircuitState, Permit};
 use crate::coalesce::{Coalescer, SlotCoalescer};
 use crate::conn::{breaks_connection, Connector, Target};
 use crate::deny_cache::DenyCache;
+use crate::digests::DigestCache;
 use crate::failure::map_error;
 use crate::future::ResponseFuture;
 use crate::keys;
@@ -43,6 +44,8 @@ pub(crate) struct Inner {
     pub(crate) connector: Arc<Connector>,
     pub(crate) breaker: Breaker,
     pub(crate) deny: DenyCache,
+    /// The digests of recently checked (limit, key) pairs.
+    pub(crate) digests: DigestCache,
     pub(crate) check_script: Script,
     pub(crate) refund_script: Script,
     pub(crate) settle_script: Script,
@@ -113,6 +116,7 @@ impl RedisBackend {
             connector: Arc::new(Connector::new(config.target, config.connect_timeout)),
             breaker,
             deny: DenyCache::new(config.deny_cache_capacity, config.deadline),
+            digests: DigestCache::default(),
             check_script: Script::new(script::CHECK),
             refund_script: Script::new(script::REFUND),
             settle_script: Script::new(script::SETTLE),

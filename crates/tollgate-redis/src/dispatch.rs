@@ -35,7 +35,7 @@ impl RedisBackend {
         let inner = &self.inner;
         let mut digests = [[0u8; keys::DIGEST_LEN]; MAX_CHECKS];
         for (d, c) in digests.iter_mut().zip(checks) {
-            *d = keys::digest(c.limit.name(), c.key);
+            *d = inner.digests.digest(c.limit.name(), c.key);
         }
         let mut leased = [false; MAX_CHECKS];
         if now.is_none() {

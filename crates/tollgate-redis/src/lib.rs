@@ -215,6 +215,7 @@ mod coalesce;
 mod conn;
 mod denials;
 mod deny_cache;
+mod digests;
 mod dispatch;
 mod error;
 mod failure;
