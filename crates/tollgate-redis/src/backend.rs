@@ -379,11 +379,11 @@ impl Backend for RedisBackend {
     /// `ZREM`s each slot in the background (retried while Redis fails, until the slot would
     /// have expired anyway).
     fn release(&self, checks: &[Check<'_>]) {
-        slots::release(&self.inner, Held::from_checks(&self.inner.prefix, checks));
+        slots::release(&self.inner, Held::from_checks(&self.inner, checks));
     }
 
     fn renew(&self, checks: &[Check<'_>]) {
-        slots::renew(&self.inner, Held::from_checks(&self.inner.prefix, checks));
+        slots::renew(&self.inner, Held::from_checks(&self.inner, checks));
     }
 
     /// Slots expire one slot lifetime (the concurrency limit's period) after they were taken

@@ -77,6 +77,8 @@
 //! `"tollgate/v1\0" ‖ u32be(len name) ‖ name ‖ u32be(len key) ‖ key`, in lowercase hex. Raw
 //! identities never reach Redis, keys have a fixed length, and one limit's key cannot be
 //! another's. The cluster hash tag wraps the digest, so identities spread over the slots.
+//! The digests of recently checked pairs are remembered (1,024 of them, about 120 KB per
+//! backend), so a client that comes back is not digested again.
 //! Each algorithm keeps its state under keys of its own (above), so a limit whose algorithm
 //! changes under the same name starts afresh instead of finding a key of another type.
 //! Every key a script touches is declared in its `KEYS`, and all of a check's keys share the

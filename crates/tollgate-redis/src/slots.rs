@@ -48,12 +48,13 @@ impl Held {
     }
 
     /// The slots that `checks` hold.
-    pub(crate) fn from_checks(prefix: &str, checks: &[Check<'_>]) -> Vec<Self> {
+    pub(crate) fn from_checks(inner: &Inner, checks: &[Check<'_>]) -> Vec<Self> {
+        let prefix = inner.prefix.as_str();
         checks
             .iter()
             .filter(|c| c.limit.algorithm() == Algorithm::Concurrency)
             .map(|c| {
-                let digest = keys::digest(c.limit.name(), c.key);
+                let digest = inner.digests.digest(c.limit.name(), c.key);
                 Self::of(
                     prefix,
                     c.limit.name(),
