@@ -121,6 +121,7 @@ wait_limiting() {
   for port in "$PORT_A" "$PORT_B"; do
     while :; do
       PROBE=$((PROBE + 1))
+      PROBES=$((PROBES + 1))
       reply=$(chat "$port" "probe-$PROBE.soak")
       if [[ $reply == *'"limited":true'* ]]; then break; fi
       [[ $reply == *'"limited":false'* ]] && PROBE_BYPASSES=$((PROBE_BYPASSES + 1))
@@ -159,9 +160,11 @@ ROWS=()
 # phase NAME LOST: wrk on both replicas for PHASE s, the fault NAME 1 s in. LOST=1 when the
 # fault loses Redis' state (the quota may be admitted once more).
 phase() {
-  local name=$1 lost=$2 seconds=${3:-$PHASE} before after wrk_pids=() port
+  local name=$1 lost=$2 seconds=${3:-$PHASE} before after decided_before decided wrk_pids=() port
   before=$(metric tollgate_bypass_total 'limit="chat-per-shop"')
+  decided_before=$(metric tollgate_decisions_total 'limit="chat-per-shop"')
   PROBE_BYPASSES=0
+  PROBES=0
   RESUMED_MS=-
   for port in "$PORT_A" "$PORT_B"; do
     wrk -t"$THREADS" -c"$THREADS" -d"${seconds}s" --timeout 5s -s "$ROOT/benches/soak/traffic.lua" \
@@ -178,10 +181,15 @@ phase() {
   wait "${wrk_pids[@]}"
   sleep 0.2
   after=$(metric tollgate_bypass_total 'limit="chat-per-shop"')
+  decided=$(metric tollgate_decisions_total 'limit="chat-per-shop"')
   local files=("$OUT/$name-$PORT_A.wrk" "$OUT/$name-$PORT_B.wrk")
   total() { awk -v k="$1" '$1 == "total" && $2 == k { s += $3 } END { printf "%d\n", s }' "${files[@]}"; }
-  local requests bypassed unavailable other errors slowest_us bound over
+  local requests bypassed unavailable other errors slowest_us bound over unseen
   requests=$(total requests)
+  # Requests the replicas decided whose replies nobody read: wrk stops at its duration with
+  # up to one request a connection in flight. A bypass among them is counted by the server
+  # and not by wrk, so the two bypass counts may differ by at most these.
+  unseen=$(( decided - decided_before - requests - PROBES ))
   bypassed=$(( $(total bypassed) + PROBE_BYPASSES ))
   unavailable=$(total unavailable)
   other=$(total other)
@@ -194,12 +202,14 @@ phase() {
   hot=$(awk '$1 == "shop" && $2 == "hot.soak" { s += $3 } END { printf "%d\n", s }' "${files[@]}")
   flood=$(awk '$1 == "shop" && $2 == "flood.soak" { s += $3 } END { printf "%d\n", s }' "${files[@]}")
   local verdict=ok
-  if (( after - before != bypassed )); then verdict="BYPASSES DIFFER"; fi
+  if (( unseen < 0 || after - before < bypassed || after - before > bypassed + unseen )); then
+    verdict="BYPASSES DIFFER"
+  fi
   if (( over > 0 )); then verdict="OVER THE LIMIT"; fi
   if (( unavailable > 0 || other > 0 || errors > 0 )); then verdict="ERRORS"; fi
   if [[ $RESUMED_MS == never ]]; then verdict="DID NOT RESUME"; fi
   [[ $verdict == ok ]] || FAILED=1
-  ROWS+=("| $name | $requests | $(awk -v u="$slowest_us" 'BEGIN { printf "%.1f", u / 1000 }') | $((after - before)) | $bypassed | $hot / $flood (≤ $bound) | $over | $unavailable | $RESUMED_MS | $verdict |")
+  ROWS+=("| $name | $requests | $(awk -v u="$slowest_us" 'BEGIN { printf "%.1f", u / 1000 }') | $((after - before)) | $bypassed ($unseen unseen) | $hot / $flood (≤ $bound) | $over | $unavailable | $RESUMED_MS | $verdict |")
   say "phase $name: $verdict"
 }
 
