@@ -384,8 +384,23 @@ fn digits(mut n: u64, buf: &mut [u8; 20]) -> &[u8] {
 pub(crate) fn write_retry_after(headers: &mut HeaderMap, retry_after: Option<Duration>) {
     if let Some(after) = retry_after {
         if !headers.contains_key(RETRY_AFTER) {
-            headers.insert(RETRY_AFTER, HeaderValue::from(whole_seconds(after)));
+            headers.insert(RETRY_AFTER, seconds_value(whole_seconds(after)));
         }
+    }
+}
+
+/// A number of seconds as a field value. Refusals in a flood mostly say a few seconds: up to
+/// a minute the value is a static string, so the refusal allocates nothing for it.
+fn seconds_value(seconds: u64) -> HeaderValue {
+    const SMALL: [&str; 61] = [
+        "0", "1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12", "13", "14", "15", "16",
+        "17", "18", "19", "20", "21", "22", "23", "24", "25", "26", "27", "28", "29", "30", "31",
+        "32", "33", "34", "35", "36", "37", "38", "39", "40", "41", "42", "43", "44", "45", "46",
+        "47", "48", "49", "50", "51", "52", "53", "54", "55", "56", "57", "58", "59", "60",
+    ];
+    match usize::try_from(seconds).ok().and_then(|i| SMALL.get(i)) {
+        Some(&small) => HeaderValue::from_static(small),
+        None => HeaderValue::from(seconds),
     }
 }
 
@@ -411,6 +426,16 @@ mod tests {
 
     fn body(rejection: &Rejection<'_>) -> String {
         String::from_utf8(default_response(rejection).into_body().to_vec()).unwrap()
+    }
+
+    #[test]
+    fn seconds_values_read_as_their_number() {
+        for seconds in (0..200).chain([3_600, 86_400, u64::MAX]) {
+            assert_eq!(
+                seconds_value(seconds).to_str().unwrap(),
+                seconds.to_string()
+            );
+        }
     }
 
     #[test]
