@@ -13,6 +13,7 @@
 //! | `bare` | no limiter |
 //! | `tollgate-mem-allow` | tollgate, in memory, a quota nothing reaches |
 //! | `tollgate-mem-allow-lean` | the same without the `RateLimit` fields on admitted responses |
+//! | `tollgate-mem-allow-minimal` | the same, and without the `Decision` on admitted responses |
 //! | `tollgate-mem-deny` | tollgate, in memory, 1 a day: all but the first request refused |
 //! | `tollgate-mem-inflight` | as `tollgate-mem-allow`, plus a concurrency limit per IP nothing reaches |
 //! | `tollgate-redis-inflight` | as `tollgate-redis-allow`, plus a concurrency limit per IP nothing reaches |
@@ -224,6 +225,17 @@ async fn app(args: &Args) -> Router {
                     ClientIp::peer(),
                 )
                 .headers_on_allowed(false)
+                .build()
+                .unwrap(),
+        ),
+        "tollgate-mem-allow-minimal" => app.layer(
+            RateLimitLayer::builder()
+                .limit(
+                    Limit::gcra("per-ip", unreachable_quota()).unwrap(),
+                    ClientIp::peer(),
+                )
+                .headers_on_allowed(false)
+                .decision_on_allowed(false)
                 .build()
                 .unwrap(),
         ),

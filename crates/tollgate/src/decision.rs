@@ -290,7 +290,9 @@ impl LimitDecision {
 /// What the limiter decided for one request, per limit, in the layer's order.
 ///
 /// Every request that passes a rate-limit layer carries one in its extensions, and so does its
-/// response. A bypass is never reported as a plain allow.
+/// response (an admitted one unless the layer was built with
+/// [`decision_on_allowed(false)`](crate::RateLimitLayerBuilder::decision_on_allowed)). A
+/// bypass is never reported as a plain allow.
 ///
 /// # Examples
 ///

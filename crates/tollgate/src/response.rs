@@ -36,6 +36,8 @@ pub(crate) struct HeaderConfig {
     pub(crate) on_allowed: bool,
     /// The legacy `X-RateLimit-*` fields as well.
     pub(crate) legacy: bool,
+    /// The [`Decision`] in admitted responses' extensions too (refusals always have it).
+    pub(crate) decision_on_allowed: bool,
 }
 
 impl Default for HeaderConfig {
@@ -43,6 +45,7 @@ impl Default for HeaderConfig {
         Self {
             on_allowed: true,
             legacy: false,
+            decision_on_allowed: true,
         }
     }
 }

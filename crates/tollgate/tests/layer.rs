@@ -403,6 +403,54 @@ async fn headers_on_allowed_can_be_turned_off() {
     assert_eq!(header(&refused, "ratelimit"), Some("\"one\";r=0;t=60"));
 }
 
+#[tokio::test]
+async fn the_decision_on_admitted_responses_can_be_turned_off() {
+    let limit = || Limit::gcra("two", Quota::per_minute(2).unwrap()).unwrap();
+    let layer = RateLimitLayer::builder()
+        .limit(limit(), Global)
+        .decision_on_allowed(false)
+        .build()
+        .unwrap();
+    let mut svc = app(layer);
+    let ok = send(&mut svc, from([1, 1, 1, 1])).await;
+    // Not on the response; the handler still read it from the request, and the fields stay.
+    assert!(ok.extensions().get::<Decision>().is_none());
+    assert_eq!(header(&ok, "ratelimit"), Some("\"two\";r=1;t=30"));
+    assert_eq!(body(ok).await, "remaining=Some(1)");
+    send(&mut svc, from([1, 1, 1, 1])).await;
+    // A refusal still carries it.
+    let refused = send(&mut svc, from([1, 1, 1, 1])).await;
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    let decision = refused.extensions().get::<Decision>().unwrap();
+    assert!(!decision.is_admitted());
+    assert_eq!(decision.limits().len(), 1);
+
+    // By default an admitted response carries it too; with both switched off, neither the
+    // fields nor the Decision.
+    let ok = send(
+        &mut app(RateLimitLayer::builder()
+            .limit(limit(), Global)
+            .build()
+            .unwrap()),
+        from([1, 1, 1, 1]),
+    )
+    .await;
+    assert_eq!(
+        ok.extensions().get::<Decision>().unwrap().remaining(),
+        Some(1)
+    );
+    let layer = RateLimitLayer::builder()
+        .limit(limit(), Global)
+        .headers_on_allowed(false)
+        .decision_on_allowed(false)
+        .build()
+        .unwrap();
+    let ok = send(&mut app(layer), from([1, 1, 1, 1])).await;
+    assert!(ok.extensions().get::<Decision>().is_none());
+    assert_eq!(header(&ok, "ratelimit"), None);
+    assert_eq!(body(ok).await, "remaining=Some(1)");
+}
+
 /// A backend that always fails, to test the failure policies' mapping (not limiting itself).
 #[derive(Clone)]
 struct Down(BackendErrorKind);

@@ -428,35 +428,17 @@ impl<B: Backend> Shared<B> {
     /// An allowlisted request's response has no fields: nothing was counted.
     pub(crate) fn finish<T>(&self, response: &mut Response<T>, decision: Decision) {
         let fields = self.headers.on_allowed && !decision.is_allowlisted();
-        self.stamp(response, decision, fields);
+        if self.headers.decision_on_allowed {
+            self.stamp(response, decision, fields);
+        } else if fields {
+            self.write_fields(response, &decision);
+        }
     }
 
     /// Puts the decision in the response's extensions, and the rate-limit fields if `fields`.
     fn stamp<T>(&self, response: &mut Response<T>, decision: Decision, fields: bool) {
         if fields {
-            // The policy of the quotas the request got: the one built with the limits when
-            // they are every limit's default (always, for limits without plans), else built
-            // for this request.
-            let set = self.set.load();
-            let defaults = set.limits.len() == decision.limits().len()
-                && set
-                    .limits
-                    .iter()
-                    .zip(decision.limits())
-                    .all(|(e, d)| e.limit.name() == d.name() && e.limit.quota() == d.quota());
-            let custom;
-            let policy = if defaults {
-                set.policy.as_ref()
-            } else {
-                custom = response::policy_value(
-                    decision
-                        .limits()
-                        .iter()
-                        .map(|d| (d.name(), d.quota(), d.is_concurrency())),
-                );
-                custom.as_ref()
-            };
-            response::write_headers(response.headers_mut(), &decision, policy, self.headers);
+            self.write_fields(response, &decision);
         }
         // Under this layer, another one decided too (it refused, or admitted): the response
         // carries both layers' limits, this one's first, as its fields do.
@@ -465,6 +447,33 @@ impl<B: Backend> Shared<B> {
                 response.extensions_mut().insert(mine.then(&inner));
             }
         }
+    }
+
+    /// Writes the rate-limit fields of `decision`.
+    fn write_fields<T>(&self, response: &mut Response<T>, decision: &Decision) {
+        // The policy of the quotas the request got: the one built with the limits when
+        // they are every limit's default (always, for limits without plans), else built
+        // for this request.
+        let set = self.set.load();
+        let defaults = set.limits.len() == decision.limits().len()
+            && set
+                .limits
+                .iter()
+                .zip(decision.limits())
+                .all(|(e, d)| e.limit.name() == d.name() && e.limit.quota() == d.quota());
+        let custom;
+        let policy = if defaults {
+            set.policy.as_ref()
+        } else {
+            custom = response::policy_value(
+                decision
+                    .limits()
+                    .iter()
+                    .map(|d| (d.name(), d.quota(), d.is_concurrency())),
+            );
+            custom.as_ref()
+        };
+        response::write_headers(response.headers_mut(), decision, policy, self.headers);
     }
 }
 
