@@ -29,7 +29,8 @@ static X_REMAINING: HeaderName = HeaderName::from_static("x-ratelimit-remaining"
 static X_RESET: HeaderName = HeaderName::from_static("x-ratelimit-reset");
 static PROBLEM_JSON: HeaderValue = HeaderValue::from_static("application/problem+json");
 
-/// Which rate-limit header fields the layer writes.
+/// What the layer adds to responses: which rate-limit header fields, and whether an admitted
+/// one gets the `Decision`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct HeaderConfig {
     /// `RateLimit-Policy` and `RateLimit` on admitted responses too (refusals always have them).

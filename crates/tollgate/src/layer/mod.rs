@@ -420,7 +420,7 @@ impl<B: Backend> RateLimitLayerBuilder<B> {
     /// decisions, and an outer `RateLimitLayer`, which adds this layer's limits to its own
     /// `Decision` on the response. Without it, an admitted response carries no `Decision` of
     /// this layer. Switching it off saves the response's extension map and the copy (three
-    /// allocations; about 775 instructions per admitted request, see `docs/benchmarks.md`).
+    /// allocations; about 825 instructions per admitted request, see `docs/benchmarks.md`).
     pub fn decision_on_allowed(mut self, on: bool) -> Self {
         self.headers.decision_on_allowed = on;
         self
