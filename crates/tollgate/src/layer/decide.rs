@@ -424,10 +424,20 @@ impl<B: Backend> Shared<B> {
         response
     }
 
+    /// Whether [`finish`](Self::finish) adds anything to the response of a request admitted
+    /// with `decision`: the decision, or the rate-limit fields. An allowlisted request's
+    /// response has no fields: nothing was counted.
+    pub(crate) fn adds_to_response(&self, decision: &Decision) -> bool {
+        self.headers.decision_on_allowed || self.fields_on_allowed(decision)
+    }
+
+    fn fields_on_allowed(&self, decision: &Decision) -> bool {
+        self.headers.on_allowed && !decision.is_allowlisted()
+    }
+
     /// Adds the decision and (if configured) the rate-limit fields to an admitted response.
-    /// An allowlisted request's response has no fields: nothing was counted.
     pub(crate) fn finish<T>(&self, response: &mut Response<T>, decision: Decision) {
-        let fields = self.headers.on_allowed && !decision.is_allowlisted();
+        let fields = self.fields_on_allowed(&decision);
         if self.headers.decision_on_allowed {
             self.stamp(response, decision, fields);
         } else if fields {

@@ -104,9 +104,14 @@ where
             Decided::Admit(decision, items, slot_set) => {
                 let slots =
                     slot_set.and_then(|set| Slots::taken(&shared, set, &decision, &req, slot));
+                // A copy stays for the response, unless the layer adds nothing to it.
+                let for_response = shared.adds_to_response(&decision).then(|| decision.clone());
                 // Under an outer `RateLimitLayer`, the handler sees both layers' limits.
-                if let Some(outer) = req.extensions_mut().insert(decision.clone()) {
-                    req.extensions_mut().insert(outer.then(&decision));
+                if let Some(outer) = req.extensions_mut().insert(decision) {
+                    let both = req.extensions().get::<Decision>().map(|d| outer.then(d));
+                    if let Some(both) = both {
+                        req.extensions_mut().insert(both);
+                    }
                 }
                 let mut owed = items.map(|(items, set)| {
                     // The limits the request was checked under, even if a reload has replaced
@@ -131,7 +136,7 @@ where
                 Self {
                     state: State::Calling {
                         call: inner.call(req),
-                        finish: Some((decision, shared)),
+                        finish: for_response.map(|decision| (decision, shared)),
                         owed,
                         slots,
                     },
