@@ -95,8 +95,16 @@ fn unreachable_quota() -> Quota {
 }
 
 fn per_ip(quota: Quota) -> RateLimitLayer {
+    per_ip_adding(quota, true, true)
+}
+
+/// As `per_ip`, with admitted responses getting the `RateLimit` fields and the `Decision`
+/// only as asked.
+fn per_ip_adding(quota: Quota, fields: bool, decision: bool) -> RateLimitLayer {
     RateLimitLayer::builder()
         .limit(Limit::gcra("per-ip", quota).unwrap(), ClientIp::peer())
+        .headers_on_allowed(fields)
+        .decision_on_allowed(decision)
         .build()
         .unwrap()
 }
@@ -218,27 +226,8 @@ async fn app(args: &Args) -> Router {
     match args.mode.as_str() {
         "bare" => app,
         "tollgate-mem-allow" => app.layer(per_ip(unreachable_quota())),
-        "tollgate-mem-allow-lean" => app.layer(
-            RateLimitLayer::builder()
-                .limit(
-                    Limit::gcra("per-ip", unreachable_quota()).unwrap(),
-                    ClientIp::peer(),
-                )
-                .headers_on_allowed(false)
-                .build()
-                .unwrap(),
-        ),
-        "tollgate-mem-allow-minimal" => app.layer(
-            RateLimitLayer::builder()
-                .limit(
-                    Limit::gcra("per-ip", unreachable_quota()).unwrap(),
-                    ClientIp::peer(),
-                )
-                .headers_on_allowed(false)
-                .decision_on_allowed(false)
-                .build()
-                .unwrap(),
-        ),
+        "tollgate-mem-allow-lean" => app.layer(per_ip_adding(unreachable_quota(), false, true)),
+        "tollgate-mem-allow-minimal" => app.layer(per_ip_adding(unreachable_quota(), false, false)),
         "tollgate-mem-settle" => app.layer(settled(tollgate::MemoryBackend::new())),
         "tollgate-redis-settle" => app.layer(settled(redis(&args.redis))),
         "tollgate-mem-deny" => app.layer(per_ip(Quota::per_day(1).unwrap())),
