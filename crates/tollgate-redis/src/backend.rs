@@ -150,12 +150,28 @@ impl Inner {
         permit: Permit,
     ) -> Result<Verdicts, BackendError> {
         let started = Instant::now();
-        // Slots this call may take: given back unless the call is answered (see `slots`).
-        let unclaimed = batch
+        let unclaimed = self.unclaimed(&batch);
+        let result = self.call(batch, now, started + self.deadline, permit).await;
+        self.answered_at(started, unclaimed, result, now)
+    }
+
+    /// The slots `batch` may take: given back unless the call is answered (see `slots`).
+    pub(crate) fn unclaimed(self: &Arc<Self>, batch: &[Prepared]) -> Option<Unclaimed> {
+        batch
             .iter()
             .any(|p| p.algorithm == tollgate_core::Algorithm::Concurrency)
-            .then(|| Unclaimed::new(&self, Held::from_batch(&self.prefix, &batch)));
-        let result = self.call(batch, now, started + self.deadline, permit).await;
+            .then(|| Unclaimed::new(self, Held::from_batch(&self.prefix, batch)))
+    }
+
+    /// The verdicts of a call started at `started` that came to `result`, with its duration
+    /// recorded and its slots, once answered, the caller's.
+    pub(crate) fn answered_at(
+        &self,
+        started: Instant,
+        unclaimed: Option<Unclaimed>,
+        result: Result<(Vec<Prepared>, Outcome), BackendError>,
+        now: Option<Micros>,
+    ) -> Result<Verdicts, BackendError> {
         self.metrics()
             .duration
             .record(started.elapsed().as_secs_f64());
@@ -213,14 +229,8 @@ impl Inner {
         permit: Permit,
     ) -> Result<(Vec<Prepared>, Outcome), BackendError> {
         if now.is_none() {
-            // The task sending merged calls keeps the deadline (one timer per call, not one
-            // per request) and reports each call once.
-            if !self.cluster {
-                let (batch, reply) = self.coalesced(batch, deadline, permit).await?;
-                return Ok((batch, reply.into()));
-            }
-            // In a cluster, each slot's: a batch waits for the merged call of each slot it
-            // touches.
+            // In a cluster, each slot's merged call: a batch waits for that of each slot it
+            // touches. (A standalone server's merged call is awaited by `Merged`, not here.)
             return Box::pin(self.call_cluster(batch, None, deadline, Some(permit))).await;
         }
         // Boxed: the future of a direct call is large (over 1 KiB with the connection's), and

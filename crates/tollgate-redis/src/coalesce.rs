@@ -115,7 +115,7 @@ impl Coalescer {
 /// gave up and setting apart those whose deadline is not after `now`.
 fn take(waiting: &mut VecDeque<Waiter>, now: Instant) -> Call {
     let mut call = Call {
-        send: Vec::new(),
+        send: Vec::with_capacity(waiting.len().min(MAX_REQUESTS_PER_CALL)),
         late: Vec::new(),
     };
     while call.send.len() < MAX_REQUESTS_PER_CALL {

@@ -7,6 +7,7 @@ use tollgate_core::{BackendError, BackendErrorKind, Check, Micros, Verdicts, MAX
 use crate::backend::RedisBackend;
 use crate::future::ResponseFuture;
 use crate::keys;
+use crate::merged::Merged;
 use crate::script::Prepared;
 
 impl RedisBackend {
@@ -62,6 +63,9 @@ impl RedisBackend {
                 "Redis failed recently; the circuit breaker is open",
             )));
         };
+        if now.is_none() && !inner.cluster {
+            return ResponseFuture::merged(Merged::new(Arc::clone(inner), batch, permit));
+        }
         ResponseFuture::call(Arc::clone(inner).run(batch, now, permit))
     }
 }

@@ -7,6 +7,8 @@ use std::task::{Context, Poll};
 
 use tollgate_core::{BackendError, BackendErrorKind, Verdicts};
 
+use crate::merged::Merged;
+
 type Boxed = Pin<Box<dyn Future<Output = Result<Verdicts, BackendError>> + Send + 'static>>;
 
 /// The answer of a [`RedisBackend`](crate::RedisBackend) to one batch.
@@ -23,6 +25,7 @@ pub struct ResponseFuture {
 #[allow(clippy::large_enum_variant)]
 enum State {
     Ready(Option<Result<Verdicts, BackendError>>),
+    Merged(Merged),
     Call(Boxed),
 }
 
@@ -30,6 +33,13 @@ impl ResponseFuture {
     pub(crate) fn ready(result: Result<Verdicts, BackendError>) -> Self {
         Self {
             state: State::Ready(Some(result)),
+        }
+    }
+
+    /// A standalone server's check, sent in the next merged call.
+    pub(crate) fn merged(merged: Merged) -> Self {
+        Self {
+            state: State::Merged(merged),
         }
     }
 
@@ -53,6 +63,7 @@ impl Future for ResponseFuture {
                     "ResponseFuture polled after completion",
                 ))
             })),
+            State::Merged(merged) => Pin::new(merged).poll(cx),
             State::Call(fut) => fut.as_mut().poll(cx),
         }
     }
@@ -62,7 +73,7 @@ impl fmt::Debug for ResponseFuture {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let state = match self.state {
             State::Ready(_) => "ready",
-            State::Call(_) => "calling",
+            State::Merged(_) | State::Call(_) => "calling",
         };
         f.debug_struct("ResponseFuture")
             .field("state", &state)

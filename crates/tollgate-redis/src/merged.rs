@@ -2,49 +2,116 @@
 //! one `CHECK` call; in a cluster, those whose keys share a hash slot do (see `coalesce`).
 
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{ready, Context, Poll};
 
+use tokio::sync::oneshot;
 use tokio::time::Instant;
 
-use tollgate_core::BackendError;
+use tollgate_core::{BackendError, BackendErrorKind, Verdicts};
 
 use crate::backend::Inner;
 use crate::breaker::Permit;
-use crate::coalesce::{Call, Push, Waiter};
+use crate::coalesce::{Answer, Call, Push, Waiter};
 use crate::failure::{overloaded, unavailable};
 use crate::script::{Prepared, Reply};
+use crate::slots::Unclaimed;
 
-impl Inner {
-    /// Queues `batch` for the next merged call and waits for its answer, which comes by
-    /// `deadline` (see [`send_merged`](Self::send_merged)).
-    pub(crate) async fn coalesced(
-        self: &Arc<Self>,
+/// A standalone server's check, waiting for the merged call that carries it: queued on its
+/// first poll, then answered by the task sending merged calls, which keeps the deadline (one
+/// timer per call, not one per request) and reports each call once. Written out rather than
+/// an `async fn`, so that a request's wait is part of the backend's future instead of a boxed
+/// future of its own.
+pub(crate) struct Merged {
+    inner: Arc<Inner>,
+    started: Instant,
+    unclaimed: Option<Unclaimed>,
+    step: Step,
+}
+
+enum Step {
+    Queue {
         batch: Vec<Prepared>,
-        deadline: Instant,
         permit: Permit,
-    ) -> Result<(Vec<Prepared>, Reply), BackendError> {
-        let (reply, answer) = tokio::sync::oneshot::channel();
-        match self.coalescer.push(Waiter {
-            batch,
-            reply,
-            deadline,
-            permit,
-        }) {
-            Push::Waits => {}
-            Push::StartCaller => {
-                let task = Unstarted(Some(Arc::clone(self)));
-                tokio::spawn(async move { task.start().send_merged().await });
-            }
-            Push::Full => {
-                return Err(overloaded(
-                    "too many rate-limit checks are waiting for Redis",
-                ))
-            }
+    },
+    Wait(oneshot::Receiver<Answer>),
+    Done,
+}
+
+impl Merged {
+    pub(crate) fn new(inner: Arc<Inner>, batch: Vec<Prepared>, permit: Permit) -> Self {
+        Self {
+            unclaimed: inner.unclaimed(&batch),
+            inner,
+            started: Instant::now(),
+            step: Step::Queue { batch, permit },
         }
-        let answer = answer.await;
-        answer.unwrap_or_else(|_| Err(unavailable("the rate-limit call was dropped")))
     }
 
+    fn answered(
+        &mut self,
+        result: Result<(Vec<Prepared>, Reply), BackendError>,
+    ) -> Result<Verdicts, BackendError> {
+        self.step = Step::Done;
+        let result = result.map(|(batch, reply)| (batch, reply.into()));
+        self.inner
+            .answered_at(self.started, self.unclaimed.take(), result, None)
+    }
+}
+
+impl Future for Merged {
+    type Output = Result<Verdicts, BackendError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        loop {
+            match &mut this.step {
+                Step::Queue { .. } => {
+                    let Step::Queue { batch, permit } =
+                        std::mem::replace(&mut this.step, Step::Done)
+                    else {
+                        unreachable!("matched above");
+                    };
+                    let (reply, answer) = oneshot::channel();
+                    let waiter = Waiter {
+                        batch,
+                        reply,
+                        deadline: this.started + this.inner.deadline,
+                        permit,
+                    };
+                    match this.inner.coalescer.push(waiter) {
+                        Push::Waits => {}
+                        Push::StartCaller => {
+                            let task = Unstarted(Some(Arc::clone(&this.inner)));
+                            tokio::spawn(async move { task.start().send_merged().await });
+                        }
+                        Push::Full => {
+                            return Poll::Ready(this.answered(Err(overloaded(
+                                "too many rate-limit checks are waiting for Redis",
+                            ))))
+                        }
+                    }
+                    this.step = Step::Wait(answer);
+                }
+                Step::Wait(answer) => {
+                    let answer = ready!(Pin::new(answer).poll(cx));
+                    let answer = answer
+                        .unwrap_or_else(|_| Err(unavailable("the rate-limit call was dropped")));
+                    return Poll::Ready(this.answered(answer));
+                }
+                Step::Done => {
+                    return Poll::Ready(Err(BackendError::new(
+                        BackendErrorKind::Protocol,
+                        "ResponseFuture polled after completion",
+                    )))
+                }
+            }
+        }
+    }
+}
+
+impl Inner {
     /// Sends what waits in the coalescer, one merged call after the other, until nothing does.
     ///
     /// Every request gets its answer by its deadline: one whose deadline passed while it
@@ -130,6 +197,7 @@ impl Inner {
             ))));
         }
         let waiters = call.send;
+        let carried = waiters.len();
         let Some(deadline) = waiters.iter().map(|w| w.deadline).min() else {
             return;
         };
@@ -149,6 +217,12 @@ impl Inner {
                     let _ = w.reply.send(Err(e.clone()));
                 }
             }
+        }
+        // Under concurrent load (this call carried several requests), let the tasks that are
+        // ready run before the next call is taken: the requests that arrived during the round
+        // trip join it instead of following one by one. A lone request never waits for this.
+        if carried > 1 {
+            tokio::task::yield_now().await;
         }
     }
 }

@@ -428,6 +428,43 @@ async fn concurrent_requests_share_one_script_call() {
 }
 
 #[tokio::test]
+async fn clients_that_ask_again_on_each_answer_share_one_call_a_round() {
+    // Eight clients, each sending its next request as soon as it has its answer, as a load
+    // generator's connections do: each round of eight goes out in one call, 10 rounds in 10
+    // calls (not 80), and every request is counted.
+    let server = RedisServer::start();
+    let backend = support::standalone(&server.url())
+        .deny_cache_capacity(0)
+        .build()
+        .unwrap();
+    let limit = gcra("rounds", 1_000);
+    assert!(admitted(&backend, &[&limit], b"warm-up").await);
+    server.reset_stats();
+    let clients: Vec<_> = (0..8)
+        .map(|i| {
+            let backend = backend.clone();
+            let limit = limit.clone();
+            tokio::spawn(async move {
+                let key = format!("client-{i}").into_bytes();
+                let mut admitted_here = 0;
+                for _ in 0..10 {
+                    admitted_here += usize::from(admitted(&backend, &[&limit], &key).await);
+                }
+                admitted_here
+            })
+        })
+        .collect();
+    let mut total = 0;
+    for client in clients {
+        total += client.await.unwrap();
+    }
+    assert_eq!(total, 80);
+    assert_eq!(server.calls("evalsha"), 10);
+    let v = check(&backend, &[&limit], b"client-3").await;
+    assert_eq!(v[0].remaining, 1_000 - 10 - 1);
+}
+
+#[tokio::test]
 async fn merged_requests_on_one_key_admit_exactly_the_limit_and_consume_nothing_when_refused() {
     let server = RedisServer::start();
     let backend = support::standalone(&server.url())
