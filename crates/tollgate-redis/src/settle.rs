@@ -196,6 +196,13 @@ impl RedisBackend {
         if settles.is_empty() {
             return;
         }
+        // A denial foreseen while these units were held no longer stands once they are back:
+        // forgotten now, so that a request in the meantime asks Redis instead of being
+        // refused here, and again when the settle is answered (a check answered in between
+        // may have foreseen it anew).
+        for s in settles.iter().filter(|s| s.refunds) {
+            self.inner.deny.forget(&s.check.digest);
+        }
         match self.inner.settles.push(settles) {
             None => tracing::debug!(backend = BACKEND, "too many rate-limit settles wait"),
             Some(false) => {}
