@@ -18,6 +18,7 @@ use crate::coalesce::{Coalescer, SlotCoalescer};
 use crate::conn::{breaks_connection, Connector, Target};
 use crate::deny_cache::DenyCache;
 use crate::digests::DigestCache;
+use crate::direct::Direct;
 use crate::failure::map_error;
 use crate::future::ResponseFuture;
 use crate::keys;
@@ -42,6 +43,8 @@ pub(crate) struct Inner {
     pub(crate) deadline: Duration,
     pub(crate) cluster: bool,
     pub(crate) connector: Arc<Connector>,
+    /// The `CHECK` calls' own connection, for a plain TCP standalone server.
+    pub(crate) direct: Option<Arc<Direct>>,
     pub(crate) breaker: Breaker,
     pub(crate) deny: DenyCache,
     /// The digests of recently checked (limit, key) pairs.
@@ -109,11 +112,18 @@ impl RedisBackend {
             probe_timeout: config.deadline * 2,
         });
         let cluster = matches!(config.target, Target::Cluster(_));
+        let direct = match &config.target {
+            Target::Single(client) => {
+                Direct::for_client(client, config.connect_timeout).map(Arc::new)
+            }
+            _ => None,
+        };
         let inner = Inner {
             prefix: config.prefix,
             deadline: config.deadline,
             cluster,
             connector: Arc::new(Connector::new(config.target, config.connect_timeout)),
+            direct,
             breaker,
             deny: DenyCache::new(config.deny_cache_capacity, config.deadline),
             digests: DigestCache::default(),
@@ -209,6 +219,9 @@ impl Inner {
             Err(_) => {
                 if self.breaker.failure(permit) {
                     self.connector.replace();
+                    if let Some(direct) = &self.direct {
+                        direct.replace();
+                    }
                 }
                 self.metrics().up.set(0.0);
             }

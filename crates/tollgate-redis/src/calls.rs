@@ -3,6 +3,7 @@
 
 use std::sync::atomic::Ordering;
 
+use redis::{ErrorKind, ServerErrorKind};
 use tollgate_core::{BackendError, BackendErrorKind, Micros};
 
 use crate::backend::Inner;
@@ -10,6 +11,23 @@ use crate::conn::breaks_connection;
 use crate::failure::map_error;
 use crate::keys::{self, Suffix};
 use crate::script::{self, Prepared, Reply, Script};
+
+/// Where a script call's arguments go: a redis-rs command for the shared connection, or RESP
+/// written in place for the `CHECK` calls' own connection (`direct`).
+pub(crate) trait Args {
+    fn bytes(&mut self, arg: &[u8]);
+    fn number(&mut self, n: u64);
+}
+
+impl Args for redis::Cmd {
+    fn bytes(&mut self, arg: &[u8]) {
+        self.arg(arg);
+    }
+
+    fn number(&mut self, n: u64) {
+        self.arg(n);
+    }
+}
 
 impl Inner {
     /// An `EVALSHA` of `script` with what both scripts take first: the keys of `checks`
@@ -31,16 +49,44 @@ impl Inner {
             .clone()
             .map(|(p, _)| 16 + self.prefix.len() + p.name.len() + 36 + 21)
             .sum();
-        let mut call = script.call(keys, keys + 1 + args, key_bytes + NUMBER * (1 + args));
+        let mut call =
+            redis::Cmd::with_capacity(3 + keys + 1 + args, 64 + key_bytes + NUMBER * (1 + args));
+        self.script_args(&mut call, script, checks, now);
+        call
+    }
+
+    /// Writes into `out` what [`script_call`](Self::script_call) makes: `EVALSHA`, the
+    /// script's digest, the keys and `now`. `3 + keys + 1` arguments.
+    fn script_args<'p>(
+        &self,
+        out: &mut dyn Args,
+        script: &Script,
+        checks: impl Iterator<Item = (&'p Prepared, Suffix)> + Clone,
+        now: Option<Micros>,
+    ) {
+        out.bytes(b"EVALSHA");
+        out.bytes(script.sha().as_bytes());
+        out.number(checks.clone().count() as u64);
         for (p, suffix) in checks {
             let key = keys::BaseKey::new(&self.prefix, &p.name, &p.digest).with(suffix);
-            call.arg(key.as_bytes());
+            out.bytes(key.as_bytes());
         }
         match now {
-            Some(now) => call.arg(now),
-            None => call.arg(""),
-        };
-        call
+            Some(now) => out.number(now),
+            None => out.bytes(b""),
+        }
+    }
+
+    /// Writes a `CHECK` call of `args` into `out`; [`check_len`] arguments.
+    fn check_args(&self, out: &mut dyn Args, args: &script::CheckArgs<'_>, now: Option<Micros>) {
+        self.script_args(out, &self.check_script, args.keys.iter().copied(), now);
+        out.number(args.limits.len() as u64);
+        for limit in &args.limits {
+            for &n in limit {
+                out.number(n);
+            }
+        }
+        out.bytes(&args.packed);
     }
 
     /// One `CHECK` call for checks that share a slot (or a standalone server).
@@ -68,18 +114,8 @@ impl Inner {
         let mut window_now = now.unwrap_or_else(|| self.server_time());
         for retry in [false, true] {
             let args = script::CheckArgs::new(batches, window_now)?;
-            let mut call = self.script_call(
-                &self.check_script,
-                args.keys.iter().copied(),
-                now,
-                2 + 4 * args.limits.len(),
-            );
-            call.arg(args.limits.len());
-            for l in &args.limits {
-                call.arg(l);
-            }
-            call.arg(args.packed);
-            match self.invoke_raw(&self.check_script, &call).await {
+            let write = |out: &mut dyn Args| self.check_args(out, &args, now);
+            match self.invoke_check(check_len(&args), &write).await {
                 Ok(value) => {
                     let replies = script::parse_replies(&value, batches)?;
                     if let (None, Some(reply)) = (now, replies.first()) {
@@ -140,6 +176,32 @@ impl Inner {
         })
     }
 
+    /// Sends the `CHECK` call that `write` writes (`count` arguments): on the direct
+    /// connection, as RESP written in place, when there is one and it is free; else as a
+    /// redis-rs command, as [`invoke_raw`](Self::invoke_raw) does.
+    async fn invoke_check(
+        &self,
+        count: usize,
+        write: &(dyn Fn(&mut dyn Args) + Sync),
+    ) -> Result<redis::Value, redis::RedisError> {
+        if let Some(held) = match &self.direct {
+            Some(direct) => direct.take().await,
+            None => None,
+        } {
+            let mut conn = held?;
+            return match conn.query_with(count, write).await {
+                Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                    conn.query(&self.check_script.load()).await?;
+                    conn.query_with(count, write).await
+                }
+                other => other,
+            };
+        }
+        let mut call = redis::Cmd::with_capacity(count, 64 * count);
+        write(&mut call);
+        self.invoke_raw(&self.check_script, &call).await
+    }
+
     /// As [`invoke`](Self::invoke), with Redis' own error.
     async fn invoke_raw(
         &self,
@@ -153,6 +215,12 @@ impl Inner {
             }
         })
     }
+}
+
+/// The arguments of a `CHECK` call of `args`: `EVALSHA`, the digest, the number of keys, the
+/// keys, `now`, the number of limits, 4 figures per limit, the packed checks.
+fn check_len(args: &script::CheckArgs<'_>) -> usize {
+    3 + args.keys.len() + 1 + 1 + 4 * args.limits.len() + 1
 }
 
 /// The error code of a `CHECK` call whose fixed windows were declared for another time.

@@ -41,7 +41,12 @@
 //! flight, new batches wait, and the next call carries all of them (up to 64), each still
 //! all-or-nothing on its own and run in arrival order. Nothing waits for a timer, so a lone
 //! request goes out at once; under load, Redis runs one script per round trip instead of one
-//! per request. Within a call, each GCRA or fixed-window key is read once and written once,
+//! per request. After a call that carried several requests, the task sending them lets the
+//! requests that are ready run first, so that those that arrived during the round trip join
+//! the next call. These calls go out one at a time on a connection of their own (for a
+//! `redis://` URL: TLS and Unix sockets share the other connection), which writes the command
+//! and reads its one reply in place; settles, slot releases and operators' calls use a
+//! second, shared connection. Within a call, each GCRA or fixed-window key is read once and written once,
 //! however many of the call's requests it serves. In a cluster a script can touch the keys of
 //! one hash slot only, so the merging is per slot: the batches (or a batch's slot groups) of
 //! concurrent requests whose keys share a slot share that slot's calls, in the same way, and
@@ -152,7 +157,9 @@
 //! unusable server is `Unavailable`; an answer that makes no sense is `Protocol`. Building the
 //! backend makes no connection: the first call connects in the background, and a broken
 //! connection is replaced on the next call, so an application boots while Redis is down and its
-//! limits apply their failure policy until Redis is back.
+//! limits apply their failure policy until Redis is back. A check call that times out also
+//! closes the connection it was sent on (its reply, should it come, would otherwise be read as
+//! the next call's); the next call connects again.
 //!
 //! A call that timed out may still reach Redis and take effect later (a server that was only
 //! slow runs the script when it catches up): a timeout can consume units the caller never saw
@@ -218,6 +225,7 @@ mod conn;
 mod denials;
 mod deny_cache;
 mod digests;
+mod direct;
 mod dispatch;
 mod error;
 mod failure;

@@ -484,6 +484,11 @@ impl Script {
         cmd
     }
 
+    /// The script's SHA-1, as `EVALSHA` takes it.
+    pub(crate) fn sha(&self) -> &str {
+        &self.sha
+    }
+
     /// `SCRIPT LOAD` of this script.
     pub(crate) fn load(&self) -> redis::Cmd {
         let mut cmd = redis::cmd("SCRIPT");

@@ -123,6 +123,11 @@ impl SilentRelay {
         format!("redis://127.0.0.1:{}/", self.port)
     }
 
+    /// Connections accepted so far.
+    pub fn accepted(&self) -> u64 {
+        self.accepted.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
     /// Every connection relayed so far goes silent.
     pub fn silence_existing(&self) {
         use std::sync::atomic::Ordering;
