@@ -25,6 +25,7 @@ use tokio::sync::Notify;
 
 use crate::calls::Args;
 use crate::conn::breaks_connection;
+use crate::keys::decimal;
 
 /// Where the direct connection goes, and how it logs in.
 pub(crate) struct Direct {
@@ -325,19 +326,6 @@ impl Args for Resp<'_> {
         let mut digits = [0u8; 20];
         let at = decimal(n, &mut digits);
         self.bytes(&digits[at..]);
-    }
-}
-
-/// `n` in decimal at the end of `digits`; returns where it starts.
-fn decimal(mut n: u64, digits: &mut [u8; 20]) -> usize {
-    let mut at = digits.len();
-    loop {
-        at -= 1;
-        digits[at] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            return at;
-        }
     }
 }
 

@@ -69,6 +69,19 @@ pub(crate) enum Suffix {
     Slots,
 }
 
+/// `n` in decimal at the end of `digits`; returns where it starts.
+pub(crate) fn decimal(mut n: u64, digits: &mut [u8; 20]) -> usize {
+    let mut at = digits.len();
+    loop {
+        at -= 1;
+        digits[at] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            return at;
+        }
+    }
+}
+
 /// A key written on the stack: every call writes each check's key, and a `String` per check
 /// would be an allocation per check.
 pub(crate) struct BaseKey {
@@ -100,16 +113,7 @@ impl BaseKey {
             Suffix::None => {}
             Suffix::Window(index) => {
                 let mut digits = [0u8; 20];
-                let mut at = digits.len();
-                let mut n = index;
-                loop {
-                    at -= 1;
-                    digits[at] = b'0' + (n % 10) as u8;
-                    n /= 10;
-                    if n == 0 {
-                        break;
-                    }
-                }
+                let at = decimal(index, &mut digits);
                 self.push(b":");
                 self.push(&digits[at..]);
             }
