@@ -13,6 +13,7 @@
 use std::fmt::Write as _;
 use std::time::Duration;
 
+use arc_swap::ArcSwapOption;
 use bytes::Bytes;
 use http::header::{HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AFTER};
 use http::{HeaderMap, Response, StatusCode};
@@ -208,6 +209,106 @@ pub(crate) fn default_response(rejection: &Rejection<'_>) -> Response<Bytes> {
     response
 }
 
+/// The body and `Retry-After` of the last default `429`, reused while refusals say the same:
+/// a flood is refused with the same numbers for a second at a time, and its refusals then
+/// cost no writing of the body and no allocation for it.
+#[derive(Default)]
+pub(crate) struct LastRefusal(ArcSwapOption<Refusal>);
+
+struct Refusal {
+    limit: Box<str>,
+    seconds: u64,
+    body: Bytes,
+    retry_after: HeaderValue,
+}
+
+impl LastRefusal {
+    /// [`default_response`] of `rejection`, with its `Retry-After` for a `429`.
+    pub(crate) fn response(&self, rejection: &Rejection<'_>) -> Response<Bytes> {
+        let seconds = match (rejection.kind, rejection.retry_after, rejection.grpc) {
+            (RejectionKind::TooManyRequests, Some(after), false) => whole_seconds(after),
+            _ => return default_response(rejection),
+        };
+        if let Some(last) = &*self.0.load() {
+            if last.seconds == seconds && *last.limit == *rejection.limit {
+                let mut response = Response::new(last.body.clone());
+                *response.status_mut() = StatusCode::TOO_MANY_REQUESTS;
+                let headers = response.headers_mut();
+                headers.insert(CONTENT_TYPE, PROBLEM_JSON.clone());
+                headers.insert(RETRY_AFTER, last.retry_after.clone());
+                return response;
+            }
+        }
+        let mut response = default_response(rejection);
+        let retry_after = seconds_value(seconds);
+        self.0.store(Some(std::sync::Arc::new(Refusal {
+            limit: rejection.limit.into(),
+            seconds,
+            body: response.body().clone(),
+            retry_after: retry_after.clone(),
+        })));
+        response.headers_mut().insert(RETRY_AFTER, retry_after);
+        response
+    }
+}
+
+impl std::fmt::Debug for LastRefusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LastRefusal").finish_non_exhaustive()
+    }
+}
+
+/// The last `RateLimit` value written for a refusal, reused while refusals say the same
+/// (their limits, `r` and `t`): refusals in a flood repeat one value for a second at a time.
+/// Admitted responses do not use it: their figures change from one request to the next.
+#[derive(Default)]
+pub(crate) struct LastFields(ArcSwapOption<Fields>);
+
+/// One limit's item of a `RateLimit` value: remaining, seconds, the limit's name.
+type Item<N> = (u64, Option<u64>, N);
+
+struct Fields {
+    items: Box<[Item<Box<str>>]>,
+    value: HeaderValue,
+}
+
+impl LastFields {
+    /// The value of `items` (remaining, seconds, limit name): the last one if it had the
+    /// same, else `write`'s, kept for the next.
+    fn value(
+        &self,
+        items: &[Item<&str>],
+        write: impl FnOnce() -> Option<HeaderValue>,
+    ) -> Option<HeaderValue> {
+        if let Some(last) = &*self.0.load() {
+            let same = last.items.len() == items.len()
+                && last
+                    .items
+                    .iter()
+                    .zip(items)
+                    .all(|(a, b)| a.0 == b.0 && a.1 == b.1 && *a.2 == *b.2);
+            if same {
+                return Some(last.value.clone());
+            }
+        }
+        let value = write()?;
+        self.0.store(Some(std::sync::Arc::new(Fields {
+            items: items
+                .iter()
+                .map(|&(remaining, seconds, name)| (remaining, seconds, name.into()))
+                .collect(),
+            value: value.clone(),
+        })));
+        Some(value)
+    }
+}
+
+impl std::fmt::Debug for LastFields {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LastFields").finish_non_exhaustive()
+    }
+}
+
 /// Seconds for a header: rounded up, at least 1.
 pub(crate) fn whole_seconds(d: Duration) -> u64 {
     let secs = d.as_secs() + u64::from(d.subsec_nanos() > 0);
@@ -263,6 +364,7 @@ pub(crate) fn write_headers(
     decision: &Decision,
     policy: Option<&HeaderValue>,
     config: HeaderConfig,
+    last: Option<&LastFields>,
 ) {
     // This runs on every admitted request, so the `RateLimit` value is written without `fmt`
     // straight into an exactly-sized buffer that the `HeaderValue` takes over as it is.
@@ -319,18 +421,26 @@ pub(crate) fn write_headers(
         headers.append(RATELIMIT_POLICY.clone(), policy.clone());
     }
     if n > 0 {
-        let mut out = Vec::with_capacity(len - 2);
-        for (i, &(remaining, seconds, name)) in items[..n].iter().enumerate() {
-            out.extend_from_slice(if i == 0 { b"\"" } else { b", \"" });
-            out.extend_from_slice(name.as_bytes());
-            out.extend_from_slice(b"\";r=");
-            out.extend_from_slice(digits(remaining, &mut [0; 20]));
-            if let Some(seconds) = seconds {
-                out.extend_from_slice(b";t=");
-                out.extend_from_slice(digits(seconds, &mut [0; 20]));
+        let items = &items[..n];
+        let write = || {
+            let mut out = Vec::with_capacity(len - 2);
+            for (i, &(remaining, seconds, name)) in items.iter().enumerate() {
+                out.extend_from_slice(if i == 0 { b"\"" } else { b", \"" });
+                out.extend_from_slice(name.as_bytes());
+                out.extend_from_slice(b"\";r=");
+                out.extend_from_slice(digits(remaining, &mut [0; 20]));
+                if let Some(seconds) = seconds {
+                    out.extend_from_slice(b";t=");
+                    out.extend_from_slice(digits(seconds, &mut [0; 20]));
+                }
             }
-        }
-        if let Ok(v) = HeaderValue::from_maybe_shared(Bytes::from(out)) {
+            HeaderValue::from_maybe_shared(Bytes::from(out)).ok()
+        };
+        let value = match last {
+            Some(last) => last.value(items, write),
+            None => write(),
+        };
+        if let Some(v) = value {
             headers.append(RATELIMIT.clone(), v);
         }
     }

@@ -135,6 +135,65 @@ async fn retry_after_rounds_up_and_is_never_zero() {
 }
 
 #[tokio::test]
+async fn refusals_in_a_flood_each_say_their_own_limit_and_wait() {
+    // Refusals reuse the last one's body, Retry-After and RateLimit value while they are the
+    // same: each must still say its own limit and its own wait.
+    let (backend, clock) = memory();
+    let layer = RateLimitLayer::builder()
+        .limit(
+            Limit::gcra("per-ip", Quota::per_minute(1).unwrap()).unwrap(),
+            ClientIp::peer(),
+        )
+        .limit(
+            Limit::fixed_window("per-shop", Quota::per_hour(1).unwrap()).unwrap(),
+            Tenant::header("x-shop"),
+        )
+        .backend(backend)
+        .build()
+        .unwrap();
+    let mut svc = app(layer);
+    let shop = |ip: [u8; 4], shop: &str| {
+        let mut req = from(ip);
+        req.headers_mut().insert("x-shop", shop.parse().unwrap());
+        req
+    };
+    assert_eq!(send(&mut svc, shop([10, 0, 0, 1], "a")).await.status(), 200);
+    // The IP's limit refuses, for 60 s, three times over: the same answer each time.
+    for _ in 0..3 {
+        let res = send(&mut svc, shop([10, 0, 0, 1], "b")).await;
+        assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(header(&res, "retry-after"), Some("60"));
+        assert_eq!(
+            header(&res, "ratelimit"),
+            Some("\"per-ip\";r=0;t=60, \"per-shop\";r=1;t=2800")
+        );
+        assert!(body(res)
+            .await
+            .contains("Rate limit \\\"per-ip\\\" exceeded; retry in 60 s."));
+    }
+    // Then the shop's, until its hourly window ends (2,800 s on this clock): its own name,
+    // wait and figures.
+    let res = send(&mut svc, shop([10, 0, 0, 2], "a")).await;
+    assert_eq!(header(&res, "retry-after"), Some("2800"));
+    assert_eq!(
+        header(&res, "ratelimit"),
+        Some("\"per-ip\";r=1;t=0, \"per-shop\";r=0;t=2800")
+    );
+    assert!(body(res)
+        .await
+        .contains("Rate limit \\\"per-shop\\\" exceeded; retry in 2800 s."));
+    // The IP's again, a second later: one second less.
+    clock.advance(Duration::from_secs(1));
+    let res = send(&mut svc, shop([10, 0, 0, 1], "c")).await;
+    assert_eq!(header(&res, "retry-after"), Some("59"));
+    assert_eq!(
+        header(&res, "ratelimit"),
+        Some("\"per-ip\";r=0;t=59, \"per-shop\";r=1;t=2799")
+    );
+    assert!(body(res).await.contains("retry in 59 s."));
+}
+
+#[tokio::test]
 async fn stacked_limits_are_all_or_nothing() {
     let (backend, _) = memory();
     let layer = RateLimitLayer::builder()

@@ -260,7 +260,7 @@ impl<B: Backend> Shared<B> {
                 .grpc(crate::grpc::is_grpc(req.headers())),
         );
         // Refusals always carry the rate-limit fields: they say when to come back.
-        self.stamp(&mut response, decision, true);
+        self.stamp(&mut response, decision, true, true);
         Decided::Refuse(response)
     }
 
@@ -417,7 +417,7 @@ impl<B: Backend> Shared<B> {
     fn refuse(&self, rejection: &Rejection<'_>) -> Response<Bytes> {
         let mut response = match (rejection.is_grpc(), &self.responder, &self.grpc_responder) {
             (false, Some(respond), _) | (true, _, Some(respond)) => respond(rejection),
-            (false, None, _) => response::default_response(rejection),
+            (false, None, _) => self.last_refusal.response(rejection),
             (true, _, None) => crate::grpc::default_response(rejection),
         };
         response::write_retry_after(response.headers_mut(), rejection.retry_after());
@@ -439,16 +439,23 @@ impl<B: Backend> Shared<B> {
     pub(crate) fn finish<T>(&self, response: &mut Response<T>, decision: Decision) {
         let fields = self.fields_on_allowed(&decision);
         if self.headers.decision_on_allowed {
-            self.stamp(response, decision, fields);
+            self.stamp(response, decision, fields, false);
         } else if fields {
-            self.write_fields(response, &decision);
+            self.write_fields(response, &decision, false);
         }
     }
 
-    /// Puts the decision in the response's extensions, and the rate-limit fields if `fields`.
-    fn stamp<T>(&self, response: &mut Response<T>, decision: Decision, fields: bool) {
+    /// Puts the decision in the response's extensions, and the rate-limit fields if `fields`
+    /// (those of the last refusal again if `refused` and they are the same).
+    fn stamp<T>(
+        &self,
+        response: &mut Response<T>,
+        decision: Decision,
+        fields: bool,
+        refused: bool,
+    ) {
         if fields {
-            self.write_fields(response, &decision);
+            self.write_fields(response, &decision, refused);
         }
         // Under this layer, another one decided too (it refused, or admitted): the response
         // carries both layers' limits, this one's first, as its fields do.
@@ -459,8 +466,9 @@ impl<B: Backend> Shared<B> {
         }
     }
 
-    /// Writes the rate-limit fields of `decision`.
-    fn write_fields<T>(&self, response: &mut Response<T>, decision: &Decision) {
+    /// Writes the rate-limit fields of `decision`; for a refusal, the last refusal's
+    /// `RateLimit` value again when it is the same.
+    fn write_fields<T>(&self, response: &mut Response<T>, decision: &Decision, refused: bool) {
         // The policy of the quotas the request got: the one built with the limits when
         // they are every limit's default (always, for limits without plans), else built
         // for this request.
@@ -483,7 +491,8 @@ impl<B: Backend> Shared<B> {
             );
             custom.as_ref()
         };
-        response::write_headers(response.headers_mut(), decision, policy, self.headers);
+        let last = refused.then_some(&self.last_fields);
+        response::write_headers(response.headers_mut(), decision, policy, self.headers, last);
     }
 }
 

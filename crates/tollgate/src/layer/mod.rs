@@ -498,6 +498,8 @@ impl<B: Backend> RateLimitLayerBuilder<B> {
                 responder: self.responder,
                 grpc_responder: self.grpc_responder,
                 unavailable_retry_after: self.unavailable_retry_after,
+                last_refusal: response::LastRefusal::default(),
+                last_fields: response::LastFields::default(),
             }),
         })
     }
@@ -527,6 +529,10 @@ pub(crate) struct Shared<B> {
     responder: Option<Responder>,
     grpc_responder: Option<Responder>,
     unavailable_retry_after: Duration,
+    /// The last default `429`'s body and `Retry-After`, for the refusals of a flood.
+    last_refusal: response::LastRefusal,
+    /// The last refusal's `RateLimit` value.
+    last_fields: response::LastFields,
 }
 
 /// One version of a layer's limits, checked whole.
