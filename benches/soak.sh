@@ -250,12 +250,14 @@ for port in "${CLUSTER_PORTS[@]}"; do
 done
 # Every replica in sync before a master dies.
 for port in "${CLUSTER_PORTS[@]}"; do
-  if redis-cli -p "$port" role | head -1 | grep -q slave; then
+  role=$(redis-cli -p "$port" role)
+  if [[ ${role%%$'\n'*} == slave ]]; then
     until redis-cli -p "$port" info replication | grep -q 'master_link_status:up'; do sleep 0.05; done
   fi
 done
 for port in "${CLUSTER_PORTS[@]}"; do
-  if redis-cli -p "$port" role | head -1 | grep -q master; then KILLED_MASTER_PID=${CLUSTER_PIDS[$port]}; break; fi
+  role=$(redis-cli -p "$port" role)
+  if [[ ${role%%$'\n'*} == master ]]; then KILLED_MASTER_PID=${CLUSTER_PIDS[$port]}; break; fi
 done
 start_replicas REDIS_CLUSTER="$(IFS=,; echo "${SEEDS[*]}")"
 say "cluster: ${CLUSTER_PORTS[*]}; killing the master with pid $KILLED_MASTER_PID"
