@@ -6,12 +6,13 @@
 //! connection's queue, its boxed request and its general-purpose parser, which cost more
 //! than everything else of a call on our side (see `docs/benchmarks.md`).
 //!
-//! Only plain TCP servers named by a `redis://` URL get one (TLS, Unix sockets and Sentinel
-//! keep the shared connection). The first call that needs it starts an attempt in a task of
-//! its own (the URL's `AUTH` and `SELECT` included, bounded by the connect timeout) and waits
-//! for it within its deadline. A call that fails on the wire, or that is dropped before its
-//! reply (its deadline passed), takes the connection down with it, so that a late reply is
-//! never read as the next call's; the next call connects again. A call that finds the
+//! Only plain TCP servers named by a `redis://` URL that speak RESP2 get one (TLS, Unix
+//! sockets, RESP3 and Sentinel keep the shared connection). The first call that needs it starts
+//! an attempt in a task of its own (the URL's `AUTH` and `SELECT` included, bounded by the
+//! connect timeout) and waits for it within its deadline. A call that fails on the wire, that
+//! is answered `READONLY`, or that is dropped before its reply (its deadline passed), takes the
+//! connection down with it, so that a late reply is never read as the next call's; the next
+//! call connects again. A call that finds the
 //! connection busy (a test's call at a fixed time beside the merged calls) uses the shared
 //! connection instead.
 
