@@ -147,10 +147,27 @@ impl Direct {
                 auth.arg(username);
             }
             auth.arg(password);
-            stream.query(&auth).await?;
+            // Refused credentials are a server that cannot be used, as redis-rs reports them
+            // for the shared connection: not an answer that makes no sense.
+            stream.query(&auth).await.map_err(|e| {
+                RedisError::from((
+                    ErrorKind::AuthenticationFailed,
+                    "Redis refused the URL's credentials",
+                    e.to_string(),
+                ))
+            })?;
         }
         if self.db != 0 {
-            stream.query(redis::cmd("SELECT").arg(self.db)).await?;
+            stream
+                .query(redis::cmd("SELECT").arg(self.db))
+                .await
+                .map_err(|e| {
+                    RedisError::from((
+                        ErrorKind::InvalidClientConfig,
+                        "Redis refused the URL's database",
+                        e.to_string(),
+                    ))
+                })?;
         }
         Ok(stream)
     }

@@ -641,3 +641,40 @@ async fn the_scripts_declare_every_key_they_write() {
         "written, not declared: {undeclared:?}"
     );
 }
+
+#[tokio::test]
+async fn a_url_with_a_user_a_password_and_a_database_is_honoured() {
+    let server = RedisServer::start();
+    let _: () = redis::cmd("ACL")
+        .arg(&["SETUSER", "limiter", "on", ">s3cret", "~*", "+@all"])
+        .query(&mut server.client())
+        .unwrap();
+    let url = |password: &str| format!("redis://limiter:{password}@127.0.0.1:{}/3", server.port());
+    let backend = tollgate_redis::RedisBackend::builder()
+        .url(url("s3cret").as_str())
+        .build()
+        .unwrap();
+    let limit = gcra("auth", 10);
+    assert_eq!(check(&backend, &[&limit], b"k").await[0].remaining, 9);
+    assert_eq!(check(&backend, &[&limit], b"k").await[0].remaining, 8);
+    // Written in database 3, none in 0.
+    assert_eq!(server.dbsize(), 0);
+    let mut db3 = server.client();
+    let _: () = redis::cmd("SELECT").arg(3).query(&mut db3).unwrap();
+    let keys: u64 = redis::cmd("DBSIZE").query(&mut db3).unwrap();
+    assert_eq!(keys, 1);
+    // A wrong password is a failed check, not an admission.
+    let wrong = tollgate_redis::RedisBackend::builder()
+        .url(url("wrong").as_str())
+        .breaker_threshold(0)
+        .build()
+        .unwrap();
+    let err = wrong.check(&[Check::new(&limit, b"k")]).await.unwrap_err();
+    assert_eq!(
+        err.kind(),
+        tollgate_core::BackendErrorKind::Unavailable,
+        "{err}"
+    );
+    let keys: u64 = redis::cmd("DBSIZE").query(&mut db3).unwrap();
+    assert_eq!(keys, 1);
+}
