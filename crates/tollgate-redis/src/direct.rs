@@ -256,9 +256,7 @@ impl Held {
             )));
         };
         self.in_step = false;
-        stream.output.clear();
-        write(&mut stream.output);
-        let reply = stream.exchange().await;
+        let reply = stream.exchange(write).await;
         // A server's error reply leaves the connection in step; a failure to write or read
         // one does not. `READONLY` (a demoted master, whose address may soon name the new
         // one) drops it too, as it drops the shared connection.
@@ -291,13 +289,14 @@ struct Stream {
 
 impl Stream {
     async fn query(&mut self, cmd: &redis::Cmd) -> RedisResult<Value> {
-        self.output.clear();
-        cmd.write_packed_command(&mut self.output);
-        self.exchange().await
+        self.exchange(|output| cmd.write_packed_command(output))
+            .await
     }
 
-    /// Writes `output` and reads the one reply.
-    async fn exchange(&mut self) -> RedisResult<Value> {
+    /// Writes the command `write` writes and reads its one reply.
+    async fn exchange(&mut self, write: impl FnOnce(&mut Vec<u8>)) -> RedisResult<Value> {
+        self.output.clear();
+        write(&mut self.output);
         self.tcp.write_all(&self.output).await?;
         self.input.clear();
         loop {

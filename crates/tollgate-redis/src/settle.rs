@@ -200,9 +200,7 @@ impl RedisBackend {
         // forgotten now, so that a request in the meantime asks Redis instead of being
         // refused here, and again when the settle is answered (a check answered in between
         // may have foreseen it anew).
-        for s in settles.iter().filter(|s| s.refunds) {
-            self.inner.deny.forget(&s.check.digest);
-        }
+        self.inner.forget_refunded(&settles);
         match self.inner.settles.push(settles) {
             None => tracing::debug!(backend = BACKEND, "too many rate-limit settles wait"),
             Some(false) => {}
@@ -324,11 +322,16 @@ impl Inner {
             tracing::debug!(backend = BACKEND, error = %e, "rate-limit settle failed");
             return Err(e);
         }
-        // A denial seen while these units were held no longer stands.
-        for s in group.iter().filter(|s| s.refunds) {
+        self.forget_refunded(group);
+        Ok(())
+    }
+
+    /// Drops the deny cache's denials of the keys `settles` give units back to: a denial seen
+    /// while these units were held no longer stands.
+    fn forget_refunded(&self, settles: &[Settling]) {
+        for s in settles.iter().filter(|s| s.refunds) {
             self.deny.forget(&s.check.digest);
         }
-        Ok(())
     }
 }
 
