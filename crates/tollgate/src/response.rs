@@ -142,10 +142,26 @@ impl<'a> Rejection<'a> {
 }
 
 /// The default refusal: a short `application/problem+json` body.
+pub(crate) fn default_response(rejection: &Rejection<'_>) -> Response<Bytes> {
+    problem(rejection.status(), problem_body(rejection))
+}
+
+/// A response of `status` with the problem+json `body`.
+fn problem(status: StatusCode, body: Bytes) -> Response<Bytes> {
+    let mut response = Response::new(body);
+    *response.status_mut() = status;
+    response
+        .headers_mut()
+        .insert(CONTENT_TYPE, PROBLEM_JSON.clone());
+    response
+}
+
+/// The default refusal's body.
 ///
 /// Built from byte pieces into one exactly-sized buffer, without `fmt`: in a flood this runs
-/// for every refused request. Limit names are `[A-Za-z0-9_.-]`, so nothing needs escaping.
-pub(crate) fn default_response(rejection: &Rejection<'_>) -> Response<Bytes> {
+/// for every refused request (but see [`Last`]). Limit names are `[A-Za-z0-9_.-]`, so nothing
+/// needs escaping.
+fn problem_body(rejection: &Rejection<'_>) -> Bytes {
     let status = rejection.status();
     let name = rejection.limit.as_bytes();
     let mut seconds = [0; 20];
@@ -201,112 +217,116 @@ pub(crate) fn default_response(rejection: &Rejection<'_>) -> Response<Bytes> {
     for part in parts {
         body.extend_from_slice(part);
     }
-    let mut response = Response::new(Bytes::from(body));
-    *response.status_mut() = status;
-    response
-        .headers_mut()
-        .insert(CONTENT_TYPE, PROBLEM_JSON.clone());
-    response
+    Bytes::from(body)
 }
 
-/// The body and `Retry-After` of the last default `429`, reused while refusals say the same:
-/// a flood is refused with the same numbers for a second at a time, and its refusals then
-/// cost no writing of the body and no allocation for it.
-#[derive(Default)]
-pub(crate) struct LastRefusal(ArcSwapOption<Refusal>);
+/// What the last refusal wrote, reused while the next refusal would write the same: a client
+/// over its limit is refused with the same figures for a second at a time, and the refusal
+/// path runs most during a flood. One slot, which a refusal that differs takes. Admitted
+/// responses do not use it: their figures change from one request to the next.
+pub(crate) struct Last<T>(ArcSwapOption<T>);
 
-struct Refusal {
+impl<T> Default for Last<T> {
+    fn default() -> Self {
+        Self(ArcSwapOption::empty())
+    }
+}
+
+impl<T> std::fmt::Debug for Last<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Last").finish_non_exhaustive()
+    }
+}
+
+impl<T> Last<T> {
+    /// `take` of the last one if `same` holds of it, else of `make`'s, which is kept.
+    fn get<R>(
+        &self,
+        same: impl Fn(&T) -> bool,
+        make: impl FnOnce() -> Option<T>,
+        take: impl Fn(&T) -> R,
+    ) -> Option<R> {
+        if let Some(last) = &*self.0.load() {
+            if same(last) {
+                return Some(take(last));
+            }
+        }
+        let made = make()?;
+        let taken = take(&made);
+        self.0.store(Some(std::sync::Arc::new(made)));
+        Some(taken)
+    }
+}
+
+/// The last default `429`: its limit, its wait, and its body and `Retry-After`.
+pub(crate) struct Refusal {
     limit: Box<str>,
     seconds: u64,
     body: Bytes,
     retry_after: HeaderValue,
 }
 
-impl LastRefusal {
-    /// [`default_response`] of `rejection`, with its `Retry-After` for a `429`.
-    pub(crate) fn response(&self, rejection: &Rejection<'_>) -> Response<Bytes> {
-        let seconds = match (rejection.kind, rejection.retry_after, rejection.grpc) {
-            (RejectionKind::TooManyRequests, Some(after), false) => whole_seconds(after),
-            _ => return default_response(rejection),
-        };
-        if let Some(last) = &*self.0.load() {
-            if last.seconds == seconds && *last.limit == *rejection.limit {
-                let mut response = Response::new(last.body.clone());
-                *response.status_mut() = StatusCode::TOO_MANY_REQUESTS;
-                let headers = response.headers_mut();
-                headers.insert(CONTENT_TYPE, PROBLEM_JSON.clone());
-                headers.insert(RETRY_AFTER, last.retry_after.clone());
-                return response;
-            }
-        }
-        let mut response = default_response(rejection);
-        let retry_after = seconds_value(seconds);
-        self.0.store(Some(std::sync::Arc::new(Refusal {
-            limit: rejection.limit.into(),
-            seconds,
-            body: response.body().clone(),
-            retry_after: retry_after.clone(),
-        })));
-        response.headers_mut().insert(RETRY_AFTER, retry_after);
-        response
-    }
+/// [`default_response`] of `rejection`, with its `Retry-After` for a `429` (the last one's
+/// body and value again when they are the same).
+pub(crate) fn refusal(last: &Last<Refusal>, rejection: &Rejection<'_>) -> Response<Bytes> {
+    let seconds = match (rejection.kind, rejection.retry_after, rejection.grpc) {
+        (RejectionKind::TooManyRequests, Some(after), false) => whole_seconds(after),
+        _ => return default_response(rejection),
+    };
+    let made = last.get(
+        |r| r.seconds == seconds && *r.limit == *rejection.limit,
+        || {
+            Some(Refusal {
+                limit: rejection.limit.into(),
+                seconds,
+                body: problem_body(rejection),
+                retry_after: seconds_value(seconds),
+            })
+        },
+        |r| (r.body.clone(), r.retry_after.clone()),
+    );
+    let Some((body, retry_after)) = made else {
+        return default_response(rejection);
+    };
+    let mut response = problem(StatusCode::TOO_MANY_REQUESTS, body);
+    response.headers_mut().insert(RETRY_AFTER, retry_after);
+    response
 }
-
-impl std::fmt::Debug for LastRefusal {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("LastRefusal").finish_non_exhaustive()
-    }
-}
-
-/// The last `RateLimit` value written for a refusal, reused while refusals say the same
-/// (their limits, `r` and `t`): refusals in a flood repeat one value for a second at a time.
-/// Admitted responses do not use it: their figures change from one request to the next.
-#[derive(Default)]
-pub(crate) struct LastFields(ArcSwapOption<Fields>);
 
 /// One limit's item of a `RateLimit` value: remaining, seconds, the limit's name.
 type Item<N> = (u64, Option<u64>, N);
 
-struct Fields {
+/// The last refusal's `RateLimit` value, and the items it was written from.
+pub(crate) struct Fields {
     items: Box<[Item<Box<str>>]>,
     value: HeaderValue,
 }
 
-impl LastFields {
-    /// The value of `items` (remaining, seconds, limit name): the last one if it had the
-    /// same, else `write`'s, kept for the next.
-    fn value(
-        &self,
-        items: &[Item<&str>],
-        write: impl FnOnce() -> Option<HeaderValue>,
-    ) -> Option<HeaderValue> {
-        if let Some(last) = &*self.0.load() {
-            let same = last.items.len() == items.len()
-                && last
-                    .items
+/// The `RateLimit` value of `items`: the last one's if it had the same, else `write`'s.
+fn fields_value(
+    last: &Last<Fields>,
+    items: &[Item<&str>],
+    write: impl FnOnce() -> Option<HeaderValue>,
+) -> Option<HeaderValue> {
+    last.get(
+        |f| {
+            f.items.len() == items.len()
+                && f.items
                     .iter()
                     .zip(items)
-                    .all(|(a, b)| a.0 == b.0 && a.1 == b.1 && *a.2 == *b.2);
-            if same {
-                return Some(last.value.clone());
-            }
-        }
-        let value = write()?;
-        self.0.store(Some(std::sync::Arc::new(Fields {
-            items: items
-                .iter()
-                .map(|&(remaining, seconds, name)| (remaining, seconds, name.into()))
-                .collect(),
-            value: value.clone(),
-        })));
-        Some(value)
-    }
-}
-
-impl std::fmt::Debug for LastFields {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("LastFields").finish_non_exhaustive()
-    }
+                    .all(|(a, b)| a.0 == b.0 && a.1 == b.1 && *a.2 == *b.2)
+        },
+        || {
+            Some(Fields {
+                items: items
+                    .iter()
+                    .map(|&(remaining, seconds, name)| (remaining, seconds, name.into()))
+                    .collect(),
+                value: write()?,
+            })
+        },
+        |f| f.value.clone(),
+    )
 }
 
 /// Seconds for a header: rounded up, at least 1.
@@ -364,7 +384,7 @@ pub(crate) fn write_headers(
     decision: &Decision,
     policy: Option<&HeaderValue>,
     config: HeaderConfig,
-    last: Option<&LastFields>,
+    last: Option<&Last<Fields>>,
 ) {
     // This runs on every admitted request, so the `RateLimit` value is written without `fmt`
     // straight into an exactly-sized buffer that the `HeaderValue` takes over as it is.
@@ -437,7 +457,7 @@ pub(crate) fn write_headers(
             HeaderValue::from_maybe_shared(Bytes::from(out)).ok()
         };
         let value = match last {
-            Some(last) => last.value(items, write),
+            Some(last) => fields_value(last, items, write),
             None => write(),
         };
         if let Some(v) = value {

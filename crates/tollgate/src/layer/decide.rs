@@ -417,7 +417,7 @@ impl<B: Backend> Shared<B> {
     fn refuse(&self, rejection: &Rejection<'_>) -> Response<Bytes> {
         let mut response = match (rejection.is_grpc(), &self.responder, &self.grpc_responder) {
             (false, Some(respond), _) | (true, _, Some(respond)) => respond(rejection),
-            (false, None, _) => self.last_refusal.response(rejection),
+            (false, None, _) => response::refusal(&self.last_refusal, rejection),
             (true, _, None) => crate::grpc::default_response(rejection),
         };
         response::write_retry_after(response.headers_mut(), rejection.retry_after());

@@ -498,8 +498,8 @@ impl<B: Backend> RateLimitLayerBuilder<B> {
                 responder: self.responder,
                 grpc_responder: self.grpc_responder,
                 unavailable_retry_after: self.unavailable_retry_after,
-                last_refusal: response::LastRefusal::default(),
-                last_fields: response::LastFields::default(),
+                last_refusal: response::Last::default(),
+                last_fields: response::Last::default(),
             }),
         })
     }
@@ -530,9 +530,9 @@ pub(crate) struct Shared<B> {
     grpc_responder: Option<Responder>,
     unavailable_retry_after: Duration,
     /// The last default `429`'s body and `Retry-After`, for the refusals of a flood.
-    last_refusal: response::LastRefusal,
+    last_refusal: response::Last<response::Refusal>,
     /// The last refusal's `RateLimit` value.
-    last_fields: response::LastFields,
+    last_fields: response::Last<response::Fields>,
 }
 
 /// One version of a layer's limits, checked whole.
