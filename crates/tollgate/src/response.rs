@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use arc_swap::ArcSwapOption;
 use bytes::Bytes;
-use http::header::{HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AFTER};
+use http::header::{HeaderName, HeaderValue, CONTENT_LENGTH, CONTENT_TYPE, RETRY_AFTER};
 use http::{HeaderMap, Response, StatusCode};
 
 use tollgate_core::{Quota, MAX_CHECKS};
@@ -258,75 +258,161 @@ impl<T> Last<T> {
     }
 }
 
-/// The last default `429`: its limit, its wait, and its body and `Retry-After`.
+/// The last default `429`: what it was written from (the refusing limit, its wait, the
+/// rate-limit fields' items and policy), and its body and header fields.
 pub(crate) struct Refusal {
     limit: Box<str>,
     seconds: u64,
+    items: Box<[Item<Box<str>>]>,
+    policy: Option<HeaderValue>,
     body: Bytes,
-    retry_after: HeaderValue,
+    headers: HeaderMap,
 }
 
-/// [`default_response`] of `rejection`, with its `Retry-After` for a `429` (the last one's
-/// body and value again when they are the same).
-pub(crate) fn refusal(last: &Last<Refusal>, rejection: &Rejection<'_>) -> Response<Bytes> {
+/// The default `429` of `rejection`, with `Retry-After` and the rate-limit fields of `fields`
+/// and `policy`: the last one's body and header fields again when it was written from the
+/// same. `None` for any other refusal, which is written each time.
+pub(crate) fn refusal(
+    last: &Last<Refusal>,
+    rejection: &Rejection<'_>,
+    fields: &Fields<'_>,
+    policy: Option<&HeaderValue>,
+    config: HeaderConfig,
+) -> Option<Response<Bytes>> {
     let seconds = match (rejection.kind, rejection.retry_after, rejection.grpc) {
         (RejectionKind::TooManyRequests, Some(after), false) => whole_seconds(after),
-        _ => return default_response(rejection),
+        _ => return None,
     };
-    let made = last.get(
-        |r| r.seconds == seconds && *r.limit == *rejection.limit,
-        || {
-            Some(Refusal {
-                limit: rejection.limit.into(),
-                seconds,
-                body: problem_body(rejection),
-                retry_after: seconds_value(seconds),
-            })
-        },
-        |r| (r.body.clone(), r.retry_after.clone()),
-    );
-    let Some((body, retry_after)) = made else {
-        return default_response(rejection);
-    };
-    let mut response = problem(StatusCode::TOO_MANY_REQUESTS, body);
-    response.headers_mut().insert(RETRY_AFTER, retry_after);
-    response
-}
-
-/// One limit's item of a `RateLimit` value: remaining, seconds, the limit's name.
-type Item<N> = (u64, Option<u64>, N);
-
-/// The last refusal's `RateLimit` value, and the items it was written from.
-pub(crate) struct Fields {
-    items: Box<[Item<Box<str>>]>,
-    value: HeaderValue,
-}
-
-/// The `RateLimit` value of `items`: the last one's if it had the same, else `write`'s.
-fn fields_value(
-    last: &Last<Fields>,
-    items: &[Item<&str>],
-    write: impl FnOnce() -> Option<HeaderValue>,
-) -> Option<HeaderValue> {
-    last.get(
-        |f| {
-            f.items.len() == items.len()
-                && f.items
+    let items = fields.items();
+    let (body, headers) = last.get(
+        |r| {
+            r.seconds == seconds
+                && *r.limit == *rejection.limit
+                && r.policy.as_ref() == policy
+                && r.items.len() == items.len()
+                && r.items
                     .iter()
                     .zip(items)
                     .all(|(a, b)| a.0 == b.0 && a.1 == b.1 && *a.2 == *b.2)
         },
         || {
-            Some(Fields {
+            let mut response = problem(StatusCode::TOO_MANY_REQUESTS, problem_body(rejection));
+            let length = HeaderValue::from(response.body().len());
+            let headers = response.headers_mut();
+            headers.insert(RETRY_AFTER, seconds_value(seconds));
+            write_headers(headers, fields, policy, config);
+            // Known here, so that the server does not add it to each copy of the fields (which
+            // would grow a map cloned with room for exactly these).
+            headers.insert(CONTENT_LENGTH, length);
+            let (parts, body) = response.into_parts();
+            Some(Refusal {
+                limit: rejection.limit.into(),
+                seconds,
                 items: items
                     .iter()
                     .map(|&(remaining, seconds, name)| (remaining, seconds, name.into()))
                     .collect(),
-                value: write()?,
+                policy: policy.cloned(),
+                body,
+                headers: parts.headers,
             })
         },
-        |f| f.value.clone(),
-    )
+        |r| (r.body.clone(), r.headers.clone()),
+    )?;
+    let mut response = Response::new(body);
+    *response.status_mut() = StatusCode::TOO_MANY_REQUESTS;
+    *response.headers_mut() = headers;
+    Some(response)
+}
+
+/// One limit's item of a `RateLimit` value: remaining, seconds, the limit's name.
+type Item<N> = (u64, Option<u64>, N);
+
+/// What a decision's rate-limit fields say: one `RateLimit` item per limit that counted the
+/// request, and the tightest limit for the legacy fields.
+pub(crate) struct Fields<'a> {
+    items: [Item<&'a str>; MAX_CHECKS],
+    n: usize,
+    /// The `RateLimit` value's length.
+    len: usize,
+    /// (remaining, seconds, quota) of the limit with the fewest units left.
+    tightest: Option<(u64, u64, u32)>,
+}
+
+impl<'a> Fields<'a> {
+    pub(crate) fn of(decision: &'a Decision) -> Self {
+        let mut fields = Self {
+            items: [(0, None, ""); MAX_CHECKS],
+            n: 0,
+            len: 0,
+            tightest: None,
+        };
+        for limit in decision.limits() {
+            let (remaining, seconds) = match *limit.outcome() {
+                Outcome::Allowed { remaining, reset } => (remaining, reset_seconds(reset)),
+                Outcome::Denied {
+                    remaining,
+                    retry_after,
+                    reset,
+                    ..
+                } => {
+                    let seconds = match retry_after {
+                        Some(after) if limit.refuses() => whole_seconds(after),
+                        _ => reset_seconds(reset),
+                    };
+                    (remaining, seconds)
+                }
+                Outcome::Bypassed { .. } | Outcome::Skipped { .. } | Outcome::Allowlisted => {
+                    continue
+                }
+            };
+            // No `t` for a concurrency limit that admitted: nothing about it resets with time.
+            let seconds = match limit.outcome() {
+                Outcome::Allowed { .. } if limit.is_concurrency() => None,
+                _ => Some(seconds),
+            };
+            let Some(item) = fields.items.get_mut(fields.n) else {
+                break;
+            };
+            *item = (remaining, seconds, limit.name());
+            fields.n += 1;
+            // `, "name";r=R;t=T` (no separator before the first item).
+            fields.len += 2 + limit.name().len() + 5 + decimal_len(remaining);
+            if let Some(seconds) = seconds {
+                fields.len += 3 + decimal_len(seconds);
+            }
+            if fields.tightest.is_none_or(|(r, _, _)| remaining < r) {
+                let quota = if limit.is_concurrency() {
+                    limit.quota().limit()
+                } else {
+                    policy_of(limit.quota()).0
+                };
+                fields.tightest = Some((remaining, seconds.unwrap_or(0), quota));
+            }
+        }
+        fields
+    }
+
+    fn items(&self) -> &[Item<&'a str>] {
+        &self.items[..self.n]
+    }
+
+    /// The `RateLimit` value, written without `fmt` straight into an exactly-sized buffer
+    /// that the `HeaderValue` takes over as it is (this runs on every admitted request).
+    fn value(&self) -> Option<HeaderValue> {
+        let mut out = Vec::with_capacity(self.len.checked_sub(2)?);
+        for (i, &(remaining, seconds, name)) in self.items().iter().enumerate() {
+            out.extend_from_slice(if i == 0 { b"\"" } else { b", \"" });
+            out.extend_from_slice(name.as_bytes());
+            out.extend_from_slice(b"\";r=");
+            out.extend_from_slice(digits(remaining, &mut [0; 20]));
+            if let Some(seconds) = seconds {
+                out.extend_from_slice(b";t=");
+                out.extend_from_slice(digits(seconds, &mut [0; 20]));
+            }
+        }
+        HeaderValue::from_maybe_shared(Bytes::from(out)).ok()
+    }
 }
 
 /// Seconds for a header: rounded up, at least 1.
@@ -378,91 +464,21 @@ fn policy_of(quota: &Quota) -> (u32, Duration) {
     (quota.burst(), Duration::from_micros(window))
 }
 
-/// Writes the rate-limit fields of `decision` into `headers`.
+/// Writes the rate-limit fields `fields` and `policy` into `headers`.
 pub(crate) fn write_headers(
     headers: &mut HeaderMap,
-    decision: &Decision,
+    fields: &Fields<'_>,
     policy: Option<&HeaderValue>,
     config: HeaderConfig,
-    last: Option<&Last<Fields>>,
 ) {
-    // This runs on every admitted request, so the `RateLimit` value is written without `fmt`
-    // straight into an exactly-sized buffer that the `HeaderValue` takes over as it is.
-    // (remaining, seconds, name); no `t` for a concurrency limit that admitted: nothing about
-    // it resets with time.
-    let mut items = [(0, None, ""); MAX_CHECKS];
-    let mut n = 0;
-    let mut len = 0;
-    let mut tightest: Option<(u64, u64, u32)> = None;
-    for limit in decision.limits() {
-        let (remaining, seconds) = match *limit.outcome() {
-            Outcome::Allowed { remaining, reset } => (remaining, reset_seconds(reset)),
-            Outcome::Denied {
-                remaining,
-                retry_after,
-                reset,
-                ..
-            } => {
-                let seconds = match retry_after {
-                    Some(after) if limit.refuses() => whole_seconds(after),
-                    _ => reset_seconds(reset),
-                };
-                (remaining, seconds)
-            }
-            Outcome::Bypassed { .. } | Outcome::Skipped { .. } | Outcome::Allowlisted => continue,
-        };
-        let seconds = match limit.outcome() {
-            Outcome::Allowed { .. } if limit.is_concurrency() => None,
-            _ => Some(seconds),
-        };
-        let Some(item) = items.get_mut(n) else {
-            break;
-        };
-        *item = (remaining, seconds, limit.name());
-        n += 1;
-        // `, "name";r=R;t=T` (no separator before the first item).
-        len += 2 + limit.name().len() + 5 + decimal_len(remaining);
-        if let Some(seconds) = seconds {
-            len += 3 + decimal_len(seconds);
-        }
-        if tightest.is_none_or(|(r, _, _)| remaining < r) {
-            let quota = if limit.is_concurrency() {
-                limit.quota().limit()
-            } else {
-                policy_of(limit.quota()).0
-            };
-            tightest = Some((remaining, seconds.unwrap_or(0), quota));
-        }
-    }
     // Appended, not inserted: under stacked layers each adds its own items to the lists (the
     // draft lets a list span several field lines), and an outer layer must not hide the
     // limit of an inner one that refused.
     if let Some(policy) = policy {
         headers.append(RATELIMIT_POLICY.clone(), policy.clone());
     }
-    if n > 0 {
-        let items = &items[..n];
-        let write = || {
-            let mut out = Vec::with_capacity(len - 2);
-            for (i, &(remaining, seconds, name)) in items.iter().enumerate() {
-                out.extend_from_slice(if i == 0 { b"\"" } else { b", \"" });
-                out.extend_from_slice(name.as_bytes());
-                out.extend_from_slice(b"\";r=");
-                out.extend_from_slice(digits(remaining, &mut [0; 20]));
-                if let Some(seconds) = seconds {
-                    out.extend_from_slice(b";t=");
-                    out.extend_from_slice(digits(seconds, &mut [0; 20]));
-                }
-            }
-            HeaderValue::from_maybe_shared(Bytes::from(out)).ok()
-        };
-        let value = match last {
-            Some(last) => fields_value(last, items, write),
-            None => write(),
-        };
-        if let Some(v) = value {
-            headers.append(RATELIMIT.clone(), v);
-        }
+    if let Some(value) = fields.value() {
+        headers.append(RATELIMIT.clone(), value);
     }
     // The legacy fields hold one limit: the tightest, also across stacked layers.
     let tighter_inside = |remaining: u64| {
@@ -471,7 +487,7 @@ pub(crate) fn write_headers(
             .and_then(|v| v.to_str().ok()?.parse::<u64>().ok())
             .is_some_and(|inside| inside <= remaining)
     };
-    if let (true, Some((remaining, seconds, limit))) = (config.legacy, tightest) {
+    if let (true, Some((remaining, seconds, limit))) = (config.legacy, fields.tightest) {
         if tighter_inside(remaining) {
             return;
         }

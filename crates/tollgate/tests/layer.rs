@@ -167,9 +167,10 @@ async fn refusals_in_a_flood_each_say_their_own_limit_and_wait() {
             header(&res, "ratelimit"),
             Some("\"per-ip\";r=0;t=60, \"per-shop\";r=1;t=2800")
         );
-        assert!(body(res)
-            .await
-            .contains("Rate limit \\\"per-ip\\\" exceeded; retry in 60 s."));
+        let length = header(&res, "content-length").map(str::to_owned);
+        let text = body(res).await;
+        assert!(text.contains("Rate limit \\\"per-ip\\\" exceeded; retry in 60 s."));
+        assert_eq!(length, Some(text.len().to_string()));
     }
     // Then the shop's, until its hourly window ends (2,800 s on this clock): its own name,
     // wait and figures.
@@ -179,9 +180,10 @@ async fn refusals_in_a_flood_each_say_their_own_limit_and_wait() {
         header(&res, "ratelimit"),
         Some("\"per-ip\";r=1;t=0, \"per-shop\";r=0;t=2800")
     );
-    assert!(body(res)
-        .await
-        .contains("Rate limit \\\"per-shop\\\" exceeded; retry in 2800 s."));
+    let length = header(&res, "content-length").map(str::to_owned);
+    let text = body(res).await;
+    assert!(text.contains("Rate limit \\\"per-shop\\\" exceeded; retry in 2800 s."));
+    assert_eq!(length, Some(text.len().to_string()));
     // The IP's again, a second later: one second less.
     clock.advance(Duration::from_secs(1));
     let res = send(&mut svc, shop([10, 0, 0, 1], "c")).await;

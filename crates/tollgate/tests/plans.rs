@@ -125,6 +125,44 @@ async fn each_plan_gets_its_quota_and_others_the_default() {
 }
 
 #[tokio::test]
+async fn refusals_alike_but_for_the_plan_each_advertise_their_own_quota() {
+    // A flood's refusals reuse the last one's fields while they would be written the same:
+    // two plans' refusals with the same limit, wait and figures differ in their policy.
+    let (backend, _clock) = memory();
+    let limit = window("per-key", 3)
+        .plan("free", Quota::per_minute(2).unwrap())
+        .unwrap()
+        .plan("pro", Quota::per_minute(5).unwrap())
+        .unwrap();
+    let layer = RateLimitLayer::builder()
+        .limits(per_key(limit))
+        .backend(backend)
+        .build()
+        .unwrap();
+    let mut svc = app(layer);
+    assert_eq!(admitted(&mut svc, "a", Some("free"), 2).await, 2);
+    assert_eq!(admitted(&mut svc, "b", Some("pro"), 5).await, 5);
+    for (key, plan, policy) in [
+        ("a", "free", "\"per-key\";q=2;w=60"),
+        ("a", "free", "\"per-key\";q=2;w=60"),
+        ("b", "pro", "\"per-key\";q=5;w=60"),
+        ("a", "free", "\"per-key\";q=2;w=60"),
+    ] {
+        let refused = send(&mut svc, key, Some(plan)).await;
+        assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(header(&refused, "retry-after").as_deref(), Some("60"));
+        assert_eq!(
+            header(&refused, "ratelimit").as_deref(),
+            Some("\"per-key\";r=0;t=60")
+        );
+        assert_eq!(
+            header(&refused, "ratelimit-policy").as_deref(),
+            Some(policy)
+        );
+    }
+}
+
+#[tokio::test]
 async fn a_function_of_the_request_chooses_the_plan_when_it_has_none() {
     let (backend, _clock) = memory();
     let limit = window("per-key", 2)

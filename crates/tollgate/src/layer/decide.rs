@@ -1,11 +1,12 @@
 //! One request's way through the layer: keys, the backend's answer, the decision, the
 //! refusal or the admitted response's fields.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{Request, Response};
+use http::{HeaderValue, Request, Response};
 use tollgate_core::{
     Backend, BackendError, Check, FailurePolicy, MissingKeyPolicy, Receipt, Verdicts, MAX_CHECKS,
 };
@@ -255,12 +256,11 @@ impl<B: Backend> Shared<B> {
             RejectionKind::TooManyRequests,
             plan.set.limits[0].limit.name(),
         ));
-        let mut response = self.refuse(
-            &Rejection::new(kind, limit, decision.retry_after(), Some(&decision))
-                .grpc(crate::grpc::is_grpc(req.headers())),
-        );
+        let rejection = Rejection::new(kind, limit, decision.retry_after(), Some(&decision))
+            .grpc(crate::grpc::is_grpc(req.headers()));
         // Refusals always carry the rate-limit fields: they say when to come back.
-        self.stamp(&mut response, decision, true, true);
+        let mut response = self.refuse_with_fields(&rejection, &decision, &plan.set);
+        put_decision(&mut response, decision);
         Decided::Refuse(response)
     }
 
@@ -417,10 +417,34 @@ impl<B: Backend> Shared<B> {
     fn refuse(&self, rejection: &Rejection<'_>) -> Response<Bytes> {
         let mut response = match (rejection.is_grpc(), &self.responder, &self.grpc_responder) {
             (false, Some(respond), _) | (true, _, Some(respond)) => respond(rejection),
-            (false, None, _) => response::refusal(&self.last_refusal, rejection),
+            (false, None, _) => response::default_response(rejection),
             (true, _, None) => crate::grpc::default_response(rejection),
         };
         response::write_retry_after(response.headers_mut(), rejection.retry_after());
+        response
+    }
+
+    /// The refusal of a request that `decision` refused under `set`'s limits, with its
+    /// rate-limit fields: the default `429` reuses the last one's body and fields when it
+    /// would be written the same (the refusal path runs most in a flood).
+    fn refuse_with_fields(
+        &self,
+        rejection: &Rejection<'_>,
+        decision: &Decision,
+        set: &LimitSet,
+    ) -> Response<Bytes> {
+        let fields = response::Fields::of(decision);
+        let policy = policy_for(set, decision);
+        let policy = policy.as_deref();
+        if self.responder.is_none() {
+            let reused =
+                response::refusal(&self.last_refusal, rejection, &fields, policy, self.headers);
+            if let Some(response) = reused {
+                return response;
+            }
+        }
+        let mut response = self.refuse(rejection);
+        response::write_headers(response.headers_mut(), &fields, policy, self.headers);
         response
     }
 
@@ -437,63 +461,53 @@ impl<B: Backend> Shared<B> {
 
     /// Adds the decision and (if configured) the rate-limit fields to an admitted response.
     pub(crate) fn finish<T>(&self, response: &mut Response<T>, decision: Decision) {
-        let fields = self.fields_on_allowed(&decision);
-        if self.headers.decision_on_allowed {
-            self.stamp(response, decision, fields, false);
-        } else if fields {
-            self.write_fields(response, &decision, false);
-        }
-    }
-
-    /// Puts the decision in the response's extensions, and the rate-limit fields if `fields`
-    /// (those of the last refusal again if `refused` and they are the same).
-    fn stamp<T>(
-        &self,
-        response: &mut Response<T>,
-        decision: Decision,
-        fields: bool,
-        refused: bool,
-    ) {
-        if fields {
-            self.write_fields(response, &decision, refused);
-        }
-        // Under this layer, another one decided too (it refused, or admitted): the response
-        // carries both layers' limits, this one's first, as its fields do.
-        if let Some(inner) = response.extensions_mut().insert(decision) {
-            if let Some(mine) = response.extensions_mut().remove::<Decision>() {
-                response.extensions_mut().insert(mine.then(&inner));
-            }
-        }
-    }
-
-    /// Writes the rate-limit fields of `decision`; for a refusal, the last refusal's
-    /// `RateLimit` value again when it is the same.
-    fn write_fields<T>(&self, response: &mut Response<T>, decision: &Decision, refused: bool) {
-        // The policy of the quotas the request got: the one built with the limits when
-        // they are every limit's default (always, for limits without plans), else built
-        // for this request.
-        let set = self.set.load();
-        let defaults = set.limits.len() == decision.limits().len()
-            && set
-                .limits
-                .iter()
-                .zip(decision.limits())
-                .all(|(e, d)| e.limit.name() == d.name() && e.limit.quota() == d.quota());
-        let custom;
-        let policy = if defaults {
-            set.policy.as_ref()
-        } else {
-            custom = response::policy_value(
-                decision
-                    .limits()
-                    .iter()
-                    .map(|d| (d.name(), d.quota(), d.is_concurrency())),
+        if self.fields_on_allowed(&decision) {
+            let set = self.set.load();
+            let policy = policy_for(&set, &decision);
+            let fields = response::Fields::of(&decision);
+            response::write_headers(
+                response.headers_mut(),
+                &fields,
+                policy.as_deref(),
+                self.headers,
             );
-            custom.as_ref()
-        };
-        let last = refused.then_some(&self.last_fields);
-        response::write_headers(response.headers_mut(), decision, policy, self.headers, last);
+        }
+        if self.headers.decision_on_allowed {
+            put_decision(response, decision);
+        }
     }
+}
+
+/// Puts `decision` in the response's extensions. Under this layer, another one decided too (it
+/// refused, or admitted): the response carries both layers' limits, this one's first, as its
+/// fields do.
+fn put_decision<T>(response: &mut Response<T>, decision: Decision) {
+    if let Some(inner) = response.extensions_mut().insert(decision) {
+        if let Some(mine) = response.extensions_mut().remove::<Decision>() {
+            response.extensions_mut().insert(mine.then(&inner));
+        }
+    }
+}
+
+/// The `RateLimit-Policy` value of the quotas `decision` got: the one built with `set`'s limits
+/// when they are every limit's default (always, for limits without plans), else built for it.
+fn policy_for<'s>(set: &'s LimitSet, decision: &Decision) -> Option<Cow<'s, HeaderValue>> {
+    let defaults = set.limits.len() == decision.limits().len()
+        && set
+            .limits
+            .iter()
+            .zip(decision.limits())
+            .all(|(e, d)| e.limit.name() == d.name() && e.limit.quota() == d.quota());
+    if defaults {
+        return set.policy.as_ref().map(Cow::Borrowed);
+    }
+    response::policy_value(
+        decision
+            .limits()
+            .iter()
+            .map(|d| (d.name(), d.quota(), d.is_concurrency())),
+    )
+    .map(Cow::Owned)
 }
 
 impl Entry {

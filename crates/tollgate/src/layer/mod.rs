@@ -499,7 +499,6 @@ impl<B: Backend> RateLimitLayerBuilder<B> {
                 grpc_responder: self.grpc_responder,
                 unavailable_retry_after: self.unavailable_retry_after,
                 last_refusal: response::Last::default(),
-                last_fields: response::Last::default(),
             }),
         })
     }
@@ -529,10 +528,8 @@ pub(crate) struct Shared<B> {
     responder: Option<Responder>,
     grpc_responder: Option<Responder>,
     unavailable_retry_after: Duration,
-    /// The last default `429`'s body and `Retry-After`, for the refusals of a flood.
+    /// The last default `429`'s body and header fields, for the refusals of a flood.
     last_refusal: response::Last<response::Refusal>,
-    /// The last refusal's `RateLimit` value.
-    last_fields: response::Last<response::Fields>,
 }
 
 /// One version of a layer's limits, checked whole.
