@@ -370,6 +370,13 @@ impl Decision {
         }
     }
 
+    /// The decision of a layer with one limit.
+    pub(crate) fn one(limit: LimitDecision) -> Self {
+        Self {
+            limits: Limits::One(limit),
+        }
+    }
+
     /// This decision's limits followed by `inner`'s: what two stacked layers decided.
     pub(crate) fn then(&self, inner: &Decision) -> Decision {
         self.limits()

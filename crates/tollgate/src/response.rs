@@ -20,7 +20,7 @@ use http::{HeaderMap, Response, StatusCode};
 
 use tollgate_core::{Quota, MAX_CHECKS};
 
-use crate::decision::{Decision, DenyReason, Outcome};
+use crate::decision::{Decision, DenyReason, LimitDecision, Outcome};
 use crate::key::MissingKey;
 
 pub(crate) static RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
@@ -283,17 +283,15 @@ pub(crate) fn refusal(
         (RejectionKind::TooManyRequests, Some(after), false) => whole_seconds(after),
         _ => return None,
     };
-    let items = fields.items();
     let (body, headers) = last.get(
         |r| {
             r.seconds == seconds
                 && *r.limit == *rejection.limit
                 && r.policy.as_ref() == policy
-                && r.items.len() == items.len()
                 && r.items
                     .iter()
-                    .zip(items)
-                    .all(|(a, b)| a.0 == b.0 && a.1 == b.1 && *a.2 == *b.2)
+                    .map(|(remaining, seconds, name)| (*remaining, *seconds, &**name))
+                    .eq(fields.items())
         },
         || {
             let mut response = problem(StatusCode::TOO_MANY_REQUESTS, problem_body(rejection));
@@ -308,9 +306,9 @@ pub(crate) fn refusal(
             Some(Refusal {
                 limit: rejection.limit.into(),
                 seconds,
-                items: items
-                    .iter()
-                    .map(|&(remaining, seconds, name)| (remaining, seconds, name.into()))
+                items: fields
+                    .items()
+                    .map(|(remaining, seconds, name)| (remaining, seconds, name.into()))
                     .collect(),
                 policy: policy.cloned(),
                 body,
@@ -331,8 +329,7 @@ type Item<N> = (u64, Option<u64>, N);
 /// What a decision's rate-limit fields say: one `RateLimit` item per limit that counted the
 /// request, and the tightest limit for the legacy fields.
 pub(crate) struct Fields<'a> {
-    items: [Item<&'a str>; MAX_CHECKS],
-    n: usize,
+    decision: &'a Decision,
     /// The `RateLimit` value's length.
     len: usize,
     /// (remaining, seconds, quota) of the limit with the fewest units left.
@@ -342,42 +339,13 @@ pub(crate) struct Fields<'a> {
 impl<'a> Fields<'a> {
     pub(crate) fn of(decision: &'a Decision) -> Self {
         let mut fields = Self {
-            items: [(0, None, ""); MAX_CHECKS],
-            n: 0,
+            decision,
             len: 0,
             tightest: None,
         };
-        for limit in decision.limits() {
-            let (remaining, seconds) = match *limit.outcome() {
-                Outcome::Allowed { remaining, reset } => (remaining, reset_seconds(reset)),
-                Outcome::Denied {
-                    remaining,
-                    retry_after,
-                    reset,
-                    ..
-                } => {
-                    let seconds = match retry_after {
-                        Some(after) if limit.refuses() => whole_seconds(after),
-                        _ => reset_seconds(reset),
-                    };
-                    (remaining, seconds)
-                }
-                Outcome::Bypassed { .. } | Outcome::Skipped { .. } | Outcome::Allowlisted => {
-                    continue
-                }
-            };
-            // No `t` for a concurrency limit that admitted: nothing about it resets with time.
-            let seconds = match limit.outcome() {
-                Outcome::Allowed { .. } if limit.is_concurrency() => None,
-                _ => Some(seconds),
-            };
-            let Some(item) = fields.items.get_mut(fields.n) else {
-                break;
-            };
-            *item = (remaining, seconds, limit.name());
-            fields.n += 1;
+        for (limit, (remaining, seconds, name)) in fields.limits() {
             // `, "name";r=R;t=T` (no separator before the first item).
-            fields.len += 2 + limit.name().len() + 5 + decimal_len(remaining);
+            fields.len += 2 + name.len() + 5 + decimal_len(remaining);
             if let Some(seconds) = seconds {
                 fields.len += 3 + decimal_len(seconds);
             }
@@ -393,15 +361,50 @@ impl<'a> Fields<'a> {
         fields
     }
 
-    fn items(&self) -> &[Item<&'a str>] {
-        &self.items[..self.n]
+    /// The limits that counted the request (at most [`MAX_CHECKS`]), each with its item.
+    fn limits(&self) -> impl Iterator<Item = (&'a LimitDecision, Item<&'a str>)> + 'a {
+        self.decision
+            .limits()
+            .iter()
+            .filter_map(|limit| {
+                let (remaining, seconds) = match *limit.outcome() {
+                    Outcome::Allowed { remaining, reset } => (remaining, reset_seconds(reset)),
+                    Outcome::Denied {
+                        remaining,
+                        retry_after,
+                        reset,
+                        ..
+                    } => {
+                        let seconds = match retry_after {
+                            Some(after) if limit.refuses() => whole_seconds(after),
+                            _ => reset_seconds(reset),
+                        };
+                        (remaining, seconds)
+                    }
+                    Outcome::Bypassed { .. } | Outcome::Skipped { .. } | Outcome::Allowlisted => {
+                        return None
+                    }
+                };
+                // No `t` for a concurrency limit that admitted: nothing about it resets with
+                // time.
+                let seconds = match limit.outcome() {
+                    Outcome::Allowed { .. } if limit.is_concurrency() => None,
+                    _ => Some(seconds),
+                };
+                Some((limit, (remaining, seconds, limit.name())))
+            })
+            .take(MAX_CHECKS)
+    }
+
+    fn items(&self) -> impl Iterator<Item = Item<&'a str>> + 'a {
+        self.limits().map(|(_, item)| item)
     }
 
     /// The `RateLimit` value, written without `fmt` straight into an exactly-sized buffer
     /// that the `HeaderValue` takes over as it is (this runs on every admitted request).
     fn value(&self) -> Option<HeaderValue> {
         let mut out = Vec::with_capacity(self.len.checked_sub(2)?);
-        for (i, &(remaining, seconds, name)) in self.items().iter().enumerate() {
+        for (i, (remaining, seconds, name)) in self.items().enumerate() {
             out.extend_from_slice(if i == 0 { b"\"" } else { b", \"" });
             out.extend_from_slice(name.as_bytes());
             out.extend_from_slice(b"\";r=");

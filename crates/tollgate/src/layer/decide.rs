@@ -202,32 +202,17 @@ impl<B: Backend> Shared<B> {
                         receipts[i] = verdicts.receipt(j);
                     }
                 }
-                // Every verdict came back: each limit's outcome is its verdict, or a skip for
-                // a limit that had no key, in the layer's order.
-                let mut checked = plan.limit_of[..plan.n].iter().zip(verdicts.iter());
-                let mut next = checked.next();
-                let mut j = 0;
-                plan.set
-                    .limits
-                    .iter()
-                    .enumerate()
-                    .map(|(i, entry)| {
-                        let (outcome, leased) = match next {
-                            Some((&at, verdict)) if at == i => {
-                                next = checked.next();
-                                j += 1;
-                                (Outcome::from_verdict(verdict), verdicts.from_lease(j - 1))
-                            }
-                            _ => {
-                                let reason = SkipReason::MissingKey;
-                                (Outcome::Skipped { reason }, false)
-                            }
-                        };
+                // One limit, checked (most layers): its verdict is the decision.
+                if let ([entry], [verdict]) = (&*plan.set.limits, &verdicts[..]) {
+                    let outcome = Outcome::from_verdict(verdict);
+                    Decision::one(
                         entry
-                            .decision(outcome, Source::Backend, plan.quota_of[i])
-                            .leased(leased)
-                    })
-                    .collect()
+                            .decision(outcome, Source::Backend, plan.quota_of[0])
+                            .leased(verdicts.from_lease(0)),
+                    )
+                } else {
+                    self.decision_of(verdicts, plan)
+                }
             }
             Ok(verdicts) => {
                 let error = BackendError::new(
@@ -262,6 +247,35 @@ impl<B: Backend> Shared<B> {
         let mut response = self.refuse_with_fields(&rejection, &decision, &plan.set);
         put_decision(&mut response, decision);
         Decided::Refuse(response)
+    }
+
+    /// The decision of every verdict: each limit's outcome is its verdict, or a skip for a
+    /// limit that had no key, in the layer's order.
+    fn decision_of(&self, verdicts: &Verdicts, plan: &Plan) -> Decision {
+        let mut checked = plan.limit_of[..plan.n].iter().zip(verdicts.iter());
+        let mut next = checked.next();
+        let mut j = 0;
+        plan.set
+            .limits
+            .iter()
+            .enumerate()
+            .map(|(i, entry)| {
+                let (outcome, leased) = match next {
+                    Some((&at, verdict)) if at == i => {
+                        next = checked.next();
+                        j += 1;
+                        (Outcome::from_verdict(verdict), verdicts.from_lease(j - 1))
+                    }
+                    _ => {
+                        let reason = SkipReason::MissingKey;
+                        (Outcome::Skipped { reason }, false)
+                    }
+                };
+                entry
+                    .decision(outcome, Source::Backend, plan.quota_of[i])
+                    .leased(leased)
+            })
+            .collect()
     }
 
     /// The decision when the backend failed: each checked limit's failure policy.
