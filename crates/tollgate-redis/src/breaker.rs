@@ -8,6 +8,7 @@
 //!
 //! Time is `tokio::time::Instant`, so tests can pause and advance it.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -38,6 +39,9 @@ pub(crate) struct BreakerConfig {
 pub(crate) struct Breaker {
     config: BreakerConfig,
     state: Mutex<State>,
+    /// Whether `open_until` is `None`, readable without the lock: a closed breaker (the usual
+    /// case) admits every request without taking it or reading the clock.
+    closed: AtomicBool,
 }
 
 #[derive(Debug)]
@@ -73,6 +77,7 @@ impl Breaker {
                 interval: config.open_for,
                 probe_until: None,
             }),
+            closed: AtomicBool::new(true),
         }
     }
 
@@ -82,6 +87,9 @@ impl Breaker {
 
     /// A permit to call Redis now, or `None` to fail fast.
     pub(crate) fn admit(&self) -> Option<Permit> {
+        if self.closed.load(Ordering::Acquire) {
+            return Some(Permit { probe: false });
+        }
         let now = Instant::now();
         let mut s = self.lock();
         match s.open_until {
@@ -106,6 +114,7 @@ impl Breaker {
         }
         s.failures = 0;
         s.open_until = None;
+        self.closed.store(true, Ordering::Release);
         s.probe_until = None;
         s.interval = self.config.open_for;
     }
@@ -124,6 +133,7 @@ impl Breaker {
         if permit.probe {
             s.interval = (s.interval * 2).min(self.config.max_open_for);
             s.open_until = Some(now + s.interval);
+            self.closed.store(false, Ordering::Release);
             s.probe_until = None;
             tracing::warn!(
                 backend = "redis",
@@ -134,6 +144,7 @@ impl Breaker {
         } else if s.open_until.is_none() && s.failures >= self.config.threshold {
             s.interval = self.config.open_for;
             s.open_until = Some(now + s.interval);
+            self.closed.store(false, Ordering::Release);
             tracing::warn!(
                 backend = "redis",
                 failures = s.failures,

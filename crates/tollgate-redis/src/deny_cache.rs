@@ -150,7 +150,6 @@ impl DenyCache {
         if self.per_shard == 0 {
             return Lookup::Miss;
         }
-        let now = Instant::now();
         let mut shard = self.shard(digest);
         let Some(entry) = shard.get_mut(digest) else {
             return Lookup::Miss;
@@ -158,6 +157,8 @@ impl DenyCache {
         if entry.quota != *quota {
             return Lookup::Miss;
         }
+        // Only a key with a cached denial reads the clock.
+        let now = Instant::now();
         if entry.until <= now {
             // This request asks Redis; the others wait for its answer (or the deadline).
             entry.until = now + self.lease;
