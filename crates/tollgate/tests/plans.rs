@@ -83,8 +83,8 @@ fn per_key(limit: Limit) -> Limits {
     Limits::new().limit(limit, Tenant::header("x-key"))
 }
 
-#[tokio::test]
-async fn each_plan_gets_its_quota_and_others_the_default() {
+/// A key's window of 3 a minute, 2 on plan "free" and 5 on plan "pro", in memory.
+fn free_and_pro() -> Svc {
     let (backend, _clock) = memory();
     let limit = window("per-key", 3)
         .plan("free", Quota::per_minute(2).unwrap())
@@ -96,7 +96,12 @@ async fn each_plan_gets_its_quota_and_others_the_default() {
         .backend(backend)
         .build()
         .unwrap();
-    let mut svc = app(layer);
+    app(layer)
+}
+
+#[tokio::test]
+async fn each_plan_gets_its_quota_and_others_the_default() {
+    let mut svc = free_and_pro();
     assert_eq!(admitted(&mut svc, "a", Some("free"), 10).await, 2);
     assert_eq!(admitted(&mut svc, "b", Some("pro"), 10).await, 5);
     assert_eq!(admitted(&mut svc, "c", None, 10).await, 3);
@@ -128,18 +133,7 @@ async fn each_plan_gets_its_quota_and_others_the_default() {
 async fn refusals_alike_but_for_the_plan_each_advertise_their_own_quota() {
     // A flood's refusals reuse the last one's fields while they would be written the same:
     // two plans' refusals with the same limit, wait and figures differ in their policy.
-    let (backend, _clock) = memory();
-    let limit = window("per-key", 3)
-        .plan("free", Quota::per_minute(2).unwrap())
-        .unwrap()
-        .plan("pro", Quota::per_minute(5).unwrap())
-        .unwrap();
-    let layer = RateLimitLayer::builder()
-        .limits(per_key(limit))
-        .backend(backend)
-        .build()
-        .unwrap();
-    let mut svc = app(layer);
+    let mut svc = free_and_pro();
     assert_eq!(admitted(&mut svc, "a", Some("free"), 2).await, 2);
     assert_eq!(admitted(&mut svc, "b", Some("pro"), 5).await, 5);
     for (key, plan, policy) in [
