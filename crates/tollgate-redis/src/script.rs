@@ -625,20 +625,30 @@ impl<'p> CheckArgs<'p> {
         batches: &[&'p [Prepared]],
         window_now: Micros,
     ) -> Result<Self, BackendError> {
-        let all: Vec<&Prepared> = batches.iter().flat_map(|b| b.iter()).collect();
+        // Every check of the call, each with its limit's index and its first key's number:
+        // one vector, sorted by key to number the keys, then back into the requests' order.
+        let mut all: Vec<Numbered<'p>> = batches
+            .iter()
+            .flat_map(|b| b.iter())
+            .enumerate()
+            .map(|(at, p)| Numbered {
+                p,
+                at,
+                limit: 0,
+                key: 0,
+            })
+            .collect();
         // Each check refers to its limit by index.
         let mut limits: Vec<[u64; 4]> = Vec::new();
-        let mut limit_of = Vec::with_capacity(all.len());
-        for p in &all {
-            let args = p.limit_args(window_now);
-            let index = match limits.iter().position(|l| *l == args) {
+        for c in &mut all {
+            let args = c.p.limit_args(window_now);
+            c.limit = match limits.iter().position(|l| *l == args) {
                 Some(i) => i,
                 None => {
                     limits.push(args);
                     limits.len() - 1
                 }
             };
-            limit_of.push(index);
         }
         if limits.len() > LIMITS_PER_CALL {
             return Err(protocol(format!(
@@ -649,41 +659,40 @@ impl<'p> CheckArgs<'p> {
         // client, one tenant) send it once per call. The digest covers the limit's name, so
         // equal digests of one limit are the same keys; sorting finds them in O(n log n)
         // whatever the keys.
-        let mut by_key: Vec<usize> = (0..all.len()).collect();
-        by_key.sort_unstable_by_key(|&i| (all[i].digest, limit_of[i]));
-        let mut keys: Vec<(&Prepared, Suffix)> = Vec::new();
-        let mut key_of = vec![0; all.len()];
+        all.sort_unstable_by_key(|c| (c.p.digest, c.limit, c.at));
+        let mut keys: Vec<(&Prepared, Suffix)> = Vec::with_capacity(2 * all.len());
         let (mut last, mut first): (Option<(KeyDigest, usize)>, usize) = (None, 0);
-        for i in by_key {
-            let id = (all[i].digest, limit_of[i]);
+        for c in &mut all {
+            let id = (c.p.digest, c.limit);
             if last != Some(id) {
                 last = Some(id);
                 first = keys.len() + 1;
-                match all[i].code {
+                match c.p.code {
                     2 => {
-                        let index = limits[limit_of[i]][3];
-                        keys.push((all[i], Suffix::Window(index)));
-                        keys.push((all[i], Suffix::Window(index.saturating_add(1))));
+                        let index = limits[c.limit][3];
+                        keys.push((c.p, Suffix::Window(index)));
+                        keys.push((c.p, Suffix::Window(index.saturating_add(1))));
                     }
                     3 => {
-                        keys.push((all[i], Suffix::Log));
-                        keys.push((all[i], Suffix::Seq));
+                        keys.push((c.p, Suffix::Log));
+                        keys.push((c.p, Suffix::Seq));
                     }
-                    4 => keys.push((all[i], Suffix::Slots)),
-                    _ => keys.push((all[i], Suffix::Tat)),
+                    4 => keys.push((c.p, Suffix::Slots)),
+                    _ => keys.push((c.p, Suffix::Tat)),
                 }
             }
-            key_of[i] = first;
+            c.key = first;
         }
-        let mut packed = Vec::with_capacity(8 * (batches.len() + 2 * all.len()));
-        let mut checks = all.iter().zip(limit_of).zip(key_of);
+        all.sort_unstable_by_key(|c| c.at);
+        let mut packed = Vec::with_capacity(8 * (batches.len() + 3 * all.len()));
+        let mut checks = all.iter();
         for batch in batches {
             packed.extend_from_slice(&figure_bytes(batch.len() as u64));
-            for ((p, limit), key) in checks.by_ref().take(batch.len()) {
-                packed.extend_from_slice(&figure_bytes(p.check_arg(limit)));
-                packed.extend_from_slice(&figure_bytes(key as u64));
-                if p.code == 4 {
-                    packed.extend_from_slice(&figure_bytes(p.slot));
+            for c in checks.by_ref().take(batch.len()) {
+                packed.extend_from_slice(&figure_bytes(c.p.check_arg(c.limit)));
+                packed.extend_from_slice(&figure_bytes(c.key as u64));
+                if c.p.code == 4 {
+                    packed.extend_from_slice(&figure_bytes(c.p.slot));
                 }
             }
         }
@@ -693,6 +702,15 @@ impl<'p> CheckArgs<'p> {
             packed,
         })
     }
+}
+
+/// One check of a call: its place among the call's checks, its limit's index, and its first
+/// key's number (1-based, as Lua counts `KEYS`).
+struct Numbered<'p> {
+    p: &'p Prepared,
+    at: usize,
+    limit: usize,
+    key: usize,
 }
 
 /// What `CHECK` answered for one check.
