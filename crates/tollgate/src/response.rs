@@ -287,7 +287,11 @@ pub(crate) fn refusal(
         |r| {
             r.seconds == seconds
                 && *r.limit == *rejection.limit
-                && r.policy.as_ref() == policy
+                && match (&r.policy, policy) {
+                    // The layer's own policy value, shared: the same bytes where they lie.
+                    (Some(a), Some(b)) => std::ptr::eq(a.as_bytes(), b.as_bytes()) || a == b,
+                    (a, b) => a.is_none() && b.is_none(),
+                }
                 && r.items
                     .iter()
                     .map(|(remaining, seconds, name)| (*remaining, *seconds, &**name))
@@ -327,38 +331,37 @@ pub(crate) fn refusal(
 type Item<N> = (u64, Option<u64>, N);
 
 /// What a decision's rate-limit fields say: one `RateLimit` item per limit that counted the
-/// request, and the tightest limit for the legacy fields.
+/// request, and the tightest limit for the legacy fields. Read from the decision when they
+/// are written: a reused refusal only compares the items.
 pub(crate) struct Fields<'a> {
     decision: &'a Decision,
-    /// The `RateLimit` value's length.
-    len: usize,
-    /// (remaining, seconds, quota) of the limit with the fewest units left.
-    tightest: Option<(u64, u64, u32)>,
 }
 
 impl<'a> Fields<'a> {
     pub(crate) fn of(decision: &'a Decision) -> Self {
-        let mut fields = Self {
-            decision,
-            len: 0,
-            tightest: None,
-        };
-        for (limit, (remaining, seconds, name)) in fields.limits() {
+        Self { decision }
+    }
+
+    /// The `RateLimit` value's length, and (remaining, seconds, quota) of the limit with the
+    /// fewest units left.
+    fn measure(&self) -> (usize, Option<(u64, u64, u32)>) {
+        let (mut len, mut tightest) = (0, None);
+        for (limit, (remaining, seconds, name)) in self.limits() {
             // `, "name";r=R;t=T` (no separator before the first item).
-            fields.len += 2 + name.len() + 5 + decimal_len(remaining);
+            len += 2 + name.len() + 5 + decimal_len(remaining);
             if let Some(seconds) = seconds {
-                fields.len += 3 + decimal_len(seconds);
+                len += 3 + decimal_len(seconds);
             }
-            if fields.tightest.is_none_or(|(r, _, _)| remaining < r) {
+            if tightest.is_none_or(|(r, _, _)| remaining < r) {
                 let quota = if limit.is_concurrency() {
                     limit.quota().limit()
                 } else {
                     policy_of(limit.quota()).0
                 };
-                fields.tightest = Some((remaining, seconds.unwrap_or(0), quota));
+                tightest = Some((remaining, seconds.unwrap_or(0), quota));
             }
         }
-        fields
+        (len, tightest)
     }
 
     /// The limits that counted the request (at most [`MAX_CHECKS`]), each with its item.
@@ -402,8 +405,8 @@ impl<'a> Fields<'a> {
 
     /// The `RateLimit` value, written without `fmt` straight into an exactly-sized buffer
     /// that the `HeaderValue` takes over as it is (this runs on every admitted request).
-    fn value(&self) -> Option<HeaderValue> {
-        let mut out = Vec::with_capacity(self.len.checked_sub(2)?);
+    fn value(&self, len: usize) -> Option<HeaderValue> {
+        let mut out = Vec::with_capacity(len.checked_sub(2)?);
         for (i, (remaining, seconds, name)) in self.items().enumerate() {
             out.extend_from_slice(if i == 0 { b"\"" } else { b", \"" });
             out.extend_from_slice(name.as_bytes());
@@ -480,7 +483,8 @@ pub(crate) fn write_headers(
     if let Some(policy) = policy {
         headers.append(RATELIMIT_POLICY.clone(), policy.clone());
     }
-    if let Some(value) = fields.value() {
+    let (len, tightest) = fields.measure();
+    if let Some(value) = fields.value(len) {
         headers.append(RATELIMIT.clone(), value);
     }
     // The legacy fields hold one limit: the tightest, also across stacked layers.
@@ -490,7 +494,7 @@ pub(crate) fn write_headers(
             .and_then(|v| v.to_str().ok()?.parse::<u64>().ok())
             .is_some_and(|inside| inside <= remaining)
     };
-    if let (true, Some((remaining, seconds, limit))) = (config.legacy, fields.tightest) {
+    if let (true, Some((remaining, seconds, limit))) = (config.legacy, tightest) {
         if tighter_inside(remaining) {
             return;
         }
