@@ -342,16 +342,23 @@ impl<'a> Fields<'a> {
         Self { decision }
     }
 
-    /// The `RateLimit` value's length, and (remaining, seconds, quota) of the limit with the
-    /// fewest units left.
-    fn measure(&self) -> (usize, Option<(u64, u64, u32)>) {
-        let (mut len, mut tightest) = (0, None);
-        for (limit, (remaining, seconds, name)) in self.limits() {
+    /// The `RateLimit` value's length.
+    fn len(&self) -> usize {
+        let mut len = 0;
+        for (remaining, seconds, name) in self.items() {
             // `, "name";r=R;t=T` (no separator before the first item).
             len += 2 + name.len() + 5 + decimal_len(remaining);
             if let Some(seconds) = seconds {
                 len += 3 + decimal_len(seconds);
             }
+        }
+        len
+    }
+
+    /// (remaining, seconds, quota) of the limit with the fewest units left.
+    fn tightest(&self) -> Option<(u64, u64, u32)> {
+        let mut tightest: Option<(u64, u64, u32)> = None;
+        for (limit, (remaining, seconds, _)) in self.limits() {
             if tightest.is_none_or(|(r, _, _)| remaining < r) {
                 let quota = if limit.is_concurrency() {
                     limit.quota().limit()
@@ -361,7 +368,7 @@ impl<'a> Fields<'a> {
                 tightest = Some((remaining, seconds.unwrap_or(0), quota));
             }
         }
-        (len, tightest)
+        tightest
     }
 
     /// The limits that counted the request (at most [`MAX_CHECKS`]), each with its item.
@@ -405,8 +412,8 @@ impl<'a> Fields<'a> {
 
     /// The `RateLimit` value, written without `fmt` straight into an exactly-sized buffer
     /// that the `HeaderValue` takes over as it is (this runs on every admitted request).
-    fn value(&self, len: usize) -> Option<HeaderValue> {
-        let mut out = Vec::with_capacity(len.checked_sub(2)?);
+    fn value(&self) -> Option<HeaderValue> {
+        let mut out = Vec::with_capacity(self.len().checked_sub(2)?);
         for (i, (remaining, seconds, name)) in self.items().enumerate() {
             out.extend_from_slice(if i == 0 { b"\"" } else { b", \"" });
             out.extend_from_slice(name.as_bytes());
@@ -483,9 +490,11 @@ pub(crate) fn write_headers(
     if let Some(policy) = policy {
         headers.append(RATELIMIT_POLICY.clone(), policy.clone());
     }
-    let (len, tightest) = fields.measure();
-    if let Some(value) = fields.value(len) {
+    if let Some(value) = fields.value() {
         headers.append(RATELIMIT.clone(), value);
+    }
+    if !config.legacy {
+        return;
     }
     // The legacy fields hold one limit: the tightest, also across stacked layers.
     let tighter_inside = |remaining: u64| {
@@ -494,7 +503,7 @@ pub(crate) fn write_headers(
             .and_then(|v| v.to_str().ok()?.parse::<u64>().ok())
             .is_some_and(|inside| inside <= remaining)
     };
-    if let (true, Some((remaining, seconds, limit))) = (config.legacy, tightest) {
+    if let Some((remaining, seconds, limit)) = fields.tightest() {
         if tighter_inside(remaining) {
             return;
         }
