@@ -7,39 +7,15 @@
 mod support;
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::OnceLock;
 use std::time::Duration;
 
 use proptest::prelude::*;
+use proptest::test_runner::TestRunner;
 use support::*;
 use tollgate_core::{Check, FakeClock, Limit, MemoryBackend, Quota};
-use tollgate_redis::RedisBackend;
 use tollgate_testsupport::RedisServer;
 
 const START: u64 = 1_700_000_000_000_000;
-
-struct Shared {
-    _server: RedisServer,
-    backend: RedisBackend,
-    runtime: tokio::runtime::Runtime,
-}
-
-fn shared() -> &'static Shared {
-    static SHARED: OnceLock<Shared> = OnceLock::new();
-    SHARED.get_or_init(|| {
-        let server = RedisServer::start();
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        let backend = runtime.block_on(async { standalone(&server.url()).build().unwrap() });
-        Shared {
-            _server: server,
-            backend,
-            runtime,
-        }
-    })
-}
 
 /// Each case keys its checks apart, so that cases never see each other's state.
 fn case_key() -> Vec<u8> {
@@ -64,15 +40,23 @@ fn steps() -> impl Strategy<Value = Vec<(u64, u8, [u32; 3])>> {
     prop::collection::vec((gap, 1u8..8, [1u32..5, 1u32..5, 1u32..5]), 1..30)
 }
 
-proptest! {
-    #![proptest_config(ProptestConfig::with_cases(48))]
-
-    #[test]
-    fn redis_and_memory_give_the_same_verdicts(
-        (limit, secs) in (1u32..7, 1u64..6),
-        steps in steps(),
-    ) {
-        let shared = shared();
+#[test]
+fn redis_and_memory_give_the_same_verdicts() {
+    // One server for every case, killed when the test ends (a server kept in a static would
+    // outlive the test process).
+    let server = RedisServer::start();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let backend = runtime.block_on(async { standalone(&server.url()).build().unwrap() });
+    let mut runner = TestRunner::new(ProptestConfig {
+        cases: 48,
+        source_file: Some(file!()),
+        ..ProptestConfig::default()
+    });
+    let cases = ((1u32..7, 1u64..6), steps());
+    let result = runner.run(&cases, |((limit, secs), steps)| {
         let limits = limits(limit, secs);
         let key = case_key();
         let clock = FakeClock::new(START);
@@ -83,14 +67,18 @@ proptest! {
             clock.set(now);
             let batch: Vec<Check<'_>> = (0..3)
                 .filter(|i| mask & (1 << i) != 0)
-                .map(|i| Check { cost: costs[i], ..Check::new(&limits[i], &key) })
+                .map(|i| Check {
+                    cost: costs[i],
+                    ..Check::new(&limits[i], &key)
+                })
                 .collect();
             let from_memory = memory.check_now(&batch).unwrap();
-            let from_redis = shared
-                .runtime
-                .block_on(shared.backend.check_at(&batch, now))
-                .unwrap();
+            let from_redis = runtime.block_on(backend.check_at(&batch, now)).unwrap();
             prop_assert_eq!(&from_redis[..], &from_memory[..], "at {}", now - START);
         }
+        Ok(())
+    });
+    if let Err(failure) = result {
+        panic!("{failure}\n{runner}");
     }
 }
