@@ -2,7 +2,7 @@
 
 #![allow(clippy::unwrap_used)]
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::Duration;
 
@@ -49,12 +49,29 @@ key = "principal"
 values = ["ops-bot"]
 "#;
 
-/// A file of its own for each test, in the system's temporary directory.
-fn file(name: &str, text: &str) -> PathBuf {
+/// A file of its own for each test, in the system's temporary directory, removed when the
+/// test ends.
+fn file(name: &str, text: &str) -> TempFile {
     let path =
         std::env::temp_dir().join(format!("tollgate-cli-{}-{name}.toml", std::process::id()));
     std::fs::write(&path, text).unwrap();
-    path
+    TempFile(path)
+}
+
+struct TempFile(PathBuf);
+
+impl std::ops::Deref for TempFile {
+    type Target = Path;
+
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
 }
 
 fn run(args: &[&str]) -> Output {
