@@ -85,6 +85,13 @@ impl Breaker {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Opens the breaker until `until`, or closes it (`None`): the one place that changes
+    /// `open_until`, so that `closed` always says the same.
+    fn set_open_until(&self, s: &mut State, until: Option<Instant>) {
+        s.open_until = until;
+        self.closed.store(until.is_none(), Ordering::Release);
+    }
+
     /// A permit to call Redis now, or `None` to fail fast.
     pub(crate) fn admit(&self) -> Option<Permit> {
         if self.closed.load(Ordering::Acquire) {
@@ -113,8 +120,7 @@ impl Breaker {
             );
         }
         s.failures = 0;
-        s.open_until = None;
-        self.closed.store(true, Ordering::Release);
+        self.set_open_until(&mut s, None);
         s.probe_until = None;
         s.interval = self.config.open_for;
     }
@@ -132,8 +138,8 @@ impl Breaker {
         s.failures = s.failures.saturating_add(1);
         if permit.probe {
             s.interval = (s.interval * 2).min(self.config.max_open_for);
-            s.open_until = Some(now + s.interval);
-            self.closed.store(false, Ordering::Release);
+            let until = now + s.interval;
+            self.set_open_until(&mut s, Some(until));
             s.probe_until = None;
             tracing::warn!(
                 backend = "redis",
@@ -143,8 +149,8 @@ impl Breaker {
             true
         } else if s.open_until.is_none() && s.failures >= self.config.threshold {
             s.interval = self.config.open_for;
-            s.open_until = Some(now + s.interval);
-            self.closed.store(false, Ordering::Release);
+            let until = now + s.interval;
+            self.set_open_until(&mut s, Some(until));
             tracing::warn!(
                 backend = "redis",
                 failures = s.failures,
