@@ -211,7 +211,7 @@ impl<B: Backend> Shared<B> {
                             .leased(verdicts.from_lease(0)),
                     )
                 } else {
-                    self.decision_of(verdicts, plan)
+                    decision_of(verdicts, plan)
                 }
             }
             Ok(verdicts) => {
@@ -247,35 +247,6 @@ impl<B: Backend> Shared<B> {
         let mut response = self.refuse_with_fields(&rejection, &decision, &plan.set);
         put_decision(&mut response, decision);
         Decided::Refuse(response)
-    }
-
-    /// The decision of every verdict: each limit's outcome is its verdict, or a skip for a
-    /// limit that had no key, in the layer's order.
-    fn decision_of(&self, verdicts: &Verdicts, plan: &Plan) -> Decision {
-        let mut checked = plan.limit_of[..plan.n].iter().zip(verdicts.iter());
-        let mut next = checked.next();
-        let mut j = 0;
-        plan.set
-            .limits
-            .iter()
-            .enumerate()
-            .map(|(i, entry)| {
-                let (outcome, leased) = match next {
-                    Some((&at, verdict)) if at == i => {
-                        next = checked.next();
-                        j += 1;
-                        (Outcome::from_verdict(verdict), verdicts.from_lease(j - 1))
-                    }
-                    _ => {
-                        let reason = SkipReason::MissingKey;
-                        (Outcome::Skipped { reason }, false)
-                    }
-                };
-                entry
-                    .decision(outcome, Source::Backend, plan.quota_of[i])
-                    .leased(leased)
-            })
-            .collect()
     }
 
     /// The decision when the backend failed: each checked limit's failure policy.
@@ -551,6 +522,35 @@ impl Entry {
             decision
         }
     }
+}
+
+/// The decision of every verdict: each limit's outcome is its verdict, or a skip for a
+/// limit that had no key, in the layer's order.
+fn decision_of(verdicts: &Verdicts, plan: &Plan) -> Decision {
+    let mut checked = plan.limit_of[..plan.n].iter().zip(verdicts.iter());
+    let mut next = checked.next();
+    let mut j = 0;
+    plan.set
+        .limits
+        .iter()
+        .enumerate()
+        .map(|(i, entry)| {
+            let (outcome, leased) = match next {
+                Some((&at, verdict)) if at == i => {
+                    next = checked.next();
+                    j += 1;
+                    (Outcome::from_verdict(verdict), verdicts.from_lease(j - 1))
+                }
+                _ => {
+                    let reason = SkipReason::MissingKey;
+                    (Outcome::Skipped { reason }, false)
+                }
+            };
+            entry
+                .decision(outcome, Source::Backend, plan.quota_of[i])
+                .leased(leased)
+        })
+        .collect()
 }
 
 /// The decision of a request that `set`'s allowlist matched: every limit `Allowlisted`.
