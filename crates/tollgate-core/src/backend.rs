@@ -236,8 +236,7 @@ const INLINE: usize = 3;
 /// The verdicts of one batch, in the order of its checks.
 ///
 /// Up to three are stored inline, so that the answer of a batch of up to three limits allocates
-/// nothing and stays small to move (a third of the eight-verdict array it replaces); more are
-/// stored in one allocation.
+/// nothing and stays small to move; more are stored in one allocation.
 #[derive(Clone)]
 pub struct Verdicts {
     len: u8,
@@ -331,23 +330,22 @@ impl Verdicts {
     #[inline]
     pub fn push(&mut self, verdict: Verdict) -> Result<(), Verdict> {
         let len = usize::from(self.len);
-        match &mut self.store {
-            Store::Inline { items, .. } if len < INLINE => items[len] = verdict,
-            Store::Inline { items, receipts } => {
-                if len >= MAX_CHECKS {
-                    return Err(verdict);
-                }
+        if let Store::Inline { items, receipts } = &self.store {
+            if len == INLINE {
                 let mut spilled = Box::new(Spilled {
                     items: [Verdict::EMPTY; MAX_CHECKS],
                     receipts: [Receipt::default(); MAX_CHECKS],
                 });
-                spilled.items[..len].copy_from_slice(&items[..len]);
-                spilled.receipts[..len].copy_from_slice(&receipts[..len]);
-                spilled.items[len] = verdict;
+                spilled.items[..INLINE].copy_from_slice(items);
+                spilled.receipts[..INLINE].copy_from_slice(receipts);
                 self.store = Store::Spilled(spilled);
             }
-            Store::Spilled(s) => *s.items.get_mut(len).ok_or(verdict)? = verdict,
         }
+        let slot = match &mut self.store {
+            Store::Inline { items, .. } => items.get_mut(len),
+            Store::Spilled(s) => s.items.get_mut(len),
+        };
+        *slot.ok_or(verdict)? = verdict;
         self.len += 1;
         Ok(())
     }
