@@ -116,9 +116,25 @@ pub struct Settlement<'a> {
     pub actual: u32,
     /// Where the check's units went, from its [`Verdicts`].
     pub receipt: Receipt,
+    /// The quota the check was counted against ([`Check::quota`]: the limit's default or the
+    /// request's plan). The settle is applied under it, never under the limit's default.
+    pub quota: Quota,
 }
 
-impl Settlement<'_> {
+impl<'a> Settlement<'a> {
+    /// The settle of `check`, admitted with `receipt`, which should have cost `actual` instead
+    /// of the check's cost: under the check's limit, key and quota.
+    pub fn of(check: &Check<'a>, receipt: Receipt, actual: u32) -> Self {
+        Self {
+            limit: check.limit,
+            key: check.key,
+            reserved: check.cost,
+            actual,
+            receipt,
+            quota: check.quota,
+        }
+    }
+
     /// Whether this settle gives units back.
     pub fn refunds(&self) -> bool {
         self.actual < self.reserved

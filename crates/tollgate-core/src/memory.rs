@@ -414,11 +414,12 @@ impl<C: Clock> MemoryBackend<C> {
                 continue;
             }
             // The check's own fingerprint (a fixed window's mixes in its period).
-            let fp = inner.fingerprint(&Check::new(s.limit, s.key));
+            let fp = inner.fingerprint(&Check::new(s.limit, s.key).with_quota(s.quota));
             let mut guard = inner.lock(fp.shard(mask), now, &mut sweeps);
             let shard = &mut *guard;
             let room = shard.len() < inner.shard_cap;
-            let quota = s.limit.quota();
+            // The quota the check was made under (its plan's), never the limit's default.
+            let quota = &s.quota;
             match s.limit.algorithm() {
                 // A slot is one request: nothing to settle.
                 Algorithm::Concurrency => {}

@@ -32,6 +32,7 @@ fn reserve_then_settle(
         reserved,
         actual,
         receipt: verdicts.receipt(0),
+        quota: *limit.quota(),
     }]);
     verdicts[0]
 }
@@ -130,6 +131,7 @@ fn a_gcra_refund_never_fills_the_bucket_past_full() {
         reserved: 4,
         actual: 0,
         receipt: v.receipt(0),
+        quota: *limit.quota(),
     }]);
     assert_eq!(one(&backend, &limit, b"shop", 1).remaining, 9);
 }
@@ -151,6 +153,7 @@ fn a_fixed_window_settles_only_in_the_window_of_its_check() {
             reserved: 8,
             actual,
             receipt: v.receipt(0),
+            quota: *limit.quota(),
         }]);
     }
     assert_eq!(one(&backend, &limit, b"shop", 1).remaining, 9);
@@ -235,6 +238,7 @@ fn huge_charges_and_refunds_never_overflow() {
             reserved: u32::MAX,
             actual: 0,
             receipt: Default::default(),
+            quota: *limit.quota(),
         }]);
     }
 }

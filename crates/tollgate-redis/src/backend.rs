@@ -54,6 +54,8 @@ pub(crate) struct Inner {
     pub(crate) settle_script: Script,
     /// Moves a concurrency slot's deadline.
     pub(crate) renew_script: Script,
+    /// Slot releases sent and not answered yet: a concurrency check waits for them.
+    pub(crate) releases: slots::Releases,
     /// Merges concurrent requests' batches into one call (standalone Redis only).
     pub(crate) coalescer: Coalescer,
     /// The same in a Redis Cluster, one queue per hash slot.
@@ -79,6 +81,7 @@ pub(crate) struct Config {
     pub(crate) breaker_open_for: Duration,
     pub(crate) breaker_max_open_for: Duration,
     pub(crate) deny_cache_capacity: usize,
+    pub(crate) deny_cache_ttl: Duration,
 }
 
 struct Metrics {
@@ -125,12 +128,17 @@ impl RedisBackend {
             connector: Arc::new(Connector::new(config.target, config.connect_timeout)),
             direct,
             breaker,
-            deny: DenyCache::new(config.deny_cache_capacity, config.deadline),
+            deny: DenyCache::new(
+                config.deny_cache_capacity,
+                config.deadline,
+                config.deny_cache_ttl,
+            ),
             digests: DigestCache::default(),
             check_script: Script::new(script::CHECK),
             refund_script: Script::new(script::REFUND),
             settle_script: Script::new(script::SETTLE),
             renew_script: slots::renew_script(),
+            releases: slots::Releases::default(),
             coalescer: Coalescer::default(),
             slot_coalescer: SlotCoalescer::default(),
             settles: SettleQueue::default(),

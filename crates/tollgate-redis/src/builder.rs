@@ -14,6 +14,8 @@ pub const DEFAULT_PREFIX: &str = "tollgate";
 pub const DEFAULT_DEADLINE: Duration = Duration::from_millis(50);
 /// The default number of entries of the local deny cache.
 pub const DEFAULT_DENY_CACHE_CAPACITY: usize = 10_000;
+/// How long, by default, the local deny cache answers a denial before Redis is asked again.
+pub const DEFAULT_DENY_CACHE_TTL: Duration = Duration::from_secs(1);
 
 const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 const DEFAULT_BREAKER_THRESHOLD: u32 = 3;
@@ -60,6 +62,7 @@ pub struct RedisBackendBuilder {
     breaker_open_for: Duration,
     breaker_max_open_for: Duration,
     deny_cache_capacity: usize,
+    deny_cache_ttl: Duration,
 }
 
 impl Default for RedisBackendBuilder {
@@ -73,6 +76,7 @@ impl Default for RedisBackendBuilder {
             breaker_open_for: DEFAULT_BREAKER_OPEN_FOR,
             breaker_max_open_for: DEFAULT_BREAKER_MAX_OPEN_FOR,
             deny_cache_capacity: DEFAULT_DENY_CACHE_CAPACITY,
+            deny_cache_ttl: DEFAULT_DENY_CACHE_TTL,
         }
     }
 }
@@ -175,6 +179,16 @@ impl RedisBackendBuilder {
         self
     }
 
+    /// How long a denial is answered from the local deny cache before one request asks Redis
+    /// again, however long the denial lasts (default [`DEFAULT_DENY_CACHE_TTL`], 1 s). It bounds
+    /// how long another replica's [`reset`](tollgate_core::Backend::reset), or a quota raised
+    /// there, goes unseen here; a denial refused locally still says when it truly ends. A flood
+    /// on one key costs Redis about one call per `ttl` per replica.
+    pub fn deny_cache_ttl(mut self, ttl: Duration) -> Self {
+        self.deny_cache_ttl = ttl;
+        self
+    }
+
     /// Builds the backend. No connection is made: the first call connects, in the background,
     /// so an application starts even while Redis is down.
     ///
@@ -239,6 +253,7 @@ impl RedisBackendBuilder {
             breaker_open_for: self.breaker_open_for,
             breaker_max_open_for: self.breaker_max_open_for,
             deny_cache_capacity: self.deny_cache_capacity,
+            deny_cache_ttl: self.deny_cache_ttl,
         }))
     }
 }

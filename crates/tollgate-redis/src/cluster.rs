@@ -185,7 +185,8 @@ impl Inner {
         for (p, answer) in &wrote {
             call.arg(&p.refund_args(reply.now, answer));
         }
-        self.invoke(&self.refund_script, &call).await?;
+        self.within_deadline(self.invoke(&self.refund_script, &call), "to refund")
+            .await?;
         // A request that Redis refused (or foresaw refused) while these units were held was
         // refused for units given back now: its cached denial no longer stands. (Another
         // replica's cache keeps such a denial until it runs out; lib.rs bounds it.)

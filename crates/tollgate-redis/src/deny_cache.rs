@@ -41,6 +41,9 @@ pub(crate) struct DenyCache {
     per_shard: usize,
     /// How long the request that asks Redis after a denial ran out holds the others back.
     lease: Duration,
+    /// How long a denial is answered here before a request asks Redis again, however long
+    /// the denial is: what another replica's reset (or a raised quota) waits at most.
+    ttl: Duration,
 }
 
 /// What the cache knows of one check.
@@ -76,7 +79,11 @@ struct Entry {
     /// The quota the denial was made under: a request of the same key under another quota
     /// (another plan) asks Redis.
     quota: Quota,
+    /// Until when requests are refused here without asking Redis: the denial's end, or its
+    /// `ttl` if sooner.
     until: Instant,
+    /// When the denial ends, as Redis said: what a refusal's Retry-After counts to.
+    denied_until: Instant,
     reset_at: Instant,
     remaining: u64,
     cost: u32,
@@ -104,13 +111,15 @@ fn micros_until(t: Instant, now: Instant) -> Micros {
 }
 
 impl DenyCache {
-    /// A cache of about `capacity` entries (0 disables it); `lease` is the backend's deadline.
-    pub(crate) fn new(capacity: usize, lease: Duration) -> Self {
+    /// A cache of about `capacity` entries (0 disables it); `lease` is the backend's deadline;
+    /// a denial is trusted for at most `ttl` before Redis is asked again.
+    pub(crate) fn new(capacity: usize, lease: Duration, ttl: Duration) -> Self {
         let per_shard = capacity.div_ceil(SHARDS);
         Self {
             shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
             per_shard,
             lease,
+            ttl,
         }
     }
 
@@ -169,7 +178,7 @@ impl DenyCache {
         if cost < entry.cost {
             return Lookup::Miss;
         }
-        let mut retry_after = micros_until(entry.until, now);
+        let mut retry_after = micros_until(entry.denied_until.max(entry.until), now);
         if cost > entry.cost && !entry.leased {
             // A costlier request waits longer: its Retry-After must say so.
             let Some(per_unit) = entry.per_unit else {
@@ -207,11 +216,13 @@ impl DenyCache {
             return;
         }
         let now = Instant::now();
+        let denied_until = now + Duration::from_micros(retry_after);
         let mut entry = Entry {
             hits: Counter::noop(),
             limit: Arc::clone(limit),
             quota: *quota,
-            until: now + Duration::from_micros(retry_after),
+            until: denied_until.min(now + self.ttl),
+            denied_until,
             reset_at: now + Duration::from_micros(verdict.reset),
             remaining: verdict.remaining,
             cost,
@@ -306,7 +317,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn denies_until_the_time_redis_gave() {
-        let cache = DenyCache::new(100, Duration::from_millis(50));
+        let cache = DenyCache::new(100, Duration::from_millis(50), Duration::from_secs(3600));
         let d = [1u8; 16];
         cache.insert(&d, &limit(), &q(), 1, Some(0), &denied(1_000_000));
         let v = cache.lookup(&d, 1, &q()).denial().unwrap();
@@ -341,7 +352,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn room_for_fewer_than_were_held_back_lets_one_more_ask_alone() {
-        let cache = DenyCache::new(100, Duration::from_millis(50));
+        let cache = DenyCache::new(100, Duration::from_millis(50), Duration::from_secs(3600));
         let d = [4u8; 16];
         cache.insert(&d, &limit(), &q(), 1, Some(0), &denied(1_000));
         tokio::time::advance(Duration::from_millis(1)).await;
@@ -364,7 +375,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_lease_whose_answer_never_came_runs_out() {
-        let cache = DenyCache::new(100, Duration::from_millis(50));
+        let cache = DenyCache::new(100, Duration::from_millis(50), Duration::from_secs(3600));
         let d = [2u8; 16];
         cache.insert(&d, &limit(), &q(), 1, Some(0), &denied(1_000));
         tokio::time::advance(Duration::from_millis(1)).await;
@@ -377,7 +388,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_released_lease_goes_to_the_next_request() {
-        let cache = DenyCache::new(100, Duration::from_millis(50));
+        let cache = DenyCache::new(100, Duration::from_millis(50), Duration::from_secs(3600));
         let d = [5u8; 16];
         cache.insert(&d, &limit(), &q(), 1, Some(0), &denied(1_000));
         tokio::time::advance(Duration::from_millis(1)).await;
@@ -389,7 +400,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_denial_covers_higher_costs_only() {
-        let cache = DenyCache::new(100, Duration::from_millis(50));
+        let cache = DenyCache::new(100, Duration::from_millis(50), Duration::from_secs(3600));
         let d = [2u8; 16];
         cache.insert(&d, &limit(), &q(), 3, Some(0), &denied(1_000));
         assert!(cache.lookup(&d, 3, &q()).denial().is_some());
@@ -420,7 +431,7 @@ mod tests {
             Some(Status::Denied { retry_after }) => Some(retry_after),
             _ => None,
         };
-        let cache = DenyCache::new(100, Duration::from_millis(50));
+        let cache = DenyCache::new(100, Duration::from_millis(50), Duration::from_secs(3600));
         // GCRA, one unit every 6 s: a request of 5 units waits 4 × 6 s more than one of 1.
         let gcra = [4u8; 16];
         cache.insert(
@@ -446,7 +457,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn forgetting_a_limit_drops_its_denials_only() {
-        let cache = DenyCache::new(100, Duration::from_millis(50));
+        let cache = DenyCache::new(100, Duration::from_millis(50), Duration::from_secs(3600));
         let other: Arc<str> = "other".into();
         let (a, b, c) = ([1u8; 16], [2u8; 16], [3u8; 16]);
         cache.insert(&a, &limit(), &q(), 1, Some(0), &denied(1_000_000));
@@ -466,7 +477,11 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn stays_bounded_and_reclaims_expired_entries() {
-        let cache = DenyCache::new(SHARDS * 2, Duration::from_millis(50));
+        let cache = DenyCache::new(
+            SHARDS * 2,
+            Duration::from_millis(50),
+            Duration::from_secs(3600),
+        );
         // Three digests in the same shard (same first byte): the third does not fit.
         let ds: Vec<KeyDigest> = (0..3u8)
             .map(|i| {
@@ -486,7 +501,7 @@ mod tests {
         assert!(cache.lookup(&ds[2], 1, &q()).denial().is_some());
         assert_eq!(cache.len(), 2);
         // Disabled.
-        let off = DenyCache::new(0, Duration::from_millis(50));
+        let off = DenyCache::new(0, Duration::from_millis(50), Duration::from_secs(3600));
         off.insert(&ds[0], &limit(), &q(), 1, Some(0), &denied(1_000));
         assert!(off.lookup(&ds[0], 1, &q()).denial().is_none());
     }

@@ -2,7 +2,9 @@
 
 use std::sync::Arc;
 
-use tollgate_core::{BackendError, BackendErrorKind, Check, Micros, Verdicts, MAX_CHECKS};
+use tollgate_core::{
+    Algorithm, BackendError, BackendErrorKind, Check, Micros, Verdicts, MAX_CHECKS,
+};
 
 use crate::backend::RedisBackend;
 use crate::future::ResponseFuture;
@@ -63,6 +65,20 @@ impl RedisBackend {
                 "Redis failed recently; the circuit breaker is open",
             )));
         };
+        if inner.releases.pending() && batch.iter().any(|p| p.algorithm == Algorithm::Concurrency) {
+            // A slot this replica gave back must be free before a check of its limit counts
+            // the slots held (see `slots::Releases`).
+            let inner = Arc::clone(inner);
+            let until = tokio::time::Instant::now() + inner.deadline;
+            return ResponseFuture::call(async move {
+                inner.releases.answered(until).await;
+                if now.is_none() && !inner.cluster {
+                    Merged::new(inner, batch, permit).await
+                } else {
+                    inner.run(batch, now, permit).await
+                }
+            });
+        }
         if now.is_none() && !inner.cluster {
             return ResponseFuture::merged(Merged::new(Arc::clone(inner), batch, permit));
         }

@@ -83,6 +83,8 @@ pub(crate) struct GiveBack {
     key: Box<[u8]>,
     units: u32,
     receipt: Receipt,
+    /// The quota the slice was taken under.
+    quota: Quota,
     /// GCRA: the TAT the slice's take left; the refund applies only while it is still the
     /// key's. Other replicas' slices are paced by the TATs of their takes, which count these
     /// units: once anything moved the TAT on, taking them back could let those slices run
@@ -175,6 +177,7 @@ impl Entry {
             key: self.key.clone(),
             units,
             receipt: self.receipt,
+            quota: self.quota,
             only_at: self.slice.horizon(),
         })
     }
@@ -683,6 +686,7 @@ fn refunds(back: &[GiveBack]) -> (Vec<Settlement<'_>>, Vec<Micros>) {
             reserved: g.units,
             actual: 0,
             receipt: g.receipt,
+            quota: g.quota,
         })
         .collect();
     (settlements, back.iter().map(|g| g.only_at).collect())

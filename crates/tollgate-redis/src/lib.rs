@@ -240,7 +240,8 @@ mod slots;
 pub use backend::RedisBackend;
 pub use breaker::CircuitState;
 pub use builder::{
-    RedisBackendBuilder, DEFAULT_DEADLINE, DEFAULT_DENY_CACHE_CAPACITY, DEFAULT_PREFIX,
+    RedisBackendBuilder, DEFAULT_DEADLINE, DEFAULT_DENY_CACHE_CAPACITY, DEFAULT_DENY_CACHE_TTL,
+    DEFAULT_PREFIX,
 };
 pub use error::BuildError;
 pub use future::ResponseFuture;

@@ -101,8 +101,14 @@ impl Settling {
             return Ok(None);
         }
         let digest = keys::digest(s.limit.name(), s.key);
-        let check = Prepared::new(&Check::new(s.limit, s.key).with_cost(s.reserved), digest)?;
-        let quota = s.limit.quota();
+        let check = Prepared::new(
+            &Check::new(s.limit, s.key)
+                .with_cost(s.reserved)
+                .with_quota(s.quota),
+            digest,
+        )?;
+        // The quota the check was made under (its plan's), never the limit's default.
+        let quota = &s.quota;
         let refund = u64::from(s.reserved.saturating_sub(s.actual));
         let charge = u64::from(s.actual.saturating_sub(s.reserved));
         let (suffixes, args) = match s.limit.algorithm() {

@@ -8,8 +8,12 @@
 //! (the call timed out after it was sent, or the caller went away) is released by id too, once
 //! Redis answers again: a pause of Redis does not leak slots until they expire.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
+
+use tokio::sync::Notify;
+use tokio::time::Instant;
 
 use tollgate_core::{Algorithm, Check, Micros};
 
@@ -119,45 +123,118 @@ where
     }
 }
 
+/// The slot releases this replica has sent and Redis has not answered yet.
+///
+/// A release travels on the shared connection, a check on the checks' own: without this, the
+/// next request of a client that read its response to the end could reach Redis before the
+/// release of the slot it held, and find it still taken. A check of a concurrency limit made
+/// while releases are in flight waits for their first attempt (at most its deadline).
+#[derive(Debug, Default)]
+pub(crate) struct Releases {
+    pending: AtomicUsize,
+    done: Notify,
+}
+
+impl Releases {
+    /// Whether a release is in flight.
+    pub(crate) fn pending(&self) -> bool {
+        self.pending.load(Ordering::Acquire) > 0
+    }
+
+    /// Resolves once no release is in flight, or at `until`.
+    pub(crate) async fn answered(&self, until: Instant) {
+        loop {
+            let done = self.done.notified();
+            tokio::pin!(done);
+            done.as_mut().enable();
+            if !self.pending() {
+                return;
+            }
+            if tokio::time::timeout_at(until, done).await.is_err() {
+                return;
+            }
+        }
+    }
+}
+
+/// One release in flight, counted until dropped (also when its task is cancelled).
+struct InFlight(Arc<Inner>);
+
+impl InFlight {
+    fn new(inner: &Arc<Inner>) -> Self {
+        inner.releases.pending.fetch_add(1, Ordering::AcqRel);
+        Self(Arc::clone(inner))
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        if self.0.releases.pending.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.0.releases.done.notify_waiters();
+        }
+    }
+}
+
 /// `ZREM`s `held` in a spawned task, again and again while Redis fails, until each slot would
-/// have expired anyway.
+/// have expired anyway. Counted in [`Releases`] until each slot's first attempt is answered.
 pub(crate) fn release(inner: &Arc<Inner>, held: Vec<Held>) {
+    if held.is_empty() || tokio::runtime::Handle::try_current().is_err() {
+        return;
+    }
+    let in_flight = InFlight::new(inner);
     spawn_for(inner, held, |inner, held| async move {
+        let mut failed = Vec::new();
         for slot in held {
-            let mut cmd = redis::cmd("ZREM");
-            cmd.arg(&slot.key[..]).arg(slot.slot);
-            retry(&inner, &cmd, slot.ttl).await;
+            let cmd = zrem(&slot);
+            if !attempt(&inner, &cmd).await {
+                failed.push((cmd, slot.ttl));
+            }
+        }
+        drop(in_flight);
+        for (cmd, ttl) in failed {
+            retry(&inner, &cmd, ttl).await;
         }
     });
 }
 
-/// Renews `held` in a spawned task (one attempt per slot: the next renewal comes a third of a
-/// lifetime later).
+fn zrem(slot: &Held) -> redis::Cmd {
+    let mut cmd = redis::cmd("ZREM");
+    cmd.arg(&slot.key[..]).arg(slot.slot);
+    cmd
+}
+
+/// Renews `held` in a spawned task (one attempt per slot, within the deadline: the next
+/// renewal comes a third of a lifetime later).
 pub(crate) fn renew(inner: &Arc<Inner>, held: Vec<Held>) {
     spawn_for(inner, held, |inner, held| async move {
         for slot in held {
             let mut call = inner.renew_script.call(1, 4, slot.key.len() + 40);
             call.arg(&slot.key[..]).arg("").arg(slot.ttl).arg(slot.slot);
-            let _ = inner.invoke(&inner.renew_script, &call).await;
+            let renewal = inner.invoke(&inner.renew_script, &call);
+            let _ = inner.within_deadline(renewal, "to renew a slot").await;
         }
     });
+}
+
+/// One attempt at `cmd`, within the deadline (at least 100 ms); whether Redis answered.
+async fn attempt(inner: &Arc<Inner>, cmd: &redis::Cmd) -> bool {
+    let within = inner.deadline.max(Duration::from_millis(100));
+    matches!(
+        tokio::time::timeout(within, inner.query(cmd)).await,
+        Ok(Ok(_))
+    )
 }
 
 /// Sends `cmd` until Redis answers, waiting longer each time, for at most `within`
 /// microseconds.
 async fn retry(inner: &Arc<Inner>, cmd: &redis::Cmd, within: Micros) {
-    let give_up = tokio::time::Instant::now() + Duration::from_micros(within);
+    let give_up = Instant::now() + Duration::from_micros(within);
     let mut wait = Duration::from_millis(50);
-    loop {
-        let attempt = tokio::time::timeout(
-            inner.deadline.max(Duration::from_millis(100)),
-            inner.query(cmd),
-        )
-        .await;
-        if matches!(attempt, Ok(Ok(_))) || tokio::time::Instant::now() + wait >= give_up {
+    while Instant::now() + wait < give_up {
+        tokio::time::sleep(wait).await;
+        if attempt(inner, cmd).await {
             return;
         }
-        tokio::time::sleep(wait).await;
         wait = (wait * 2).min(Duration::from_secs(2));
     }
 }

@@ -420,6 +420,7 @@ async fn a_trace_on_redis_matches_the_model() {
             reserved: 1,
             actual: 0,
             receipt: Default::default(),
+            quota: *warm.quota(),
         };
         replicas[0].settle_at(&[settle], Some(T0)).await.unwrap();
         server.reset_stats();

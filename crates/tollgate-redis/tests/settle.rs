@@ -65,6 +65,7 @@ impl Target {
             reserved,
             actual,
             receipt: v.receipt(0),
+            quota: *limit.quota(),
         };
         self.settle(settlement, later).await;
     }
@@ -194,6 +195,7 @@ async fn scenarios(target: &Target) {
         reserved: 1,
         actual: u32::MAX,
         receipt: v.receipt(0),
+        quota: *window.quota(),
     };
     target.settle(settlement, at).await;
     // The count is 21 (1 + twice the limit): a refund of 12 in the same window leaves 9, one
@@ -252,6 +254,7 @@ async fn on_redis_settles_are_exact_and_one_call_each() {
         reserved: 10,
         actual: 4,
         receipt: v.receipt(0),
+        quota: *limit.quota(),
     };
     backend.settle_at(&[settlement], Some(T0)).await.unwrap();
     assert_eq!(server.calls("evalsha"), 1);
@@ -286,6 +289,7 @@ async fn on_a_cluster_settles_are_exact_and_one_call_per_slot_group() {
         reserved: 10,
         actual: 0,
         receipt: Default::default(),
+        quota: *limit.quota(),
     };
     for key in [&a[..], &b[..]] {
         backend
@@ -330,6 +334,7 @@ async fn a_refund_clears_this_replicas_cached_denial() {
         reserved: 10,
         actual: 3,
         receipt: first.receipt(0),
+        quota: *limit.quota(),
     };
     backend.settle_at(&[settlement], None).await.unwrap();
     assert_eq!(backend.deny_cache_len(), 0);
@@ -356,6 +361,7 @@ async fn the_backend_trait_sends_the_settle_without_waiting() {
             reserved: 100,
             actual: 250,
             receipt: v.receipt(0),
+            quota: *limit.quota(),
         }],
     );
     // The settle is sent from a task: a check made once it has run sees it (each check is a
@@ -395,6 +401,7 @@ async fn settles_that_wait_for_the_call_in_flight_share_the_next_one() {
         reserved: 0,
         actual: 1,
         receipt: Default::default(),
+        quota: *limit.quota(),
     };
     backend.settle_at(&[warm], None).await.unwrap();
     server.reset_stats();
@@ -408,6 +415,7 @@ async fn settles_that_wait_for_the_call_in_flight_share_the_next_one() {
                 reserved: 10,
                 actual: 4,
                 receipt,
+                quota: *limit.quota(),
             }],
         );
     }

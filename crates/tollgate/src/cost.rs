@@ -41,7 +41,7 @@
 //! [`Decision`]: crate::Decision
 
 use std::fmt;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use http::{HeaderMap, HeaderName, StatusCode};
@@ -129,28 +129,56 @@ const UNSET: u64 = u64::MAX;
 /// }
 /// # }
 /// ```
+///
+/// Every request that a layer with such a limit admits carries one, also when nothing counts
+/// its cost: a request admitted because the backend failed and the limit fails open
+/// ([`Outcome::Bypassed`](crate::Outcome::Bypassed)), or one without the limit's key. Its
+/// reports then go nowhere, and [`is_counting`](Self::is_counting) says so.
 #[derive(Clone)]
-pub struct Settle(Arc<AtomicU64>);
+pub struct Settle(Arc<Handle>);
+
+struct Handle {
+    charged: AtomicU64,
+    counting: AtomicBool,
+}
 
 impl Settle {
-    pub(crate) fn new() -> Self {
-        Self(Arc::new(AtomicU64::new(UNSET)))
+    pub(crate) fn new(counting: bool) -> Self {
+        Self(Arc::new(Handle {
+            charged: AtomicU64::new(UNSET),
+            counting: AtomicBool::new(counting),
+        }))
     }
 
     /// Reports the request's actual cost.
     pub fn charge(&self, units: u32) {
-        self.0.store(u64::from(units), Ordering::Release);
+        self.0.charged.store(u64::from(units), Ordering::Release);
     }
 
     /// What was reported so far.
     pub fn charged(&self) -> Option<u32> {
-        u32::try_from(self.0.load(Ordering::Acquire)).ok()
+        u32::try_from(self.0.charged.load(Ordering::Acquire)).ok()
+    }
+
+    /// Whether a report settles anything: `false` when no limit charged by the handler
+    /// reserved units for this request (it failed open, or had no key for them), so that
+    /// what it reports goes nowhere.
+    pub fn is_counting(&self) -> bool {
+        self.0.counting.load(Ordering::Acquire)
+    }
+
+    /// Marks this handle as counting for another layer too.
+    pub(crate) fn count(&self) {
+        self.0.counting.store(true, Ordering::Release);
     }
 }
 
 impl fmt::Debug for Settle {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_tuple("Settle").field(&self.charged()).finish()
+        f.debug_struct("Settle")
+            .field("charged", &self.charged())
+            .field("counting", &self.is_counting())
+            .finish()
     }
 }
 

@@ -385,18 +385,34 @@ impl<B: Backend> Shared<B> {
             let Ok(Some(key)) = key_of(entry, &view) else {
                 continue;
             };
+            let fallback = d.source() == Source::Fallback;
+            // The quota the check was made under: the request's plan's, in the limiter that
+            // counted it.
+            let counted_by = match (&entry.local, fallback) {
+                (Some(local), true) => local,
+                _ => &entry.limit,
+            };
             items.push(Item {
                 entry: i,
                 key: key.as_bytes().into(),
                 reserved: plan.cost[i],
                 receipt: receipts[i],
-                fallback: d.source() == Source::Fallback,
+                quota: *counted_by.quota_at(usize::from(plan.quota_of[i])),
+                fallback,
                 by_handler: metered.by_handler,
                 on_drop: metered.on_drop,
                 counted: true,
             });
         }
-        (!items.is_empty()).then(|| (items, Arc::clone(&plan.set)))
+        // A limit charged by the handler gives every admitted request a `Settle` handle, even
+        // one whose reservation nothing counts (a bypass, a missing key): the handler that
+        // takes it must find it.
+        let handle = plan
+            .set
+            .limits
+            .iter()
+            .any(|e| e.metered.as_ref().is_some_and(|m| m.by_handler));
+        (handle || !items.is_empty()).then(|| (items, Arc::clone(&plan.set)))
     }
 
     fn refuse(&self, rejection: &Rejection<'_>) -> Response<Bytes> {

@@ -194,7 +194,17 @@ where
                     owed,
                     slots,
                 } => {
-                    let mut response = ready!(call.poll(cx))?;
+                    let mut response = match ready!(call.poll(cx)) {
+                        Ok(response) => response,
+                        Err(error) => {
+                            // No response: `count_if` judges the error as the 500 a server
+                            // makes of it, and the reservations settle now.
+                            if let Some(mut owed) = owed.take() {
+                                owed.failed();
+                            }
+                            return Poll::Ready(Err(error));
+                        }
+                    };
                     // The slots stay held until the body ends or is dropped.
                     let hold = slots.take().map(|s| Box::new(s) as Box<dyn Send + Sync>);
                     let Some(mut owed) = owed.take() else {

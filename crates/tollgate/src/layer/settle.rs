@@ -8,7 +8,7 @@
 use std::sync::Arc;
 
 use http::Response;
-use tollgate_core::{Algorithm, Backend, Receipt, Settlement, MAX_CHECKS};
+use tollgate_core::{Algorithm, Backend, Quota, Receipt, Settlement, MAX_CHECKS};
 
 use super::{LimitSet, Shared};
 use crate::cost::{Charge, OnDrop, ResponseView, Settle};
@@ -21,6 +21,8 @@ pub(crate) struct Item {
     pub(crate) key: Box<[u8]>,
     pub(crate) reserved: u32,
     pub(crate) receipt: Receipt,
+    /// The quota the check was made under (the request's plan's, or the default).
+    pub(crate) quota: Quota,
     /// Counted by the local fallback limiter, not the backend.
     pub(crate) fallback: bool,
     pub(crate) by_handler: bool,
@@ -37,6 +39,9 @@ pub(crate) trait Settler: Send + Sync + 'static {
     /// The algorithm of the limit at `entry`.
     fn algorithm(&self, entry: usize) -> Algorithm;
 
+    /// Whether a limit is charged by the handler (its requests then carry a [`Settle`]).
+    fn charged_by_handler(&self) -> bool;
+
     /// Settles each item at its actual cost.
     fn settle(&self, items: &[Item], actual: &[u32]);
 }
@@ -52,8 +57,12 @@ pub(crate) struct Owed {
 }
 
 impl Owed {
+    /// The reservations `items`; with a [`Settle`] handle when the layer has a limit charged
+    /// by the handler, which counts when one of `items` is.
     pub(crate) fn new(sink: Arc<dyn Settler>, items: Vec<Item>) -> Self {
-        let handle = items.iter().any(|i| i.by_handler).then(Settle::new);
+        let handle = sink
+            .charged_by_handler()
+            .then(|| Settle::new(items.iter().any(|i| i.by_handler)));
         Self {
             sink,
             items,
@@ -71,7 +80,10 @@ impl Owed {
     /// Reads the cost from `outer`, the handle of a layer around this one, so that the one
     /// handle the handler finds reports to both layers.
     pub(crate) fn share(&mut self, outer: &Settle) {
-        if self.handle.is_some() {
+        if let Some(mine) = &self.handle {
+            if mine.is_counting() {
+                outer.count();
+            }
             self.handle = Some(outer.clone());
         }
     }
@@ -84,6 +96,15 @@ impl Owed {
         }
         self.charged = response.extensions().get::<Charge>().map(|c| c.0);
         self.responded = true;
+    }
+
+    /// Takes the inner service's error as its answer: a `500 Internal Server Error` for each
+    /// limit's `count_if` (the response a server makes of an error), and whatever the handler
+    /// reported.
+    pub(crate) fn failed(&mut self) {
+        let mut response = Response::new(());
+        *response.status_mut() = http::StatusCode::INTERNAL_SERVER_ERROR;
+        self.responded(&response);
     }
 
     /// Whether the actual cost may still be reported through the handle, while the body runs.
@@ -182,6 +203,13 @@ impl<B: Backend> Settler for SetSink<B> {
             .map_or(Algorithm::Gcra, |e| e.limit.algorithm())
     }
 
+    fn charged_by_handler(&self) -> bool {
+        self.set
+            .limits
+            .iter()
+            .any(|e| e.metered.as_ref().is_some_and(|m| m.by_handler))
+    }
+
     fn settle(&self, items: &[Item], actual: &[u32]) {
         let empty = Settlement {
             limit: &self.set.limits[0].limit,
@@ -189,6 +217,7 @@ impl<B: Backend> Settler for SetSink<B> {
             reserved: 0,
             actual: 0,
             receipt: Receipt::default(),
+            quota: *self.set.limits[0].limit.quota(),
         };
         let mut remote = [empty; MAX_CHECKS];
         let mut local = [empty; MAX_CHECKS];
@@ -211,6 +240,7 @@ impl<B: Backend> Settler for SetSink<B> {
                 reserved: item.reserved,
                 actual,
                 receipt: item.receipt,
+                quota: item.quota,
             };
             if item.fallback {
                 local[l] = settlement;
