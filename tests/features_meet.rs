@@ -254,3 +254,41 @@ async fn a_reset_reaches_another_replicas_cached_denial_within_the_ttl() {
     advance(Duration::from_millis(1_001)).await;
     assert_eq!(status(&b).await, StatusCode::OK);
 }
+
+/// A leased GCRA limit that settles after the response is refused when the layer is built: a
+/// refund could let other replicas' slices run ahead of the quota. A fixed window may be both,
+/// and a leased GCRA limit whose cost only comes from the request settles nothing.
+#[test]
+fn a_leased_gcra_limit_that_settles_is_refused_at_build_time() {
+    use tollgate::core::{ConfigError, Lease};
+    let leased = |limit: Limit| limit.with_lease(Lease::new(10).unwrap()).unwrap();
+    let gcra = leased(Limit::gcra("tokens", Quota::per_minute(100).unwrap()).unwrap());
+    let refused = RateLimitLayer::builder()
+        .metered(
+            gcra.clone(),
+            Tenant::header("x-shop"),
+            Metered::new().count_if(|r| r.status().is_success()),
+        )
+        .build();
+    assert_eq!(
+        refused.err(),
+        Some(ConfigError::LeaseWithSettle("tokens".into()))
+    );
+    let cost_only = RateLimitLayer::builder()
+        .metered(
+            gcra,
+            Tenant::header("x-shop"),
+            Metered::new().header(HeaderName::from_static("x-cost")),
+        )
+        .build();
+    assert!(cost_only.is_ok());
+    let window = leased(Limit::fixed_window("daily", Quota::per_day(100).unwrap()).unwrap());
+    let both = RateLimitLayer::builder()
+        .metered(
+            window,
+            Tenant::header("x-shop"),
+            Metered::new().charged_by_handler(),
+        )
+        .build();
+    assert!(both.is_ok());
+}

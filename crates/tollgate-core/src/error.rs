@@ -69,6 +69,11 @@ pub enum ConfigError {
     /// A lease on an algorithm that cannot be leased (a sliding log, a concurrency limit):
     /// only GCRA and fixed windows count units that a slice can take.
     LeaseUnsupported(Algorithm),
+    /// A leased GCRA limit that settles after the response (a metered limit with `count_if`,
+    /// a charge by the handler, or a refund on drop): a refund moves the key's TAT back under
+    /// the slices other replicas hold, paced by the TATs their takes left, and could let them
+    /// admit more than the quota.
+    LeaseWithSettle(String),
 }
 
 impl fmt::Display for ConfigError {
@@ -135,6 +140,12 @@ impl fmt::Display for ConfigError {
                 f,
                 "a {} limit cannot be leased: only GCRA and fixed windows can",
                 algorithm.as_str()
+            ),
+            Self::LeaseWithSettle(name) => write!(
+                f,
+                "limit {name:?} is a leased GCRA limit that settles after the response: a \
+                 refund could let other replicas' slices admit more than the quota; lease it \
+                 or settle it, not both (a fixed window can be both)"
             ),
         }
     }

@@ -36,16 +36,17 @@ impl SettleQueue {
         self.queue.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Queues `settles`; says whether the caller must start the sending task.
-    fn push(&self, settles: Vec<Settling>) -> Option<bool> {
+    /// Queues `settles`; says whether the caller must start the sending task, or gives them
+    /// back when too many wait.
+    fn push(&self, settles: Vec<Settling>) -> Result<bool, Vec<Settling>> {
         let mut q = self.lock();
         if q.settles.len() + settles.len() > MAX_WAITING {
-            return None;
+            return Err(settles);
         }
         q.settles.extend(settles);
         let start = !q.sending;
         q.sending = true;
-        Some(start)
+        Ok(start)
     }
 
     /// The settles of the next call; empty when none wait, and then the task must stop.
@@ -208,9 +209,9 @@ impl RedisBackend {
         // may have foreseen it anew).
         self.inner.forget_refunded(&settles);
         match self.inner.settles.push(settles) {
-            None => tracing::debug!(backend = BACKEND, "too many rate-limit settles wait"),
-            Some(false) => {}
-            Some(true) => {
+            Err(settles) => dropped(&settles, "queue_full"),
+            Ok(false) => {}
+            Ok(true) => {
                 let sending = Sending {
                     inner: Arc::clone(&self.inner),
                     done: false,
@@ -221,7 +222,9 @@ impl RedisBackend {
                         if batch.is_empty() {
                             return sending.finish();
                         }
-                        if sending.inner.breaker.state() != CircuitState::Open {
+                        if sending.inner.breaker.state() == CircuitState::Open {
+                            dropped(&batch, "circuit_open");
+                        } else {
                             let _ = sending.inner.settle_group(&batch, None).await;
                         }
                     }
@@ -269,6 +272,7 @@ impl RedisBackend {
                 return Ok(());
             }
             if inner.breaker.state() == CircuitState::Open {
+                dropped(&batch, "circuit_open");
                 return Err(BackendError::new(
                     tollgate_core::BackendErrorKind::CircuitOpen,
                     "Redis failed recently; the circuit breaker is open",
@@ -325,7 +329,10 @@ impl Inner {
             .within_deadline(self.invoke(&self.settle_script, &call), "to settle")
             .await;
         if let Err(e) = sent {
+            // Not sent again: a call that timed out may have been applied, and a second one
+            // would apply it twice.
             tracing::debug!(backend = BACKEND, error = %e, "rate-limit settle failed");
+            dropped(group, "failed");
             return Err(e);
         }
         self.forget_refunded(group);
@@ -338,6 +345,19 @@ impl Inner {
         for s in settles.iter().filter(|s| s.refunds) {
             self.deny.forget(&s.check.digest);
         }
+    }
+}
+
+/// Counts settles that will not be applied, in `tollgate_settles_dropped_total{limit, reason}`:
+/// their reservations stay as they were taken.
+fn dropped(settles: &[Settling], reason: &'static str) {
+    for s in settles {
+        metrics::counter!(
+            "tollgate_settles_dropped_total",
+            "limit" => std::sync::Arc::clone(&s.check.name),
+            "reason" => reason,
+        )
+        .increment(1);
     }
 }
 

@@ -89,3 +89,29 @@ async fn calls_health_and_deny_cache_hits_are_recorded_without_keys() {
         .unwrap();
     assert!(matches!(up.2, DebugValue::Gauge(g) if g.into_inner() == 0.0));
 }
+
+/// A settle that Redis never applies is counted, by limit and reason, never by key.
+#[tokio::test]
+async fn settles_that_are_not_applied_are_counted() {
+    let recorder: &'static DebuggingRecorder = Box::leak(Box::new(DebuggingRecorder::new()));
+    let snapshotter = recorder.snapshotter();
+    let _guard = metrics::set_default_local_recorder(recorder);
+
+    let mut server = RedisServer::start();
+    let backend = support::standalone(&server.url()).build().unwrap();
+    let tokens = gcra("tokens", 100);
+    let check = Check::new(&tokens, b"shop").with_cost(10);
+    let verdicts = backend.check(&[check]).await.unwrap();
+    server.stop();
+    let refund = tollgate_core::Settlement::of(&check, verdicts.receipt(0), 0);
+    assert!(backend.settle_at(&[refund], None).await.is_err());
+    let series = snapshot(&snapshotter);
+    let dropped: Vec<_> = series
+        .iter()
+        .filter(|(n, _, _)| n == "tollgate_settles_dropped_total")
+        .collect();
+    assert_eq!(dropped.len(), 1, "{series:?}");
+    let (_, l, v) = dropped[0];
+    assert_eq!(l, &labels(&[("limit", "tokens"), ("reason", "failed")]));
+    assert_eq!(v, &DebugValue::Counter(1));
+}

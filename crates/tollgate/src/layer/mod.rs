@@ -229,9 +229,13 @@ impl Limits {
         {
             return Err(ConfigError::ReservedName(limit.name().to_owned()));
         }
-        for (i, (limit, _, _)) in limits.iter().enumerate() {
+        for (i, (limit, _, metered)) in limits.iter().enumerate() {
             if limits[..i].iter().any(|(l, _, _)| l.name() == limit.name()) {
                 return Err(ConfigError::DuplicateName(limit.name().to_owned()));
+            }
+            let settles = metered.as_ref().is_some_and(Metered::settles);
+            if settles && limit.lease().is_some() && limit.algorithm() == Algorithm::Gcra {
+                return Err(ConfigError::LeaseWithSettle(limit.name().to_owned()));
             }
         }
         Ok(())
