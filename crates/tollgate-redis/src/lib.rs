@@ -111,9 +111,8 @@
 //!   units as taken and may be refused although they would have fit: under-admission, bounded
 //!   by the cost of the refused batches in flight. A denial that such a request brings into
 //!   the local deny cache is dropped when the refund succeeds, on the replica that refunded;
-//!   another replica's cache keeps it until its retry-after, so that replica refuses an
-//!   identity whose quota the refund reopened, while the other replicas can take the units
-//!   given back.
+//!   another replica's cache keeps it for at most the deny cache's TTL, so that replica may
+//!   refuse for that long an identity whose quota the refund reopened.
 //! - A group made only of shadow checks never fails the batch: if it fails, or has not answered
 //!   a tenth of the deadline before the request's deadline, its checks are not checked and the
 //!   enforced groups' answers stand.
@@ -189,7 +188,11 @@
 //! is cached the same way; and when a denial runs out, one request asks Redis while the others
 //! wait for its answer (at most one deadline), and go on waiting, one asker at a time, until
 //! Redis reports room for all of those held back. A flood on one identity then costs Redis about
-//! one call per admitted request per replica, and none for the refused ones. The cache is bounded
+//! one call per admitted request per replica, and none for the refused ones. A denial is
+//! answered locally for at most [`deny_cache_ttl`](RedisBackendBuilder::deny_cache_ttl) (1 s by
+//! default), then one request asks Redis again: a reset or a raised quota on another replica
+//! is seen here within that time, at the cost of about one call per second per flooded key and
+//! replica. The cache is bounded
 //! (10,000 entries by default; at capacity expired entries are dropped and, if it is still full,
 //! new denials are not cached) and holds digests, never keys.
 //!
