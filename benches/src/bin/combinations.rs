@@ -1,0 +1,1097 @@
+//! Features combined, on the real layer and backends, against a model of what they promise.
+//!
+//! ```text
+//! cargo run --release -p tollgate-bench --bin combinations -- --seeds N [--first S] [--ops K]
+//!     [--backends memory,redis,cluster]
+//! ```
+//!
+//! Each seed draws a layer (a GCRA or fixed-window limit with or without a `pro` plan, metered
+//! with a refund on `500` or a charge by the handler or not at all, a concurrency limit
+//! stacked on it or not, an allowlisted key or not, a quota lease or not) and runs it on 2 to 4
+//! replicas: `RateLimitLayer`s of their own over one in-memory backend, one real
+//! `redis-server` (each replica its own `RedisBackend`), or one real 3-master Redis Cluster,
+//! which this program starts on loopback ports. Then it sends a seeded sequence of
+//! operations, one at a time, through the replicas' axum routers: requests (a key, a plan, a
+//! cost, the handler's answer or charge, a response held open or read to its end), the end of
+//! a held response, resets, reloads that change the default quota, steps of the clock
+//! (memory), and restarts of Redis without persistence (standalone). Time does not pass for
+//! the model on Redis: quotas are per day, so the real seconds a sequence takes refill nothing.
+//!
+//! The model is the algorithms of `tollgate_core::algorithm` applied to the promises of the
+//! docs: stacked limits all-or-nothing, a key's usage carried across plans and reloads,
+//! settles under the quota of their check, allowlisted requests never counted, bypassed ones
+//! never counted, slots given back once. What it checks, per operation and at the end:
+//!
+//! - every request is admitted or refused exactly as the model says (with a lease: never more
+//!   units admitted than the quota; fewer is the documented under-admission);
+//! - after a settle, the key's remaining units are the model's (the settle is sent without
+//!   waiting: up to 200 looks, 5 ms apart);
+//! - an allowlisted request is marked so and counts nowhere; a request answered while Redis
+//!   is down is `Bypassed` and counts nowhere;
+//! - a leased GCRA limit that settles is refused when the layer is built;
+//! - once every response has ended, no slot is held, and every key's remaining units are the
+//!   model's.
+//!
+//! Deterministic for a seed but for Redis' timing. The last line is
+//! `combinations: K sequences, V violations`; the status is 1 when V > 0.
+
+#![allow(clippy::unwrap_used)]
+
+use std::collections::HashMap;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{HeaderName, Request, StatusCode};
+use axum::response::Response;
+use axum::routing::get;
+use axum::Router;
+use tollgate::cost::{Metered, Settle};
+use tollgate::key::Tenant;
+use tollgate::{Allowlist, Decision, Limit, Limits, Outcome, Plan, Quota, RateLimitLayer};
+use tollgate_core::algorithm::{self, WindowState};
+use tollgate_core::{
+    Algorithm, Backend, Check, ConfigError, FakeClock, KeyState, Lease, MemoryBackend, Micros,
+};
+use tollgate_redis::RedisBackend;
+use tollgate_testsupport::{RedisCluster, RedisServer};
+use tower::ServiceExt;
+
+const KEYS: [&str; 3] = ["k0", "k1", "k2"];
+const VIP: &str = "vip";
+const DAY: Micros = 86_400_000_000;
+
+fn splitmix(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: u64) -> u64 {
+        splitmix(&mut self.0) % n
+    }
+    fn chance(&mut self, percent: u64) -> bool {
+        self.below(100) < percent
+    }
+    fn pick<T: Copy>(&mut self, items: &[T]) -> T {
+        items[self.below(items.len() as u64) as usize]
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Memory,
+    Redis,
+    Cluster,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Settles {
+    None,
+    RefundOn500,
+    ChargedByHandler,
+}
+
+/// The layer a seed draws.
+#[derive(Clone, Debug)]
+struct Shape {
+    algorithm: Algorithm,
+    /// The default quota of each reload generation (per day).
+    defaults: [u32; 2],
+    /// The `pro` plan's quota, if the limit has plans.
+    pro: Option<u32>,
+    settles: Settles,
+    /// A concurrency limit on the same key, and its slots.
+    slots: Option<u32>,
+    allowlist: bool,
+    lease: Option<u32>,
+}
+
+impl Shape {
+    fn draw(rng: &mut Rng, kind: Kind) -> Self {
+        let algorithm = rng.pick(&[Algorithm::Gcra, Algorithm::FixedWindow]);
+        let low = 3 + rng.below(4) as u32;
+        let defaults = [low, low + 1 + rng.below(3) as u32];
+        // Quotas far apart: a usage carried between them does not convert to whole units.
+        let pro = rng
+            .chance(50)
+            .then(|| defaults[1] + 2 + rng.below(30) as u32);
+        let mut settles = rng.pick(&[
+            Settles::None,
+            Settles::RefundOn500,
+            Settles::ChargedByHandler,
+        ]);
+        let slots = rng.chance(40).then(|| 1 + rng.below(2) as u32);
+        let allowlist = rng.chance(30);
+        let lease = (kind != Kind::Memory && rng.chance(25)).then(|| 2 + rng.below(3) as u32);
+        // A charge may put a key in debt after other replicas took slices: the lease bound
+        // counts admissions net of refunds only.
+        if lease.is_some() && algorithm == Algorithm::FixedWindow {
+            settles = rng.pick(&[Settles::None, Settles::RefundOn500]);
+        }
+        Self {
+            algorithm,
+            defaults,
+            pro,
+            settles,
+            slots,
+            allowlist,
+            lease,
+        }
+    }
+
+    fn quota(n: u32) -> Quota {
+        Quota::per_day(n).unwrap()
+    }
+
+    /// The rate limit of reload generation `generation`.
+    fn rate(&self, generation: usize) -> Result<Limit, ConfigError> {
+        let quota = Self::quota(self.defaults[generation % 2]);
+        let mut limit = match self.algorithm {
+            Algorithm::Gcra => Limit::gcra("rate", quota)?,
+            _ => Limit::fixed_window("rate", quota)?,
+        };
+        if let Some(pro) = self.pro {
+            limit = limit.plan("pro", Self::quota(pro))?;
+        }
+        if let Some(max_slice) = self.lease {
+            limit = limit.with_lease(Lease::new(max_slice)?)?;
+        }
+        Ok(limit)
+    }
+
+    fn limits(&self, generation: usize) -> Result<Limits, ConfigError> {
+        let rate = self.rate(generation)?;
+        let mut limits = Limits::new();
+        match self.settles {
+            Settles::None => limits = limits.limit(rate, Tenant::header("x-key")),
+            Settles::RefundOn500 => limits.push_metered(
+                rate,
+                Box::new(Tenant::header("x-key")),
+                Metered::new()
+                    .header(HeaderName::from_static("x-cost"))
+                    .count_if(|r| r.status() != StatusCode::INTERNAL_SERVER_ERROR),
+            ),
+            Settles::ChargedByHandler => limits.push_metered(
+                rate,
+                Box::new(Tenant::header("x-key")),
+                Metered::new()
+                    .header(HeaderName::from_static("x-cost"))
+                    .charged_by_handler(),
+            ),
+        }
+        if let Some(slots) = self.slots {
+            limits = limits.limit(Limit::concurrency("slots", slots)?, Tenant::header("x-key"));
+        }
+        if self.allowlist {
+            limits = limits.with_allowlist(Allowlist::new().keys(Tenant::header("x-key"), [VIP])?);
+        }
+        Ok(limits)
+    }
+
+    fn metered(&self) -> bool {
+        self.settles != Settles::None
+    }
+
+    /// Whether the model predicts every answer: a lease admits fewer, by design.
+    fn exact(&self, kind: Kind) -> bool {
+        self.lease.is_none() || kind == Kind::Memory
+    }
+}
+
+/// What the model holds for one key.
+#[derive(Clone, Copy, Default, Debug)]
+struct KeyModel {
+    /// GCRA: the TAT and the interval it is counted in.
+    tat: Option<(Micros, Micros)>,
+    window: Option<WindowState>,
+    /// Slots held by responses still open.
+    held: u32,
+    /// Units admitted (for the lease bound).
+    admitted: u64,
+}
+
+struct Model {
+    keys: HashMap<&'static str, KeyModel>,
+    now: Micros,
+}
+
+impl Model {
+    fn carried(tat: Option<(Micros, Micros)>, quota: &Quota, now: Micros) -> Option<Micros> {
+        tat.map(|(t, from)| algorithm::gcra_carry(t, now, from, quota.emission_interval()))
+    }
+
+    /// The verdict of `cost` units of `key` under `quota`, and what admitting it writes.
+    fn check(&self, algorithm: Algorithm, key: &str, quota: &Quota, cost: u32) -> (bool, KeyModel) {
+        let mut state = self.keys.get(key).copied().unwrap_or_default();
+        match algorithm {
+            Algorithm::Gcra => {
+                let tat = Self::carried(state.tat, quota, self.now);
+                let (v, next) = algorithm::gcra(quota, tat, self.now, cost);
+                if let Some(t) = next {
+                    state.tat = Some((t, quota.emission_interval()));
+                }
+                (v.is_allowed(), state)
+            }
+            _ => {
+                let (v, next) = algorithm::fixed_window(quota, state.window, self.now, cost);
+                if let Some(w) = next {
+                    state.window = Some(w);
+                }
+                (v.is_allowed(), state)
+            }
+        }
+    }
+
+    fn settle(&mut self, algorithm: Algorithm, key: &str, quota: &Quota, s: (u32, u32, Micros)) {
+        let (reserved, actual, window_end) = s;
+        let now = self.now;
+        let state = self.keys.entry(key_static(key)).or_default();
+        match algorithm {
+            Algorithm::Gcra => {
+                let tat = Self::carried(state.tat, quota, now);
+                if let Some(t) = algorithm::gcra_settle(quota, tat, now, reserved, actual) {
+                    state.tat = (t > now).then_some((t, quota.emission_interval()));
+                }
+            }
+            _ => {
+                if window_end <= now {
+                    return;
+                }
+                let most = reserved.saturating_add(quota.limit().saturating_mul(2));
+                if let Some(w) = algorithm::fixed_window_settle(
+                    state.window,
+                    window_end,
+                    reserved,
+                    actual.min(most),
+                ) {
+                    state.window = Some(w);
+                }
+            }
+        }
+    }
+
+    /// The remaining units a one-unit request of `key` would find under `quota`.
+    fn remaining(&self, limit: &Limit, key: &str, quota: &Quota) -> u64 {
+        let state = self.keys.get(key).copied().unwrap_or_default();
+        let verdict = match limit.algorithm() {
+            Algorithm::Gcra => {
+                let tat = Self::carried(state.tat, quota, self.now);
+                algorithm::gcra(quota, tat, self.now, 1).0
+            }
+            _ => algorithm::fixed_window(quota, state.window, self.now, 1).0,
+        };
+        let check = Check::new(limit, key.as_bytes()).with_quota(*quota);
+        KeyState::from_probe(&check, verdict).remaining
+    }
+}
+
+fn key_static(key: &str) -> &'static str {
+    KEYS.iter()
+        .chain([&VIP])
+        .find(|k| **k == key)
+        .copied()
+        .unwrap_or(VIP)
+}
+
+/// One replica: its layer (for resets, peeks and reloads) and its router.
+struct Replica<B> {
+    layer: RateLimitLayer<B>,
+    app: Router,
+}
+
+fn replica<B: Backend>(shape: &Shape, backend: B) -> Result<Replica<B>, ConfigError> {
+    let layer = RateLimitLayer::builder()
+        .limits(shape.limits(0)?)
+        .backend(backend)
+        .build()?;
+    let app = Router::new().route("/", get(handler)).layer(layer.clone());
+    Ok(Replica { layer, app })
+}
+
+/// Answers `x-status`; charges `x-charge` through the `Settle` handle when there is one.
+async fn handler(req: Request<Body>) -> Response {
+    let header = |name: &str| {
+        req.headers()
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u32>().ok())
+    };
+    if let (Some(settle), Some(charge)) = (req.extensions().get::<Settle>(), header("x-charge")) {
+        settle.charge(charge);
+    }
+    let status = header("x-status")
+        .and_then(|s| StatusCode::from_u16(s as u16).ok())
+        .unwrap_or(StatusCode::OK);
+    let mut response = Response::new(Body::from("ok"));
+    *response.status_mut() = status;
+    response
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Req {
+    replica: usize,
+    key: &'static str,
+    pro: bool,
+    cost: u32,
+    fail: bool,
+    charge: u32,
+    hold: bool,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Op {
+    Request(Req),
+    /// Ends the oldest held response.
+    Finish,
+    Reset {
+        replica: usize,
+        key: &'static str,
+    },
+    Reload,
+    Step(Micros),
+    Restart,
+}
+
+fn draw_ops(rng: &mut Rng, shape: &Shape, kind: Kind, replicas: usize, n: usize) -> Vec<Op> {
+    let mut ops = Vec::with_capacity(n);
+    for _ in 0..n {
+        let roll = rng.below(100);
+        let op = match roll {
+            0..=64 => {
+                let key = if shape.allowlist && rng.chance(10) {
+                    VIP
+                } else {
+                    rng.pick(&KEYS[..])
+                };
+                let cost = if shape.metered() {
+                    1 + rng.below(4) as u32
+                } else {
+                    1
+                };
+                Op::Request(Req {
+                    replica: rng.below(replicas as u64) as usize,
+                    key,
+                    pro: shape.pro.is_some() && rng.chance(40),
+                    cost,
+                    fail: rng.chance(25),
+                    charge: rng.below(u64::from(cost) + 7) as u32,
+                    hold: shape.slots.is_some() && rng.chance(40),
+                })
+            }
+            65..=79 => Op::Finish,
+            80..=85 if shape.exact(kind) => Op::Reset {
+                replica: rng.below(replicas as u64) as usize,
+                key: rng.pick(&KEYS[..]),
+            },
+            86..=90 if shape.exact(kind) => Op::Reload,
+            91..=96 if kind == Kind::Memory => {
+                let interval = DAY / u64::from(shape.defaults[0]);
+                Op::Step(rng.pick(&[interval / 2, interval, 3 * interval, DAY]))
+            }
+            97..=99 if kind == Kind::Redis && shape.exact(kind) => Op::Restart,
+            _ => Op::Finish,
+        };
+        ops.push(op);
+    }
+    ops
+}
+
+/// What the sequences did, to show what they covered.
+#[derive(Default, Debug, Clone, Copy)]
+struct Tally {
+    admitted: u64,
+    refused: u64,
+    allowlisted: u64,
+    bypassed: u64,
+    settled: u64,
+    released: u64,
+    resets: u64,
+    reloads: u64,
+    restarts: u64,
+    steps: u64,
+    refused_at_build: u64,
+}
+
+impl Tally {
+    fn add(&mut self, o: &Tally) {
+        self.admitted += o.admitted;
+        self.refused += o.refused;
+        self.allowlisted += o.allowlisted;
+        self.bypassed += o.bypassed;
+        self.settled += o.settled;
+        self.released += o.released;
+        self.resets += o.resets;
+        self.reloads += o.reloads;
+        self.restarts += o.restarts;
+        self.steps += o.steps;
+        self.refused_at_build += o.refused_at_build;
+    }
+}
+
+/// Where a sequence runs.
+struct Servers {
+    redis: Option<RedisServer>,
+    cluster: Option<RedisCluster>,
+}
+
+struct Run<'a, B> {
+    shape: Shape,
+    kind: Kind,
+    replicas: Vec<Replica<B>>,
+    model: Model,
+    generation: usize,
+    /// Open responses: their key, the slot limit's model was charged, and the restart epoch.
+    held: Vec<(Response, &'static str, bool, u32, usize)>,
+    /// The replica of the next operation, when it is a request.
+    next_replica: Option<usize>,
+    epoch: u32,
+    clock: Option<FakeClock>,
+    servers: &'a mut Servers,
+    violations: Vec<String>,
+    /// Per replica: Redis was restarted, and this replica has not had an answer since (its
+    /// connection may still be the dead one: one failure, failing open, is expected).
+    recovering: Vec<bool>,
+    verbose: bool,
+    tally: Tally,
+}
+
+impl<B: Backend> Run<'_, B> {
+    fn fail(&mut self, what: String) {
+        self.violations.push(what);
+    }
+
+    fn rate_limit(&self) -> Limit {
+        self.shape.rate(self.generation).unwrap()
+    }
+
+    fn quota_of(&self, pro: bool) -> Quota {
+        match (pro, self.shape.pro) {
+            (true, Some(n)) => Shape::quota(n),
+            _ => Shape::quota(self.shape.defaults[self.generation % 2]),
+        }
+    }
+
+    /// Moves Tokio's clock past the deny cache's TTL and the breaker's wait, without sleeping.
+    async fn let_caches_expire(&self) {
+        if self.kind == Kind::Memory {
+            return;
+        }
+        tokio::time::pause();
+        tokio::time::advance(Duration::from_millis(1_100)).await;
+        tokio::time::resume();
+    }
+
+    async fn request(&mut self, r: Req) {
+        let mut req = Request::get("/")
+            .header("x-key", r.key)
+            .header("x-cost", r.cost.to_string())
+            .header("x-charge", r.charge.to_string())
+            .header("x-status", if r.fail { "500" } else { "200" })
+            .body(Body::empty())
+            .unwrap();
+        if r.pro {
+            req.extensions_mut().insert(Plan::new("pro"));
+        }
+        let res = self.replicas[r.replica]
+            .app
+            .clone()
+            .oneshot(req)
+            .await
+            .unwrap();
+        let decision = res.extensions().get::<Decision>().cloned();
+        let status = res.status();
+        let admitted = status != StatusCode::TOO_MANY_REQUESTS;
+        let cost = if self.shape.metered() { r.cost } else { 1 };
+
+        if r.key == VIP && self.shape.allowlist {
+            self.tally.allowlisted += 1;
+            if !decision.as_ref().is_some_and(Decision::is_allowlisted) || !admitted {
+                self.fail(format!("{r:?}: allowlisted request answered {status}"));
+            }
+            return self.end(res, r, false).await;
+        }
+        let bypassed = decision.as_ref().is_some_and(|d| {
+            d.limits()
+                .iter()
+                .any(|l| matches!(l.outcome(), Outcome::Bypassed { .. }))
+        });
+        if self.verbose {
+            println!(
+                "    {r:?} -> {status}{}",
+                if bypassed { " bypassed" } else { "" }
+            );
+        }
+        if bypassed {
+            self.tally.bypassed += 1;
+            if !self.recovering[r.replica] {
+                self.fail(format!("{r:?}: bypassed while the backend was up"));
+            }
+            self.recovering[r.replica] = false;
+            return self.end(res, r, false).await;
+        }
+        self.recovering[r.replica] = false;
+
+        let limit = self.rate_limit();
+        let quota = self.quota_of(r.pro);
+        let (rate_ok, next) = self.model.check(limit.algorithm(), r.key, &quota, cost);
+        let held = self.model.keys.get(r.key).map_or(0, |k| k.held);
+        let slots_ok = self.shape.slots.is_none_or(|c| held < c);
+        let expected = rate_ok && slots_ok;
+        if self.shape.exact(self.kind) {
+            if admitted != expected {
+                self.fail(format!(
+                    "{r:?}: answered {status}, the model says {}",
+                    if expected { "admitted" } else { "refused" }
+                ));
+                return self.end(res, r, false).await;
+            }
+        } else if admitted && !slots_ok {
+            self.fail(format!("{r:?}: admitted with every slot held"));
+        }
+        if !admitted {
+            self.tally.refused += 1;
+            return self.end(res, r, false).await;
+        }
+        self.tally.admitted += 1;
+        // Admitted: the model counts it.
+        let window_end = algorithm::window_end(&quota, self.model.now);
+        let entry = self.model.keys.entry(r.key).or_default();
+        entry.tat = next.tat;
+        entry.window = next.window;
+        entry.admitted += u64::from(cost);
+        let counts_slot = self.shape.slots.is_some();
+        if counts_slot {
+            entry.held += 1;
+        }
+        if !self.shape.exact(self.kind) {
+            // A lease never admits more than the largest quota a request was checked under.
+            let most = u64::from(self.shape.pro.unwrap_or(0).max(self.shape.defaults[0]));
+            let admitted = self.model.keys[r.key].admitted;
+            if admitted > most {
+                self.fail(format!("{r:?}: {admitted} units admitted, over {most}"));
+            }
+        }
+        let actual = match self.shape.settles {
+            Settles::None => cost,
+            Settles::RefundOn500 if r.fail => 0,
+            Settles::RefundOn500 => cost,
+            Settles::ChargedByHandler => r.charge,
+        };
+        if actual != cost {
+            self.tally.settled += 1;
+            self.model
+                .settle(limit.algorithm(), r.key, &quota, (cost, actual, window_end));
+            let entry = self.model.keys.entry(r.key).or_default();
+            entry.admitted = (entry.admitted + u64::from(actual)).saturating_sub(u64::from(cost));
+            self.end(res, r, counts_slot).await;
+            self.expect_remaining(r.key, r.pro, "after a settle").await;
+            if actual < cost {
+                self.let_caches_expire().await;
+            }
+            return;
+        }
+        self.end(res, r, counts_slot).await;
+    }
+
+    /// Reads `res` to its end, or keeps it open.
+    async fn end(&mut self, res: Response, r: Req, counts_slot: bool) {
+        if r.hold && counts_slot {
+            self.held
+                .push((res, r.key, counts_slot, self.epoch, r.replica));
+        } else {
+            let _ = axum::body::to_bytes(res.into_body(), usize::MAX).await;
+            if counts_slot {
+                let entry = self.model.keys.entry(r.key).or_default();
+                entry.held = entry.held.saturating_sub(1);
+                self.released(r.key, r.replica).await;
+            }
+        }
+    }
+
+    async fn finish(&mut self) {
+        if self.held.is_empty() {
+            return;
+        }
+        let (res, key, counts_slot, epoch, replica) = self.held.remove(0);
+        let _ = axum::body::to_bytes(res.into_body(), usize::MAX).await;
+        if counts_slot && epoch == self.epoch {
+            let entry = self.model.keys.entry(key).or_default();
+            entry.held = entry.held.saturating_sub(1);
+        }
+        self.released(key, replica).await;
+    }
+
+    /// A response of `replica` for `key` ended. Its release is sent without waiting: the
+    /// replica's own next check must find it done (it waits for its releases in flight), and
+    /// another replica's is let wait until Redis has it.
+    async fn released(&mut self, key: &'static str, replica: usize) {
+        if self.next_replica != Some(replica) {
+            self.expect_slots(key, "after a response ended").await;
+        }
+    }
+
+    /// Polls `peek` of the slots until it says the model's free slots of `key`.
+    async fn expect_slots(&mut self, key: &'static str, when: &str) {
+        let Some(slots) = self.shape.slots else {
+            return;
+        };
+        self.tally.released += 1;
+        let held = self.model.keys.get(key).map_or(0, |k| k.held);
+        let want = u64::from(slots.saturating_sub(held));
+        let mut seen = None;
+        for _ in 0..200 {
+            seen = self.replicas[0]
+                .layer
+                .peek("slots", key)
+                .await
+                .ok()
+                .map(|s| s.remaining);
+            if seen == Some(want) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        self.fail(format!(
+            "{when}: {key} has {seen:?} slots free, the model says {want}"
+        ));
+    }
+
+    /// Polls the first replica's `peek` until it says the model's remaining units of `key`.
+    async fn expect_remaining(&mut self, key: &'static str, pro: bool, when: &str) {
+        if !self.shape.exact(self.kind) {
+            return;
+        }
+        let limit = self.rate_limit();
+        let quota = self.quota_of(pro);
+        let want = self.model.remaining(&limit, key, &quota);
+        let plan = (pro && self.shape.pro.is_some()).then_some("pro");
+        let mut seen = None;
+        for _ in 0..200 {
+            seen = self.replicas[0]
+                .layer
+                .peek_plan("rate", plan, key)
+                .await
+                .ok()
+                .map(|s| s.remaining);
+            if seen == Some(want) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        self.fail(format!(
+            "{when}: {key} (plan {plan:?}) has {seen:?} left, the model says {want}"
+        ));
+    }
+
+    async fn reset(&mut self, replica: usize, key: &'static str) {
+        let layer = &self.replicas[replica].layer;
+        let mut done = layer.reset("rate", key).await;
+        if done.is_err() && std::mem::take(&mut self.recovering[replica]) {
+            // The first call after a restart may meet the dead connection; the next makes a
+            // new one.
+            done = layer.reset("rate", key).await;
+        }
+        if self.verbose {
+            println!("    reset {key} on {replica}: {done:?}");
+        }
+        if let Err(e) = done {
+            return self.fail(format!("reset of {key}: {e}"));
+        }
+        self.tally.resets += 1;
+        let entry = self.model.keys.entry(key).or_default();
+        entry.tat = None;
+        entry.window = None;
+        entry.admitted = 0;
+        self.let_caches_expire().await;
+    }
+
+    async fn reload(&mut self) {
+        self.generation += 1;
+        self.tally.reloads += 1;
+        for (i, r) in self.replicas.iter().enumerate() {
+            if let Err(e) = r
+                .layer
+                .reloader()
+                .reload(self.shape.limits(self.generation).unwrap())
+            {
+                self.violations.push(format!("reload of replica {i}: {e}"));
+            }
+        }
+        self.let_caches_expire().await;
+    }
+
+    async fn restart(&mut self) {
+        let Some(server) = self.servers.redis.as_mut() else {
+            return;
+        };
+        server.stop();
+        self.tally.restarts += 1;
+        self.recovering.iter_mut().for_each(|r| *r = true);
+        // One request while Redis is down (of a key no cached denial holds): it fails open,
+        // uncounted.
+        let key = "while-down";
+        let req = Request::get("/")
+            .header("x-key", key)
+            .header("x-cost", "1")
+            .header("x-charge", "1")
+            .body(Body::empty())
+            .unwrap();
+        let res = self.replicas[0].app.clone().oneshot(req).await.unwrap();
+        let bypassed = res.extensions().get::<Decision>().is_some_and(|d| {
+            d.limits()
+                .iter()
+                .all(|l| matches!(l.outcome(), Outcome::Bypassed { .. }))
+        });
+        if res.status() != StatusCode::OK || !bypassed {
+            self.fail(format!(
+                "with Redis down: answered {}, bypassed: {bypassed}",
+                res.status()
+            ));
+        }
+        let _ = axum::body::to_bytes(res.into_body(), usize::MAX).await;
+        if let Some(server) = self.servers.redis.as_mut() {
+            server.start_again();
+        }
+        // Without persistence, Redis forgets everything: counts and slots.
+        for state in self.model.keys.values_mut() {
+            *state = KeyModel::default();
+        }
+        self.epoch += 1;
+        self.let_caches_expire().await;
+        // Each replica's first calls after the restart may meet its dead connections (the
+        // checks' own, and the shared one), fail open once, and connect again: a key outside
+        // the model's takes those.
+        for i in 0..self.replicas.len() {
+            let mut answered = false;
+            for _ in 0..3 {
+                let req = Request::get("/")
+                    .header("x-key", "warm-up")
+                    .header("x-cost", "1")
+                    .header("x-charge", "1")
+                    .body(Body::empty())
+                    .unwrap();
+                let res = self.replicas[i].app.clone().oneshot(req).await.unwrap();
+                let bypassed = res.extensions().get::<Decision>().is_some_and(|d| {
+                    d.limits()
+                        .iter()
+                        .any(|l| matches!(l.outcome(), Outcome::Bypassed { .. }))
+                });
+                let _ = axum::body::to_bytes(res.into_body(), usize::MAX).await;
+                let peeked = self.replicas[i].layer.peek("rate", "warm-up").await.is_ok();
+                if !bypassed && peeked {
+                    answered = true;
+                    break;
+                }
+                self.let_caches_expire().await;
+            }
+            if !answered {
+                self.fail(format!("replica {i} did not reconnect after the restart"));
+            }
+            self.recovering[i] = false;
+        }
+    }
+
+    async fn step(&mut self, by: Micros) {
+        if let Some(clock) = &self.clock {
+            self.tally.steps += 1;
+            clock.advance(Duration::from_micros(by));
+            self.model.now += by;
+        }
+    }
+
+    /// Every response ended: no slot is held, and every key has what the model says.
+    async fn quiesce(&mut self) {
+        while !self.held.is_empty() {
+            self.finish().await;
+        }
+        for key in KEYS {
+            self.expect_slots(key, "at the end").await;
+        }
+        for key in KEYS {
+            self.expect_remaining(key, false, "at the end").await;
+            if self.shape.pro.is_some() {
+                self.expect_remaining(key, true, "at the end").await;
+            }
+        }
+        if self.shape.allowlist {
+            let quota = self.quota_of(false);
+            let full = KeyState::fresh(&quota).remaining;
+            let vip = self.replicas[0].layer.peek("rate", VIP).await.ok();
+            let gcra_full = u64::from(quota.burst());
+            if vip.map(|s| s.remaining) != Some(full) && vip.map(|s| s.remaining) != Some(gcra_full)
+            {
+                self.fail(format!("the allowlisted key was counted: {vip:?}"));
+            }
+        }
+    }
+
+    async fn run(&mut self, ops: &[Op]) {
+        for (i, &op) in ops.iter().enumerate() {
+            self.next_replica = match ops.get(i + 1) {
+                Some(Op::Request(r)) => Some(r.replica),
+                _ => None,
+            };
+            if self.verbose && !matches!(op, Op::Request(_)) {
+                println!("  {op:?}");
+            }
+            match op {
+                Op::Request(r) => self.request(r).await,
+                Op::Finish => self.finish().await,
+                Op::Reset { replica, key } => self.reset(replica, key).await,
+                Op::Reload => self.reload().await,
+                Op::Step(by) => self.step(by).await,
+                Op::Restart => self.restart().await,
+            }
+            if self.violations.len() > 3 {
+                return;
+            }
+        }
+        self.quiesce().await;
+    }
+}
+
+/// Runs `ops` on `replicas`; returns the violations.
+async fn drive<B: Backend>(
+    shape: Shape,
+    kind: Kind,
+    replicas: Vec<Replica<B>>,
+    clock: Option<FakeClock>,
+    now: Micros,
+    servers: &mut Servers,
+    ops: &[Op],
+    verbose: bool,
+) -> (Vec<String>, Tally) {
+    let n = replicas.len();
+    let mut run = Run {
+        shape,
+        kind,
+        replicas,
+        model: Model {
+            keys: HashMap::new(),
+            now,
+        },
+        generation: 0,
+        held: Vec::new(),
+        next_replica: None,
+        epoch: 0,
+        clock,
+        servers,
+        violations: Vec::new(),
+        recovering: vec![false; n],
+        verbose,
+        tally: Tally::default(),
+    };
+    run.run(ops).await;
+    (run.violations, run.tally)
+}
+
+/// Builds `shape` on `replicas` replicas, or says why not.
+fn build<B: Backend>(
+    shape: &Shape,
+    replicas: usize,
+    backend: impl Fn() -> B,
+) -> Result<Vec<Replica<B>>, ConfigError> {
+    (0..replicas).map(|_| replica(shape, backend())).collect()
+}
+
+/// What a shape's build must give: refused with `LeaseWithSettle` exactly for a leased GCRA
+/// limit that settles. `Ok(None)`: refused as it must be.
+fn built<B>(
+    shape: &Shape,
+    result: Result<Vec<Replica<B>>, ConfigError>,
+) -> Result<Option<Vec<Replica<B>>>, String> {
+    let refused = shape.lease.is_some()
+        && shape.algorithm == Algorithm::Gcra
+        && shape.settles != Settles::None;
+    match result {
+        Err(ConfigError::LeaseWithSettle(name)) if refused && name == "rate" => Ok(None),
+        Err(e) => Err(format!("{shape:?}: the layer was not built: {e}")),
+        Ok(_) if refused => Err(format!(
+            "{shape:?}: a leased GCRA limit that settles was built"
+        )),
+        Ok(replicas) => Ok(Some(replicas)),
+    }
+}
+
+/// Runs one seed on `kind`; returns its shape and violations.
+async fn sequence(
+    seed: u64,
+    kind: Kind,
+    ops: usize,
+    servers: &mut Servers,
+    verbose: bool,
+) -> (Shape, Vec<String>, Tally) {
+    let mut rng = Rng(seed);
+    let shape = Shape::draw(&mut rng, kind);
+    let replicas = 2 + rng.below(3) as usize;
+    let ops = draw_ops(&mut rng, &shape, kind, replicas, ops);
+    if verbose {
+        println!("seed {seed}: {shape:?} on {replicas} replicas");
+    }
+    let now = tollgate_core::Clock::now(&tollgate_core::SystemClock::new());
+    let violations = match kind {
+        Kind::Memory => {
+            let clock = FakeClock::new(now);
+            let memory = Arc::new(MemoryBackend::builder().clock(clock.clone()).build());
+            match built(&shape, build(&shape, replicas, || Arc::clone(&memory))) {
+                Ok(Some(r)) => {
+                    drive(
+                        shape.clone(),
+                        kind,
+                        r,
+                        Some(clock),
+                        now,
+                        servers,
+                        &ops,
+                        verbose,
+                    )
+                    .await
+                }
+                Ok(None) => (Vec::new(), refused_at_build()),
+                Err(e) => (vec![e], Tally::default()),
+            }
+        }
+        Kind::Redis | Kind::Cluster => {
+            let prefix = format!("comb{seed}");
+            let target = match kind {
+                Kind::Redis => servers.redis.as_ref().map(|s| vec![s.url()]),
+                _ => servers.cluster.as_ref().map(RedisCluster::urls),
+            };
+            let Some(urls) = target else {
+                return (shape, vec!["no server".into()], Tally::default());
+            };
+            let backend = || {
+                let builder = RedisBackend::builder()
+                    .prefix(&prefix)
+                    .deadline(Duration::from_secs(2));
+                match kind {
+                    Kind::Redis => builder.url(&urls[0]),
+                    _ => builder.cluster(urls.clone()),
+                }
+                .build()
+                .unwrap()
+            };
+            match built(&shape, build(&shape, replicas, backend)) {
+                Ok(Some(r)) => {
+                    drive(shape.clone(), kind, r, None, now, servers, &ops, verbose).await
+                }
+                Ok(None) => (Vec::new(), refused_at_build()),
+                Err(e) => (vec![e], Tally::default()),
+            }
+        }
+    };
+    (shape, violations.0, violations.1)
+}
+
+fn refused_at_build() -> Tally {
+    Tally {
+        refused_at_build: 1,
+        ..Tally::default()
+    }
+}
+
+struct Args {
+    seeds: u64,
+    first: u64,
+    ops: usize,
+    kinds: Vec<Kind>,
+    verbose: bool,
+}
+
+fn args() -> Result<Args, String> {
+    let mut out = Args {
+        seeds: 100,
+        first: 1,
+        ops: 40,
+        kinds: vec![Kind::Memory, Kind::Redis, Kind::Cluster],
+        verbose: false,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut value = || it.next().ok_or(format!("{flag} needs a value"));
+        match flag.as_str() {
+            "--seeds" => out.seeds = value()?.parse().map_err(|e| format!("--seeds: {e}"))?,
+            "--first" => out.first = value()?.parse().map_err(|e| format!("--first: {e}"))?,
+            "--verbose" => out.verbose = true,
+            "--ops" => out.ops = value()?.parse().map_err(|e| format!("--ops: {e}"))?,
+            "--backends" => {
+                out.kinds = value()?
+                    .split(',')
+                    .map(|k| match k {
+                        "memory" => Ok(Kind::Memory),
+                        "redis" => Ok(Kind::Redis),
+                        "cluster" => Ok(Kind::Cluster),
+                        other => Err(format!("unknown backend {other:?}")),
+                    })
+                    .collect::<Result<_, _>>()?;
+            }
+            other => return Err(format!("unknown argument {other:?}")),
+        }
+    }
+    Ok(out)
+}
+
+fn main() -> ExitCode {
+    let args = match args() {
+        Ok(args) => args,
+        Err(e) => {
+            eprintln!("combinations: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let mut servers = Servers {
+        redis: args.kinds.contains(&Kind::Redis).then(RedisServer::start),
+        cluster: args
+            .kinds
+            .contains(&Kind::Cluster)
+            .then(|| RedisCluster::start(3)),
+    };
+    let (mut sequences, mut violations) = (0u64, 0u64);
+    let mut by_kind: HashMap<&'static str, (u64, u64)> = HashMap::new();
+    let mut tally = Tally::default();
+    for seed in args.first..args.first + args.seeds {
+        let kind = args.kinds[(seed % args.kinds.len() as u64) as usize];
+        let (shape, found, did) =
+            runtime.block_on(sequence(seed, kind, args.ops, &mut servers, args.verbose));
+        sequences += 1;
+        tally.add(&did);
+        let name = match kind {
+            Kind::Memory => "memory",
+            Kind::Redis => "redis",
+            Kind::Cluster => "cluster",
+        };
+        let row = by_kind.entry(name).or_default();
+        row.0 += 1;
+        if !found.is_empty() {
+            violations += 1;
+            row.1 += 1;
+            println!("seed {seed} on {name}: {shape:?}");
+            for v in &found {
+                println!("  {v}");
+            }
+        }
+    }
+    let mut kinds: Vec<_> = by_kind.into_iter().collect();
+    kinds.sort();
+    for (name, (n, v)) in kinds {
+        println!("{name}: {n} sequences, {v} with violations");
+    }
+    println!("{tally:?}");
+    println!("combinations: {sequences} sequences, {violations} violations");
+    if violations > 0 {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    }
+}
