@@ -143,26 +143,26 @@ fn check_names_the_line_and_column_of_a_broken_file() {
     let limit = |name: &str, quota: &str, key: &str| {
         format!("[[limit]]\nname = \"{name}\"\nperiod = \"1m\"\nkey = {key}\n[limit.quota]\ndefault = {quota}\n\n")
     };
-    // A quota of zero, in the second limit (which starts on line 8).
+    // A quota of zero, in the second limit (which starts on line 8): at the quota's line.
     let text = limit("a", "5", "\"ip\"") + &limit("b", "0", "\"ip\"");
     broken(
         "zero-quota",
         &text,
-        8,
-        1,
+        13,
+        11,
         "limit \"b\": a quota must admit at least one request",
     );
     // An unknown key kind.
     let text = limit("a", "5", "\"cookie\"");
-    broken("unknown-key", &text, 1, 1, "unknown key \"cookie\"");
+    broken("unknown-key", &text, 4, 7, "unknown key \"cookie\"");
     // A name given twice: the second one is the mistake.
     let text = limit("a", "5", "\"ip\"") + &limit("b", "5", "\"ip\"") + &limit("a", "7", "\"ip\"");
     broken(
         "duplicate",
         &text,
-        15,
-        1,
-        "two limits are named \"a\" (the first at line 1)",
+        16,
+        8,
+        "two limits are named \"a\" (the first at line 2)",
     );
     // TOML that does not parse, and a field the format does not have.
     broken(
