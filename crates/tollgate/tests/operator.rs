@@ -356,14 +356,34 @@ async fn peek_and_reset<B: Backend>(backend: B) {
         layer.peek("nope", "1.2.3.4").await,
         Err(AdminError::UnknownLimit(name)) if name == "nope"
     ));
-    assert!(matches!(
-        layer.peek("per-ip", "shop.example").await,
-        Err(AdminError::Identity(MissingKey::Invalid))
-    ));
-    assert!(matches!(
-        layer.reset("per-shop", "bad shop!").await,
-        Err(AdminError::Identity(MissingKey::Invalid))
-    ));
+    match layer.peek("per-ip", "shop.example").await {
+        Err(AdminError::Identity(e)) => {
+            assert_eq!(e.missing(), MissingKey::NotAnAddress);
+            assert_eq!(e.limit(), "per-ip");
+            assert_eq!(
+                e.to_string(),
+                r#""shop.example" is not an IP address: expected an IP address for rate limit "per-ip""#
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    match layer.reset("per-ip", "abc").await {
+        Err(e @ AdminError::Identity(_)) => assert_eq!(
+            e.to_string(),
+            r#""abc" is not an IP address: expected an IP address for rate limit "per-ip""#
+        ),
+        other => panic!("{other:?}"),
+    }
+    match layer.reset("per-shop", "bad shop!").await {
+        Err(AdminError::Identity(e)) => {
+            assert_eq!(e.missing(), MissingKey::Invalid);
+            assert_eq!(
+                e.to_string(),
+                r#""bad shop!" is not a key of rate limit "per-shop": the rate-limit key is invalid"#
+            );
+        }
+        other => panic!("{other:?}"),
+    }
 }
 
 #[tokio::test]
