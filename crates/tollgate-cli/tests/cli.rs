@@ -332,6 +332,14 @@ fn check_names_the_line_and_column_of_a_broken_file() {
         11,
         "limit \"b\": a quota must admit at least one request",
     );
+    // A misspelt algorithm, at its own line rather than its `[[limit]]`'s.
+    broken(
+        "algorithm",
+        "[[limit]]\nname = \"a\"\nalgorithm = \"fixed_windw\"\nperiod = \"1m\"\nkey = \"ip\"\nquota = 5\n",
+        3,
+        13,
+        "limit \"a\": unknown algorithm \"fixed_windw\" (gcra, fixed_window, sliding_log)",
+    );
     // An unknown key kind.
     let text = limit("a", "5", "\"cookie\"");
     broken("unknown-key", &text, 4, 7, "unknown key \"cookie\"");
