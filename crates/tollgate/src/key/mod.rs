@@ -496,4 +496,39 @@ impl<K: KeyExtractor + ?Sized> KeyExtractor for std::sync::Arc<K> {
     fn extract<'r>(&self, req: &RequestView<'r>) -> Result<Key<'r>, MissingKey> {
         (**self).extract(req)
     }
+
+    fn key_of(&self, identity: &Identity) -> Result<Key<'static>, MissingKey> {
+        (**self).key_of(identity)
+    }
+
+    fn describe(&self) -> String {
+        (**self).describe()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+
+    /// A shared or boxed extractor names identities as the extractor it holds does: the
+    /// default `key_of` (the identity's text) would be another key than requests have.
+    #[test]
+    fn wrappers_forward_key_of_and_describe() {
+        let ip: IpAddr = "203.0.113.7".parse().unwrap();
+        let want = ClientIp::peer().key_of(&ip.into()).unwrap();
+        let wrapped: [Box<dyn KeyExtractor>; 2] = [
+            Box::new(Arc::new(ClientIp::peer())),
+            Box::new(ClientIp::peer()),
+        ];
+        for ex in wrapped {
+            assert_eq!(ex.key_of(&ip.into()).unwrap(), want);
+            assert_eq!(
+                ex.key_of(&Identity::from("abc")),
+                Err(MissingKey::NotAnAddress)
+            );
+            assert_eq!(ex.describe(), "ip");
+        }
+    }
 }
