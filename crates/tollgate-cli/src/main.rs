@@ -2,86 +2,182 @@
 //!
 //! ```text
 //! tollgate check FILE
-//! tollgate peek --redis URL [--limits FILE] [--prefix PREFIX] [--plan PLAN] LIMIT IDENTITY
-//! tollgate peek --cluster URL[,URL...] ...
+//! tollgate peek (--redis URL | --cluster URL[,URL...]) [--limits FILE] [--prefix PREFIX]
+//!               [--plan PLAN] LIMIT IDENTITY
 //! ```
 //!
 //! `check` exits 0 and prints the effective limits as a table (name, algorithm, quota per
-//! plan, key, failure policy, shadow) and the allowlist; a broken file makes it print the
-//! error, with its line and column, and exit 1. Principals need no Rust type here: every
-//! principal name the file uses is taken as a string id.
+//! plan, key, cost, missing-key policy, failure policy, shadow) and the allowlist; a broken
+//! file makes it print the error, with its line and column, and exit 1. Principals need no
+//! Rust type here: every principal name the file uses is taken as a string id.
 //!
 //! `peek` reads what the next one-unit request of IDENTITY (an address, a tenant's or a
 //! principal's name) would find under LIMIT, as the layer's `peek` does: the limit's algorithm,
 //! quota and key come from the limits file (`--limits`, else `$TOLLGATE_LIMITS`, else
-//! `limits.toml`), the state from Redis. It writes nothing. Exit codes: 0 answered, 1 a broken
-//! file or an unknown limit or identity, 2 a usage error, 3 Redis failed.
+//! `limits.toml`), the state from Redis. It writes nothing.
+//!
+//! Exit codes: 0 ok, 1 a bad file (or an unknown limit, plan or identity), 2 a usage error,
+//! 3 Redis failed. `--help` says the same.
 
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
-use tollgate::core::{Backend, Check, FailurePolicy, KeyState, Limit, Quota};
-use tollgate::key::Identity;
+use clap::{Args, Parser, Subcommand};
+use tollgate::core::{Backend, Check, FailurePolicy, KeyState, Limit, MissingKeyPolicy, Quota};
+use tollgate::key::{Identity, IdentityError};
 use tollgate::{Algorithm, Limits, LimitsFile};
-use tollgate_redis::RedisBackend;
+use tollgate_redis::{RedisBackend, DEFAULT_PREFIX};
 
-const USAGE: &str = "usage:
-  tollgate check FILE
-  tollgate peek (--redis URL | --cluster URL[,URL...]) [--limits FILE] [--prefix PREFIX]
-                [--plan PLAN] LIMIT IDENTITY";
+/// How long `peek` waits for Redis.
+const PEEK_DEADLINE: Duration = Duration::from_secs(2);
+
+/// What `--help` says after the options: the exit codes, and where `peek`'s file and
+/// defaults come from.
+fn footer(peek: bool) -> String {
+    let mut text = format!(
+        "\
+Exit codes:
+  0  ok: the file is good (check), the state was read (peek)
+  1  a bad file: unreadable or broken; or an unknown limit, plan or identity (peek)
+  2  a usage error: an unknown command or flag, a missing argument, a bad Redis URL
+  3  Redis failed or did not answer within {}s (peek)",
+        PEEK_DEADLINE.as_secs()
+    );
+    if peek {
+        text.push_str(&format!(
+            "\n
+Environment:
+  TOLLGATE_LIMITS  the limits file of `peek` when --limits is not given
+
+Defaults:
+  peek --limits  $TOLLGATE_LIMITS, else limits.toml
+  peek --prefix  {DEFAULT_PREFIX} (the Redis backend's default key prefix)
+  peek --plan    none: the limit's default quota"
+        ));
+    }
+    text
+}
+
+/// Checks a limits file before a deploy, and reads one key's state in Redis.
+#[derive(Debug, Parser)]
+#[command(
+    name = "tollgate",
+    version,
+    arg_required_else_help = true,
+    after_help = footer(true)
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Reads a limits file as the layer would and prints the effective limits.
+    ///
+    /// Prints each limit's name, algorithm, quota per plan, key, cost per request,
+    /// missing-key policy, failure policy and shadow flag, then the allowlist. Every
+    /// principal name the file uses is taken as a string id. A broken file prints the error
+    /// with its line and column, and exits 1.
+    #[command(after_help = footer(false))]
+    Check {
+        /// The limits file (TOML).
+        #[arg(value_name = "FILE")]
+        file: PathBuf,
+    },
+    /// Reads what IDENTITY's next one-unit request would find under LIMIT, writing nothing.
+    ///
+    /// The limit's algorithm, quota and key come from the limits file, the state from Redis.
+    /// IDENTITY is whom requests are counted as: an IP address for a limit keyed by client
+    /// address, a tenant's or a principal's name.
+    #[command(after_help = footer(true))]
+    Peek(PeekArgs),
+}
+
+#[derive(Debug, Args)]
+struct PeekArgs {
+    #[command(flatten)]
+    redis: RedisArgs,
+    /// The limits file.
+    #[arg(
+        long,
+        value_name = "FILE",
+        env = "TOLLGATE_LIMITS",
+        default_value = "limits.toml"
+    )]
+    limits: PathBuf,
+    /// The key prefix the layer's Redis backend was built with.
+    #[arg(long, value_name = "PREFIX", default_value = DEFAULT_PREFIX)]
+    prefix: String,
+    /// Reads under this plan's quota instead of the default quota.
+    #[arg(long, value_name = "PLAN")]
+    plan: Option<String>,
+    /// The limit's name, as the limits file says it.
+    #[arg(value_name = "LIMIT")]
+    limit: String,
+    /// Whom requests are counted as: an IP address, a tenant's or a principal's name.
+    #[arg(value_name = "IDENTITY")]
+    identity: String,
+}
+
+#[derive(Debug, Args)]
+#[group(required = true, multiple = false)]
+struct RedisArgs {
+    /// A standalone Redis server.
+    #[arg(long, value_name = "URL")]
+    redis: Option<String>,
+    /// The nodes of a Redis Cluster, comma-separated.
+    #[arg(long, value_name = "URL[,URL...]", value_delimiter = ',')]
+    cluster: Option<Vec<String>>,
+}
 
 fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    match args.first().map(String::as_str) {
-        Some("check") => match &args[1..] {
-            [file] => check(file),
-            _ => usage("check takes one FILE"),
-        },
-        Some("peek") => peek(&args[1..]),
-        Some("-h" | "--help" | "help") => {
-            println!("{USAGE}");
-            ExitCode::SUCCESS
-        }
-        _ => usage("a command: check or peek"),
+    // Help and version exit 0; usage errors name what is wrong, with a hint, and exit 2.
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Check { file } => check(&file),
+        Command::Peek(args) => peek(&args),
     }
 }
 
-fn usage(what: &str) -> ExitCode {
-    eprintln!("tollgate: {what}\n{USAGE}");
-    ExitCode::from(2)
-}
-
-fn load(file: &str) -> Result<Limits, ExitCode> {
+fn load(file: &Path) -> Result<Limits, ExitCode> {
     LimitsFile::new().any_principal().read(file).map_err(|e| {
-        eprintln!("{file}: {e}");
+        eprintln!("{}: {e}", file.display());
         ExitCode::from(1)
     })
 }
 
-fn check(file: &str) -> ExitCode {
+fn check(file: &Path) -> ExitCode {
     let limits = match load(file) {
         Ok(limits) => limits,
         Err(code) => return code,
     };
     let mut rows = vec![[
-        "name".to_owned(),
-        "algorithm".to_owned(),
-        "quota".to_owned(),
-        "key".to_owned(),
-        "failure".to_owned(),
-        "shadow".to_owned(),
-    ]];
+        "name",
+        "algorithm",
+        "quota",
+        "key",
+        "cost",
+        "missing key",
+        "failure",
+        "shadow",
+    ]
+    .map(str::to_owned)];
     for (limit, key) in limits.entries() {
         rows.push([
             limit.name().to_owned(),
-            algorithm(limit.algorithm()).to_owned(),
+            limit.algorithm().as_str().to_owned(),
             quotas(limit),
             key.describe(),
+            // A limits file's costs are fixed: `cost = N`, 1 unless it says.
+            format!("fixed {}", limit.cost()),
+            missing_key(limit.missing_key_policy()).to_owned(),
             failure(limit.failure_policy()),
             if limit.is_shadow() { "yes" } else { "no" }.to_owned(),
         ]);
     }
-    let widths: Vec<usize> = (0..6)
+    let widths: Vec<usize> = (0..rows[0].len())
         .map(|c| rows.iter().map(|r| r[c].chars().count()).max().unwrap_or(0))
         .collect();
     for row in &rows {
@@ -102,18 +198,12 @@ fn check(file: &str) -> ExitCode {
     }
     println!();
     let n = limits.len();
-    println!("{file}: ok, {n} limit{}", if n == 1 { "" } else { "s" });
+    println!(
+        "{}: ok, {n} limit{}",
+        file.display(),
+        if n == 1 { "" } else { "s" }
+    );
     ExitCode::SUCCESS
-}
-
-fn algorithm(a: Algorithm) -> &'static str {
-    match a {
-        Algorithm::Gcra => "gcra",
-        Algorithm::FixedWindow => "fixed_window",
-        Algorithm::SlidingLog => "sliding_log",
-        Algorithm::Concurrency => "concurrency",
-        _ => "other",
-    }
 }
 
 /// `default 5/1m, pro 50/1m`; a GCRA burst other than the limit as `burst N`.
@@ -150,6 +240,16 @@ fn period(d: Duration) -> String {
     format!("{}us", d.as_micros())
 }
 
+/// The limits file's words for the policy.
+fn missing_key(p: &MissingKeyPolicy) -> &'static str {
+    match p {
+        MissingKeyPolicy::Reject => "reject",
+        MissingKeyPolicy::Skip => "skip",
+        MissingKeyPolicy::SharedBucket => "shared_bucket",
+        _ => "other",
+    }
+}
+
 fn failure(p: FailurePolicy) -> String {
     match p {
         FailurePolicy::FailOpen => "open".to_owned(),
@@ -159,81 +259,45 @@ fn failure(p: FailurePolicy) -> String {
     }
 }
 
-#[derive(Default)]
-struct PeekArgs {
-    redis: Option<String>,
-    cluster: Option<String>,
-    limits: Option<String>,
-    prefix: Option<String>,
-    plan: Option<String>,
-    positional: Vec<String>,
-}
-
-fn peek(args: &[String]) -> ExitCode {
-    let mut p = PeekArgs::default();
-    let mut it = args.iter();
-    while let Some(arg) = it.next() {
-        let slot = match arg.as_str() {
-            "--redis" => &mut p.redis,
-            "--cluster" => &mut p.cluster,
-            "--limits" => &mut p.limits,
-            "--prefix" => &mut p.prefix,
-            "--plan" => &mut p.plan,
-            flag if flag.starts_with("--") => return usage(&format!("unknown option {flag}")),
-            _ => {
-                p.positional.push(arg.clone());
-                continue;
-            }
-        };
-        match it.next() {
-            Some(value) => *slot = Some(value.clone()),
-            None => return usage(&format!("{arg} needs a value")),
-        }
-    }
-    let [limit_name, identity] = p.positional.as_slice() else {
-        return usage("peek takes LIMIT and IDENTITY");
-    };
-    let file = p
-        .limits
-        .clone()
-        .or_else(|| std::env::var("TOLLGATE_LIMITS").ok())
-        .unwrap_or_else(|| "limits.toml".to_owned());
-    let limits = match load(&file) {
+fn peek(args: &PeekArgs) -> ExitCode {
+    let file = &args.limits;
+    let limits = match load(file) {
         Ok(limits) => limits,
         Err(code) => return code,
     };
-    let Some((limit, key)) = limits.get(limit_name) else {
-        eprintln!("{file}: no limit named {limit_name:?}");
+    let name = args.limit.as_str();
+    let Some((limit, key)) = limits.get(name) else {
+        eprintln!("{}: no limit named {name:?}", file.display());
         return ExitCode::from(1);
     };
-    let quota = match &p.plan {
+    let quota = match &args.plan {
         None => *limit.quota(),
         Some(plan) => match limit.plans().find(|(n, _)| n == plan) {
             Some((_, q)) => *q,
             None => {
-                eprintln!("limit {limit_name:?} has no plan {plan:?}");
+                eprintln!("limit {name:?} has no plan {plan:?}");
                 return ExitCode::from(1);
             }
         },
     };
-    let identity = Identity::from(identity.as_str());
+    let identity = Identity::from(args.identity.as_str());
     let key = match key.key_of(&identity) {
         Ok(key) => key,
-        Err(e) => {
-            eprintln!("{identity}: not a key of limit {limit_name:?} ({e})");
+        Err(missing) => {
+            eprintln!("{}", IdentityError::new(name, identity, missing));
             return ExitCode::from(1);
         }
     };
-    let mut builder = RedisBackend::builder();
-    builder = match (&p.redis, &p.cluster) {
-        (Some(url), None) => builder.url(url),
-        (None, Some(urls)) => builder.cluster(urls.split(',')),
-        _ => return usage("peek needs --redis URL or --cluster URL[,URL...]"),
+    let builder = match (&args.redis.redis, &args.redis.cluster) {
+        (Some(url), _) => RedisBackend::builder().url(url),
+        (None, Some(urls)) => RedisBackend::builder().cluster(urls),
+        // The argument group requires one of the two: clap refuses this first.
+        (None, None) => {
+            eprintln!("tollgate: peek needs --redis URL or --cluster URL[,URL...]");
+            return ExitCode::from(2);
+        }
     };
-    if let Some(prefix) = &p.prefix {
-        builder = builder.prefix(prefix);
-    }
-    let backend = match builder.deadline(Duration::from_secs(2)).build() {
+    let backend = match builder.prefix(&args.prefix).deadline(PEEK_DEADLINE).build() {
         Ok(backend) => backend,
         Err(e) => {
             eprintln!("redis: {e}");
@@ -253,7 +317,7 @@ fn peek(args: &[String]) -> ExitCode {
     let check = Check::new(limit, key.as_bytes()).with_quota(quota);
     match runtime.block_on(backend.peek(&check)) {
         Ok(state) => {
-            print_state(limit_name, &identity, limit, &quota, &state);
+            print_state(name, &identity, limit, &quota, &state);
             ExitCode::SUCCESS
         }
         Err(e) => {
@@ -266,7 +330,7 @@ fn peek(args: &[String]) -> ExitCode {
 fn print_state(name: &str, identity: &Identity, limit: &Limit, quota: &Quota, s: &KeyState) {
     println!(
         "limit      {name} ({} {}/{})",
-        algorithm(limit.algorithm()),
+        limit.algorithm().as_str(),
         quota.limit(),
         period(quota.period())
     );

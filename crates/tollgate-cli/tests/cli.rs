@@ -27,6 +27,8 @@ algorithm = "fixed_window"
 period = "1d"
 key = "principal"
 failure = "closed"
+missing_key = "skip"
+cost = 3
 [limit.quota]
 default = 5000
 pro = 50000
@@ -75,10 +77,19 @@ impl Drop for TempFile {
 }
 
 fn run(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_tollgate"))
-        .args(args)
-        .output()
-        .unwrap()
+    command(args).output().unwrap()
+}
+
+/// The command, with no `$TOLLGATE_LIMITS` from the environment the tests run in.
+fn command(args: &[&str]) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_tollgate"));
+    command.args(args).env_remove("TOLLGATE_LIMITS");
+    command
+}
+
+/// The workspace's root, where the README's commands run.
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
 fn stdout(o: &Output) -> String {
@@ -96,10 +107,10 @@ fn check_prints_the_effective_limits() {
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
     let want = format!(
         "\
-name       algorithm     quota                                key                                        failure     shadow
-per-ip     gcra          default 60/1m burst 10               ip (cf-connecting-ip from 22 trusted networks)  fallback 3  no
-per-token  fixed_window  default 5000/1d, pro 50000/1d        principal String                           closed      no
-per-shop   sliding_log   default 100/1h                       header x-shop-domain                       open        yes
+name       algorithm     quota                          key                                             cost     missing key  failure     shadow
+per-ip     gcra          default 60/1m burst 10         ip (cf-connecting-ip from 22 trusted networks)  fixed 1  reject       fallback 3  no
+per-token  fixed_window  default 5000/1d, pro 50000/1d  principal String                                fixed 3  skip         closed      no
+per-shop   sliding_log   default 100/1h                 header x-shop-domain                            fixed 1  reject       open        yes
 
 allowlist (admitted, counted by no limit):
   networks 10.0.0.0/8, 2001:db8::/32
@@ -109,19 +120,188 @@ allowlist (admitted, counted by no limit):
 ",
         path.display()
     );
-    // Columns are padded to their widest cell: compare cell by cell.
-    let cells = |s: &str| -> Vec<Vec<String>> {
-        s.lines()
-            .map(|l| {
-                l.split("  ")
-                    .map(str::trim)
-                    .filter(|c| !c.is_empty())
-                    .map(String::from)
-                    .collect()
-            })
-            .collect()
-    };
     assert_eq!(cells(&stdout(&out)), cells(&want));
+}
+
+/// Columns are padded to their widest cell: compare cell by cell.
+fn cells(s: &str) -> Vec<Vec<String>> {
+    s.lines()
+        .map(|l| {
+            l.split("  ")
+                .map(str::trim)
+                .filter(|c| !c.is_empty())
+                .map(String::from)
+                .collect()
+        })
+        .collect()
+}
+
+#[test]
+fn the_shipped_file_checks() {
+    let out = command(&["check", "examples/limits.toml"])
+        .current_dir(root())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let want = "\
+name       algorithm     quota                          key                                             cost     missing key  failure     shadow
+per-ip     gcra          default 60/1m burst 10         ip (cf-connecting-ip from 22 trusted networks)  fixed 1  reject       fallback 3  no
+per-token  fixed_window  default 5000/1d, pro 50000/1d  principal String                                fixed 1  reject       closed      no
+per-shop   sliding_log   default 1000/1h                header x-shop-domain                            fixed 1  skip         open        yes
+
+allowlist (admitted, counted by no limit):
+  networks 10.0.0.0/8, 2001:db8::/32
+  keys ops-bot
+
+examples/limits.toml: ok, 3 limits
+";
+    assert_eq!(cells(&stdout(&out)), cells(want));
+    assert_eq!(stderr(&out), "");
+}
+
+/// The README's `tollgate` commands, as written there (the peek's Redis URL aside).
+fn readme_commands() -> Vec<Vec<String>> {
+    let readme = std::fs::read_to_string(root().join("README.md")).unwrap();
+    readme
+        .lines()
+        .filter_map(|l| l.strip_prefix("cargo run -p tollgate-cli -- "))
+        .map(|l| {
+            let command = l.split('#').next().unwrap();
+            command.split_whitespace().map(String::from).collect()
+        })
+        .collect()
+}
+
+#[test]
+fn the_readme_commands_run_on_the_shipped_file() {
+    let commands = readme_commands();
+    let names: Vec<&str> = commands.iter().map(|c| c[0].as_str()).collect();
+    assert_eq!(names, ["check", "peek"]);
+    let server = RedisServer::start();
+    for command in commands {
+        let args: Vec<String> = command
+            .iter()
+            .map(|a| {
+                if a == "redis://127.0.0.1/" {
+                    server.url()
+                } else {
+                    a.clone()
+                }
+            })
+            .collect();
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        assert!(args.contains(&"examples/limits.toml"), "{args:?}");
+        let out = self::command(&args).current_dir(root()).output().unwrap();
+        assert_eq!(out.status.code(), Some(0), "{args:?}: {}", stderr(&out));
+        if args[0] == "peek" {
+            let text = stdout(&out);
+            assert!(text.contains("limit      per-ip (gcra 60/1m)\n"), "{text}");
+            assert!(text.contains("identity   203.0.113.7\n"), "{text}");
+            assert!(text.contains("remaining  10\n"), "{text}");
+        }
+    }
+}
+
+#[test]
+fn help_and_version_exit_0() {
+    let help = run(&["--help"]);
+    assert_eq!(help.status.code(), Some(0));
+    let text = stdout(&help);
+    for says in [
+        "Usage: tollgate <COMMAND>",
+        "  check  ",
+        "  peek  ",
+        "  0  ok",
+        "  1  a bad file",
+        "  2  a usage error",
+        "  3  Redis failed",
+        "TOLLGATE_LIMITS",
+        "peek --limits  $TOLLGATE_LIMITS, else limits.toml",
+        "peek --prefix  tollgate",
+    ] {
+        assert!(text.contains(says), "{says:?} not in:\n{text}");
+    }
+    let version = run(&["--version"]);
+    assert_eq!(version.status.code(), Some(0));
+    assert_eq!(
+        stdout(&version),
+        format!("tollgate {}\n", env!("CARGO_PKG_VERSION"))
+    );
+    let check = run(&["check", "--help"]);
+    assert_eq!(check.status.code(), Some(0));
+    assert!(stdout(&check).contains("Usage: tollgate check <FILE>"));
+    assert!(stdout(&check).contains("  1  a bad file"));
+    let peek = run(&["peek", "--help"]);
+    assert_eq!(peek.status.code(), Some(0));
+    let text = stdout(&peek);
+    for says in [
+        "--redis <URL>",
+        "--cluster <URL[,URL...]>",
+        "[env: TOLLGATE_LIMITS=]",
+        "[default: limits.toml]",
+        "[default: tollgate]",
+        "  3  Redis failed",
+    ] {
+        assert!(text.contains(says), "{says:?} not in:\n{text}");
+    }
+    assert_eq!(run(&["help", "peek"]).status.code(), Some(0));
+}
+
+#[test]
+fn an_unknown_command_or_flag_is_named_with_a_hint() {
+    let out = run(&["chek", "limits.toml"]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = stderr(&out);
+    assert!(err.contains("unrecognized subcommand 'chek'"), "{err}");
+    assert!(
+        err.contains("a similar subcommand exists: 'check'"),
+        "{err}"
+    );
+    let out = run(&["check", "--strict", "limits.toml"]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = stderr(&out);
+    assert!(err.contains("unexpected argument '--strict'"), "{err}");
+    assert!(err.contains("For more information, try '--help'."), "{err}");
+    let out = run(&[
+        "peek",
+        "--redis",
+        "redis://127.0.0.1/",
+        "--limts",
+        "f",
+        "a",
+        "b",
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = stderr(&out);
+    assert!(err.contains("unexpected argument '--limts'"), "{err}");
+    assert!(
+        err.contains("a similar argument exists: '--limits'"),
+        "{err}"
+    );
+    assert_eq!(stdout(&out), "");
+    // Both servers, or neither.
+    let out = run(&[
+        "peek",
+        "--redis",
+        "redis://a/",
+        "--cluster",
+        "redis://b/",
+        "l",
+        "i",
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        stderr(&out).contains("cannot be used with"),
+        "{}",
+        stderr(&out)
+    );
+    let out = run(&["peek", "l", "i"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        stderr(&out).contains("--redis <URL>|--cluster"),
+        "{}",
+        stderr(&out)
+    );
 }
 
 /// A broken file: exit 1, and the error names the line and column.
@@ -143,26 +323,34 @@ fn check_names_the_line_and_column_of_a_broken_file() {
     let limit = |name: &str, quota: &str, key: &str| {
         format!("[[limit]]\nname = \"{name}\"\nperiod = \"1m\"\nkey = {key}\n[limit.quota]\ndefault = {quota}\n\n")
     };
-    // A quota of zero, in the second limit (which starts on line 8).
+    // A quota of zero, in the second limit (which starts on line 8): at the quota's line.
     let text = limit("a", "5", "\"ip\"") + &limit("b", "0", "\"ip\"");
     broken(
         "zero-quota",
         &text,
-        8,
-        1,
+        13,
+        11,
         "limit \"b\": a quota must admit at least one request",
+    );
+    // A misspelt algorithm, at its own line rather than its `[[limit]]`'s.
+    broken(
+        "algorithm",
+        "[[limit]]\nname = \"a\"\nalgorithm = \"fixed_windw\"\nperiod = \"1m\"\nkey = \"ip\"\nquota = 5\n",
+        3,
+        13,
+        "limit \"a\": unknown algorithm \"fixed_windw\" (gcra, fixed_window, sliding_log)",
     );
     // An unknown key kind.
     let text = limit("a", "5", "\"cookie\"");
-    broken("unknown-key", &text, 1, 1, "unknown key \"cookie\"");
+    broken("unknown-key", &text, 4, 7, "unknown key \"cookie\"");
     // A name given twice: the second one is the mistake.
     let text = limit("a", "5", "\"ip\"") + &limit("b", "5", "\"ip\"") + &limit("a", "7", "\"ip\"");
     broken(
         "duplicate",
         &text,
-        15,
-        1,
-        "two limits are named \"a\" (the first at line 1)",
+        16,
+        8,
+        "two limits are named \"a\" (the first at line 2)",
     );
     // TOML that does not parse, and a field the format does not have.
     broken(
@@ -276,7 +464,13 @@ default = 10
         .unwrap();
     assert_eq!(v[0].remaining, 6);
     // An unknown limit, and an identity the limit's keys cannot be.
-    assert_eq!(peek("not-an-address").status.code(), Some(1));
+    let out = peek("not-an-address");
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(
+        stderr(&out),
+        "\"not-an-address\" is not an IP address: expected an IP address for rate limit \"daily\"\n"
+    );
+    assert_eq!(stdout(&out), "");
     let out = run(&[
         "peek",
         "--redis",
@@ -289,6 +483,51 @@ default = 10
     assert_eq!(out.status.code(), Some(1));
     assert!(
         stderr(&out).contains("no limit named \"nope\""),
+        "{}",
+        stderr(&out)
+    );
+
+    // Without --limits, the file is $TOLLGATE_LIMITS; --limits wins over it.
+    let args = [
+        "peek",
+        "--redis",
+        &server.url(),
+        "--prefix",
+        "app",
+        "daily",
+        "203.0.113.7",
+    ];
+    let out = command(&args)
+        .env("TOLLGATE_LIMITS", &*path)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert!(stdout(&out).contains("remaining  6\n"), "{}", stdout(&out));
+    let out = command(
+        &[
+            &args[..5],
+            &["--limits", "/nonexistent/limits.toml"],
+            &args[5..],
+        ]
+        .concat(),
+    )
+    .env("TOLLGATE_LIMITS", &*path)
+    .output()
+    .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        stderr(&out).contains("cannot read /nonexistent/limits.toml"),
+        "{}",
+        stderr(&out)
+    );
+    // Neither: limits.toml in the working directory, here an empty one.
+    let empty = std::env::temp_dir().join(format!("tollgate-cli-{}-empty", std::process::id()));
+    std::fs::create_dir_all(&empty).unwrap();
+    let out = command(&args).current_dir(&empty).output().unwrap();
+    std::fs::remove_dir(&empty).unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        stderr(&out).starts_with("limits.toml: limits file: cannot read limits.toml"),
         "{}",
         stderr(&out)
     );

@@ -234,10 +234,11 @@ impl KeyState {
         }
     }
 
-    /// The state of a key the backend holds nothing for: its whole quota.
+    /// The state of a key the backend holds nothing for: its whole quota, or for GCRA its
+    /// whole burst (what a request could take at once; the burst is the limit unless set).
     pub fn fresh(quota: &Quota) -> Self {
         Self {
-            remaining: u64::from(quota.limit()),
+            remaining: u64::from(quota.burst()),
             reset: Duration::ZERO,
             retry_after: None,
         }
@@ -700,5 +701,18 @@ mod tests {
         assert_eq!(v.len(), 1);
         let collected: Verdicts = (0..20).map(allowed).collect();
         assert_eq!(collected.len(), MAX_CHECKS);
+    }
+
+    #[test]
+    fn a_fresh_gcra_key_has_its_burst_left() {
+        let quota = Quota::per_minute(60).unwrap().with_burst(10).unwrap();
+        assert_eq!(KeyState::fresh(&quota).remaining, 10);
+        // One unit later, one less: what the first check of the key answers.
+        let (verdict, _) = crate::algorithm::gcra(&quota, None, 0, 1);
+        assert_eq!(verdict.remaining, 9);
+        assert_eq!(
+            KeyState::fresh(&Quota::per_minute(60).unwrap()).remaining,
+            60
+        );
     }
 }

@@ -14,11 +14,12 @@ use std::time::Duration;
 use http::HeaderName;
 use serde::Deserialize;
 use tollgate_core::{Algorithm, ConfigError, Limit, MissingKeyPolicy, Quota, MAX_CHECKS};
+use toml::Spanned;
 
 use crate::allowlist::Allowlist;
 use crate::key::{
-    Cidr, ClientIp, ForwardedHeader, Global, KeyExtractor, Principal, PrincipalId, Tenant,
-    TrustedProxies,
+    Cidr, ClientIp, ForwardedHeader, Global, Identity, KeyExtractor, Principal, PrincipalId,
+    Tenant, TrustedProxies,
 };
 use crate::layer::{Limits, RateLimitLayer};
 
@@ -96,15 +97,19 @@ impl LimitsFile {
             .map_err(|e| LimitsFileError::at(text, e.span(), &said(e.message())))?;
         let mut limits = Limits::new();
         // What only the whole set can say, where it is said: a name given twice (at its
-        // second `[[limit]]`), more limits than a layer takes (at the first too many).
+        // second `name`), more limits than a layer takes (at the first too many `[[limit]]`).
         for (i, spec) in file.limit.iter().enumerate() {
             let name = &spec.get_ref().name;
-            if let Some(first) = file.limit[..i].iter().find(|s| &s.get_ref().name == name) {
+            let earlier = file.limit[..i].iter().map(|s| &s.get_ref().name);
+            if let Some(first) = earlier.into_iter().find(|n| n.get_ref() == name.get_ref()) {
                 let (line, _) = LimitsFileError::position(text, first.span().start);
                 return Err(LimitsFileError::at(
                     text,
-                    Some(spec.span()),
-                    &format!("two limits are named {name:?} (the first at line {line})"),
+                    Some(name.span()),
+                    &format!(
+                        "two limits are named {:?} (the first at line {line})",
+                        name.get_ref()
+                    ),
                 ));
             }
             if i == MAX_CHECKS {
@@ -116,19 +121,14 @@ impl LimitsFile {
             }
         }
         for spec in &file.limit {
-            let span = spec.span();
-            let (limit, key) = self
-                .build(spec.get_ref())
-                .map_err(|message| LimitsFileError::at(text, Some(span.clone()), &message))?;
+            let (limit, key) = self.build(spec.get_ref()).map_err(|m| m.in_text(text))?;
             limits.push(limit, key);
         }
         if limits.is_empty() {
             return Err(LimitsFileError::at(text, None, "the file has no [[limit]]"));
         }
         for spec in &file.allowlist {
-            let allow = self
-                .allowlist(spec.get_ref())
-                .map_err(|message| LimitsFileError::at(text, Some(spec.span()), &message))?;
+            let allow = self.allowlist(spec).map_err(|m| m.in_text(text))?;
             limits.add_allowlist(allow);
         }
         // What only the whole set can say (duplicate names, too many limits).
@@ -153,109 +153,159 @@ impl LimitsFile {
         self.parse(&text)
     }
 
-    fn build(&self, spec: &LimitSpec) -> Result<(Limit, Box<dyn KeyExtractor>), String> {
-        let named = |e: ConfigError| format!("limit {:?}: {e}", spec.name);
-        let period =
-            parse_period(&spec.period).map_err(|e| format!("limit {:?}: {e}", spec.name))?;
-        let algorithm = match spec.algorithm.as_deref().unwrap_or("gcra") {
-            "gcra" => Algorithm::Gcra,
-            "fixed_window" => Algorithm::FixedWindow,
-            "sliding_log" => Algorithm::SlidingLog,
-            other => {
-                return Err(format!(
-                    "limit {:?}: unknown algorithm {other:?} (gcra, fixed_window, sliding_log)",
-                    spec.name
-                ))
+    fn build(&self, spec: &LimitSpec) -> Result<(Limit, Box<dyn KeyExtractor>), Mistake> {
+        let name = spec.name.get_ref();
+        // Each mistake is said at the value that makes it, with the limit's name.
+        let at = |span: Range<usize>| {
+            move |e: &dyn fmt::Display| Mistake {
+                span,
+                message: format!("limit {name:?}: {e}"),
             }
         };
-        let quota = |q: &QuotaSpec| -> Result<Quota, String> {
-            let (limit, burst) = match *q {
+        let period = parse_period(spec.period.get_ref()).map_err(|e| at(spec.period.span())(&e))?;
+        let algorithm = match &spec.algorithm {
+            None => Algorithm::Gcra,
+            Some(a) => match a.get_ref().as_str() {
+                "gcra" => Algorithm::Gcra,
+                "fixed_window" => Algorithm::FixedWindow,
+                "sliding_log" => Algorithm::SlidingLog,
+                other => {
+                    return Err(at(a.span())(&format_args!(
+                        "unknown algorithm {other:?} (gcra, fixed_window, sliding_log)"
+                    )))
+                }
+            },
+        };
+        let quota = |q: &Spanned<QuotaSpec>| -> Result<Quota, Mistake> {
+            let (limit, burst) = match *q.get_ref() {
                 QuotaSpec::Limit(limit) => (limit, None),
                 QuotaSpec::Burst { limit, burst } => (limit, burst),
             };
-            let quota = Quota::new(limit, period).map_err(named)?;
-            match burst {
-                Some(b) => quota.with_burst(b).map_err(named),
+            let quota = Quota::new(limit, period).and_then(|quota| match burst {
+                Some(b) => quota.with_burst(b),
                 None => Ok(quota),
-            }
+            });
+            quota.map_err(|e| at(q.span())(&e))
         };
-        let Some(default) = spec.quota.get("default") else {
-            return Err(format!(
-                "limit {:?}: the quota needs a `default` (the quota of requests without a plan)",
-                spec.name
-            ));
-        };
-        let mut limit = Limit::new(&spec.name, algorithm, quota(default)?).map_err(named)?;
-        for (plan, q) in spec.quota.iter().filter(|(p, _)| p.as_str() != "default") {
-            limit = limit.plan(plan, quota(q)?).map_err(named)?;
-        }
-        if let Some(cost) = spec.cost {
-            limit = limit.with_cost(cost).map_err(named)?;
-        }
-        limit = match spec.failure.as_ref() {
-            None => limit,
-            Some(FailureSpec::Word(w)) if w == "open" => limit.fail_open(),
-            Some(FailureSpec::Word(w)) if w == "closed" => limit.fail_closed(),
-            Some(FailureSpec::Fallback { fallback }) => match NonZeroU32::new(*fallback) {
-                Some(replicas) => limit.fallback(replicas),
+        // `quota = 5`, or `[limit.quota]` with a `default` and a line per plan.
+        let no_plans = BTreeMap::new();
+        let (default, plans) = match spec.quota.get_ref() {
+            QuotaField::Default(n) => (
+                Spanned::new(spec.quota.span(), QuotaSpec::Limit(*n)),
+                &no_plans,
+            ),
+            QuotaField::Plans(plans) => match plans.get("default") {
+                Some(default) => (default.clone(), plans),
                 None => {
-                    return Err(format!(
-                        "limit {:?}: fallback needs 1 replica or more",
-                        spec.name
+                    return Err(at(spec.quota.span())(
+                        &"the quota needs a `default` (the quota of requests without a plan)",
                     ))
                 }
             },
-            Some(FailureSpec::Word(w)) => {
-                return Err(format!(
-                    "limit {:?}: unknown failure policy {w:?} (open, closed, {{ fallback = N }})",
-                    spec.name
-                ))
-            }
         };
-        limit = match spec.missing_key.as_deref() {
-            None | Some("reject") => limit.on_missing_key(MissingKeyPolicy::Reject),
-            Some("skip") => limit.on_missing_key(MissingKeyPolicy::Skip),
-            Some("shared_bucket") => limit.on_missing_key(MissingKeyPolicy::SharedBucket),
-            Some(other) => {
-                return Err(format!(
-                    "limit {:?}: unknown missing_key {other:?} (reject, skip, shared_bucket)",
-                    spec.name
-                ))
-            }
+        let default_quota = quota(&default)?;
+        let mut limit = Limit::new(name, algorithm, default_quota).map_err(|e| match e {
+            ConfigError::InvalidName(_) | ConfigError::ReservedName(_) => at(spec.name.span())(&e),
+            _ => at(default.span())(&e),
+        })?;
+        for (plan, q) in plans.iter().filter(|(p, _)| p.get_ref() != "default") {
+            limit = limit
+                .plan(plan.get_ref(), quota(q)?)
+                .map_err(|e| at(q.span())(&e))?;
+        }
+        if let Some(cost) = &spec.cost {
+            limit = limit
+                .with_cost(*cost.get_ref())
+                .map_err(|e| at(cost.span())(&e))?;
+        }
+        limit = match &spec.failure {
+            None => limit,
+            Some(failure) => match failure.get_ref() {
+                FailureSpec::Word(w) if w == "open" => limit.fail_open(),
+                FailureSpec::Word(w) if w == "closed" => limit.fail_closed(),
+                FailureSpec::Fallback { fallback } => match NonZeroU32::new(*fallback) {
+                    Some(replicas) => limit.fallback(replicas),
+                    None => return Err(at(failure.span())(&"fallback needs 1 replica or more")),
+                },
+                FailureSpec::Word(w) => {
+                    return Err(at(failure.span())(&format_args!(
+                        "unknown failure policy {w:?} (open, closed, {{ fallback = N }})"
+                    )))
+                }
+            },
+        };
+        limit = match &spec.missing_key {
+            None => limit.on_missing_key(MissingKeyPolicy::Reject),
+            Some(policy) => match policy.get_ref().as_str() {
+                "reject" => limit.on_missing_key(MissingKeyPolicy::Reject),
+                "skip" => limit.on_missing_key(MissingKeyPolicy::Skip),
+                "shared_bucket" => limit.on_missing_key(MissingKeyPolicy::SharedBucket),
+                other => {
+                    return Err(at(policy.span())(&format_args!(
+                        "unknown missing_key {other:?} (reject, skip, shared_bucket)"
+                    )))
+                }
+            },
         };
         if spec.shadow {
             limit = limit.shadow();
         }
         let key = self
-            .key(&spec.key)
-            .map_err(|e| format!("limit {:?}: {e}", spec.name))?;
+            .key(spec.key.get_ref())
+            .map_err(|e| at(spec.key.span())(&e))?;
         Ok((limit, key))
     }
 
     /// One `[[allowlist]]` table: a key and the networks (for an `ip` key) or the names it
     /// admits.
-    fn allowlist(&self, spec: &AllowSpec) -> Result<Allowlist, String> {
+    fn allowlist(&self, table: &Spanned<AllowSpec>) -> Result<Allowlist, Mistake> {
+        let spec = table.get_ref();
+        let at = |span: Range<usize>, message: String| Mistake { span, message };
         let mut allow = Allowlist::new();
         if spec.networks.is_none() && spec.values.is_none() {
-            return Err("an allowlist needs `networks` (for an ip key) or `values`".into());
+            return Err(at(
+                table.span(),
+                "an allowlist needs `networks` (for an ip key) or `values`".into(),
+            ));
         }
         if let Some(networks) = &spec.networks {
-            let ip = match &spec.key {
+            let ip = match spec.key.get_ref() {
                 KeySpec::Word(w) if w == "ip" => ClientIp::peer(),
-                KeySpec::Ip { ip } => ip_key(ip)?,
-                _ => return Err("allowlist `networks` need an ip key".into()),
+                KeySpec::Ip { ip } => ip_key(ip).map_err(|e| at(spec.key.span(), e))?,
+                _ => {
+                    return Err(at(
+                        spec.key.span(),
+                        "allowlist `networks` need an ip key".into(),
+                    ))
+                }
             };
             let cidrs = networks
                 .iter()
-                .map(|n| n.parse::<Cidr>().map_err(|e| format!("allowlist: {e}")))
+                .map(|n| {
+                    n.get_ref()
+                        .parse::<Cidr>()
+                        .map_err(|e| at(n.span(), format!("allowlist: {e}")))
+                })
                 .collect::<Result<Vec<_>, _>>()?;
             allow = allow.networks(ip, cidrs);
         }
         if let Some(values) = &spec.values {
-            let key = self.key(&spec.key).map_err(|e| format!("allowlist: {e}"))?;
+            let key = self
+                .key(spec.key.get_ref())
+                .map_err(|e| at(spec.key.span(), format!("allowlist: {e}")))?;
             allow = allow
-                .keys(key, values.iter())
-                .map_err(|e| format!("allowlist: {e}"))?;
+                .keys(key, values.iter().map(Spanned::get_ref))
+                .map_err(|e| {
+                    // At the value refused, which the error names as an identity.
+                    let refused = match &e {
+                        ConfigError::InvalidAllowlistEntry(entry) => values
+                            .iter()
+                            .find(|v| Identity::from(v.get_ref()).to_string() == *entry),
+                        _ => None,
+                    };
+                    let span = refused.map_or(table.span(), Spanned::span);
+                    at(span, format!("allowlist: {e}"))
+                })?;
         }
         Ok(allow)
     }
@@ -354,6 +404,18 @@ impl RateLimitLayer {
     }
 }
 
+/// A mistake in a file, where it is: what `parse` turns into a [`LimitsFileError`].
+struct Mistake {
+    span: Range<usize>,
+    message: String,
+}
+
+impl Mistake {
+    fn in_text(self, text: &str) -> LimitsFileError {
+        LimitsFileError::at(text, Some(self.span), &self.message)
+    }
+}
+
 /// A limits file that could not be read, parsed or built, with where.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LimitsFileError {
@@ -371,9 +433,10 @@ impl LimitsFileError {
         }
         let before = &text[..at];
         let line = before.matches('\n').count() + 1;
-        let column = before
-            .rfind('\n')
-            .map_or(before.len(), |n| before.len() - n - 1)
+        // In characters, as editors count them.
+        let column = before[before.rfind('\n').map_or(0, |n| n + 1)..]
+            .chars()
+            .count()
             + 1;
         (line, column)
     }
@@ -478,35 +541,78 @@ fn parse_period(text: &str) -> Result<Duration, String> {
 #[serde(deny_unknown_fields)]
 struct FileSpec {
     #[serde(default)]
-    limit: Vec<toml::Spanned<LimitSpec>>,
+    limit: Vec<Spanned<LimitSpec>>,
     #[serde(default)]
-    allowlist: Vec<toml::Spanned<AllowSpec>>,
+    allowlist: Vec<Spanned<AllowSpec>>,
 }
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct AllowSpec {
-    key: KeySpec,
-    networks: Option<Vec<String>>,
-    values: Option<Vec<String>>,
+    key: Spanned<KeySpec>,
+    networks: Option<Vec<Spanned<String>>>,
+    values: Option<Vec<Spanned<String>>>,
 }
 
+// Every field that a mistake can be in is `Spanned`, so that the error points at it.
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct LimitSpec {
-    name: String,
-    algorithm: Option<String>,
-    period: String,
-    quota: BTreeMap<String, QuotaSpec>,
-    key: KeySpec,
-    cost: Option<u32>,
-    failure: Option<FailureSpec>,
-    missing_key: Option<String>,
+    name: Spanned<String>,
+    algorithm: Option<Spanned<String>>,
+    period: Spanned<String>,
+    quota: Spanned<QuotaField>,
+    key: Spanned<KeySpec>,
+    cost: Option<Spanned<u32>>,
+    failure: Option<Spanned<FailureSpec>>,
+    missing_key: Option<Spanned<String>>,
     #[serde(default)]
     shadow: bool,
 }
 
-#[derive(Deserialize)]
+/// `quota = 5` (the default quota, no plans), or a table of plans with a `default`.
+enum QuotaField {
+    Default(u32),
+    Plans(BTreeMap<Spanned<String>, Spanned<QuotaSpec>>),
+}
+
+impl<'de> Deserialize<'de> for QuotaField {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visit;
+
+        impl<'de> serde::de::Visitor<'de> for Visit {
+            type Value = QuotaField;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a quota: a number, or a [limit.quota] table with a `default`")
+            }
+
+            fn visit_i64<E: serde::de::Error>(self, n: i64) -> Result<QuotaField, E> {
+                u32::try_from(n)
+                    .map(QuotaField::Default)
+                    .map_err(|_| E::invalid_value(serde::de::Unexpected::Signed(n), &self))
+            }
+
+            fn visit_u64<E: serde::de::Error>(self, n: u64) -> Result<QuotaField, E> {
+                u32::try_from(n)
+                    .map(QuotaField::Default)
+                    .map_err(|_| E::invalid_value(serde::de::Unexpected::Unsigned(n), &self))
+            }
+
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                map: A,
+            ) -> Result<QuotaField, A::Error> {
+                BTreeMap::deserialize(serde::de::value::MapAccessDeserializer::new(map))
+                    .map(QuotaField::Plans)
+            }
+        }
+
+        d.deserialize_any(Visit)
+    }
+}
+
+#[derive(Clone, Deserialize)]
 #[serde(untagged)]
 enum QuotaSpec {
     Limit(u32),
@@ -550,4 +656,124 @@ struct IpSpec {
 enum Trusted {
     Word(String),
     Cidrs(Vec<String>),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn error(text: &str) -> LimitsFileError {
+        match LimitsFile::new().any_principal().parse(text) {
+            Ok(_) => panic!("accepted:\n{text}"),
+            Err(e) => e,
+        }
+    }
+
+    #[test]
+    fn a_mistake_is_reported_at_its_own_line() {
+        let text = "[[limit]]\nname = \"a\"\nalgorithm = \"fixed_windw\"\nperiod = \"1m\"\nkey = \"ip\"\nquota = 5\n";
+        let e = error(text);
+        assert_eq!((e.line(), e.column()), (3, 13), "{e}");
+        assert_eq!(
+            e.message(),
+            "limit \"a\": unknown algorithm \"fixed_windw\" (gcra, fixed_window, sliding_log)"
+        );
+        // One line per field: each mistake where it is, not at `[[limit]]` (line 1).
+        let fields = [
+            ("name = \"a b\"", 2, 8),
+            ("period = \"1 minute\"", 4, 10),
+            ("key = \"cookie\"", 5, 7),
+            ("cost = 0", 7, 8),
+            ("failure = \"sometimes\"", 8, 11),
+            ("failure = { fallback = 0 }", 8, 11),
+            ("missing_key = \"ignore\"", 9, 15),
+        ];
+        for (field, line, column) in fields {
+            let mut lines = vec![
+                "[[limit]]",
+                "name = \"a\"",
+                "algorithm = \"gcra\"",
+                "period = \"1m\"",
+                "key = \"ip\"",
+                "quota = 5",
+                "cost = 1",
+                "failure = \"open\"",
+                "missing_key = \"skip\"",
+            ];
+            lines[line - 1] = field;
+            let e = error(&lines.join("\n"));
+            assert_eq!((e.line(), e.column()), (line, column), "{field}: {e}");
+        }
+    }
+
+    #[test]
+    fn a_quota_mistake_is_at_its_plan() {
+        let text = "[[limit]]\nname = \"a\"\nperiod = \"1m\"\nkey = \"ip\"\n\n[limit.quota]\ndefault = 5\npro = 0\n";
+        let e = error(text);
+        assert_eq!((e.line(), e.column()), (8, 7), "{e}");
+        assert_eq!(
+            e.message(),
+            "limit \"a\": a quota must admit at least one request"
+        );
+        let text = "[[limit]]\nname = \"a\"\nperiod = \"1m\"\nkey = \"ip\"\nquota = 0\n";
+        let e = error(text);
+        assert_eq!((e.line(), e.column()), (5, 9), "{e}");
+        let text =
+            "[[limit]]\nname = \"a\"\nperiod = \"1m\"\nkey = \"ip\"\n\n[limit.quota]\npro = 5\n";
+        let e = error(text);
+        assert_eq!((e.line(), e.column()), (6, 1), "{e}");
+    }
+
+    #[test]
+    fn a_bare_number_is_the_default_quota() {
+        let text = "[[limit]]\nname = \"a\"\nperiod = \"1m\"\nkey = \"ip\"\nquota = 5\n";
+        let limits = LimitsFile::new().parse(text).unwrap();
+        let (limit, _) = limits.get("a").unwrap();
+        assert_eq!(limit.quota().limit(), 5);
+        assert_eq!(limit.quota().period(), Duration::from_secs(60));
+        assert_eq!(limit.plans().len(), 0);
+        // Not a quota: a sign, a string, more than u32.
+        for (value, column) in [("-5", 9), ("\"5\"", 9), ("4294967296", 9)] {
+            let e = error(&text.replace("quota = 5", &format!("quota = {value}")));
+            assert_eq!((e.line(), e.column()), (5, column), "{value}: {e}");
+            assert!(e.message().contains("a quota: a number"), "{value}: {e}");
+        }
+    }
+
+    #[test]
+    fn a_name_given_twice_is_at_the_second_name() {
+        let one = "[[limit]]\nname = \"a\"\nperiod = \"1m\"\nkey = \"ip\"\nquota = 5\n";
+        let e = error(&format!("{one}{one}"));
+        assert_eq!((e.line(), e.column()), (7, 8), "{e}");
+        assert_eq!(
+            e.message(),
+            "two limits are named \"a\" (the first at line 2)"
+        );
+    }
+
+    #[test]
+    fn an_allowlist_mistake_is_at_its_value() {
+        let limit = "[[limit]]\nname = \"a\"\nperiod = \"1m\"\nkey = \"ip\"\nquota = 5\n\n";
+        let text = format!(
+            "{limit}[[allowlist]]\nkey = \"ip\"\nnetworks = [\"10.0.0.0/8\",\n  \"10.0.0.0/33\"]\n"
+        );
+        let e = error(&text);
+        assert_eq!((e.line(), e.column()), (10, 3), "{e}");
+        let text = format!(
+            "{limit}[[allowlist]]\nkey = {{ header = \"x-shop\" }}\nvalues = [\"a.example\", \"bad shop!\"]\n"
+        );
+        let e = error(&text);
+        assert_eq!((e.line(), e.column()), (9, 24), "{e}");
+        let text = format!("{limit}[[allowlist]]\nkey = \"global\"\nnetworks = [\"10.0.0.0/8\"]\n");
+        let e = error(&text);
+        assert_eq!((e.line(), e.column()), (8, 7), "{e}");
+    }
+
+    #[test]
+    fn columns_count_characters() {
+        let text = "[[limit]]\nname = \"a\" # é\nperiod = \"1m\"\nkey = \"ip\"\nquota = 5\n# é\u{e9}\nshadow = 1\n";
+        let e = error(text);
+        assert_eq!((e.line(), e.column()), (7, 10), "{e}");
+        assert_eq!(LimitsFileError::position("é\u{e9}x", 4), (1, 3));
+    }
 }

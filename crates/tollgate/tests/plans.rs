@@ -606,10 +606,10 @@ fn limits_file_errors_say_where() {
         at("[[limit]]\nname = \"a\"\nperiod = \"1m\"\nkey = \"global\"\nqota = 3\n");
     assert_eq!(line, 5);
     assert!(message.contains("unknown field `qota`"), "{message}");
-    // A limit that cannot be built: where the limit starts.
+    // A limit that cannot be built: at the value that is wrong, here its name.
     let text = "[[limit]]\nname = \"a\"\nperiod = \"1m\"\nkey = \"global\"\nquota = { default = 5 }\n\n[[limit]]\nname = \"b c\"\nperiod = \"1m\"\nkey = \"global\"\nquota = { default = 5 }\n";
     let (line, column, message) = at(text);
-    assert_eq!((line, column), (7, 1));
+    assert_eq!((line, column), (8, 8));
     assert!(message.contains("limit \"b c\""), "{message}");
     // No default quota.
     let (_, _, message) =
@@ -626,10 +626,10 @@ fn limits_file_errors_say_where() {
         "{0}{0}",
         "[[limit]]\nname = \"a\"\nperiod = \"1m\"\nkey = \"global\"\nquota = { default = 5 }\n"
     ));
-    // At the second one, which names the first.
-    assert_eq!(line, 6);
+    // At the second name, which says the line of the first.
+    assert_eq!(line, 7);
     assert!(
-        message.contains("two limits are named \"a\" (the first at line 1)"),
+        message.contains("two limits are named \"a\" (the first at line 2)"),
         "{message}"
     );
 }

@@ -260,11 +260,11 @@ impl KeyExtractor for ClientIp {
     }
 
     /// The key of the address, grouped by this extractor's prefixes; a name that is not an
-    /// address is [`MissingKey::Invalid`].
+    /// address is [`MissingKey::NotAnAddress`].
     fn key_of(&self, identity: &Identity) -> Result<Key<'static>, MissingKey> {
         identity
             .ip()
-            .ok_or(MissingKey::Invalid)
+            .ok_or(MissingKey::NotAnAddress)
             .and_then(|ip| self.key(ip))
     }
 

@@ -137,16 +137,22 @@ pub enum MissingKey {
     TooLong,
     /// No socket peer address: the server was not started with connect info.
     NoPeerAddress,
+    /// An operator's [`Identity`] that is not an IP address, for a key of client addresses
+    /// ([`ClientIp`]'s [`key_of`](KeyExtractor::key_of)). Requests never have it: a
+    /// forwarded header that names no address is [`Invalid`](Self::Invalid).
+    NotAnAddress,
 }
 
 impl MissingKey {
-    /// A fixed label: `absent`, `invalid`, `too_long` or `no_peer_address`.
+    /// A fixed label: `absent`, `invalid`, `too_long`, `no_peer_address` or
+    /// `not_an_address`.
     pub fn as_str(&self) -> &'static str {
         match self {
             Self::Absent => "absent",
             Self::Invalid => "invalid",
             Self::TooLong => "too_long",
             Self::NoPeerAddress => "no_peer_address",
+            Self::NotAnAddress => "not_an_address",
         }
     }
 }
@@ -159,6 +165,7 @@ impl MissingKey {
             Self::Invalid => "the rate-limit key is invalid",
             Self::TooLong => "the rate-limit key is too long",
             Self::NoPeerAddress => "the client address is unknown",
+            Self::NotAnAddress => "expected an IP address",
         }
     }
 }
@@ -170,6 +177,80 @@ impl fmt::Display for MissingKey {
 }
 
 impl std::error::Error for MissingKey {}
+
+/// An identity that cannot be a key of a limit: whom an operator named, under which limit,
+/// and why ([`RateLimitLayer::peek`](crate::RateLimitLayer::peek) and
+/// [`reset`](crate::RateLimitLayer::reset) answer it as
+/// [`AdminError::Identity`](crate::AdminError::Identity)).
+///
+/// ```
+/// use tollgate::key::{ClientIp, Identity, IdentityError, KeyExtractor};
+///
+/// let identity = Identity::from("abc");
+/// let missing = ClientIp::peer().key_of(&identity).unwrap_err();
+/// let e = IdentityError::new("per-ip", identity, missing);
+/// assert_eq!(
+///     e.to_string(),
+///     r#""abc" is not an IP address: expected an IP address for rate limit "per-ip""#
+/// );
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IdentityError {
+    limit: String,
+    identity: Identity,
+    missing: MissingKey,
+}
+
+impl IdentityError {
+    /// `identity` is no key of the limit named `limit`, because of `missing` (what the
+    /// limit's [`KeyExtractor::key_of`] answered).
+    pub fn new(limit: &str, identity: Identity, missing: MissingKey) -> Self {
+        Self {
+            limit: limit.to_owned(),
+            identity,
+            missing,
+        }
+    }
+
+    /// The limit's name.
+    pub fn limit(&self) -> &str {
+        &self.limit
+    }
+
+    /// Whom the operator named.
+    pub fn identity(&self) -> &Identity {
+        &self.identity
+    }
+
+    /// Why it is no key: [`MissingKey::NotAnAddress`] for a name under a limit of client
+    /// addresses, [`MissingKey::Invalid`] or [`MissingKey::TooLong`] for a name no request
+    /// could have.
+    pub fn missing(&self) -> MissingKey {
+        self.missing
+    }
+}
+
+impl fmt::Display for IdentityError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (identity, limit) = (self.identity.to_string(), &self.limit);
+        match self.missing {
+            MissingKey::NotAnAddress => write!(
+                f,
+                "{identity:?} is not an IP address: expected an IP address for rate limit {limit:?}"
+            ),
+            missing => write!(
+                f,
+                "{identity:?} is not a key of rate limit {limit:?}: {missing}"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for IdentityError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.missing)
+    }
+}
 
 /// The parts of a request an extractor may read.
 #[derive(Debug, Clone, Copy)]
@@ -234,7 +315,9 @@ pub trait KeyExtractor: Send + Sync + 'static {
     ///
     /// # Errors
     ///
-    /// [`MissingKey::Invalid`] (or `TooLong`) when no request could have this identity's key.
+    /// [`MissingKey::Invalid`] (or `TooLong`) when no request could have this identity's key;
+    /// [`MissingKey::NotAnAddress`] when the keys are client addresses and the identity is a
+    /// name.
     fn key_of(&self, identity: &Identity) -> Result<Key<'static>, MissingKey> {
         Key::owned(identity.to_string())
     }
@@ -412,5 +495,40 @@ impl<K: KeyExtractor + ?Sized> KeyExtractor for Box<K> {
 impl<K: KeyExtractor + ?Sized> KeyExtractor for std::sync::Arc<K> {
     fn extract<'r>(&self, req: &RequestView<'r>) -> Result<Key<'r>, MissingKey> {
         (**self).extract(req)
+    }
+
+    fn key_of(&self, identity: &Identity) -> Result<Key<'static>, MissingKey> {
+        (**self).key_of(identity)
+    }
+
+    fn describe(&self) -> String {
+        (**self).describe()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+
+    /// A shared or boxed extractor names identities as the extractor it holds does: the
+    /// default `key_of` (the identity's text) would be another key than requests have.
+    #[test]
+    fn wrappers_forward_key_of_and_describe() {
+        let ip: IpAddr = "203.0.113.7".parse().unwrap();
+        let want = ClientIp::peer().key_of(&ip.into()).unwrap();
+        let wrapped: [Box<dyn KeyExtractor>; 2] = [
+            Box::new(Arc::new(ClientIp::peer())),
+            Box::new(ClientIp::peer()),
+        ];
+        for ex in wrapped {
+            assert_eq!(ex.key_of(&ip.into()).unwrap(), want);
+            assert_eq!(
+                ex.key_of(&Identity::from("abc")),
+                Err(MissingKey::NotAnAddress)
+            );
+            assert_eq!(ex.describe(), "ip");
+        }
     }
 }

@@ -6,7 +6,7 @@ use std::fmt;
 use tollgate_core::{Backend, BackendError, Check, KeyState};
 
 use super::RateLimitLayer;
-use crate::key::{Identity, MissingKey};
+use crate::key::{Identity, IdentityError};
 
 /// Why [`RateLimitLayer::peek`] or [`RateLimitLayer::reset`] could not answer.
 #[derive(Debug, Clone)]
@@ -16,9 +16,10 @@ pub enum AdminError {
     UnknownLimit(String),
     /// The limit has no plan of this name.
     UnknownPlan(String),
-    /// No request could have this identity under the limit's key extractor (an address for a
-    /// limit keyed by tenant, a name with characters tenants cannot have).
-    Identity(MissingKey),
+    /// No request could have this identity under the limit's key extractor (a name for a
+    /// limit keyed by client address, a name with characters tenants cannot have): the
+    /// identity, the limit and why.
+    Identity(IdentityError),
     /// The backend failed, or does not offer the operation (a concurrency limit's reset).
     Backend(BackendError),
 }
@@ -28,7 +29,7 @@ impl fmt::Display for AdminError {
         match self {
             Self::UnknownLimit(name) => write!(f, "no limit named {name:?}"),
             Self::UnknownPlan(name) => write!(f, "no plan named {name:?}"),
-            Self::Identity(missing) => write!(f, "not a key of this limit: {missing}"),
+            Self::Identity(e) => e.fmt(f),
             Self::Backend(e) => e.fmt(f),
         }
     }
@@ -142,7 +143,9 @@ impl<B: Backend> RateLimitLayer<B> {
                 .map(|(_, q)| q)
                 .ok_or_else(|| AdminError::UnknownPlan(name.to_owned()))?,
         };
-        let key = entry.key.key_of(identity).map_err(AdminError::Identity)?;
+        let key = entry.key.key_of(identity).map_err(|missing| {
+            AdminError::Identity(IdentityError::new(limit, identity.clone(), missing))
+        })?;
         let check = Check::new(&entry.limit, key.as_bytes()).with_quota(quota);
         Ok(f(&self.shared.backend, &check))
     }
