@@ -31,10 +31,10 @@ pub struct Check<'a> {
     /// consume when they admit and report when they would deny, but never refuse.
     pub enforce: bool,
     /// The request's slot, for a concurrency limit: an id unique among the requests in flight
-    /// (the layer draws one per request), under which a backend whose slots expire (Redis)
-    /// records, renews and releases it. 0 from [`Check::new`]; the in-memory backend only
-    /// counts slots.
-    pub slot: u64,
+    /// on every replica (the layer draws 128 random bits per request), under which a backend
+    /// whose slots expire (Redis) records, renews and releases it. 0 from [`Check::new`]; the
+    /// in-memory backend only counts slots.
+    pub slot: u128,
 }
 
 impl<'a> Check<'a> {
@@ -51,7 +51,7 @@ impl<'a> Check<'a> {
     }
 
     /// This check, holding slot `slot` of a concurrency limit.
-    pub fn with_slot(mut self, slot: u64) -> Self {
+    pub fn with_slot(mut self, slot: u128) -> Self {
         self.slot = slot;
         self
     }

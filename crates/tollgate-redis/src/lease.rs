@@ -362,7 +362,7 @@ struct Owned {
     cost: u32,
     quota: tollgate_core::Quota,
     enforce: bool,
-    slot: u64,
+    slot: u128,
 }
 
 impl Owned {

@@ -205,9 +205,9 @@ while i <= figures do
     local status = 0
     local slot
     if algo == 4 then
-      -- A concurrency check also carries its request's slot id.
-      slot = fig[i]
-      i = i + 1
+      -- A concurrency check also carries its request's slot id, in three parts.
+      slot = fmt(fig[i]) .. '-' .. fmt(fig[i + 1]) .. '-' .. fmt(fig[i + 2])
+      i = i + 3
     end
 
     if algo == 1 then
@@ -319,7 +319,7 @@ while i <= figures do
         out[w_seq[j]] = last
       elseif algo == 4 then
         local slot_ttl = w_ttl[j]
-        redis.call('ZADD', key, fmt(now + slot_ttl), fmt(w_val[j]))
+        redis.call('ZADD', key, fmt(now + slot_ttl), w_val[j])
         redis.call('PEXPIRE', key, ttl_ms(slot_ttl))
         in_flight[key] = in_flight[key] + 1
       end
@@ -342,12 +342,29 @@ end
 return struct.pack('<' .. string.rep('d', o), unpack(out, 1, o))
 ";
 
+/// A slot id's 128 bits as three integers of at most 43 bits, each exact in a Lua double.
+pub(crate) fn slot_parts(id: u128) -> [u64; 3] {
+    const MASK: u128 = (1 << 43) - 1;
+    [
+        (id >> 86) as u64,
+        ((id >> 43) & MASK) as u64,
+        (id & MASK) as u64,
+    ]
+}
+
+/// The member under which a slot is held in its sorted set: its three parts in decimal,
+/// joined by `-` (what the scripts write from the parts).
+pub(crate) fn slot_member(id: u128) -> String {
+    let [a, b, c] = slot_parts(id);
+    format!("{a}-{b}-{c}")
+}
+
 /// Undoes what one `CHECK` call wrote.
 ///
 /// `KEYS[i]`: the key each check to refund wrote (a GCRA TAT, a window's count, a log). `ARGV[1]`: `now` or empty, as for `CHECK`.
 /// `ARGV[2 + 4 (i - 1) ..]`: per check: algorithm, then GCRA: `cost * interval`, 0, 0; fixed
 /// window: window index, cost, 0; sliding log: the `now` of the consume, last sequence number,
-/// cost; concurrency: the slot id, 0, 0.
+/// cost; concurrency: the slot id's three parts ([`slot_member`]).
 pub(crate) const REFUND: &str = r"
 for i = 1, #KEYS do
   local a = 2 + (i - 1) * 4
@@ -371,7 +388,7 @@ for i = 1, #KEYS do
       if count <= y then redis.call('DEL', wkey) else redis.call('DECRBY', wkey, y) end
     end
   elseif algo == 4 then
-    redis.call('ZREM', key, fmt(x))
+    redis.call('ZREM', key, fmt(x) .. '-' .. fmt(y) .. '-' .. fmt(z))
   elseif algo == 3 then
     log_units('ZREM', key, fmt(x), y - z + 1, y)
   end
@@ -514,7 +531,7 @@ pub(crate) struct Prepared {
     pub(crate) cost: u32,
     pub(crate) enforce: bool,
     /// A concurrency check's slot id (see [`Check::slot`]).
-    pub(crate) slot: u64,
+    pub(crate) slot: u128,
     /// A concurrency refusal's `Retry-After`, in microseconds.
     pub(crate) busy_retry_after: Micros,
     /// Whether this check holds the deny cache's lease on its key (see `DenyCache::lookup`).
@@ -597,7 +614,10 @@ impl Prepared {
         match self.code {
             1 => [1, self.params[0].saturating_mul(cost), 0, 0],
             2 => [2, answer.extra, cost, 0],
-            4 => [4, self.slot, 0, 0],
+            4 => {
+                let [a, b, c] = slot_parts(self.slot);
+                [4, a, b, c]
+            }
             _ => [3, now, answer.extra, cost],
         }
     }
@@ -692,7 +712,9 @@ impl<'p> CheckArgs<'p> {
                 packed.extend_from_slice(&figure_bytes(c.p.check_arg(c.limit)));
                 packed.extend_from_slice(&figure_bytes(c.key as u64));
                 if c.p.code == 4 {
-                    packed.extend_from_slice(&figure_bytes(c.p.slot));
+                    for part in slot_parts(c.p.slot) {
+                        packed.extend_from_slice(&figure_bytes(part));
+                    }
                 }
             }
         }

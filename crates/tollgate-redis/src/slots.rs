@@ -19,7 +19,7 @@ use tollgate_core::{Algorithm, Check, Micros};
 
 use crate::backend::Inner;
 use crate::keys::{self, BaseKey, Suffix};
-use crate::script::{Prepared, Script};
+use crate::script::{slot_member, Prepared, Script};
 
 /// Moves each slot's deadline one lifetime past the server's `TIME`, if the slot is still held.
 /// `KEYS[1]`: the slots key; `ARGV[2]`: the lifetime in microseconds; `ARGV[3]`: the slot id.
@@ -35,12 +35,12 @@ return 1
 #[derive(Debug, Clone)]
 pub(crate) struct Held {
     key: Vec<u8>,
-    slot: u64,
+    slot: u128,
     ttl: Micros,
 }
 
 impl Held {
-    fn of(prefix: &str, name: &str, digest: &keys::KeyDigest, slot: u64, ttl: Micros) -> Self {
+    fn of(prefix: &str, name: &str, digest: &keys::KeyDigest, slot: u128, ttl: Micros) -> Self {
         Self {
             key: BaseKey::new(prefix, name, digest)
                 .with(Suffix::Slots)
@@ -199,7 +199,7 @@ pub(crate) fn release(inner: &Arc<Inner>, held: Vec<Held>) {
 
 fn zrem(slot: &Held) -> redis::Cmd {
     let mut cmd = redis::cmd("ZREM");
-    cmd.arg(&slot.key[..]).arg(slot.slot);
+    cmd.arg(&slot.key[..]).arg(slot_member(slot.slot));
     cmd
 }
 
@@ -209,7 +209,10 @@ pub(crate) fn renew(inner: &Arc<Inner>, held: Vec<Held>) {
     spawn_for(inner, held, |inner, held| async move {
         for slot in held {
             let mut call = inner.renew_script.call(1, 4, slot.key.len() + 40);
-            call.arg(&slot.key[..]).arg("").arg(slot.ttl).arg(slot.slot);
+            call.arg(&slot.key[..])
+                .arg("")
+                .arg(slot.ttl)
+                .arg(slot_member(slot.slot));
             let renewal = inner.invoke(&inner.renew_script, &call);
             let _ = inner.within_deadline(renewal, "to renew a slot").await;
         }

@@ -29,7 +29,7 @@ async fn slots_are_taken_released_renewed_and_expire(
         redis::cmd("ZCARD").arg(&key).query(conn).unwrap()
     };
     let t0 = server_now(&mut conn());
-    let check = |slot: u64| {
+    let check = |slot: u128| {
         [
             Check::new(&rate, b"client"),
             Check::new(&slots, b"client").with_slot(slot),
@@ -57,10 +57,11 @@ async fn slots_are_taken_released_renewed_and_expire(
     assert!(v[1].is_allowed());
 
     // Renewing moves a held slot's deadline; a released one is not brought back.
+    // A slot is held under its id's three parts (42, 43 and 43 bits) in decimal.
     let score = |conn: &mut redis::Connection, slot: u64| -> Option<u64> {
         redis::cmd("ZSCORE")
             .arg(&key)
-            .arg(slot)
+            .arg(format!("0-0-{slot}"))
             .query(conn)
             .unwrap()
     };
@@ -143,4 +144,28 @@ async fn a_slot_whose_answer_was_lost_is_released_when_redis_answers_again() {
         .await
         .unwrap();
     assert!(v[0].is_allowed(), "the key's one slot is free");
+}
+
+/// Slot ids are 128 bits: ids that agree on their low 64 bits (or on any 43-bit part) are two
+/// slots, and each release frees its own, whatever the replica.
+#[tokio::test]
+async fn slot_ids_that_share_low_bits_are_distinct_slots() {
+    let server = RedisServer::start();
+    let a = standalone(&server.url()).build().unwrap();
+    let b = standalone(&server.url()).build().unwrap();
+    let slots = Limit::concurrency("slots", 2).unwrap();
+    let key = a.key_for(&slots, b"client");
+    let mut conn = server.client();
+    let mut held = || -> u64 { redis::cmd("ZCARD").arg(&key).query(&mut conn).unwrap() };
+    let low = 7u128;
+    let high = (u128::from(u64::MAX) << 64) | low;
+    let check = |id: u128| [Check::new(&slots, b"client").with_slot(id)];
+    assert!(a.check(&check(low)).await.unwrap()[0].is_allowed());
+    assert!(b.check(&check(high)).await.unwrap()[0].is_allowed());
+    assert!(!a.check(&check(3)).await.unwrap()[0].is_allowed());
+    assert_eq!(held(), 2);
+    b.release(&check(high));
+    assert_eq!(until(1, &mut held).await, 1);
+    a.release(&check(low));
+    assert_eq!(until(0, &mut held).await, 0);
 }

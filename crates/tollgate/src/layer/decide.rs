@@ -151,7 +151,7 @@ impl<B: Backend> Shared<B> {
         entry: &'k Entry,
         key: &'k Key<'_>,
         plan_name: Option<&str>,
-        slot: u64,
+        slot: u128,
         (view, req, span): (&RequestView<'_>, &Request<T>, &tracing::Span),
     ) -> Result<(Check<'k>, u8), Box<Response<Bytes>>> {
         let (index, quota) = entry.limit.quota_of(plan_name);

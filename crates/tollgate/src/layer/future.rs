@@ -98,7 +98,7 @@ where
         mut req: Request<ReqBody>,
         inner: &mut S,
         shared: Arc<Shared<B>>,
-        slot: u64,
+        slot: u128,
     ) -> Self {
         match decided {
             Decided::Admit(decision, items, slot_set) => {

@@ -583,14 +583,14 @@ pub(crate) struct Plan {
     /// Each checked limit's cost, in the layer's order.
     cost: [u32; MAX_CHECKS],
     /// The request's concurrency slot id (0 when the layer has no concurrency limit).
-    slot: u64,
+    slot: u128,
     /// The request's `tollgate.check` span, open from the keys to the decision.
     span: tracing::Span,
 }
 
 impl Plan {
     /// The request's concurrency slot id.
-    pub(crate) fn slot(&self) -> u64 {
+    pub(crate) fn slot(&self) -> u128 {
         self.slot
     }
 }

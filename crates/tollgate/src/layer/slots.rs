@@ -19,14 +19,17 @@ use super::{LimitSet, Shared};
 use crate::decision::{Decision, Outcome, Source};
 use crate::key::{Key, RequestView};
 
-/// A slot id unique among the requests in flight on every replica: 21 random bits drawn once
-/// per process above a 32-bit counter, so below 2^53 (a Redis script's numbers are doubles).
-pub(crate) fn next_id() -> u64 {
-    static PREFIX: OnceLock<u64> = OnceLock::new();
+/// A slot id unique among the requests in flight on every replica: 128 bits, the keyed hash
+/// of a per-process counter under two random keys drawn once per process. Replicas that
+/// share a Redis prefix draw from 2^128 ids, so two of them never hold the same one (a shared
+/// id would count two requests as one, and one release would free the other's slot).
+pub(crate) fn next_id() -> u128 {
+    static KEYS: OnceLock<(RandomState, RandomState)> = OnceLock::new();
     static COUNTER: AtomicU64 = AtomicU64::new(1);
-    let prefix = *PREFIX.get_or_init(|| RandomState::new().hash_one(0x736c_6f74_u64) & 0x1f_ffff);
-    let n = COUNTER.fetch_add(1, Ordering::Relaxed) & 0xffff_ffff;
-    (prefix << 32) | n.max(1)
+    let (hi, lo) = KEYS.get_or_init(|| (RandomState::new(), RandomState::new()));
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let id = (u128::from(hi.hash_one(n)) << 64) | u128::from(lo.hash_one(n));
+    id.max(1)
 }
 
 /// What the slots are: the limits (by index in the layer) whose slots the request holds, the
@@ -35,7 +38,7 @@ struct Held<B> {
     shared: Arc<Shared<B>>,
     /// The limits the request was checked under (a reload may have replaced them since).
     set: Arc<LimitSet>,
-    slot: u64,
+    slot: u128,
     items: Vec<(usize, Key<'static>, Source)>,
 }
 
@@ -79,7 +82,7 @@ impl<B: Backend> Slots<B> {
         set: Arc<LimitSet>,
         decision: &Decision,
         req: &Request<T>,
-        slot: u64,
+        slot: u128,
     ) -> Option<Self> {
         let view = RequestView::new(req);
         let mut items = Vec::new();
@@ -161,5 +164,22 @@ impl<B: Backend> std::fmt::Debug for Slots<B> {
             .field("slot", &self.held.slot)
             .field("limits", &self.held.items.len())
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::next_id;
+
+    #[test]
+    fn slot_ids_are_distinct_and_use_all_128_bits() {
+        let ids: Vec<u128> = (0..1000).map(|_| next_id()).collect();
+        let mut sorted = ids.clone();
+        sorted.sort_unstable();
+        sorted.dedup();
+        assert_eq!(sorted.len(), 1000);
+        // Random above 64 bits: not a prefix shared by every id.
+        let high: std::collections::HashSet<u64> = ids.iter().map(|id| (id >> 64) as u64).collect();
+        assert_eq!(high.len(), 1000);
     }
 }
