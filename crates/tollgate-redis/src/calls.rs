@@ -115,11 +115,12 @@ impl Inner {
         for retry in [false, true] {
             let args = script::CheckArgs::new(batches, window_now)?;
             let write = |out: &mut dyn Args| self.check_args(out, &args, now);
+            let sent = monotonic_time();
             match self.invoke_check(check_len(&args), &write).await {
                 Ok(value) => {
                     let replies = script::parse_replies(&value, batches)?;
                     if let (None, Some(reply)) = (now, replies.first()) {
-                        self.saw_server_time(reply.now);
+                        self.saw_server_time(reply.now, sent);
                     }
                     return Ok(replies);
                 }
@@ -128,7 +129,7 @@ impl Inner {
                         Some(server_now) => {
                             window_now = server_now;
                             if now.is_none() {
-                                self.saw_server_time(server_now);
+                                self.saw_server_time(server_now, sent);
                             }
                         }
                         None => return Err(map_error(e)),
@@ -143,16 +144,22 @@ impl Inner {
         ))
     }
 
-    /// The client's estimate of the server's `TIME`: the local clock, corrected by the
-    /// difference last seen. It only names the fixed windows a call declares.
+    /// The client's estimate of the server's `TIME`: a monotonic clock, corrected by the
+    /// difference last seen between the server's time in a reply and when its call was sent.
+    /// The server read its time after the call was sent, so the estimate is at or after the
+    /// server's time (by up to a round trip, while the clocks run at the same rate), and a
+    /// step of the local wall clock does not move it. It names the fixed windows a call
+    /// declares, and times leased slices: a slice then ends no later, by the server's clock,
+    /// than its window or its pace allows.
     pub(crate) fn server_time(&self) -> Micros {
         let skew = self.skew.load(Ordering::Relaxed);
-        local_time().saturating_add_signed(skew)
+        monotonic_time().saturating_add_signed(skew)
     }
 
-    /// Keeps the difference between the server's time, `server_now`, and the local clock.
-    fn saw_server_time(&self, server_now: Micros) {
-        let skew = i64::try_from(i128::from(server_now) - i128::from(local_time()));
+    /// Keeps the difference between the server's time, `server_now`, and the monotonic clock
+    /// when the call that read it was `sent`.
+    fn saw_server_time(&self, server_now: Micros, sent: Micros) {
+        let skew = i64::try_from(i128::from(server_now) - i128::from(sent));
         self.skew.store(skew.unwrap_or(0), Ordering::Relaxed);
     }
 
@@ -231,4 +238,42 @@ fn local_time() -> Micros {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
+}
+
+/// A monotonic clock in microseconds, which read the wall clock's time when first asked: it
+/// never steps back or forward with the wall clock.
+fn monotonic_time() -> Micros {
+    static START: std::sync::OnceLock<(std::time::Instant, Micros)> = std::sync::OnceLock::new();
+    let (instant, wall) = START.get_or_init(|| (std::time::Instant::now(), local_time()));
+    let elapsed = u64::try_from(instant.elapsed().as_micros()).unwrap_or(u64::MAX);
+    wall.saturating_add(elapsed)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use tollgate_core::{Backend, Check, Limit, Quota};
+    use tollgate_testsupport::RedisServer;
+
+    use crate::RedisBackend;
+
+    /// The estimate of the server's time is never behind it: the server read its `TIME` after
+    /// the call was sent, and the estimate counts from the sending.
+    #[tokio::test]
+    async fn the_servers_time_is_estimated_at_or_after_it() {
+        let server = RedisServer::start();
+        let backend = RedisBackend::builder().url(server.url()).build().unwrap();
+        let limit = Limit::gcra("clock", Quota::per_minute(100).unwrap()).unwrap();
+        let mut conn = server.client();
+        for _ in 0..20 {
+            backend.check(&[Check::new(&limit, b"k")]).await.unwrap();
+            let (secs, micros): (u64, u64) = redis::cmd("TIME").query(&mut conn).unwrap();
+            let estimate = backend.inner.server_time();
+            assert!(
+                estimate >= secs * 1_000_000 + micros,
+                "{estimate} behind the server"
+            );
+        }
+    }
 }
