@@ -564,7 +564,36 @@ impl RedisBackend {
                 let receipt = answered.receipt(j);
                 let at = if receipt.at > 0 { receipt.at } else { t };
                 let (name, key) = &holding.ids[i];
-                if let Some(e) = table.get_mut(name, key) {
+                // The entry may have been replaced while the take was out (a reload under
+                // another quota or lease): its slice is not this take's.
+                let same = |e: &Entry| {
+                    e.quota == owned[i].quota && owned[i].limit.lease() == Some(&e.lease)
+                };
+                if let (Plan::Slice(units), Some(false)) =
+                    (holding.plan[i], table.get_mut(name, key).map(|e| same(e)))
+                {
+                    let extra = units - owned[i].cost;
+                    if admitted && verdict.is_allowed() && extra > 0 {
+                        // Given back under the quota it was taken under; a GCRA refund only
+                        // while the TAT is the one the take left.
+                        let o = &owned[i];
+                        back.push(GiveBack {
+                            limit: o.limit.clone(),
+                            key: o.key.clone(),
+                            units: extra,
+                            receipt,
+                            quota: o.quota,
+                            only_at: match o.limit.algorithm() {
+                                Algorithm::Gcra => at.saturating_add(verdict.reset),
+                                _ => 0,
+                            },
+                        });
+                    }
+                    if !(admitted && verdict.is_allowed()) {
+                        let o = &owned[i];
+                        verdict = own_cost(o.limit.algorithm(), &o.quota, verdict, extra);
+                    }
+                } else if let Some(e) = table.get_mut(name, key) {
                     if leasable(&owned[i].check()).is_some() {
                         e.saw(&verdict, at);
                     }
@@ -602,8 +631,12 @@ impl RedisBackend {
                         continue;
                     }
                     let (name, key) = &holding.ids[i];
+                    // Into the slice the unit came from only: a slice taken since (another
+                    // window's, another quota's) must not gain it.
                     if let Some(e) = table.get_mut(name, key) {
-                        e.slice.put_back(o.cost);
+                        if e.receipt == out.receipt(i) && e.quota == o.quota {
+                            e.slice.put_back(o.cost);
+                        }
                     }
                 }
             }
