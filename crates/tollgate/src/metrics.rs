@@ -34,12 +34,13 @@ pub(crate) enum Label {
     Fallback,
     Skipped,
     MissingKey,
+    InvalidCost,
     Unavailable,
     Allowlisted,
 }
 
 impl Label {
-    const ALL: [Self; 9] = [
+    const ALL: [Self; 10] = [
         Self::Allowed,
         Self::Denied,
         Self::ShadowDenied,
@@ -47,6 +48,7 @@ impl Label {
         Self::Fallback,
         Self::Skipped,
         Self::MissingKey,
+        Self::InvalidCost,
         Self::Unavailable,
         Self::Allowlisted,
     ];
@@ -60,6 +62,7 @@ impl Label {
             Self::Fallback => "fallback",
             Self::Skipped => "skipped",
             Self::MissingKey => "missing_key",
+            Self::InvalidCost => "invalid_cost",
             Self::Unavailable => "unavailable",
             Self::Allowlisted => "allowlisted",
         }
@@ -193,9 +196,19 @@ impl LimitMetrics {
 
     /// Counts a request refused because it had no key for this limit, and says so in its span.
     pub(crate) fn record_missing_key(&self, span: &tracing::Span) {
-        self.handles().decisions[Label::MissingKey.index()].increment(1);
+        self.record_refused_input(Label::MissingKey, span);
+    }
+
+    /// Counts a request refused because its cost for this limit is not a whole number of
+    /// units, and says so in its span.
+    pub(crate) fn record_invalid_cost(&self, span: &tracing::Span) {
+        self.record_refused_input(Label::InvalidCost, span);
+    }
+
+    fn record_refused_input(&self, label: Label, span: &tracing::Span) {
+        self.handles().decisions[label.index()].increment(1);
         if !span.is_disabled() {
-            let label = Label::MissingKey.as_str();
+            let label = label.as_str();
             span.record("outcome", label);
             span.record("decision", format_args!("{}={label}", self.name));
         }

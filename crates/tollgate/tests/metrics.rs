@@ -161,6 +161,7 @@ async fn every_series_exists_from_the_first_request() {
         "fallback",
         "skipped",
         "missing_key",
+        "invalid_cost",
         "unavailable",
     ] {
         assert_eq!(
@@ -569,4 +570,26 @@ async fn allowlisted_requests_are_counted_as_allowlisted_and_nothing_else() {
     assert_eq!(snap.decisions("per-ip", "allowlisted"), N);
     assert_eq!(snap.decisions("per-shop", "allowlisted"), N);
     assert_eq!(snap.total("tollgate_decisions_total"), 2 * N);
+}
+
+/// A request whose cost is not a whole number of units is refused with 400 and counted as
+/// `invalid_cost`, not as a missing key.
+#[tokio::test]
+async fn an_invalid_cost_is_counted_as_such() {
+    let metrics = Recorder::install();
+    let layer = RateLimitLayer::builder()
+        .metered(
+            limit("tokens", 100),
+            Global,
+            tollgate::cost::Metered::new().header(http::HeaderName::from_static("x-cost")),
+        )
+        .build()
+        .unwrap();
+    let mut svc = app(layer);
+    let mut req = from([1, 1, 1, 1]);
+    req.headers_mut().insert("x-cost", "ten".parse().unwrap());
+    assert_eq!(send(&mut svc, req).await, StatusCode::BAD_REQUEST);
+    let s = metrics.snapshot();
+    assert_eq!(s.decisions("tokens", "invalid_cost"), 1);
+    assert_eq!(s.decisions("tokens", "missing_key"), 0);
 }

@@ -162,7 +162,7 @@ impl<B: Backend> Shared<B> {
             match of(view) {
                 Ok(units) => check = check.with_cost(units),
                 Err(_) => {
-                    entry.metrics.record_missing_key(span);
+                    entry.metrics.record_invalid_cost(span);
                     return Err(Box::new(
                         self.refuse(
                             &Rejection::new(
