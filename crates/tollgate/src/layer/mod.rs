@@ -492,7 +492,8 @@ impl<B: Backend> RateLimitLayerBuilder<B> {
             shared: Arc::new(Shared {
                 backend: self.backend,
                 set: ArcSwap::from_pointee(set),
-                reloads: Mutex::new(()),
+                reloads: Mutex::new(0),
+                reload_tickets: std::sync::atomic::AtomicU64::new(1),
                 plan_fn: self.plan_fn,
                 fallback: MemoryBackend::builder()
                     .max_keys(self.fallback_max_keys)
@@ -523,8 +524,11 @@ pub(crate) struct Shared<B> {
     /// The limits now. A request loads them once (no lock) and keeps them to its decision,
     /// so a reload never changes the limits of a request in flight.
     set: ArcSwap<LimitSet>,
-    /// Serialises reloads (never taken by a request).
-    reloads: Mutex<()>,
+    /// Serialises reloads (never taken by a request), and holds the ticket of the last one
+    /// applied.
+    reloads: Mutex<u64>,
+    /// Numbers reloads in the order they start.
+    reload_tickets: std::sync::atomic::AtomicU64,
     /// The plan of a request without a `Plan` extension.
     plan_fn: Option<PlanFn>,
     fallback: MemoryBackend<Arc<dyn Clock>>,

@@ -75,7 +75,8 @@ impl<B: Backend> Reloader<B> {
     /// [`RateLimitLayerBuilder::build`](super::RateLimitLayerBuilder::build)); the old limits
     /// stay.
     pub fn reload(&self, limits: Limits) -> Result<(), ReloadError> {
-        let result = self.swap(limits);
+        let ticket = self.ticket();
+        let result = self.swap(limits, ticket);
         crate::metrics::record_reload(result.is_ok());
         result
     }
@@ -87,10 +88,11 @@ impl<B: Backend> Reloader<B> {
     /// [`ReloadError::File`] for a file that does not parse (with its line and column) or
     /// describes limits that cannot be built; the old limits stay.
     pub fn reload_toml_str(&self, file: &LimitsFile, text: &str) -> Result<(), ReloadError> {
+        let ticket = self.ticket();
         let result = file
             .parse(text)
             .map_err(ReloadError::File)
-            .and_then(|limits| self.swap(limits));
+            .and_then(|limits| self.swap(limits, ticket));
         crate::metrics::record_reload(result.is_ok());
         result
     }
@@ -107,22 +109,36 @@ impl<B: Backend> Reloader<B> {
         file: &LimitsFile,
         path: impl AsRef<Path>,
     ) -> Result<(), ReloadError> {
+        let ticket = self.ticket();
         let result = file
             .read(path)
             .map_err(ReloadError::File)
-            .and_then(|limits| self.swap(limits));
+            .and_then(|limits| self.swap(limits, ticket));
         crate::metrics::record_reload(result.is_ok());
         result
     }
 
-    fn swap(&self, limits: Limits) -> Result<(), ReloadError> {
+    /// The number of a reload that starts now: of two reloads at once, the one that started
+    /// last is the one that stays, whichever finishes reading and building first.
+    fn ticket(&self) -> u64 {
+        self.shared
+            .reload_tickets
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst)
+    }
+
+    fn swap(&self, limits: Limits, ticket: u64) -> Result<(), ReloadError> {
         let new = Arc::new(limits.compile().map_err(ReloadError::Config)?);
         // Two reloads at once must each compare against the set they replace.
-        let _serial = self
+        let mut applied = self
             .shared
             .reloads
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
+        if *applied > ticket {
+            // A reload that started later has been applied: it stays.
+            return Ok(());
+        }
+        *applied = ticket;
         let old = self.shared.set.swap(Arc::clone(&new));
         for entry in old.limits.iter() {
             let kept = new.limits.iter().any(|e| e.limit.same_quotas(&entry.limit));
@@ -159,5 +175,36 @@ impl std::error::Error for ReloadError {
             Self::Config(e) => Some(e),
             Self::File(e) => Some(e),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use crate::key::Global;
+    use crate::{Limit, Limits, Quota, RateLimitLayer};
+
+    fn limits(n: u32) -> Limits {
+        Limits::new().limit(
+            Limit::gcra("api", Quota::per_minute(n).unwrap()).unwrap(),
+            Global,
+        )
+    }
+
+    /// Of two reloads at once, the one that started last stays, even when the one that started
+    /// first finishes last.
+    #[test]
+    fn the_reload_that_started_last_wins() {
+        let layer = RateLimitLayer::builder()
+            .limits(limits(10))
+            .build()
+            .unwrap();
+        let reloader = layer.reloader();
+        let first = reloader.ticket();
+        let second = reloader.ticket();
+        reloader.swap(limits(30), second).unwrap();
+        reloader.swap(limits(20), first).unwrap();
+        assert_eq!(layer.limits()[0].quota().limit(), 30);
     }
 }
