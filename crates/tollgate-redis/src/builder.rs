@@ -329,6 +329,23 @@ impl RedisBackendBuilder {
                 reason: "certificates were given for a URL that is not rediss://".to_owned(),
             });
         }
+        // A URL redis-rs would connect to without checking the certificate: refused here, as
+        // redis-rs refuses it when it connects (its `tls-rustls-insecure` feature is off).
+        let insecure = |url: &&str| {
+            redis::IntoConnectionInfo::into_connection_info(*url).is_ok_and(|info| {
+                matches!(
+                    info.addr(),
+                    redis::ConnectionAddr::TcpTls { insecure: true, .. }
+                )
+            })
+        };
+        if urls.iter().any(insecure) {
+            return Err(BuildError::Tls {
+                reason: "#insecure (no certificate check) is not supported: give the server's \
+                         CA to .tls_ca_pem(..) instead"
+                    .to_owned(),
+            });
+        }
         let certs = certificates(&self.tls, tls)?;
         let target = match self.servers {
             Servers::None => return Err(BuildError::NoServer),
@@ -380,16 +397,6 @@ fn client(
     bad_url: impl Fn(redis::RedisError) -> BuildError,
 ) -> Result<redis::Client, BuildError> {
     let info = redis::IntoConnectionInfo::into_connection_info(url).map_err(&bad_url)?;
-    if matches!(
-        info.addr(),
-        redis::ConnectionAddr::TcpTls { insecure: true, .. }
-    ) {
-        return Err(BuildError::Tls {
-            reason: "#insecure (no certificate check) is not supported: give the server's CA \
-                     to .tls_ca_pem(..) instead"
-                .to_owned(),
-        });
-    }
     match certs {
         #[cfg(feature = "tls")]
         Some(certs) => {

@@ -218,4 +218,9 @@ fn certificates_that_cannot_be_used_are_build_errors() {
         .build()
         .unwrap_err();
     assert!(matches!(insecure, BuildError::Tls { .. }), "{insecure:?}");
+    let insecure_seed = RedisBackend::builder()
+        .cluster(["rediss://127.0.0.1:7000/#insecure"])
+        .build()
+        .unwrap_err();
+    assert_eq!(insecure_seed, insecure);
 }
