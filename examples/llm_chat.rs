@@ -5,24 +5,38 @@
 //! missing or invalid is `400`). The limit lives in Redis at `REDIS_URL` (default
 //! `redis://127.0.0.1:6379`), so two copies of this server on two ports, pointed at one Redis,
 //! enforce 30 per shop in total. If Redis fails the limit fails open, and says so: the reply's
-//! `limited` is `false`, `tollgate_bypass_total` rises on `GET /metrics`, and a canary that
-//! probes Redis every 10 s sets `tollgate_canary_ok`.
+//! `limited` is `false`, `tollgate_bypass_total` rises on `GET /metrics`, a warning
+//! `rate limit bypassed` is logged, and a canary that probes Redis every 10 s sets
+//! `tollgate_canary_ok`.
+//!
+//! Redis: `REDIS_URL` may carry an ACL user and password (`redis://app:secret@host:6379/`); a
+//! `rediss://` URL is TLS, trusting the webpki roots, or only the CA certificate (PEM) in the
+//! file `REDIS_CA_CERT` when it is set. `REDIS_CLUSTER` (seed URLs, comma-separated) names a
+//! Redis Cluster instead of `REDIS_URL`. The start-up line shows the URLs without their
+//! passwords. Logs go to stderr, filtered by `RUST_LOG` (default `info`).
+//!
+//! The body: a JSON object whose `message` is a string, and optionally `delay_ms`, 0 to 10000,
+//! which makes the handler take that long, standing in for a slow model. A request without a
+//! body is an empty message. A body that is not JSON, or a `delay_ms` that is not a whole
+//! number from 0 to 10000, is `400`; JSON without a string `message` (`{"x":1}`, `[1]`, `"hi"`)
+//! is `422`. Neither consumes anything, from any limit: both are refused by the handler, after
+//! the layer admitted them, and give back what they reserved (`Metered::count_if`). The shop's
+//! `remaining` (in a `200` reply and in the `RateLimit` header of the next one) is as before.
 //!
 //! Each shop also has a budget of `TOKENS_PER_HOUR` tokens (default 20,000), counted in Redis
-//! too. A request's tokens are the UTF-8 bytes of its JSON body's `message` (standing in for
-//! the model's count, known once it has answered). The request reserves its `content-length`
-//! as an estimate when it is admitted; the handler reports the actual count, and the
-//! difference is given back (or taken). A body that is not JSON is `400`, a JSON body that is not
-//! an object or whose `message` is not a string is `422` (no `message` is no tokens): neither consumes anything, from either limit. A request without
-//! a body is a message of no tokens. If Redis fails, the token budget is kept in each copy's
-//! memory, at its share of the budget (`REPLICAS` copies, default 2): an outage cannot open it
-//! without bound.
+//! too. A request's tokens are the UTF-8 bytes of its `message` (standing in for the model's
+//! count, known once it has answered). The request reserves its `content-length` as an
+//! estimate when it is admitted; the handler reports the actual count, and the difference is
+//! given back (or taken). If Redis fails, the token budget is kept in each copy's memory, at
+//! its share of the budget (`REPLICAS` copies, default 2): an outage cannot open it without
+//! bound.
 //!
 //! At most `CONCURRENCY_PER_SHOP` (default 4) requests per shop are in flight at once, across
 //! every replica (a slot per request in Redis; with Redis down, each copy keeps its share
-//! locally, as for the token budget). The JSON body is optional; its `delay_ms` (0 to 10000) makes the handler
-//! take that long, standing in for a slow model. Anything else in `delay_ms`, or a body that
-//! is not a JSON object, gets `400`.
+//! locally, as for the token budget).
+//!
+//! A variable that cannot be used stops the start with a line saying which and why, and exit
+//! status 1.
 //!
 //! ```text
 //! redis-server --port 6379 --save '' &
@@ -36,6 +50,7 @@
 
 use std::net::SocketAddr;
 use std::num::NonZeroU32;
+use std::process::ExitCode;
 use std::time::Duration;
 
 use axum::body::Bytes;
@@ -46,11 +61,167 @@ use metrics_exporter_prometheus::PrometheusBuilder;
 use tollgate::cost::{parse_units, Metered, Settle};
 use tollgate::key::Tenant;
 use tollgate::{Decision, Limit, Quota, RateLimitLayer};
-use tollgate_redis::RedisBackend;
+use tollgate_redis::{redact_url, RedisBackend};
+use tracing_subscriber::EnvFilter;
 
 #[tokio::main]
-async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let prometheus = PrometheusBuilder::new().install_recorder()?;
+async fn main() -> ExitCode {
+    match run().await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("llm_chat: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// What the environment asks for.
+pub(crate) struct Settings {
+    /// A standalone server's URL, or a cluster's seeds.
+    pub(crate) redis: Redis,
+    /// The CA certificate (PEM) to trust for `rediss://`, and the file it came from.
+    pub(crate) ca: Option<(String, Vec<u8>)>,
+    pub(crate) tokens_per_hour: u32,
+    pub(crate) replicas: NonZeroU32,
+    pub(crate) in_flight: u32,
+    pub(crate) port: u16,
+}
+
+/// Where the limits live.
+pub(crate) enum Redis {
+    Url(String),
+    Cluster(Vec<String>),
+}
+
+impl Redis {
+    /// For the start-up line and errors: without passwords.
+    fn describe(&self) -> String {
+        match self {
+            Self::Url(url) => format!("Redis at {}", redact_url(url)),
+            Self::Cluster(seeds) => {
+                let seeds: Vec<String> = seeds.iter().map(|s| redact_url(s)).collect();
+                format!("Redis Cluster at {}", seeds.join(","))
+            }
+        }
+    }
+
+    /// The variable that named it, and its value without passwords.
+    fn variable(&self) -> String {
+        match self {
+            Self::Url(url) => format!("REDIS_URL={}", redact_url(url)),
+            Self::Cluster(seeds) => {
+                let seeds: Vec<String> = seeds.iter().map(|s| redact_url(s)).collect();
+                format!("REDIS_CLUSTER={}", seeds.join(","))
+            }
+        }
+    }
+}
+
+/// The value of `name`, if it is set; an error if it is not UTF-8.
+fn var(name: &str) -> Result<Option<String>, String> {
+    match std::env::var(name) {
+        Ok(v) => Ok(Some(v)),
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Err(std::env::VarError::NotUnicode(_)) => Err(format!("{name} is not valid UTF-8")),
+    }
+}
+
+/// `name` as a whole number of type `T`, or `default` when it is not set.
+fn number<T: std::str::FromStr>(name: &str, default: T, what: &str) -> Result<T, String> {
+    match var(name)? {
+        None => Ok(default),
+        Some(v) => v
+            .trim()
+            .parse()
+            .map_err(|_| format!("{name}={v:?} is not {what}")),
+    }
+}
+
+impl Settings {
+    /// The settings from the environment, or which variable is wrong and why.
+    pub(crate) fn from_env() -> Result<Self, String> {
+        let redis = match var("REDIS_CLUSTER")? {
+            Some(seeds) => Redis::Cluster(
+                seeds
+                    .split(',')
+                    .map(str::trim)
+                    .filter(|s| !s.is_empty())
+                    .map(str::to_owned)
+                    .collect(),
+            ),
+            None => {
+                Redis::Url(var("REDIS_URL")?.unwrap_or_else(|| "redis://127.0.0.1:6379".to_owned()))
+            }
+        };
+        let ca = match var("REDIS_CA_CERT")? {
+            None => None,
+            Some(path) => {
+                let pem = std::fs::read(&path)
+                    .map_err(|e| format!("REDIS_CA_CERT={path}: cannot read the file: {e}"))?;
+                Some((path, pem))
+            }
+        };
+        Ok(Self {
+            redis,
+            ca,
+            tokens_per_hour: number(
+                "TOKENS_PER_HOUR",
+                20_000,
+                "a whole number from 1 to 4294967295",
+            )?,
+            replicas: number(
+                "REPLICAS",
+                NonZeroU32::MIN.saturating_add(1),
+                "a whole number from 1 to 4294967295",
+            )?,
+            in_flight: number(
+                "CONCURRENCY_PER_SHOP",
+                4,
+                "a whole number from 1 to 4294967295",
+            )?,
+            port: number("PORT", 3000, "a port number (0 to 65535)")?,
+        })
+    }
+
+    /// The backend (no connection made yet), or what is wrong with the Redis settings.
+    pub(crate) fn backend(&self) -> Result<RedisBackend, String> {
+        let builder = match &self.redis {
+            Redis::Url(url) => RedisBackend::builder().url(url.as_str()),
+            Redis::Cluster(seeds) => {
+                RedisBackend::builder().cluster(seeds.iter().map(String::as_str))
+            }
+        };
+        let builder = match &self.ca {
+            Some((_, pem)) => builder.tls_ca_pem(pem.as_slice()),
+            None => builder,
+        };
+        // The error names the variable and the URL, never its password (the builder's errors
+        // do not quote it either).
+        builder.build().map_err(|e| match (&self.ca, &e) {
+            (Some((path, _)), tollgate_redis::BuildError::Tls { .. }) => {
+                format!("REDIS_CA_CERT={path}: {e}")
+            }
+            _ => format!("{}: {e}", self.redis.variable()),
+        })
+    }
+}
+
+/// Starts the server; an error says which setting failed and why.
+async fn run() -> Result<(), String> {
+    let filter = match var("RUST_LOG")? {
+        None => EnvFilter::new("info"),
+        Some(v) => EnvFilter::try_new(&v).map_err(|e| format!("RUST_LOG={v:?}: {e}"))?,
+    };
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+    let settings = Settings::from_env()?;
+
+    let prometheus = PrometheusBuilder::new()
+        .install_recorder()
+        .map_err(|e| format!("cannot install the metrics recorder: {e}"))?;
     let upkeep = prometheus.clone();
     tokio::spawn(async move {
         // Drains histograms into their summaries, so their memory stays bounded.
@@ -61,39 +232,78 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
     });
 
-    let redis_url =
-        std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned());
-    let tokens_per_hour: u32 = match std::env::var("TOKENS_PER_HOUR") {
-        Ok(n) => n.parse()?,
-        Err(_) => 20_000,
-    };
-    let replicas = match std::env::var("REPLICAS") {
-        Ok(n) => n.parse()?,
-        Err(_) => NonZeroU32::MIN.saturating_add(1),
-    };
     // Starts without Redis if it is down: the limits' failure policies apply until it is back.
-    // `REDIS_CLUSTER` (seed URLs, comma-separated) names a Redis Cluster instead.
-    let backend = match std::env::var("REDIS_CLUSTER") {
-        Ok(seeds) => RedisBackend::builder().cluster(seeds.split(',')).build()?,
-        Err(_) => RedisBackend::builder().url(redis_url.as_str()).build()?,
-    };
+    let backend = settings.backend()?;
+    let limits = limits(backend.clone(), &settings)?;
     // Connect before the first request, so that it does not pay for the connection within
     // its deadline (and apply the failure policy for nothing). Redis may still be down.
-    let _ = backend.ping().await;
+    if let Err(e) = backend.ping().await {
+        tracing::warn!(error = %e, "{} does not answer yet", settings.redis.describe());
+    }
+    let app =
+        chat_routes(limits).route("/metrics", get(move || async move { prometheus.render() }));
+    // A synthetic key that must always be denied: the gauge drops if Redis dies or forgets.
+    let _canary = tollgate::Canary::new(backend, Duration::from_secs(10)).spawn();
 
-    let in_flight: u32 = match std::env::var("CONCURRENCY_PER_SHOP") {
-        Ok(n) => n.parse()?,
-        Err(_) => 4,
+    let listener = tokio::net::TcpListener::bind(("127.0.0.1", settings.port))
+        .await
+        .map_err(|e| {
+            format!(
+                "PORT={}: cannot listen on 127.0.0.1:{}: {e}",
+                settings.port, settings.port
+            )
+        })?;
+    let address = listener
+        .local_addr()
+        .map_err(|e| format!("the listening socket has no address: {e}"))?;
+    let ca = match &settings.ca {
+        Some((path, _)) => format!(", trusting the CA in {path}"),
+        None => String::new(),
     };
-    let limits = RateLimitLayer::builder()
+    println!(
+        "llm_chat listening on http://{address} ({}{ca}, {} tokens an hour per shop)",
+        settings.redis.describe(),
+        settings.tokens_per_hour,
+    );
+    axum::serve(
+        listener,
+        app.into_make_service_with_connect_info::<SocketAddr>(),
+    )
+    .await
+    .map_err(|e| format!("the server stopped: {e}"))
+}
+
+/// The endpoint's limits, counted in `backend`.
+pub(crate) fn limits(
+    backend: RedisBackend,
+    settings: &Settings,
+) -> Result<RateLimitLayer<RedisBackend>, String> {
+    let tokens_per_hour = settings.tokens_per_hour;
+    let per_shop = Limit::gcra(
+        "chat-per-shop",
+        Quota::per_minute(30).map_err(|e| e.to_string())?,
+    )
+    .map_err(|e| e.to_string())?
+    .fail_open();
+    let tokens = Limit::gcra(
+        "tokens-per-shop",
+        Quota::per_hour(tokens_per_hour)
+            .map_err(|e| format!("TOKENS_PER_HOUR={tokens_per_hour}: {e}"))?,
+    )
+    .map_err(|e| format!("TOKENS_PER_HOUR={tokens_per_hour}: {e}"))?
+    .fallback(settings.replicas);
+    let in_flight = Limit::concurrency("chat-in-flight", settings.in_flight)
+        .map_err(|e| format!("CONCURRENCY_PER_SHOP={}: {e}", settings.in_flight))?
+        .fallback(settings.replicas);
+    RateLimitLayer::builder()
         .metered(
-            Limit::gcra("chat-per-shop", Quota::per_minute(30)?)?.fail_open(),
+            per_shop,
             Tenant::header("x-shop-domain"),
-            // A body that is not a message is refused by the handler and not counted.
+            // A body the handler refuses (400, 422) gives its unit back: it counts for nothing.
             Metered::new().count_if(|r| !is_bad_message(r.status())),
         )
         .metered(
-            Limit::gcra("tokens-per-shop", Quota::per_hour(tokens_per_hour)?)?.fallback(replicas),
+            tokens,
             Tenant::header("x-shop-domain"),
             Metered::new()
                 // The estimate: the body's size, at most the whole budget. No body, no tokens.
@@ -105,40 +315,21 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                     .map(|n| n.min(tokens_per_hour))
                 })
                 .charged_by_handler()
+                // Only an answer uses tokens: a refused body gives its whole estimate back.
                 .count_if(|r| r.status().is_success()),
         )
         // A slow model call holds a slot: one shop cannot take every worker.
-        .limit(
-            Limit::concurrency("chat-in-flight", in_flight)?.fallback(replicas),
-            Tenant::header("x-shop-domain"),
-        )
-        .backend(backend.clone())
-        .build()?;
+        .limit(in_flight, Tenant::header("x-shop-domain"))
+        .backend(backend)
+        .build()
+        .map_err(|e| format!("the limits: {e}"))
+}
 
-    // A synthetic key that must always be denied: the gauge drops if Redis dies or forgets.
-    let _canary = tollgate::Canary::new(backend, Duration::from_secs(10)).spawn();
-
-    let app = Router::new()
-        // `route_layer` on the method router: a 404 or 405 never reaches the layer, so it
-        // consumes nothing, and `/metrics` scrapes are never limited.
-        .route("/api/chat", post(chat).route_layer(limits))
-        .route("/metrics", get(move || async move { prometheus.render() }));
-
-    let port: u16 = match std::env::var("PORT") {
-        Ok(port) => port.parse()?,
-        Err(_) => 3000,
-    };
-    let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
-    println!(
-        "llm_chat listening on http://{} (Redis at {redis_url}, {tokens_per_hour} tokens an hour per shop)",
-        listener.local_addr()?
-    );
-    axum::serve(
-        listener,
-        app.into_make_service_with_connect_info::<SocketAddr>(),
-    )
-    .await?;
-    Ok(())
+/// `POST /api/chat` behind `limits`.
+pub(crate) fn chat_routes(limits: RateLimitLayer<RedisBackend>) -> Router {
+    // `route_layer` on the method router: a 404 or 405 never reaches the layer, so it
+    // consumes nothing, and `/metrics` scrapes are never limited.
+    Router::new().route("/api/chat", post(chat).route_layer(limits))
 }
 
 fn is_bad_message(status: StatusCode) -> bool {
@@ -150,38 +341,14 @@ type Reply = (StatusCode, [(HeaderName, &'static str); 1], String);
 /// Stands in for the expensive call; reports the tokens it used and what the limiter decided.
 async fn chat(decision: Decision, settle: Option<Extension<Settle>>, body: Bytes) -> Reply {
     let json = [(CONTENT_TYPE, "application/json")];
-    let tokens = if body.is_empty() {
-        0
-    } else {
-        let value = match serde_json::from_slice::<serde_json::Value>(&body) {
-            Err(_) => {
-                let error = "{\"error\":\"the body is not JSON\"}".to_owned();
-                return (StatusCode::BAD_REQUEST, json, error);
-            }
-            Ok(value) => value,
-        };
-        // A slow model: `delay_ms`, 0 to 10,000.
-        if let Some(delay) = value.get("delay_ms") {
-            let Some(ms) = delay.as_u64().filter(|ms| *ms <= 10_000) else {
-                let error =
-                    "{\"error\":\"delay_ms must be a whole number from 0 to 10000\"}".to_owned();
-                return (StatusCode::BAD_REQUEST, json, error);
-            };
-            tokio::time::sleep(Duration::from_millis(ms)).await;
-        }
-        // No `message` is a message of no tokens (a call that only waits); a `message` that is
-        // not a string, or a body that is not an object, is unprocessable.
-        let message = match (value.is_object(), value.get("message")) {
-            (true, None) => Some(0),
-            (_, Some(m)) => m.as_str().map(str::len),
-            (false, None) => None,
-        };
-        let Some(tokens) = message else {
-            let error = "{\"error\":\"the body has no string \\\"message\\\"\"}".to_owned();
-            return (StatusCode::UNPROCESSABLE_ENTITY, json, error);
-        };
-        tokens
+    let (tokens, delay_ms) = match read_message(&body) {
+        Ok(message) => message,
+        Err((status, error)) => return (status, json, format!("{{\"error\":{error:?}}}")),
     };
+    // A slow model.
+    if delay_ms > 0 {
+        tokio::time::sleep(Duration::from_millis(delay_ms)).await;
+    }
     // The model has answered: its count is the request's actual cost.
     // (No handle: the token budget was not counted, its backend and fallback both failed.)
     if let Some(Extension(settle)) = settle {
@@ -196,4 +363,29 @@ async fn chat(decision: Decision, settle: Option<Extension<Settle>>, body: Bytes
         ),
     };
     (StatusCode::OK, json, body)
+}
+
+/// The message's tokens (its UTF-8 bytes) and the delay asked for; or the status and the
+/// reason of a refusal.
+fn read_message(body: &[u8]) -> Result<(usize, u64), (StatusCode, &'static str)> {
+    if body.is_empty() {
+        return Ok((0, 0));
+    }
+    let value = serde_json::from_slice::<serde_json::Value>(body)
+        .map_err(|_| (StatusCode::BAD_REQUEST, "the body is not JSON"))?;
+    let delay_ms = match value.get("delay_ms") {
+        None => 0,
+        Some(delay) => delay.as_u64().filter(|ms| *ms <= 10_000).ok_or((
+            StatusCode::BAD_REQUEST,
+            "delay_ms must be a whole number from 0 to 10000",
+        ))?,
+    };
+    let message = value
+        .get("message")
+        .and_then(serde_json::Value::as_str)
+        .ok_or((
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "the body is not a JSON object with a string \"message\"",
+        ))?;
+    Ok((message.len(), delay_ms))
 }

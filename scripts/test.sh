@@ -2,7 +2,9 @@
 # Every test of the workspace, on a fresh machine: installs redis-server and redis-cli from
 # Debian's packages when they are missing (with sudo when not root), then runs
 # `cargo test --workspace` (the Redis and Redis Cluster tests start their own servers on free
-# loopback ports) and the layer's test without axum. Extra arguments go to `cargo test`.
+# loopback ports; the TLS ones with certificates they make) and the layer's test without axum,
+# and the Redis backend's unit tests without its `tls` feature. Extra arguments go to
+# `cargo test`.
 #
 # With Redis installed, `cargo test --workspace` alone is the inner loop.
 set -euo pipefail
@@ -23,6 +25,10 @@ if [ ${#need[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
 fi
 
+# The workspace build has tollgate-redis's `tls` feature on (the examples need it), so its
+# TLS tests run here.
 cargo test --workspace "$@"
 # The layer in front of a plain tower service, built without axum.
 cargo test -p tollgate --no-default-features --test no_axum "$@"
+# What a build without the `tls` feature says of a `rediss://` URL.
+cargo test -p tollgate-redis --lib "$@"

@@ -7,6 +7,7 @@ use crate::backend::{Config, RedisBackend};
 use crate::conn::Target;
 use crate::error::BuildError;
 use crate::keys;
+use crate::tls::{blot, is_tls_url, redact_url, secrets_of, TlsFiles};
 
 /// The default key prefix.
 pub const DEFAULT_PREFIX: &str = "tollgate";
@@ -22,7 +23,7 @@ const DEFAULT_BREAKER_THRESHOLD: u32 = 3;
 const DEFAULT_BREAKER_OPEN_FOR: Duration = Duration::from_millis(250);
 const DEFAULT_BREAKER_MAX_OPEN_FOR: Duration = Duration::from_secs(5);
 
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 enum Servers {
     None,
     Standalone(String),
@@ -33,7 +34,41 @@ enum Servers {
     },
 }
 
+impl Servers {
+    /// Every URL given.
+    fn urls(&self) -> Vec<&str> {
+        match self {
+            Self::None => Vec::new(),
+            Self::Standalone(url) => vec![url.as_str()],
+            Self::Cluster(urls)
+            | Self::Sentinel {
+                sentinels: urls, ..
+            } => urls.iter().map(String::as_str).collect(),
+        }
+    }
+}
+
+impl std::fmt::Debug for Servers {
+    /// The URLs without their passwords.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let redacted = |urls: &[String]| urls.iter().map(|u| redact_url(u)).collect::<Vec<_>>();
+        match self {
+            Self::None => f.write_str("None"),
+            Self::Standalone(url) => f.debug_tuple("Standalone").field(&redact_url(url)).finish(),
+            Self::Cluster(urls) => f.debug_tuple("Cluster").field(&redacted(urls)).finish(),
+            Self::Sentinel { master, sentinels } => f
+                .debug_struct("Sentinel")
+                .field("master", master)
+                .field("sentinels", &redacted(sentinels))
+                .finish(),
+        }
+    }
+}
+
 /// Configures a [`RedisBackend`]; made by [`RedisBackend::builder`].
+///
+/// Its `Debug` output shows the URLs with their passwords replaced by `***`, and not the
+/// certificates.
 ///
 /// # Examples
 ///
@@ -63,6 +98,7 @@ pub struct RedisBackendBuilder {
     breaker_max_open_for: Duration,
     deny_cache_capacity: usize,
     deny_cache_ttl: Duration,
+    tls: TlsFiles,
 }
 
 impl Default for RedisBackendBuilder {
@@ -77,18 +113,31 @@ impl Default for RedisBackendBuilder {
             breaker_max_open_for: DEFAULT_BREAKER_MAX_OPEN_FOR,
             deny_cache_capacity: DEFAULT_DENY_CACHE_CAPACITY,
             deny_cache_ttl: DEFAULT_DENY_CACHE_TTL,
+            tls: TlsFiles::default(),
         }
     }
 }
 
 impl RedisBackendBuilder {
     /// Talks to one standalone Redis (or Valkey) server, such as `redis://127.0.0.1:6379/`.
+    ///
+    /// The URL may carry an ACL user and password, `redis://user:password@host:6379/` (or a
+    /// password alone, `redis://:password@host/`; percent-encode `@`, `:` and `/` in them),
+    /// and a database number, `redis://host/2`. Nothing this crate prints or logs shows the
+    /// password: `Debug` and errors show `redis://user:***@host:6379/`.
+    ///
+    /// `rediss://` reaches the server over TLS; it needs the `tls` feature (see
+    /// [`RedisBackendBuilder::tls_ca_pem`]), and without it [`build`](Self::build) fails with
+    /// [`BuildError::TlsNotEnabled`].
     pub fn url(mut self, url: impl Into<String>) -> Self {
         self.servers = Servers::Standalone(url.into());
         self
     }
 
     /// Talks to a Redis Cluster, discovered from these seed nodes.
+    ///
+    /// `rediss://` seeds (all of them, then) reach every node over TLS, with the same
+    /// certificates; the nodes must announce their TLS ports (`tls-cluster yes`).
     pub fn cluster<I, S>(mut self, urls: I) -> Self
     where
         I: IntoIterator<Item = S>,
@@ -105,6 +154,9 @@ impl RedisBackendBuilder {
     /// breaks or the server answers `READONLY` (a master demoted to a replica by a failover):
     /// the next call asks the sentinels for the new master. Until a failover is over, checks
     /// fail and each limit applies its failure policy.
+    ///
+    /// `rediss://` sentinel URLs reach the sentinels over TLS, and then the master too, with
+    /// the same certificates (a deployment with `tls-replication yes`).
     ///
     /// # Examples
     ///
@@ -189,14 +241,75 @@ impl RedisBackendBuilder {
         self
     }
 
+    /// Trusts the CA certificates in `pem` (one or more `BEGIN CERTIFICATE` blocks) for the
+    /// servers of `rediss://` URLs, instead of the webpki roots (Mozilla's list, built in),
+    /// which are trusted when no CA is given. The server's certificate must name the host of
+    /// the URL (a DNS name, or an IP address for a URL such as `rediss://10.0.0.5:6380/`).
+    ///
+    /// The URLs must be `rediss://`, which needs the `tls` feature. The PEM is checked by
+    /// [`build`](Self::build): one that holds no certificate is a [`BuildError::Tls`], and so
+    /// is a CA given for `redis://` URLs (the connection would not be encrypted).
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// use tollgate_redis::RedisBackend;
+    ///
+    /// let ca = std::fs::read("/etc/redis/tls/ca.crt")?;
+    /// let backend = RedisBackend::builder()
+    ///     .url("rediss://app:secret@redis.internal:6380/")
+    ///     .tls_ca_pem(ca)
+    ///     .build()?;
+    /// # drop(backend);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn tls_ca_pem(mut self, pem: impl Into<Vec<u8>>) -> Self {
+        self.tls.ca_pem = Some(pem.into());
+        self
+    }
+
+    /// Presents this client certificate (PEM: the certificate, then any intermediates) and
+    /// its private key (PEM: PKCS#8, PKCS#1 or SEC1) to `rediss://` servers that ask for one
+    /// (`tls-auth-clients yes`). The key is never printed, not even by `Debug`.
+    ///
+    /// The URLs must be `rediss://`, which needs the `tls` feature. The PEMs are checked by
+    /// [`build`](Self::build): a certificate or key that cannot be read, or a key that is not
+    /// the certificate's, is a [`BuildError::Tls`].
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// use tollgate_redis::RedisBackend;
+    ///
+    /// let backend = RedisBackend::builder()
+    ///     .url("rediss://redis.internal:6380/")
+    ///     .tls_ca_pem(std::fs::read("/etc/redis/tls/ca.crt")?)
+    ///     .tls_client_cert_pem(
+    ///         std::fs::read("/etc/myapp/redis-client.crt")?,
+    ///         std::fs::read("/etc/myapp/redis-client.key")?,
+    ///     )
+    ///     .build()?;
+    /// # drop(backend);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn tls_client_cert_pem(
+        mut self,
+        cert_pem: impl Into<Vec<u8>>,
+        key_pem: impl Into<Vec<u8>>,
+    ) -> Self {
+        self.tls.client = Some((cert_pem.into(), key_pem.into()));
+        self
+    }
+
     /// Builds the backend. No connection is made: the first call connects, in the background,
     /// so an application starts even while Redis is down.
     ///
     /// # Errors
     ///
     /// [`BuildError`] when no server was given (no seed, no sentinel, no master name), a URL
-    /// cannot be parsed, the prefix is
-    /// invalid, or the deadline or connect timeout is zero.
+    /// cannot be parsed, a `rediss://` URL is given without the `tls` feature, the
+    /// certificates cannot be read, the prefix is invalid, or the deadline or connect timeout
+    /// is zero.
     pub fn build(self) -> Result<RedisBackend, BuildError> {
         if !keys::valid_prefix(&self.prefix) {
             return Err(BuildError::InvalidPrefix {
@@ -209,22 +322,62 @@ impl RedisBackendBuilder {
         if self.connect_timeout.is_zero() {
             return Err(BuildError::ZeroConnectTimeout);
         }
+        let urls = self.servers.urls();
+        // A message from the client never shows a password, even one that quotes the URL.
+        let secrets: Vec<String> = urls.iter().flat_map(|u| secrets_of(u)).collect();
         let bad_url = |e: redis::RedisError| BuildError::InvalidUrl {
-            reason: e.to_string(),
+            reason: blot(e.to_string(), &secrets),
         };
+        let tls = !urls.is_empty() && urls.iter().all(|u| is_tls_url(u));
+        if !tls && urls.iter().any(|u| is_tls_url(u)) {
+            return Err(BuildError::InvalidUrl {
+                reason: "some URLs are rediss:// and some are not: use one scheme for all"
+                    .to_owned(),
+            });
+        }
+        if tls && !cfg!(feature = "tls") {
+            return Err(BuildError::TlsNotEnabled);
+        }
+        if !tls && !self.tls.is_empty() {
+            return Err(BuildError::Tls {
+                reason: "certificates were given for a URL that is not rediss://".to_owned(),
+            });
+        }
+        // A URL redis-rs would connect to without checking the certificate: refused here, as
+        // redis-rs refuses it when it connects (its `tls-rustls-insecure` feature is off).
+        let insecure = |url: &&str| {
+            redis::IntoConnectionInfo::into_connection_info(*url).is_ok_and(|info| {
+                matches!(
+                    info.addr(),
+                    redis::ConnectionAddr::TcpTls { insecure: true, .. }
+                )
+            })
+        };
+        if urls.iter().any(insecure) {
+            return Err(BuildError::Tls {
+                reason: "#insecure (no certificate check) is not supported: give the server's \
+                         CA to .tls_ca_pem(..) instead"
+                    .to_owned(),
+            });
+        }
+        let certs = certificates(&self.tls, tls)?;
         let target = match self.servers {
             Servers::None => return Err(BuildError::NoServer),
             Servers::Standalone(url) => {
-                Target::Single(redis::Client::open(url.as_str()).map_err(bad_url)?)
+                Target::Single(Box::new(client(&url, certs.as_ref(), bad_url)?))
             }
             Servers::Cluster(urls) => {
                 if urls.is_empty() {
                     return Err(BuildError::NoClusterSeeds);
                 }
-                let client = redis::cluster::ClusterClient::builder(urls)
-                    .connection_timeout(self.connect_timeout)
-                    .build()
-                    .map_err(bad_url)?;
+                let builder = redis::cluster::ClusterClient::builder(urls)
+                    .connection_timeout(self.connect_timeout);
+                #[cfg(feature = "tls")]
+                let builder = match &certs {
+                    Some(certs) => builder.certs(certs.clone()),
+                    None => builder,
+                };
+                let client = builder.build().map_err(bad_url)?;
                 Target::Cluster(Box::new(client))
             }
             Servers::Sentinel { master, sentinels } => {
@@ -234,13 +387,7 @@ impl RedisBackendBuilder {
                 if master.is_empty() {
                     return Err(BuildError::NoMasterName);
                 }
-                let client = redis::sentinel::SentinelClient::build(
-                    sentinels,
-                    master,
-                    None,
-                    redis::sentinel::SentinelServerType::Master,
-                )
-                .map_err(bad_url)?;
+                let client = sentinel_client(&sentinels, &master, tls, certs.as_ref(), bad_url)?;
                 Target::Sentinel(Arc::new(tokio::sync::Mutex::new(client)))
             }
         };
@@ -258,9 +405,123 @@ impl RedisBackendBuilder {
     }
 }
 
+/// The client for one server's URL, with the builder's certificates when there are some.
+fn client(
+    url: &str,
+    certs: Option<&Certificates>,
+    bad_url: impl Fn(redis::RedisError) -> BuildError,
+) -> Result<redis::Client, BuildError> {
+    let info = redis::IntoConnectionInfo::into_connection_info(url).map_err(&bad_url)?;
+    match certs {
+        #[cfg(feature = "tls")]
+        Some(certs) => {
+            redis::Client::build_with_tls(info, certs.clone()).map_err(|e| BuildError::Tls {
+                reason: e.to_string(),
+            })
+        }
+        _ => redis::Client::open(info).map_err(bad_url),
+    }
+}
+
+/// The client that asks `urls`, sentinels, where `master` is; over TLS (to the sentinels and
+/// then to the master, with `certs`) when `tls`.
+fn sentinel_client(
+    urls: &[String],
+    master: &str,
+    tls: bool,
+    certs: Option<&Certificates>,
+    bad_url: impl Fn(redis::RedisError) -> BuildError,
+) -> Result<redis::sentinel::SentinelClient, BuildError> {
+    use redis::sentinel::{SentinelClient, SentinelServerType};
+    let infos = urls
+        .iter()
+        .map(|url| client(url, None, &bad_url).map(|c| c.get_connection_info().clone()))
+        .collect::<Result<Vec<_>, _>>()?;
+    #[cfg(feature = "tls")]
+    if tls {
+        // Only redis-rs's builder takes certificates for the master as well as for the
+        // sentinels; it takes one login for every sentinel.
+        let mut builder = redis::sentinel::SentinelClientBuilder::new(
+            infos.iter().map(|info| info.addr().clone()),
+            master,
+            SentinelServerType::Master,
+        )
+        .map_err(&bad_url)?
+        .set_client_to_redis_tls_mode(redis::TlsMode::Secure);
+        if let Some(login) = infos
+            .iter()
+            .map(redis::ConnectionInfo::redis_settings)
+            .find(|s| s.username().is_some() || s.password().is_some())
+        {
+            if let Some(username) = login.username() {
+                builder = builder.set_client_to_sentinel_username(username);
+            }
+            if let Some(password) = login.password() {
+                builder = builder.set_client_to_sentinel_password(password);
+            }
+        }
+        if let Some(certs) = certs {
+            builder = builder
+                .set_client_to_sentinel_certificates(certs.clone())
+                .set_client_to_redis_certificates(certs.clone());
+        }
+        return builder.build().map_err(bad_url);
+    }
+    let _ = (tls, certs);
+    SentinelClient::build(infos, master.to_owned(), None, SentinelServerType::Master)
+        .map_err(bad_url)
+}
+
+#[cfg(feature = "tls")]
+type Certificates = redis::TlsCertificates;
+/// No certificates without the `tls` feature.
+#[cfg(not(feature = "tls"))]
+type Certificates = std::convert::Infallible;
+
+/// The builder's certificates, checked, ready for redis-rs.
+fn certificates(files: &TlsFiles, tls: bool) -> Result<Option<Certificates>, BuildError> {
+    #[cfg(feature = "tls")]
+    {
+        if tls {
+            crate::tls::install_provider();
+        }
+        files
+            .certificates()
+            .map_err(|reason| BuildError::Tls { reason })
+    }
+    #[cfg(not(feature = "tls"))]
+    {
+        let _ = (files, tls);
+        Ok(None)
+    }
+}
+
 impl RedisBackend {
     /// Configures a backend.
     pub fn builder() -> RedisBackendBuilder {
         RedisBackendBuilder::default()
+    }
+}
+
+/// Without the `tls` feature (with it, `tests/tls.rs` connects).
+#[cfg(all(test, not(feature = "tls")))]
+mod tests {
+    use super::*;
+
+    /// A `rediss://` URL says which feature it needs.
+    #[test]
+    fn rediss_without_the_feature_names_it() {
+        for builder in [
+            RedisBackend::builder().url("rediss://:secret@127.0.0.1:6380/"),
+            RedisBackend::builder().cluster(["rediss://127.0.0.1:7000/"]),
+            RedisBackend::builder().sentinel("m", ["rediss://127.0.0.1:26379/"]),
+        ] {
+            let e = builder.build().unwrap_err();
+            assert_eq!(e, BuildError::TlsNotEnabled);
+            assert!(e.is_server());
+            let shown = e.to_string();
+            assert!(shown.contains("enable the `tls` feature"), "{shown}");
+            assert!(!shown.contains("secret"), "{shown}");
+        }
     }
 }

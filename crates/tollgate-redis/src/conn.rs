@@ -20,7 +20,7 @@ use crate::script::Script;
 
 /// Where to connect.
 pub(crate) enum Target {
-    Single(redis::Client),
+    Single(Box<redis::Client>),
     Cluster(Box<ClusterClient>),
     /// The master the sentinels name, looked up on each connection attempt. The client keeps
     /// its connections to the sentinels, hence the lock (held by one attempt at a time).

@@ -21,6 +21,15 @@ pub enum BuildError {
         /// What the client said of it. The URL itself is left out: it may hold a password.
         reason: String,
     },
+    /// A `rediss://` (or `valkeys://`) URL, in a build without the crate's `tls` feature.
+    TlsNotEnabled,
+    /// TLS settings that cannot be used: a CA or client certificate PEM that cannot be read or
+    /// holds no certificate, certificates given for URLs that are not `rediss://`, or a
+    /// `#insecure` URL.
+    Tls {
+        /// What is wrong. Never the key itself.
+        reason: String,
+    },
     /// A key prefix that is empty, longer than 64 bytes, or has characters outside
     /// `[A-Za-z0-9_.:-]`.
     InvalidPrefix {
@@ -43,6 +52,7 @@ impl BuildError {
                 | Self::NoSentinels
                 | Self::NoMasterName
                 | Self::InvalidUrl { .. }
+                | Self::TlsNotEnabled
         )
     }
 }
@@ -57,6 +67,11 @@ impl fmt::Display for BuildError {
             Self::NoSentinels => f.write_str("Redis Sentinel needs at least one sentinel URL"),
             Self::NoMasterName => f.write_str("Redis Sentinel needs the master's name"),
             Self::InvalidUrl { reason } => write!(f, "invalid Redis URL: {reason}"),
+            Self::TlsNotEnabled => f.write_str(
+                "a rediss:// URL needs TLS: enable the `tls` feature of tollgate-redis \
+                 (tollgate-redis = { version = \"..\", features = [\"tls\"] })",
+            ),
+            Self::Tls { reason } => write!(f, "Redis TLS settings: {reason}"),
             Self::InvalidPrefix { prefix } => write!(
                 f,
                 "Redis key prefix {prefix:?} must be 1 to {} characters of [A-Za-z0-9_.:-]",

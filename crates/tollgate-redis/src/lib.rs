@@ -135,6 +135,27 @@
 //! policy; admissions the old master acknowledged but had not yet copied to the replica are
 //! lost with it (Redis replication is asynchronous), so the promoted replica may admit up to
 //! that many more.
+//! # TLS and credentials
+//!
+//! A URL may carry an ACL user and password (`redis://app:secret@host:6379/`, or
+//! `redis://:secret@host/` for `requirepass`); every connection logs in with them, the merged
+//! calls' own connection included. No `Debug` output, error or log line of this crate shows a
+//! password: URLs are shown as `redis://app:***@host:6379/` ([`redact_url`] does the same for
+//! an application's own banner).
+//!
+//! `rediss://` URLs (standalone, cluster seeds, sentinels) need the `tls` feature, built on
+//! rustls with its `ring` provider (installed as the process's default unless the application
+//! installed one): the server's certificate is checked against the webpki roots, or only
+//! against the CA given to [`RedisBackendBuilder::tls_ca_pem`]; a client certificate for
+//! servers with `tls-auth-clients yes` goes to [`RedisBackendBuilder::tls_client_cert_pem`].
+//! Over TLS every call uses the shared connection (the merged calls share calls as they do on
+//! plain TCP, without a connection of their own). Without the feature, a `rediss://` URL is
+//! [`BuildError::TlsNotEnabled`].
+//!
+//! ```toml
+//! tollgate-redis = { version = "0.1", features = ["tls"] }
+//! ```
+//!
 //! # Settles
 //!
 //! [`Backend::settle`](tollgate_core::Backend::settle) (the layer's metered limits) gives back
@@ -239,6 +260,7 @@ mod merged;
 mod script;
 mod settle;
 mod slots;
+mod tls;
 
 pub use backend::RedisBackend;
 pub use breaker::CircuitState;
@@ -248,3 +270,4 @@ pub use builder::{
 };
 pub use error::BuildError;
 pub use future::ResponseFuture;
+pub use tls::redact_url;

@@ -15,6 +15,10 @@
 //! [`Sentinel`] runs a master, a replica and three `redis-server --sentinel` processes that
 //! watch them, to test failover.
 //!
+//! [`RedisServer::start_tls`], [`RedisCluster::start_tls`] and [`Sentinel::start_tls`] run the
+//! same over TLS only (`--port 0 --tls-port <port>`), with certificates that [`TestCerts`]
+//! makes at run time: a CA, and a certificate for `127.0.0.1` that the servers present.
+//!
 //! [`vectors`] reads the shared vector file `tests/vectors.txt` that every backend must agree
 //! with.
 //!
@@ -43,7 +47,10 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 pub use redis;
 
 pub mod lease_model;
+mod tls;
 pub mod vectors;
+
+pub use tls::TestCerts;
 
 /// How long a server may take to answer its first `PING`.
 const STARTUP: Duration = Duration::from_secs(10);
@@ -156,6 +163,15 @@ pub struct RedisServer {
     cluster: bool,
     paused: bool,
     role: Role,
+    tls: Option<Tls>,
+}
+
+/// How a TLS server is set up.
+#[derive(Debug, Clone)]
+struct Tls {
+    certs: TestCerts,
+    /// `--tls-auth-clients yes`: a client must present a certificate the CA signed.
+    require_client_cert: bool,
 }
 
 /// What a [`RedisServer`] process is: a server, a replica of the server on a port, or a
@@ -174,7 +190,7 @@ impl RedisServer {
     ///
     /// When `redis-server` is not installed, or no server could be started.
     pub fn start() -> Self {
-        Self::start_with(false)
+        Self::start_with(false, None)
     }
 
     /// Starts a replica of `master` on a free loopback port and waits until it answers
@@ -184,14 +200,49 @@ impl RedisServer {
     ///
     /// As [`RedisServer::start`].
     pub fn start_replica_of(master: &RedisServer) -> Self {
-        Self::start_as(false, Role::Replica(master.port()))
+        Self::start_as(false, Role::Replica(master.port()), master.tls.clone())
     }
 
-    fn start_with(cluster: bool) -> Self {
-        Self::start_as(cluster, Role::Plain)
+    /// Starts a standalone server that speaks only TLS (`--port 0 --tls-port <port>`), with
+    /// the server certificate of `certs` (for `127.0.0.1`), and clients' certificates not
+    /// asked for (`--tls-auth-clients no`). Its [`url`](Self::url) is `rediss://`.
+    ///
+    /// # Panics
+    ///
+    /// As [`RedisServer::start`].
+    pub fn start_tls(certs: &TestCerts) -> Self {
+        Self::start_as(
+            false,
+            Role::Plain,
+            Some(Tls {
+                certs: certs.clone(),
+                require_client_cert: false,
+            }),
+        )
     }
 
-    fn start_as(cluster: bool, role: Role) -> Self {
+    /// As [`RedisServer::start_tls`], but every client must present a certificate that the
+    /// CA of `certs` signed (`--tls-auth-clients yes`).
+    ///
+    /// # Panics
+    ///
+    /// As [`RedisServer::start`].
+    pub fn start_tls_requiring_client_cert(certs: &TestCerts) -> Self {
+        Self::start_as(
+            false,
+            Role::Plain,
+            Some(Tls {
+                certs: certs.clone(),
+                require_client_cert: true,
+            }),
+        )
+    }
+
+    fn start_with(cluster: bool, tls: Option<Tls>) -> Self {
+        Self::start_as(cluster, Role::Plain, tls)
+    }
+
+    fn start_as(cluster: bool, role: Role, tls: Option<Tls>) -> Self {
         redis_server_binary();
         let mut last = String::new();
         // Another process may take the port between our check and the server's bind: retry.
@@ -204,6 +255,7 @@ impl RedisServer {
                 cluster,
                 paused: false,
                 role: role.clone(),
+                tls: tls.clone(),
             };
             match server.spawn() {
                 Ok(()) => return server,
@@ -223,9 +275,37 @@ impl RedisServer {
         } else {
             cmd.args(["--save", ""]).args(["--appendonly", "no"]);
         }
-        cmd.arg("--port")
-            .arg(self.port.to_string())
-            .args(["--bind", "127.0.0.1"])
+        match &self.tls {
+            None => {
+                cmd.arg("--port").arg(self.port.to_string());
+            }
+            Some(tls) => {
+                let files = tls
+                    .certs
+                    .write_to(&self.dir)
+                    .map_err(|e| format!("write the TLS files: {e}"))?;
+                cmd.args(["--port", "0"])
+                    .arg("--tls-port")
+                    .arg(self.port.to_string())
+                    .arg("--tls-cert-file")
+                    .arg(&files.server_cert)
+                    .arg("--tls-key-file")
+                    .arg(&files.server_key)
+                    .arg("--tls-ca-cert-file")
+                    .arg(&files.ca)
+                    .args([
+                        "--tls-auth-clients",
+                        if tls.require_client_cert { "yes" } else { "no" },
+                    ])
+                    // Replicas and sentinels reach their masters over TLS, cluster nodes each
+                    // other: there is no plain port.
+                    .args(["--tls-replication", "yes"]);
+                if self.cluster {
+                    cmd.args(["--tls-cluster", "yes"]);
+                }
+            }
+        }
+        cmd.args(["--bind", "127.0.0.1"])
             .args(["--protected-mode", "no"])
             .args(["--daemonize", "no"])
             .arg("--dir")
@@ -257,7 +337,7 @@ impl RedisServer {
                     log.lines().rev().take(3).collect::<Vec<_>>().join(" | ")
                 ));
             }
-            if pings(self.port, Duration::from_millis(500)) {
+            if self.answers(Duration::from_millis(500)) {
                 self.child = Some(child);
                 return Ok(());
             }
@@ -273,9 +353,42 @@ impl RedisServer {
         }
     }
 
-    /// The server's URL, `redis://127.0.0.1:<port>/`.
+    /// The server's URL, `redis://127.0.0.1:<port>/` (`rediss://` for a TLS server).
     pub fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}/", self.port)
+        let scheme = if self.tls.is_some() {
+            "rediss"
+        } else {
+            "redis"
+        };
+        format!("{scheme}://127.0.0.1:{}/", self.port)
+    }
+
+    /// The certificates of a TLS server.
+    pub fn certs(&self) -> Option<&TestCerts> {
+        self.tls.as_ref().map(|t| &t.certs)
+    }
+
+    /// Whether the server answers `PING` within `timeout`.
+    fn answers(&self, timeout: Duration) -> bool {
+        match &self.tls {
+            None => pings(self.port, timeout),
+            Some(_) => self.connect(timeout).is_ok_and(|mut con| {
+                redis::cmd("PING")
+                    .query::<String>(&mut con)
+                    .is_ok_and(|p| p == "PONG")
+            }),
+        }
+    }
+
+    /// A connection, with the CA and the client certificate of a TLS server.
+    fn connect(&self, timeout: Duration) -> redis::RedisResult<redis::Connection> {
+        let client = match &self.tls {
+            None => redis::Client::open(self.url())?,
+            Some(tls) => tls.certs.client(&self.url())?,
+        };
+        let con = client.get_connection_with_timeout(timeout)?;
+        con.set_read_timeout(Some(timeout.max(Duration::from_secs(5))))?;
+        Ok(con)
     }
 
     /// The server's port.
@@ -349,8 +462,7 @@ impl RedisServer {
     ///
     /// When the server cannot be reached.
     pub fn client(&self) -> redis::Connection {
-        redis::Client::open(self.url())
-            .and_then(|c| c.get_connection_with_timeout(Duration::from_secs(5)))
+        self.connect(Duration::from_secs(5))
             .unwrap_or_else(|e| panic!("connect to {}: {e}", self.url()))
     }
 
@@ -437,11 +549,46 @@ impl RedisCluster {
     /// When fewer than 3 masters are asked for, `redis-server` or `redis-cli` is missing, or the
     /// cluster does not form.
     pub fn start(masters: usize) -> Self {
+        Self::start_as(masters, None)
+    }
+
+    /// As [`RedisCluster::start`], over TLS only: every node has the server certificate of
+    /// `certs`, and talks to the others over TLS too (`--tls-cluster yes`), so that the
+    /// cluster announces its nodes' TLS ports. Its [`urls`](Self::urls) are `rediss://`.
+    ///
+    /// # Panics
+    ///
+    /// As [`RedisCluster::start`].
+    pub fn start_tls(masters: usize, certs: &TestCerts) -> Self {
+        Self::start_as(
+            masters,
+            Some(Tls {
+                certs: certs.clone(),
+                require_client_cert: false,
+            }),
+        )
+    }
+
+    fn start_as(masters: usize, tls: Option<Tls>) -> Self {
         assert!(masters >= 3, "a Redis Cluster needs at least 3 masters");
         let nodes: Vec<RedisServer> = (0..masters)
-            .map(|_| RedisServer::start_with(true))
+            .map(|_| RedisServer::start_with(true, tls.clone()))
             .collect();
         let mut create = Command::new("redis-cli");
+        if let Some(tls) = &tls {
+            let files = tls
+                .certs
+                .write_to(&nodes[0].dir)
+                .expect("write the TLS files for redis-cli");
+            create
+                .arg("--tls")
+                .arg("--cacert")
+                .arg(&files.ca)
+                .arg("--cert")
+                .arg(&files.client_cert)
+                .arg("--key")
+                .arg(&files.client_key);
+        }
         create.arg("--cluster").arg("create");
         for node in &nodes {
             create.arg(format!("127.0.0.1:{}", node.port));
@@ -579,7 +726,26 @@ impl Sentinel {
     ///
     /// When `redis-server` is missing or the setup does not come together in 30 s.
     pub fn start() -> Self {
-        let master = RedisServer::start();
+        Self::start_as(None)
+    }
+
+    /// As [`Sentinel::start`], over TLS only: the master, the replica and the sentinels have
+    /// the server certificate of `certs`, and the replica and the sentinels reach the master
+    /// over TLS (`--tls-replication yes`). Its [`sentinel_urls`](Self::sentinel_urls) are
+    /// `rediss://`.
+    ///
+    /// # Panics
+    ///
+    /// As [`Sentinel::start`].
+    pub fn start_tls(certs: &TestCerts) -> Self {
+        Self::start_as(Some(Tls {
+            certs: certs.clone(),
+            require_client_cert: false,
+        }))
+    }
+
+    fn start_as(tls: Option<Tls>) -> Self {
+        let master = RedisServer::start_with(false, tls.clone());
         let replica = RedisServer::start_replica_of(&master);
         let dir = temp_dir("sentinel");
         let template = dir.join("sentinel.conf");
@@ -593,7 +759,7 @@ impl Sentinel {
         );
         std::fs::write(&template, conf).expect("write sentinel.conf");
         let sentinels = (0..3)
-            .map(|_| RedisServer::start_as(false, Role::Sentinel(template.clone())))
+            .map(|_| RedisServer::start_as(false, Role::Sentinel(template.clone()), tls.clone()))
             .collect();
         let setup = Self {
             master,
@@ -660,10 +826,7 @@ impl Sentinel {
     /// When no sentinel answers.
     pub fn master_port(&self) -> u16 {
         for s in &self.sentinels {
-            let Ok(client) = redis::Client::open(s.url()) else {
-                continue;
-            };
-            let Ok(mut con) = client.get_connection_with_timeout(Duration::from_secs(1)) else {
+            let Ok(mut con) = s.connect(Duration::from_secs(1)) else {
                 continue;
             };
             let addr: redis::RedisResult<(String, String)> = redis::cmd("SENTINEL")
@@ -689,10 +852,7 @@ impl Drop for Sentinel {
 /// What the server says of itself in `INFO <section>`: the value of `field`, or `None`
 /// when the server cannot be reached or has no such field.
 pub fn server_info(server: &RedisServer, section: &str, field: &str) -> Option<String> {
-    let client = redis::Client::open(server.url()).ok()?;
-    let mut con = client
-        .get_connection_with_timeout(Duration::from_secs(1))
-        .ok()?;
+    let mut con = server.connect(Duration::from_secs(1)).ok()?;
     let info: String = redis::cmd("INFO").arg(section).query(&mut con).ok()?;
     info.lines().find_map(|l| {
         l.trim()
