@@ -859,8 +859,7 @@ impl<B: Backend> Run<'_, B> {
 
 /// Runs `ops` on `replicas`; returns the violations.
 async fn drive<B: Backend>(
-    shape: Shape,
-    kind: Kind,
+    (shape, kind): (Shape, Kind),
     replicas: Vec<Replica<B>>,
     clock: Option<FakeClock>,
     now: Micros,
@@ -943,8 +942,7 @@ async fn sequence(
             match built(&shape, build(&shape, replicas, || Arc::clone(&memory))) {
                 Ok(Some(r)) => {
                     drive(
-                        shape.clone(),
-                        kind,
+                        (shape.clone(), kind),
                         r,
                         Some(clock),
                         now,
@@ -980,7 +978,7 @@ async fn sequence(
             };
             match built(&shape, build(&shape, replicas, backend)) {
                 Ok(Some(r)) => {
-                    drive(shape.clone(), kind, r, None, now, servers, &ops, verbose).await
+                    drive((shape.clone(), kind), r, None, now, servers, &ops, verbose).await
                 }
                 Ok(None) => (Vec::new(), refused_at_build()),
                 Err(e) => (vec![e], Tally::default()),

@@ -468,6 +468,9 @@ fn sentinel_client(
         return builder.build().map_err(bad_url);
     }
     let _ = (tls, certs);
+    // redis-rs takes the master's name as a `String`, or with its TLS features (which another
+    // crate of the build may turn on) as any `AsRef<str>`: an owned one suits both.
+    #[allow(clippy::unnecessary_to_owned)]
     SentinelClient::build(infos, master.to_owned(), None, SentinelServerType::Master)
         .map_err(bad_url)
 }
