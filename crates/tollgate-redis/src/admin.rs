@@ -17,10 +17,13 @@ use crate::conn::breaks_connection;
 use crate::failure::map_error;
 use crate::keys::{self, BaseKey, Suffix};
 
-/// `KEYS[1]`: the key (a fixed window's base key). `ARGV`: `peek` or `reset`, the algorithm
-/// (`gcra`, `window`, `log`, `slots`), the period in microseconds. Answers the server's time,
-/// then for a peek what it read: a GCRA value, a window's count, a log's scores, the slots
-/// held.
+/// `KEYS[1]`: the key; for a fixed window, `KEYS[1..4]` are the windows `ARGV[4]` to
+/// `ARGV[4] + 3` (the client's estimate of the server's window, less one, and the next three:
+/// the script touches only keys it is given). `ARGV`: `peek` or `reset`, the algorithm (`gcra`,
+/// `window`, `log`, `slots`), the period in microseconds, the first window's index. Answers the
+/// server's time, then for a peek what it read: a GCRA value, a window's count, a log's
+/// scores, the slots held. A fixed window whose current window is not among those given
+/// answers the error `TOLLGATE_WINDOW <now>`.
 const ADMIN: &str = r"
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
@@ -29,11 +32,15 @@ local op, alg, period, key = ARGV[1], ARGV[2], tonumber(ARGV[3]), KEYS[1]
 if alg == 'window' then
   local i = math.floor(now / period)
   if i * period > now then i = i - 1 elseif (i + 1) * period <= now then i = i + 1 end
+  local k = i - tonumber(ARGV[4]) + 1
+  if k < 1 or k > 3 then
+    return redis.error_reply('TOLLGATE_WINDOW ' .. fmt(now))
+  end
   if op == 'reset' then
-    redis.call('DEL', key .. ':' .. fmt(i), key .. ':' .. fmt(i + 1))
+    redis.call('DEL', KEYS[k], KEYS[k + 1])
     return {fmt(now)}
   end
-  return {fmt(now), redis.call('GET', key .. ':' .. fmt(i))}
+  return {fmt(now), redis.call('GET', KEYS[k])}
 end
 if op == 'reset' then
   redis.call('DEL', key)
@@ -126,29 +133,54 @@ impl Inner {
         let digest = keys::digest(check.limit.name(), &check.key);
         let base = BaseKey::new(&self.prefix, check.limit.name(), &digest);
         let (key, alg) = match check.limit.algorithm() {
-            Algorithm::Gcra => (base.with(Suffix::Tat), "gcra"),
-            Algorithm::FixedWindow => (base, "window"),
-            Algorithm::SlidingLog => (base.with(Suffix::Log), "log"),
-            Algorithm::Concurrency => (base.with(Suffix::Slots), "slots"),
+            Algorithm::Gcra => (base.clone().with(Suffix::Tat), "gcra"),
+            Algorithm::FixedWindow => (base.clone(), "window"),
+            Algorithm::SlidingLog => (base.clone().with(Suffix::Log), "log"),
+            Algorithm::Concurrency => (base.clone().with(Suffix::Slots), "slots"),
             _ => return Err(tollgate_core::unsupported("redis", op)),
         };
-        let mut cmd = redis::cmd("EVAL");
-        cmd.arg(ADMIN)
-            .arg(1)
-            .arg(key.as_bytes())
-            .arg(op)
-            .arg(alg)
-            .arg(check.quota.period_micros());
-        let attempt = async {
-            let (generation, mut conn) = self.connector.get().await.map_err(map_error)?;
-            conn.query(&cmd).await.map_err(|e| {
-                if breaks_connection(&e) {
-                    self.connector.invalidate(generation);
+        let period = check.quota.period_micros();
+        let mut server_now = self.server_time();
+        for _ in 0..2 {
+            let mut cmd = redis::cmd("EVAL");
+            cmd.arg(ADMIN);
+            // A fixed window declares the windows its script may touch, as `CHECK` does.
+            let first = (server_now / period).saturating_sub(1);
+            if alg == "window" {
+                cmd.arg(4);
+                for i in first..first + 4 {
+                    cmd.arg(base.clone().with(Suffix::Window(i)).as_bytes());
                 }
-                map_error(e)
-            })
-        };
-        self.within_deadline(attempt, &format!("to {op}")).await
+            } else {
+                cmd.arg(1).arg(key.as_bytes());
+            }
+            cmd.arg(op).arg(alg).arg(period).arg(first);
+            let answer = self
+                .within_deadline(
+                    async {
+                        let (generation, mut conn) =
+                            self.connector.get().await.map_err(map_error)?;
+                        Ok(conn.query(&cmd).await.inspect_err(|e| {
+                            if breaks_connection(e) {
+                                self.connector.invalidate(generation);
+                            }
+                        }))
+                    },
+                    &format!("to {op}"),
+                )
+                .await?;
+            match answer {
+                Ok(value) => return Ok(value),
+                Err(e) if e.code() == Some("TOLLGATE_WINDOW") => {
+                    match e.detail().and_then(|d| d.trim().parse().ok()) {
+                        Some(now) => server_now = now,
+                        None => return Err(map_error(e)),
+                    }
+                }
+                Err(e) => return Err(map_error(e)),
+            }
+        }
+        Err(protocol("the server's window moved twice in a row"))
     }
 }
 

@@ -220,9 +220,9 @@ impl Inner {
     /// nothing of Redis and is never reported.
     pub(crate) fn report(&self, result: Result<(), &BackendError>, permit: Permit) {
         match result {
-            Ok(()) => self.answered(),
+            Ok(()) => self.answered(permit),
             // Redis answered, with something we did not expect: it is up.
-            Err(e) if e.kind() == BackendErrorKind::Protocol => self.answered(),
+            Err(e) if e.kind() == BackendErrorKind::Protocol => self.answered(permit),
             Err(e) if e.is_overloaded() => {}
             Err(_) => {
                 if self.breaker.failure(permit) {
@@ -236,8 +236,8 @@ impl Inner {
         }
     }
 
-    fn answered(&self) {
-        self.breaker.success();
+    fn answered(&self, permit: Permit) {
+        self.breaker.success(permit);
         self.metrics().up.set(1.0);
     }
 

@@ -110,9 +110,13 @@ impl Breaker {
         }
     }
 
-    /// Redis answered.
-    pub(crate) fn success(&self) {
+    /// Redis answered a call made with `permit`. Only a probe's answer closes an open breaker:
+    /// a call sent before the breaker opened that answers late says nothing of Redis now.
+    pub(crate) fn success(&self, permit: Permit) {
         let mut s = self.lock();
+        if s.open_until.is_some() && !permit.probe {
+            return;
+        }
         if s.open_until.is_some() {
             tracing::info!(
                 backend = "redis",
@@ -205,9 +209,9 @@ mod tests {
         assert_eq!(b.admit(), None);
         tokio::time::advance(Duration::from_millis(1)).await;
         assert_eq!(b.state(), CircuitState::HalfOpen);
-        let _probe = b.admit().expect("one probe");
+        let probe = b.admit().expect("one probe");
         assert_eq!(b.admit(), None, "only one probe at a time");
-        b.success();
+        b.success(probe);
         assert_eq!(b.state(), CircuitState::Closed);
         assert!(b.admit().is_some());
     }
@@ -246,9 +250,25 @@ mod tests {
         let b = breaker();
         fail(&b);
         fail(&b);
-        b.success();
+        b.success(Permit::default());
         fail(&b);
         fail(&b);
+        assert_eq!(b.state(), CircuitState::Closed);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_late_answer_of_a_call_sent_before_the_breaker_opened_does_not_close_it() {
+        let b = breaker();
+        let late = b.admit().expect("a permit");
+        for _ in 0..3 {
+            fail(&b);
+        }
+        assert_eq!(b.state(), CircuitState::Open);
+        b.success(late);
+        assert_eq!(b.state(), CircuitState::Open);
+        tokio::time::advance(Duration::from_millis(250)).await;
+        let probe = b.admit().expect("a probe");
+        b.success(probe);
         assert_eq!(b.state(), CircuitState::Closed);
     }
 }

@@ -84,6 +84,7 @@ pub(crate) fn decimal(mut n: u64, digits: &mut [u8; 20]) -> usize {
 
 /// A key written on the stack: every call writes each check's key, and a `String` per check
 /// would be an allocation per check.
+#[derive(Clone)]
 pub(crate) struct BaseKey {
     buf: [u8; MAX_BASE_KEY_LEN + MAX_SUFFIX_LEN],
     len: usize,

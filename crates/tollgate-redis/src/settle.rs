@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use tollgate_core::{Algorithm, BackendError, Check, Micros, Settlement};
 
 use crate::backend::{Inner, RedisBackend, BACKEND};
-use crate::breaker::CircuitState;
+use crate::breaker::Permit;
 use crate::keys::{self, Suffix};
 use crate::script::Prepared;
 
@@ -222,10 +222,13 @@ impl RedisBackend {
                         if batch.is_empty() {
                             return sending.finish();
                         }
-                        if sending.inner.breaker.state() == CircuitState::Open {
-                            dropped(&batch, "circuit_open");
-                        } else {
-                            let _ = sending.inner.settle_group(&batch, None).await;
+                        // A settle needs the breaker's permit like a check: while it is
+                        // open none goes out, and in half-open one may be the probe.
+                        match sending.inner.breaker.admit() {
+                            None => dropped(&batch, "circuit_open"),
+                            Some(permit) => {
+                                let _ = sending.inner.settle_group(&batch, None, permit).await;
+                            }
                         }
                     }
                 });
@@ -271,15 +274,15 @@ impl RedisBackend {
             if batch.is_empty() {
                 return Ok(());
             }
-            if inner.breaker.state() == CircuitState::Open {
+            let Some(permit) = inner.breaker.admit() else {
                 dropped(&batch, "circuit_open");
                 return Err(BackendError::new(
                     tollgate_core::BackendErrorKind::CircuitOpen,
                     "Redis failed recently; the circuit breaker is open",
                 ));
-            }
+            };
             if !inner.cluster {
-                return inner.settle_group(&batch, now).await;
+                return inner.settle_group(&batch, now, permit).await;
             }
             // One call per slot, concurrently.
             let mut groups: Vec<(u16, Vec<Settling>)> = Vec::new();
@@ -294,7 +297,7 @@ impl RedisBackend {
                 .into_iter()
                 .map(|(_, group)| {
                     let inner = Arc::clone(&inner);
-                    tokio::spawn(async move { inner.settle_group(&group, now).await })
+                    tokio::spawn(async move { inner.settle_group(&group, now, permit).await })
                 })
                 .collect();
             let mut result = Ok(());
@@ -317,6 +320,7 @@ impl Inner {
         &self,
         group: &[Settling],
         now: Option<Micros>,
+        permit: Permit,
     ) -> Result<(), BackendError> {
         let keys = group
             .iter()
@@ -328,6 +332,7 @@ impl Inner {
         let sent = self
             .within_deadline(self.invoke(&self.settle_script, &call), "to settle")
             .await;
+        self.report(sent.as_ref().map(|_| ()), permit);
         if let Err(e) = sent {
             // Not sent again: a call that timed out may have been applied, and a second one
             // would apply it twice.
