@@ -13,6 +13,7 @@ use crate::breaker::Permit;
 use crate::failure::unavailable;
 use crate::keys;
 use crate::script::{Answer, Prepared, Reply};
+use crate::slots::{self, Held};
 
 impl Inner {
     /// `batch` in a cluster, by `deadline`: one call if its keys share a slot; otherwise one
@@ -104,7 +105,7 @@ impl Inner {
                     })
                     .collect();
                 for (answer, unanswered) in queued {
-                    results.push(shadowed(answer, unanswered, shadow_deadline).await);
+                    results.push(shadowed(self, answer, unanswered, shadow_deadline).await);
                 }
             }
             None => {
@@ -114,8 +115,11 @@ impl Inner {
                         let (this, slot) = (Arc::clone(self), *slot);
                         let (sub, unanswered) = group_of(group);
                         tokio::spawn(async move {
-                            let call = this.group_call(slot, sub, now, deadline, None);
-                            shadowed(call, unanswered, shadow_deadline).await
+                            let caller = Arc::clone(&this);
+                            let call = async move {
+                                caller.group_call(slot, sub, now, deadline, None).await
+                            };
+                            shadowed(&this, call, unanswered, shadow_deadline).await
                         })
                     })
                     .collect();
@@ -199,16 +203,39 @@ impl Inner {
 
 /// A slot group's answer; for a group of shadow checks only (`unanswered` holds them), its
 /// checks reported not checked if it fails or has not answered by `shadow_deadline`.
+///
+/// A late group's call is not dropped: it is awaited in the background, and the slots it took
+/// (if its script ran) are given back, since the request, told they were not checked, will
+/// not give them back itself.
 async fn shadowed(
-    call: impl Future<Output = Result<(Vec<Prepared>, Reply), BackendError>>,
+    inner: &Arc<Inner>,
+    call: impl Future<Output = Result<(Vec<Prepared>, Reply), BackendError>> + Send + 'static,
     unanswered: Option<Vec<Prepared>>,
     shadow_deadline: Instant,
 ) -> Result<(Vec<Prepared>, Reply), BackendError> {
     let Some(sub) = unanswered else {
         return call.await;
     };
-    let answer = tokio::time::timeout_at(shadow_deadline, call).await;
-    Ok(answer.ok().and_then(Result::ok).unwrap_or_else(|| {
+    let mut call = Box::pin(call);
+    let answer = match tokio::time::timeout_at(shadow_deadline, call.as_mut()).await {
+        Ok(answer) => answer.ok(),
+        Err(_) => {
+            let inner = Arc::clone(inner);
+            tokio::spawn(async move {
+                if let Ok((sub, reply)) = call.await {
+                    let took: Vec<Prepared> = sub
+                        .into_iter()
+                        .zip(&reply.answers)
+                        .filter(|(_, a)| reply.committed && a.verdict.is_allowed())
+                        .map(|(p, _)| p)
+                        .collect();
+                    slots::release(&inner, Held::from_batch(&inner.prefix, &took));
+                }
+            });
+            None
+        }
+    };
+    Ok(answer.unwrap_or_else(|| {
         let reply = Reply {
             committed: true,
             now: 0,

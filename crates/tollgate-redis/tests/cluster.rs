@@ -11,7 +11,7 @@ use std::time::Duration;
 use support::{admitted, check, check_at, concurrent_admissions, fixed, gcra, sliding};
 use tollgate_core::{Backend, Check, Limit, Quota, Status};
 use tollgate_testsupport::redis;
-use tollgate_testsupport::RedisCluster;
+use tollgate_testsupport::{until, RedisCluster};
 
 const MIDNIGHT: u64 = 1_728_000_000_000_000;
 
@@ -257,6 +257,48 @@ async fn a_failing_shadow_group_leaves_the_enforced_answers_standing() {
         "{during:?}"
     );
     assert_eq!(during[1].status, Status::NotChecked);
+}
+
+/// A shadow concurrency limit whose group answers too late is reported not checked, so the
+/// request will not give its slot back: the backend does, once the late call has answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_shadow_groups_slot_is_given_back() {
+    let cluster = RedisCluster::start(3);
+    let backend = support::cluster(cluster.urls())
+        .deadline(Duration::from_secs(2))
+        .deny_cache_capacity(0)
+        .build()
+        .unwrap();
+    let enforced = gcra("per-ip", 100);
+    let observed = Limit::concurrency("observe-in-flight", 10)
+        .unwrap()
+        .shadow();
+    let key = key_on_two_nodes(&cluster, &backend, &enforced, &observed);
+    let slots_key = backend.key_for(&observed, &key);
+    let shadow_node = cluster.node_of_key(&slots_key);
+    let both = || {
+        [
+            Check::new(&enforced, &key),
+            Check::new(&observed, &key).with_slot(42),
+        ]
+    };
+    // Connected and the scripts loaded on both nodes first.
+    let first = backend.check(&both()).await.unwrap();
+    assert!(first.iter().all(|v| v.is_allowed()), "{first:?}");
+    backend.release(&both()[1..]);
+    let held = || -> u64 {
+        let mut c = cluster.nodes()[shadow_node].client();
+        redis::cmd("ZCARD").arg(&slots_key).query(&mut c).unwrap()
+    };
+    assert_eq!(until(0, held).await, 0);
+
+    pause_writes(&cluster, shadow_node);
+    let during = backend.check(&both()).await.unwrap();
+    assert!(during[0].is_allowed(), "{during:?}");
+    assert_eq!(during[1].status, Status::NotChecked);
+    unpause(&cluster, shadow_node);
+    // The late call takes the slot when the node resumes; the backend gives it back.
+    assert_eq!(until(0, held).await, 0);
 }
 
 /// Script calls (`EVALSHA`) the masters ran since their statistics were last reset.
