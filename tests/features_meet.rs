@@ -292,3 +292,122 @@ fn a_leased_gcra_limit_that_settles_is_refused_at_build_time() {
         .build();
     assert!(both.is_ok());
 }
+
+fn ratelimit_of(res: &axum::response::Response) -> Option<String> {
+    res.headers()
+        .get("ratelimit")
+        .map(|v| v.to_str().unwrap().to_owned())
+}
+
+/// Three stacked limits: a refusal answered by Redis and one answered by a replica's deny
+/// cache carry the same `RateLimit` items (the refusing limit's), and the same `Retry-After`.
+#[tokio::test]
+async fn refusals_from_redis_and_from_the_deny_cache_carry_the_same_fields() {
+    let server = RedisServer::start();
+    let replica = |cache: usize| {
+        let backend = RedisBackend::builder()
+            .url(server.url())
+            .prefix("fields")
+            .deadline(Duration::from_secs(5))
+            .deny_cache_capacity(cache)
+            .build()
+            .unwrap();
+        let layer = RateLimitLayer::builder()
+            .limit(
+                Limit::gcra("per-ip", Quota::per_hour(1).unwrap()).unwrap(),
+                Tenant::header("x-ip"),
+            )
+            .limit(
+                Limit::gcra("per-shop", Quota::per_hour(100).unwrap()).unwrap(),
+                Tenant::header("x-shop"),
+            )
+            .limit(
+                Limit::fixed_window("global", Quota::per_day(1000).unwrap()).unwrap(),
+                tollgate::key::Global,
+            )
+            .backend(backend)
+            .build()
+            .unwrap();
+        Router::new()
+            .route("/", get(|| async { "ok" }))
+            .layer(layer)
+    };
+    let (cached, uncached) = (replica(1000), replica(0));
+    let req = || {
+        Request::get("/")
+            .header("x-ip", "ip.one")
+            .header("x-shop", "shop.example")
+            .body(Body::empty())
+            .unwrap()
+    };
+    assert_eq!(
+        cached.clone().oneshot(req()).await.unwrap().status(),
+        StatusCode::OK
+    );
+    // Redis refuses (no cache on this replica) ...
+    let from_redis = uncached.clone().oneshot(req()).await.unwrap();
+    // ... and the other replica refuses from the denial it foresaw when it admitted the last
+    // unit.
+    let calls = server.calls("evalsha");
+    let from_cache = cached.clone().oneshot(req()).await.unwrap();
+    assert_eq!(server.calls("evalsha"), calls, "answered by the deny cache");
+    for res in [&from_redis, &from_cache] {
+        assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
+    }
+    let items = ratelimit_of(&from_redis).unwrap();
+    assert!(items.starts_with("\"per-ip\";r=0;t="), "{items}");
+    assert!(
+        !items.contains("per-shop") && !items.contains("global"),
+        "{items}"
+    );
+    let seconds = |res: &axum::response::Response| {
+        res.headers()["retry-after"]
+            .to_str()
+            .unwrap()
+            .parse::<u64>()
+            .unwrap()
+    };
+    // The same item; the seconds may differ by the one that passed between the answers.
+    let cached_items = ratelimit_of(&from_cache).unwrap();
+    assert!(
+        cached_items.starts_with("\"per-ip\";r=0;t="),
+        "{cached_items}"
+    );
+    assert!(!cached_items.contains(','), "{cached_items}");
+    assert!(seconds(&from_redis).abs_diff(seconds(&from_cache)) <= 1);
+}
+
+/// A fail-closed limit whose backend is down answers 503 without claiming `r=0`: what is left
+/// of its quota is unknown.
+#[tokio::test]
+async fn a_fail_closed_refusal_claims_nothing_about_the_quota() {
+    let mut server = RedisServer::start();
+    let url = server.url();
+    server.stop();
+    let layer = RateLimitLayer::builder()
+        .limit(
+            Limit::gcra("ask-ai", Quota::per_minute(5).unwrap())
+                .unwrap()
+                .fail_closed(),
+            tollgate::key::Global,
+        )
+        .backend(
+            RedisBackend::builder()
+                .url(url)
+                .deadline(Duration::from_millis(200))
+                .build()
+                .unwrap(),
+        )
+        .build()
+        .unwrap();
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(layer);
+    let res = app
+        .oneshot(Request::get("/").body(Body::empty()).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert!(res.headers().contains_key("retry-after"));
+    assert_eq!(ratelimit_of(&res), None);
+}

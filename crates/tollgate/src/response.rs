@@ -2,7 +2,10 @@
 //!
 //! - `RateLimit-Policy` and `RateLimit` (draft-ietf-httpapi-ratelimit-headers): one list item
 //!   per limit, named by the limit, e.g. `"burst";q=5;w=60` and `"burst";r=0;t=12`. For a limit
-//!   that refuses the request, `t` is its `Retry-After`, so the two never disagree.
+//!   that refuses the request, `t` is its `Retry-After`, so the two never disagree. A refusal's
+//!   `RateLimit` lists the limits that refused it (its `RateLimit-Policy` every limit): the
+//!   same whether Redis or a replica's deny cache answered. A fail-closed `503` lists no item
+//!   for a limit whose backend failed: what is left of its quota is unknown.
 //! - `Retry-After` in whole seconds, rounded up, never 0.
 //! - Legacy `X-RateLimit-Limit`, `X-RateLimit-Remaining` and `X-RateLimit-Reset` for the most
 //!   constrained limit, when enabled.
@@ -371,12 +374,27 @@ impl<'a> Fields<'a> {
         tightest
     }
 
-    /// The limits that counted the request (at most [`MAX_CHECKS`]), each with its item.
+    /// The limits that counted the request (at most [`MAX_CHECKS`]), each with its item. A
+    /// refusal's items are its refusing limits only, whatever answered it: a refusal from a
+    /// Redis replica's deny cache knows nothing of the other limits, and one from Redis must
+    /// say the same. A limit refused because its backend failed has no item: nobody knows
+    /// what is left of its quota.
     fn limits(&self) -> impl Iterator<Item = (&'a LimitDecision, Item<&'a str>)> + 'a {
+        let refused = !self.decision.is_admitted();
         self.decision
             .limits()
             .iter()
-            .filter_map(|limit| {
+            .filter_map(move |limit| {
+                if refused && !limit.refuses() {
+                    return None;
+                }
+                if let Outcome::Denied {
+                    reason: DenyReason::BackendUnavailable,
+                    ..
+                } = limit.outcome()
+                {
+                    return None;
+                }
                 let (remaining, seconds) = match *limit.outcome() {
                     Outcome::Allowed { remaining, reset } => (remaining, reset_seconds(reset)),
                     Outcome::Denied {
