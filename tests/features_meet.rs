@@ -411,3 +411,43 @@ async fn a_fail_closed_refusal_claims_nothing_about_the_quota() {
     assert!(res.headers().contains_key("retry-after"));
     assert_eq!(ratelimit_of(&res), None);
 }
+
+/// A request without a limit's key is told which key it lacks, and under which limit.
+#[tokio::test]
+async fn a_missing_key_names_its_source() {
+    let layer = RateLimitLayer::builder()
+        .limit(
+            Limit::gcra("chat-per-shop", Quota::per_minute(30).unwrap()).unwrap(),
+            Tenant::header("x-shop-domain"),
+        )
+        .build()
+        .unwrap();
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(layer);
+    let res = app
+        .clone()
+        .oneshot(Request::get("/").body(Body::empty()).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::BAD_REQUEST);
+    let body = body_of(res).await;
+    assert!(
+        body.contains(r#"missing header \"x-shop-domain\" (rate limit \"chat-per-shop\")."#),
+        "{body}"
+    );
+    let res = app
+        .oneshot(
+            Request::get("/")
+                .header("x-shop-domain", "bad shop!")
+                .body(Body::empty())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    let body = body_of(res).await;
+    assert!(
+        body.contains(r#"invalid header \"x-shop-domain\" (rate limit \"chat-per-shop\")."#),
+        "{body}"
+    );
+}

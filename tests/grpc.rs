@@ -163,7 +163,7 @@ async fn a_tenant_comes_from_metadata() {
     assert_eq!(status.code(), Code::InvalidArgument);
     assert_eq!(
         status.message(),
-        "the rate-limit key is missing (rate limit \"per-tenant\")"
+        "missing header \"x-tenant\" (rate limit \"per-tenant\")"
     );
 }
 

@@ -78,6 +78,7 @@ pub struct Rejection<'a> {
     retry_after: Option<Duration>,
     decision: Option<&'a Decision>,
     grpc: bool,
+    source: Option<&'a str>,
 }
 
 impl<'a> Rejection<'a> {
@@ -93,7 +94,20 @@ impl<'a> Rejection<'a> {
             retry_after,
             decision,
             grpc: false,
+            source: None,
         }
+    }
+
+    pub(crate) fn with_source(mut self, source: &'a str) -> Self {
+        self.source = Some(source);
+        self
+    }
+
+    /// For a missing or invalid key, where the limit takes its key from, in words:
+    /// `header "x-shop-domain"`, `query parameter "shop"`, `client address`, `principal
+    /// UserId`.
+    pub fn source(&self) -> Option<&'a str> {
+        self.source
     }
 
     pub(crate) fn grpc(mut self, grpc: bool) -> Self {
@@ -169,6 +183,15 @@ fn problem_body(rejection: &Rejection<'_>) -> Bytes {
     let name = rejection.limit.as_bytes();
     let mut seconds = [0; 20];
     let mut code = [0; 20];
+    // A missing key's words, escaped for JSON (the source names a header in quotes).
+    let about = match (rejection.kind, rejection.source) {
+        (RejectionKind::MissingKey(why), Some(source)) => why
+            .message_about(source)
+            .replace('\\', "\\\\")
+            .replace('"', "\\\""),
+        (RejectionKind::MissingKey(why), None) => why.message().to_owned(),
+        _ => String::new(),
+    };
     let detail: [&[u8]; 5] = match (rejection.kind, rejection.retry_after) {
         (RejectionKind::TooManyRequests, Some(after)) => [
             b"Rate limit \\\"",
@@ -191,13 +214,9 @@ fn problem_body(rejection: &Rejection<'_>) -> Bytes {
             b"",
             b"",
         ],
-        (RejectionKind::MissingKey(why), _) => [
-            why.message().as_bytes(),
-            b" (rate limit \\\"",
-            name,
-            b"\\\").",
-            b"",
-        ],
+        (RejectionKind::MissingKey(_), _) => {
+            [about.as_bytes(), b" (rate limit \\\"", name, b"\\\").", b""]
+        }
         (RejectionKind::InvalidCost, _) => [
             b"The request's cost for rate limit \\\"",
             name,

@@ -170,6 +170,37 @@ impl MissingKey {
     }
 }
 
+/// An extractor's [`describe`](KeyExtractor::describe) in words for a refusal: `header
+/// "x-shop-domain"`, `query parameter "shop"`, `client address`.
+pub(crate) fn source_for_people(describe: &str) -> String {
+    if let Some(name) = describe.strip_prefix("header ") {
+        format!("header \"{name}\"")
+    } else if let Some(name) = describe.strip_prefix("query ") {
+        format!("query parameter \"{name}\"")
+    } else if describe == "ip" || describe.starts_with("ip (") {
+        "client address".to_owned()
+    } else if describe == "custom" {
+        "key".to_owned()
+    } else {
+        describe.to_owned()
+    }
+}
+
+impl MissingKey {
+    /// What went wrong with the key from `source` (see [`Rejection::source`]), in words:
+    /// `missing header "x-shop-domain"`.
+    ///
+    /// [`Rejection::source`]: crate::Rejection::source
+    pub(crate) fn message_about(&self, source: &str) -> String {
+        match self {
+            Self::Absent => format!("missing {source}"),
+            Self::Invalid => format!("invalid {source}"),
+            Self::TooLong => format!("{source} too long"),
+            Self::NoPeerAddress | Self::NotAnAddress => self.message().to_owned(),
+        }
+    }
+}
+
 impl fmt::Display for MissingKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.message())

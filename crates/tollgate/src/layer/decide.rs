@@ -140,6 +140,7 @@ impl<B: Backend> Shared<B> {
                 None,
                 None,
             )
+            .with_source(&entry.source)
             .grpc(crate::grpc::is_grpc(req.headers())),
         )
     }

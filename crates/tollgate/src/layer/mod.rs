@@ -272,6 +272,7 @@ impl Limits {
                     _ => None,
                 },
                 metrics: LimitMetrics::new(Arc::clone(limit.name_arc())),
+                source: crate::key::source_for_people(&key.describe()).into(),
                 limit,
                 key,
                 metered,
@@ -573,6 +574,9 @@ struct Entry {
     /// The quota's local share, for [`FailurePolicy::Fallback`].
     local: Option<Limit>,
     metrics: LimitMetrics,
+    /// Where the key comes from, in words (`header "x-shop-domain"`), for a missing key's
+    /// refusal.
+    source: Box<str>,
 }
 
 /// Which limits a batch checked, in order, and which were skipped.
