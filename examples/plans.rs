@@ -7,7 +7,8 @@
 //! without such a token gets `401`.
 //!
 //! The server reads the file again on SIGHUP. A file that does not parse or build is refused
-//! with a logged error, and the limits it would have replaced keep working.
+//! with a logged error, and the limits it would have replaced keep working. Logs go to
+//! stderr, filtered by `RUST_LOG` (default `info`).
 //!
 //! ```text
 //! for i in 1 2 3 4 5 6; do curl -s -o /dev/null -w '%{http_code}\n' -H 'authorization: Bearer free-alice' localhost:3000/; done
@@ -15,6 +16,9 @@
 //! curl -si -H 'authorization: Bearer free-alice' localhost:3000/ | grep -i ratelimit
 //! ```
 
+mod support;
+
+use std::process::ExitCode;
 use std::sync::Arc;
 
 use axum::extract::Request;
@@ -37,21 +41,34 @@ impl PrincipalId for Token {
 }
 
 #[tokio::main]
-async fn main() -> Result<(), Box<dyn std::error::Error>> {
+async fn main() -> ExitCode {
+    support::exit(run().await)
+}
+
+async fn run() -> Result<(), Box<dyn std::error::Error>> {
+    support::init_logging()?;
+    let port = support::port(3000)?;
     let path = std::env::var("LIMITS_FILE").unwrap_or_else(|_| "examples/plans.toml".into());
     // `key = "principal"` in the file is the `Token` the middleware inserts.
     let file = LimitsFile::new().principal::<Token>();
+    let limits = file
+        .read(&path)
+        .map_err(|e| format!("LIMITS_FILE={path}: {e}"))?;
     let limits = RateLimitLayer::builder()
-        .limits(file.read(&path)?)
-        .build()?;
+        .limits(limits)
+        .build()
+        .map_err(|e| format!("LIMITS_FILE={path}: {e}"))?;
     let reloader = limits.reloader();
-    let mut hangups = signal(SignalKind::hangup())?;
+    let mut hangups = signal(SignalKind::hangup())
+        .map_err(|e| format!("cannot listen for SIGHUP, which reloads the limits: {e}"))?;
     let watched = path.clone();
     tokio::spawn(async move {
         while hangups.recv().await.is_some() {
             match reloader.reload_toml_file(&file, &watched) {
-                Ok(()) => eprintln!("reloaded the limits from {watched}"),
-                Err(e) => eprintln!("error: {watched}: {e}"),
+                Ok(()) => tracing::info!("reloaded the limits from {watched}"),
+                Err(e) => {
+                    tracing::error!("reload error: {watched}: {e}; the old limits stay")
+                }
             }
         }
     });
@@ -61,16 +78,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .route("/", get(hello).route_layer(limits))
         .layer(middleware::from_fn(auth));
 
-    let port: u16 = match std::env::var("PORT") {
-        Ok(port) => port.parse()?,
-        Err(_) => 3000,
-    };
-    let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
-    println!(
-        "plans listening on http://{} with limits from {path}",
+    let listener = support::listen(port).await?;
+    tracing::info!(
+        "plans listening on http://{} with limits from {path}; SIGHUP reloads them",
         listener.local_addr()?
     );
-    axum::serve(listener, app).await?;
+    axum::serve(listener, app)
+        .await
+        .map_err(|e| format!("the server stopped: {e}"))?;
     Ok(())
 }
 

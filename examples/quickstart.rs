@@ -1,7 +1,7 @@
 //! Run with: cargo run --example quickstart
 //!
 //! Serves `GET /` on 127.0.0.1:3000 (`PORT` overrides), limited to 5 requests per minute per
-//! client IP, counted in memory. The handler answers with the quota left, read from the
+//! client IP, counted in memory. Logs go to stderr, filtered by `RUST_LOG` (default `info`). The handler answers with the quota left, read from the
 //! `Decision`; the sixth request within a minute gets `429` with `Retry-After`.
 //! `GET /metrics` (not rate limited) serves tollgate's metrics in Prometheus' text format.
 //!
@@ -20,10 +20,12 @@
 //! curl -s -X DELETE -H "authorization: Bearer $ADMIN_TOKEN" localhost:3000/admin/limits/per-ip/127.0.0.1
 //! ```
 
-use std::net::SocketAddr;
-use std::time::Duration;
+mod support;
 
+use std::net::SocketAddr;
+use std::process::ExitCode;
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
@@ -34,9 +36,17 @@ use tollgate::key::ClientIp;
 use tollgate::{AdminError, Decision, Limit, Quota, RateLimitLayer};
 
 #[tokio::main]
-async fn main() -> Result<(), Box<dyn std::error::Error>> {
+async fn main() -> ExitCode {
+    support::exit(run().await)
+}
+
+async fn run() -> Result<(), Box<dyn std::error::Error>> {
+    support::init_logging()?;
+    let port = support::port(3000)?;
     // Every tollgate metric goes to this recorder; `/metrics` renders it.
-    let prometheus = PrometheusBuilder::new().install_recorder()?;
+    let prometheus = PrometheusBuilder::new()
+        .install_recorder()
+        .map_err(|e| format!("cannot install the Prometheus metrics recorder: {e}"))?;
     let upkeep = prometheus.clone();
     tokio::spawn(async move {
         // Drains histograms into their summaries, so their memory stays bounded.
@@ -55,9 +65,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .build()?;
     // `route_layer` on the method router: a 404 or 405 never reaches the layer, so it consumes
     // nothing, and `/metrics` scrapes are never limited.
+    let token = std::env::var("ADMIN_TOKEN").ok().filter(|t| !t.is_empty());
+    if token.is_none() {
+        tracing::info!("ADMIN_TOKEN is not set: the /admin routes answer 403");
+    }
     let admin = Admin {
         limits: limits.clone(),
-        token: std::env::var("ADMIN_TOKEN").ok().filter(|t| !t.is_empty()),
+        token,
     };
     let app = Router::new()
         .route("/", get(hello).route_layer(limits))
@@ -67,15 +81,16 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             get(peek).delete(reset).with_state(Arc::new(admin)),
         );
 
-    let port: u16 = match std::env::var("PORT") {
-        Ok(port) => port.parse()?,
-        Err(_) => 3000,
-    };
-    let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
-    println!("quickstart listening on http://{}", listener.local_addr()?);
-    // Connect info gives `ClientIp` the socket peer.
+    let listener = support::listen(port).await?;
+    tracing::info!(
+        "quickstart listening on http://{}: GET / admits 5 a minute per client address",
+        listener.local_addr()?
+    );
+    // Connect info gives `ClientIp` the socket peer; without it every request would be 400.
     let service = app.into_make_service_with_connect_info::<SocketAddr>();
-    axum::serve(listener, service).await?;
+    axum::serve(listener, service)
+        .await
+        .map_err(|e| format!("the server stopped: {e}"))?;
     Ok(())
 }
 

@@ -230,11 +230,11 @@ fn period(d: Duration) -> String {
         ("m", 60_000),
         ("s", 1_000),
     ] {
-        if ms >= n && ms % n == 0 {
+        if ms >= n && ms.is_multiple_of(n) {
             return format!("{}{unit}", ms / n);
         }
     }
-    if ms > 0 && d.as_micros() % 1000 == 0 {
+    if ms > 0 && d.as_micros().is_multiple_of(1000) {
         return format!("{ms}ms");
     }
     format!("{}us", d.as_micros())

@@ -359,11 +359,12 @@ fn peer_ip(req: &RequestView<'_>, custom: Option<&PeerFn>) -> Result<IpAddr, Mis
     if !WARNED_NO_PEER.load(Ordering::Relaxed) && !WARNED_NO_PEER.swap(true, Ordering::Relaxed) {
         tracing::error!(
             "tollgate: ClientIp found no peer address in the request extensions, so no request \
-             can be keyed by IP. With axum, serve the router with \
-             `into_make_service_with_connect_info::<SocketAddr>()` (or add `MockConnectInfo` in \
-             tests); with tonic, enable tollgate's `tonic` feature; with another server, put \
-             the peer's `SocketAddr` in the request extensions or give `ClientIp::peer_fn` a \
-             function that finds it."
+             can be keyed by IP: each gets its limit's missing-key policy (by default 400 \
+             \"the client address is unknown\"; logged once). With axum, serve the router \
+             with `into_make_service_with_connect_info::<SocketAddr>()` (or add \
+             `MockConnectInfo` in tests); with tonic, enable tollgate's `tonic` feature; with \
+             another server, put the peer's `SocketAddr` in the request extensions or give \
+             `ClientIp::peer_fn` a function that finds it."
         );
     }
     Err(MissingKey::NoPeerAddress)
