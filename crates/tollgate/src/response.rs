@@ -357,11 +357,25 @@ type Item<N> = (u64, Option<u64>, N);
 /// are written: a reused refusal only compares the items.
 pub(crate) struct Fields<'a> {
     decision: &'a Decision,
+    /// Whether the decision refused the request (its items are then the refusing limits').
+    refused: bool,
 }
 
 impl<'a> Fields<'a> {
+    /// The fields of an admitted request's `decision`.
     pub(crate) fn of(decision: &'a Decision) -> Self {
-        Self { decision }
+        Self {
+            decision,
+            refused: false,
+        }
+    }
+
+    /// The fields of a refused request's `decision`.
+    pub(crate) fn of_refusal(decision: &'a Decision) -> Self {
+        Self {
+            decision,
+            refused: true,
+        }
     }
 
     /// The `RateLimit` value's length.
@@ -399,7 +413,7 @@ impl<'a> Fields<'a> {
     /// say the same. A limit refused because its backend failed has no item: nobody knows
     /// what is left of its quota.
     fn limits(&self) -> impl Iterator<Item = (&'a LimitDecision, Item<&'a str>)> + 'a {
-        let refused = !self.decision.is_admitted();
+        let refused = self.refused;
         self.decision
             .limits()
             .iter()

@@ -435,7 +435,7 @@ impl<B: Backend> Shared<B> {
         decision: &Decision,
         set: &LimitSet,
     ) -> Response<Bytes> {
-        let fields = response::Fields::of(decision);
+        let fields = response::Fields::of_refusal(decision);
         let policy = policy_for(set, decision);
         let policy = policy.as_deref();
         if self.responder.is_none() {
