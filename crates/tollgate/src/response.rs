@@ -418,18 +418,15 @@ impl<'a> Fields<'a> {
             .limits()
             .iter()
             .filter_map(move |limit| {
-                if refused && !limit.refuses() {
-                    return None;
-                }
-                if let Outcome::Denied {
-                    reason: DenyReason::BackendUnavailable,
-                    ..
-                } = limit.outcome()
-                {
-                    return None;
-                }
                 let (remaining, seconds) = match *limit.outcome() {
+                    // A refusal's items are its refusing limits'.
+                    Outcome::Allowed { .. } if refused => return None,
                     Outcome::Allowed { remaining, reset } => (remaining, reset_seconds(reset)),
+                    Outcome::Denied {
+                        reason: DenyReason::BackendUnavailable,
+                        ..
+                    } => return None,
+                    Outcome::Denied { .. } if refused && limit.is_shadow() => return None,
                     Outcome::Denied {
                         remaining,
                         retry_after,
