@@ -362,7 +362,8 @@ pub(crate) fn slot_member(id: u128) -> String {
 /// Undoes what one `CHECK` call wrote.
 ///
 /// `KEYS[i]`: the key each check to refund wrote (a GCRA TAT, a window's count, a log). `ARGV[1]`: `now` or empty, as for `CHECK`.
-/// `ARGV[2 + 4 (i - 1) ..]`: per check: algorithm, then GCRA: `cost * interval`, 0, 0; fixed
+/// `ARGV[2 + 4 (i - 1) ..]`: per check: algorithm, then GCRA: `cost * interval`, the TAT the
+/// check left when the refund requires it (a leased limit's) or 0, 0; fixed
 /// window: window index, cost, 0; sliding log: the `now` of the consume, last sequence number,
 /// cost; concurrency: the slot id's three parts ([`slot_member`]).
 pub(crate) const REFUND: &str = r"
@@ -373,7 +374,8 @@ for i = 1, #KEYS do
   local key = KEYS[i]
   if algo == 1 then
     local tat, interval = read_tat(key)
-    if tat then
+    -- y: the TAT the check left, which a leased key's refund requires (0: any).
+    if tat and (y == 0 or tat == y) then
       local back = tat - x
       if back <= now then
         redis.call('DEL', key)
@@ -539,6 +541,9 @@ pub(crate) struct Prepared {
     /// Whether `cost` is a quota lease's slice (the request's cost and more, see `lease`):
     /// its answer says nothing of the request's own cost to the deny cache.
     pub(crate) slice: bool,
+    /// The limit is leased: a GCRA refund of this check applies only while the key's TAT is
+    /// still the one the check left (see `lease`: other replicas' slices are paced by it).
+    pub(crate) guarded: bool,
 }
 
 impl Prepared {
@@ -579,6 +584,7 @@ impl Prepared {
             busy_retry_after: check.limit.busy_retry_after_micros(),
             leased: false,
             slice: false,
+            guarded: check.limit.lease().is_some(),
         })
     }
 
@@ -612,7 +618,15 @@ impl Prepared {
     pub(crate) fn refund_args(&self, now: Micros, answer: &Answer) -> [u64; 4] {
         let cost = u64::from(self.cost);
         match self.code {
-            1 => [1, self.params[0].saturating_mul(cost), 0, 0],
+            1 => {
+                let back = self.params[0].saturating_mul(cost);
+                // The TAT this check left, which a guarded refund requires (0: any).
+                let left = match self.guarded {
+                    true => answer.extra.max(now).saturating_add(back),
+                    false => 0,
+                };
+                [1, back, left, 0]
+            }
             2 => [2, answer.extra, cost, 0],
             4 => {
                 let [a, b, c] = slot_parts(self.slot);

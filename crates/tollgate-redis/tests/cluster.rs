@@ -259,6 +259,69 @@ async fn a_failing_shadow_group_leaves_the_enforced_answers_standing() {
     assert_eq!(during[1].status, Status::NotChecked);
 }
 
+/// A leased key's units taken by a group that another group's refusal undoes are given back
+/// only while its TAT is the one the take left: a check of the key in between (another
+/// replica's) keeps them counted, since other replicas' slices are paced by TATs that count
+/// them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leased_keys_refund_applies_only_while_its_tat_is_unmoved() {
+    let cluster = RedisCluster::start(3);
+    let backend = support::cluster(cluster.urls())
+        .deny_cache_capacity(0)
+        .build()
+        .unwrap();
+    let hot = gcra("hot", 100)
+        .with_lease(tollgate_core::Lease::new(10).unwrap())
+        .unwrap();
+    let blocker = gcra("blocker", 1);
+    let key = key_on_two_nodes(&cluster, &backend, &hot, &blocker);
+    let blocker_node = cluster.node_of_key(&backend.key_for(&blocker, &key));
+    let other = support::cluster(cluster.urls())
+        .deny_cache_capacity(0)
+        .build()
+        .unwrap();
+    // The blocker's one unit is used, and the scripts are loaded everywhere.
+    assert!(check(&other, &[&blocker], &key).await[0].is_allowed());
+    let plain = gcra("hot", 100);
+    assert!(check(&other, &[&plain], &key).await[0].is_allowed());
+
+    // [hot, blocker]: hot takes its unit and a slice, then waits for the blocker's refusal.
+    pause_writes(&cluster, blocker_node);
+    let first = {
+        let (backend, hot, blocker, key) =
+            (backend.clone(), hot.clone(), blocker.clone(), key.clone());
+        tokio::spawn(async move { check(&backend, &[&hot, &blocker], &key).await })
+    };
+    // Meanwhile another replica checks the key in Redis (unleased): its TAT moves on.
+    let mut seen = u64::MAX;
+    let waiting = std::time::Instant::now();
+    while seen > 90 {
+        assert!(waiting.elapsed() < Duration::from_secs(10), "no take");
+        seen = other
+            .peek(&Check::new(&plain, &key))
+            .await
+            .unwrap()
+            .remaining;
+        tokio::task::yield_now().await;
+    }
+    assert!(check(&other, &[&plain], &key).await[0].is_allowed());
+    let before = other
+        .peek(&Check::new(&plain, &key))
+        .await
+        .unwrap()
+        .remaining;
+    unpause(&cluster, blocker_node);
+    let first = first.await.unwrap();
+    assert!(matches!(first[1].status, Status::Denied { .. }));
+    // The refund found another TAT and did not apply: the units stay counted.
+    let after = other
+        .peek(&Check::new(&plain, &key))
+        .await
+        .unwrap()
+        .remaining;
+    assert_eq!(after, before);
+}
+
 /// A shadow concurrency limit whose group answers too late is reported not checked, so the
 /// request will not give its slot back: the backend does, once the late call has answered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
