@@ -449,8 +449,10 @@ struct Run<'a, B> {
     generation: usize,
     /// Open responses: their key, the slot limit's model was charged, and the restart epoch.
     held: Vec<(Response, &'static str, bool, u32, usize)>,
-    /// The replica of the next operation, when it is a request.
-    next_replica: Option<usize>,
+    /// The replica and key of the next operation, when it is a request.
+    next_request: Option<(usize, &'static str)>,
+    /// A release the harness has not waited for, left to the next request to find done.
+    unsettled: Option<&'static str>,
     epoch: u32,
     clock: Option<FakeClock>,
     servers: &'a mut Servers,
@@ -522,9 +524,16 @@ impl<B: Backend> Run<'_, B> {
                 .iter()
                 .any(|l| matches!(l.outcome(), Outcome::Bypassed { .. }))
         });
+        let labels = decision.as_ref().map_or(String::new(), |d| {
+            d.limits()
+                .iter()
+                .map(|l| format!("{}={}", l.name(), l.label()))
+                .collect::<Vec<_>>()
+                .join(",")
+        });
         if self.verbose {
             println!(
-                "    {r:?} -> {status}{}",
+                "    {r:?} -> {status} {labels}{}",
                 if bypassed { " bypassed" } else { "" }
             );
         }
@@ -547,7 +556,7 @@ impl<B: Backend> Run<'_, B> {
         if self.shape.exact(self.kind) {
             if admitted != expected {
                 self.fail(format!(
-                    "{r:?}: answered {status}, the model says {}",
+                    "{r:?}: answered {status} ({labels}), the model says {}",
                     if expected { "admitted" } else { "refused" }
                 ));
                 return self.end(res, r, false).await;
@@ -620,6 +629,12 @@ impl<B: Backend> Run<'_, B> {
             return;
         }
         let (res, key, counts_slot, epoch, replica) = self.held.remove(0);
+        if self.verbose {
+            println!(
+                "    ends {key} of replica {replica} (epoch {epoch}, now {})",
+                self.epoch
+            );
+        }
         let _ = axum::body::to_bytes(res.into_body(), usize::MAX).await;
         if counts_slot && epoch == self.epoch {
             let entry = self.model.keys.entry(key).or_default();
@@ -628,11 +643,16 @@ impl<B: Backend> Run<'_, B> {
         self.released(key, replica).await;
     }
 
-    /// A response of `replica` for `key` ended. Its release is sent without waiting: the
-    /// replica's own next check must find it done (it waits for its releases in flight), and
-    /// another replica's is let wait until Redis has it.
+    /// A response of `replica` for `key` ended. Its release is sent without waiting: when the
+    /// next operation is the same replica's check of the same key, that check must find it
+    /// done by itself (it waits for the replica's releases in flight); otherwise the harness
+    /// waits until Redis has it, as another replica's check cannot know of it.
     async fn released(&mut self, key: &'static str, replica: usize) {
-        if self.next_replica != Some(replica) {
+        if self.next_request == Some((replica, key)) {
+            // Waited for once that request is answered (a refusal from the deny cache does not
+            // reach Redis, so it cannot have waited for the release itself).
+            self.unsettled = Some(key);
+        } else {
             self.expect_slots(key, "after a response ended").await;
         }
     }
@@ -834,15 +854,21 @@ impl<B: Backend> Run<'_, B> {
 
     async fn run(&mut self, ops: &[Op]) {
         for (i, &op) in ops.iter().enumerate() {
-            self.next_replica = match ops.get(i + 1) {
-                Some(Op::Request(r)) => Some(r.replica),
+            self.next_request = match ops.get(i + 1) {
+                Some(Op::Request(r)) => Some((r.replica, r.key)),
                 _ => None,
             };
             if self.verbose && !matches!(op, Op::Request(_)) {
                 println!("  {op:?}");
             }
             match op {
-                Op::Request(r) => self.request(r).await,
+                Op::Request(r) => {
+                    let unsettled = self.unsettled.take();
+                    self.request(r).await;
+                    if let Some(key) = unsettled {
+                        self.expect_slots(key, "after a response ended").await;
+                    }
+                }
                 Op::Finish => self.finish().await,
                 Op::Reset { replica, key } => self.reset(replica, key).await,
                 Op::Reload => self.reload().await,
@@ -878,7 +904,8 @@ async fn drive<B: Backend>(
         },
         generation: 0,
         held: Vec::new(),
-        next_replica: None,
+        next_request: None,
+        unsettled: None,
         epoch: 0,
         clock,
         servers,
