@@ -48,7 +48,7 @@ use axum::response::Response;
 use axum::routing::get;
 use axum::Router;
 use tollgate::cost::{Metered, Settle};
-use tollgate::key::Tenant;
+use tollgate::key::{KeyExtractor, Tenant};
 use tollgate::{Allowlist, Decision, Limit, Limits, Outcome, Plan, Quota, RateLimitLayer};
 use tollgate_core::algorithm::{self, WindowState};
 use tollgate_core::{
@@ -277,9 +277,35 @@ impl Model {
         }
     }
 
-    /// The remaining units a one-unit request of `key` would find under `quota`.
-    fn remaining(&self, limit: &Limit, key: &str, quota: &Quota) -> u64 {
+    /// What `peek` of `key` under `quota` says: the remaining units and the whole seconds
+    /// until the quota is whole.
+    fn state(&self, limit: &Limit, key: &str, quota: &Quota) -> (u64, u64) {
+        let s = self.key_state(limit, key, quota);
+        (s.remaining, s.reset.as_secs())
+    }
+
+    /// A fixed window's count in the window that holds now.
+    fn window_count(&self, key: &str, quota: &Quota) -> u64 {
+        let end = algorithm::window_end(quota, self.now);
+        self.keys
+            .get(key)
+            .and_then(|k| k.window)
+            .filter(|w| w.window_end == end)
+            .map_or(0, |w| w.count)
+    }
+
+    fn key_state(&self, limit: &Limit, key: &str, quota: &Quota) -> KeyState {
         let state = self.keys.get(key).copied().unwrap_or_default();
+        // A key that holds nothing now is fresh: its whole quota, nothing to wait for.
+        let empty = match limit.algorithm() {
+            Algorithm::Gcra => {
+                Self::carried(state.tat, quota, self.now).is_none_or(|t| t <= self.now)
+            }
+            _ => self.window_count(key, quota) == 0,
+        };
+        if empty {
+            return KeyState::fresh(quota);
+        }
         let verdict = match limit.algorithm() {
             Algorithm::Gcra => {
                 let tat = Self::carried(state.tat, quota, self.now);
@@ -288,7 +314,7 @@ impl Model {
             _ => algorithm::fixed_window(quota, state.window, self.now, 1).0,
         };
         let check = Check::new(limit, key.as_bytes()).with_quota(*quota);
-        KeyState::from_probe(&check, verdict).remaining
+        KeyState::from_probe(&check, verdict)
     }
 }
 
@@ -462,7 +488,13 @@ struct Run<'a, B> {
     recovering: Vec<bool>,
     verbose: bool,
     tally: Tally,
+    /// Reads a fixed window's count of a key from Redis (the window that holds the given
+    /// time); `None` in memory, whose settles apply at once.
+    raw_count: Option<RawCount>,
 }
+
+/// Reads the count of `key`'s fixed window that holds `now`, under `quota`, from Redis.
+type RawCount = Box<dyn Fn(&str, &Quota, Micros) -> Option<u64>>;
 
 impl<B: Backend> Run<'_, B> {
     fn fail(&mut self, what: String) {
@@ -690,23 +722,45 @@ impl<B: Backend> Run<'_, B> {
         }
         let limit = self.rate_limit();
         let quota = self.quota_of(pro);
-        let want = self.model.remaining(&limit, key, &quota);
+        let (want, want_reset) = self.model.state(&limit, key, &quota);
+        // What `peek` cannot show: a fixed window's count past its limit (a debt), read from
+        // Redis. A GCRA debt shows in the reset.
+        let want_count = match limit.algorithm() {
+            Algorithm::FixedWindow => Some(self.model.window_count(key, &quota)),
+            _ => None,
+        };
         let plan = (pro && self.shape.pro.is_some()).then_some("pro");
         let mut seen = None;
         for _ in 0..200 {
-            seen = self.replicas[0]
+            let state = self.replicas[0]
                 .layer
                 .peek_plan("rate", plan, key)
                 .await
-                .ok()
-                .map(|s| s.remaining);
-            if seen == Some(want) {
+                .ok();
+            let count = match (&self.raw_count, want_count) {
+                (Some(read), Some(_)) => read(key, &quota, self.model.now),
+                _ => want_count,
+            };
+            seen = state.map(|s| (s.remaining, s.reset.as_secs(), count));
+            // The server's clock runs while the model's stands still: the reset may be a few
+            // seconds shorter; a settle moves it by at least an interval (28.8 min here).
+            // A fixed window's reset is its window's end whatever it holds: its debt shows
+            // in the count instead.
+            let gcra = limit.algorithm() == Algorithm::Gcra;
+            let close = seen.is_some_and(|(remaining, reset, count)| {
+                remaining == want
+                    && (!gcra || (reset + 5 >= want_reset && reset <= want_reset))
+                    && count == want_count
+            });
+            if close {
                 return;
             }
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         self.fail(format!(
-            "{when}: {key} (plan {plan:?}) has {seen:?} left, the model says {want}"
+            "{when}: {key} (plan {plan:?}) has (remaining, reset s, window count) {seen:?}, \
+             the model says {:?}",
+            (want, want_reset, want_count)
         ));
     }
 
@@ -891,7 +945,7 @@ async fn drive<B: Backend>(
     now: Micros,
     servers: &mut Servers,
     ops: &[Op],
-    verbose: bool,
+    (verbose, raw_count): (bool, Option<RawCount>),
 ) -> (Vec<String>, Tally) {
     let n = replicas.len();
     let mut run = Run {
@@ -913,6 +967,7 @@ async fn drive<B: Backend>(
         recovering: vec![false; n],
         verbose,
         tally: Tally::default(),
+        raw_count,
     };
     run.run(ops).await;
     (run.violations, run.tally)
@@ -975,7 +1030,7 @@ async fn sequence(
                         now,
                         servers,
                         &ops,
-                        verbose,
+                        (verbose, None),
                     )
                     .await
                 }
@@ -1003,9 +1058,11 @@ async fn sequence(
                 .build()
                 .unwrap()
             };
+            let raw = raw_count(&shape, backend(), &urls, kind);
             match built(&shape, build(&shape, replicas, backend)) {
                 Ok(Some(r)) => {
-                    drive((shape.clone(), kind), r, None, now, servers, &ops, verbose).await
+                    let setup = (verbose, raw);
+                    drive((shape.clone(), kind), r, None, now, servers, &ops, setup).await
                 }
                 Ok(None) => (Vec::new(), refused_at_build()),
                 Err(e) => (vec![e], Tally::default()),
@@ -1020,6 +1077,51 @@ fn refused_at_build() -> Tally {
         refused_at_build: 1,
         ..Tally::default()
     }
+}
+
+/// A reader of the "rate" limit's fixed-window counts in Redis, for `shape` if it is a fixed
+/// window: `backend` names the keys, a connection of its own (routed by key in a cluster)
+/// reads them.
+fn raw_count(
+    shape: &Shape,
+    backend: RedisBackend,
+    urls: &[String],
+    kind: Kind,
+) -> Option<RawCount> {
+    if shape.algorithm != Algorithm::FixedWindow {
+        return None;
+    }
+    let limit = shape.rate(0).ok()?;
+    let get: Box<dyn Fn(&str) -> Option<u64>> = match kind {
+        // A connection per read: the server may have been restarted since the last.
+        Kind::Cluster => {
+            let client = redis::cluster::ClusterClient::new(urls.to_vec()).ok()?;
+            Box::new(move |key: &str| {
+                let mut conn = client.get_connection().ok()?;
+                redis::cmd("GET")
+                    .arg(key)
+                    .query::<Option<u64>>(&mut conn)
+                    .ok()?
+            })
+        }
+        _ => {
+            let client = redis::Client::open(urls[0].as_str()).ok()?;
+            Box::new(move |key: &str| {
+                let mut conn = client.get_connection().ok()?;
+                redis::cmd("GET")
+                    .arg(key)
+                    .query::<Option<u64>>(&mut conn)
+                    .ok()?
+            })
+        }
+    };
+    Some(Box::new(move |key: &str, quota: &Quota, now: Micros| {
+        // The key's bytes as the layer counts them (a tenant, normalised).
+        let bytes = Tenant::header("x-key").key_of(&key.into()).ok()?;
+        let base = backend.key_for(&limit, bytes.as_bytes());
+        let index = algorithm::window_index(quota, now);
+        Some(get(&format!("{base}:{index}")).unwrap_or(0))
+    }))
 }
 
 struct Args {
