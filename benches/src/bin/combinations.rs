@@ -1092,36 +1092,39 @@ fn raw_count(
         return None;
     }
     let limit = shape.rate(0).ok()?;
-    let get: Box<dyn Fn(&str) -> Option<u64>> = match kind {
-        // A connection per read: the server may have been restarted since the last.
-        Kind::Cluster => {
-            let client = redis::cluster::ClusterClient::new(urls.to_vec()).ok()?;
-            Box::new(move |key: &str| {
-                let mut conn = client.get_connection().ok()?;
-                redis::cmd("GET")
-                    .arg(key)
-                    .query::<Option<u64>>(&mut conn)
-                    .ok()?
-            })
-        }
-        _ => {
-            let client = redis::Client::open(urls[0].as_str()).ok()?;
-            Box::new(move |key: &str| {
-                let mut conn = client.get_connection().ok()?;
-                redis::cmd("GET")
-                    .arg(key)
-                    .query::<Option<u64>>(&mut conn)
-                    .ok()?
-            })
-        }
+    // A connection per read: the server may have been restarted since the last.
+    let reader = match kind {
+        Kind::Cluster => Reader::Cluster(Box::new(
+            redis::cluster::ClusterClient::new(urls.to_vec()).ok()?,
+        )),
+        _ => Reader::One(Box::new(redis::Client::open(urls[0].as_str()).ok()?)),
     };
     Some(Box::new(move |key: &str, quota: &Quota, now: Micros| {
         // The key's bytes as the layer counts them (a tenant, normalised).
         let bytes = Tenant::header("x-key").key_of(&key.into()).ok()?;
         let base = backend.key_for(&limit, bytes.as_bytes());
         let index = algorithm::window_index(quota, now);
-        Some(get(&format!("{base}:{index}")).unwrap_or(0))
+        Some(reader.get(&format!("{base}:{index}")).unwrap_or(0))
     }))
+}
+
+/// Reads keys of the Redis a sequence runs on.
+enum Reader {
+    One(Box<redis::Client>),
+    Cluster(Box<redis::cluster::ClusterClient>),
+}
+
+impl Reader {
+    /// The integer at `key` (`None` for none, or when Redis cannot be reached).
+    fn get(&self, key: &str) -> Option<u64> {
+        fn get(conn: &mut impl redis::ConnectionLike, key: &str) -> Option<u64> {
+            redis::cmd("GET").arg(key).query::<Option<u64>>(conn).ok()?
+        }
+        match self {
+            Self::One(client) => get(&mut client.get_connection().ok()?, key),
+            Self::Cluster(client) => get(&mut client.get_connection().ok()?, key),
+        }
+    }
 }
 
 struct Args {
