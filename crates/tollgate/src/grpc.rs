@@ -79,10 +79,10 @@ fn message(rejection: &Rejection<'_>) -> String {
         (RejectionKind::Unavailable, _) => {
             format!("rate limit \"{limit}\" cannot be checked right now")
         }
-        (RejectionKind::MissingKey(why), _) => match rejection.source() {
-            Some(source) => format!("{} (rate limit \"{limit}\")", why.message_about(source)),
-            None => format!("{why} (rate limit \"{limit}\")"),
-        },
+        (RejectionKind::MissingKey(why), _) => {
+            let about = why.message_about(rejection.source());
+            format!("{about} (rate limit \"{limit}\")")
+        }
         (RejectionKind::InvalidCost, _) => {
             format!("the call's cost for rate limit \"{limit}\" is not a whole number of units")
         }

@@ -184,12 +184,11 @@ fn problem_body(rejection: &Rejection<'_>) -> Bytes {
     let mut seconds = [0; 20];
     let mut code = [0; 20];
     // A missing key's words, escaped for JSON (the source names a header in quotes).
-    let about = match (rejection.kind, rejection.source) {
-        (RejectionKind::MissingKey(why), Some(source)) => why
-            .message_about(source)
+    let about = match rejection.kind {
+        RejectionKind::MissingKey(why) => why
+            .message_about(rejection.source)
             .replace('\\', "\\\\")
             .replace('"', "\\\""),
-        (RejectionKind::MissingKey(why), None) => why.message().to_owned(),
         _ => String::new(),
     };
     let detail: [&[u8]; 5] = match (rejection.kind, rejection.retry_after) {

@@ -188,15 +188,15 @@ pub(crate) fn source_for_people(describe: &str) -> String {
 
 impl MissingKey {
     /// What went wrong with the key from `source` (see [`Rejection::source`]), in words:
-    /// `missing header "x-shop-domain"`.
+    /// `missing header "x-shop-domain"`; [`message`](Self::message) without a source.
     ///
     /// [`Rejection::source`]: crate::Rejection::source
-    pub(crate) fn message_about(&self, source: &str) -> String {
-        match self {
-            Self::Absent => format!("missing {source}"),
-            Self::Invalid => format!("invalid {source}"),
-            Self::TooLong => format!("{source} too long"),
-            Self::NoPeerAddress | Self::NotAnAddress => self.message().to_owned(),
+    pub(crate) fn message_about(&self, source: Option<&str>) -> String {
+        match (self, source) {
+            (Self::Absent, Some(source)) => format!("missing {source}"),
+            (Self::Invalid, Some(source)) => format!("invalid {source}"),
+            (Self::TooLong, Some(source)) => format!("{source} too long"),
+            _ => self.message().to_owned(),
         }
     }
 }

@@ -408,12 +408,7 @@ impl<B: Backend> Shared<B> {
         // A limit charged by the handler gives every admitted request a `Settle` handle, even
         // one whose reservation nothing counts (a bypass, a missing key): the handler that
         // takes it must find it.
-        let handle = plan
-            .set
-            .limits
-            .iter()
-            .any(|e| e.metered.as_ref().is_some_and(|m| m.by_handler));
-        (handle || !items.is_empty()).then(|| (items, Arc::clone(&plan.set)))
+        (plan.set.charged_by_handler || !items.is_empty()).then(|| (items, Arc::clone(&plan.set)))
     }
 
     fn refuse(&self, rejection: &Rejection<'_>) -> Response<Bytes> {

@@ -264,6 +264,9 @@ impl Limits {
         let settles = limits
             .iter()
             .any(|(_, _, m)| m.as_ref().is_some_and(Metered::settles));
+        let charged_by_handler = limits
+            .iter()
+            .any(|(_, _, m)| m.as_ref().is_some_and(|m| m.by_handler));
         let limits = limits
             .into_iter()
             .map(|(limit, key, metered)| Entry {
@@ -285,6 +288,7 @@ impl Limits {
             names,
             plans,
             settles,
+            charged_by_handler,
             has_slots,
         })
     }
@@ -554,6 +558,9 @@ pub(crate) struct LimitSet {
     plans: bool,
     /// Whether a limit settles after the response (see [`crate::cost`]).
     settles: bool,
+    /// Whether a limit is charged by the handler: every admitted request then carries a
+    /// [`Settle`](crate::cost::Settle) handle.
+    charged_by_handler: bool,
     /// Whether any limit is a concurrency limit (its requests then draw a slot id).
     has_slots: bool,
 }

@@ -204,10 +204,7 @@ impl<B: Backend> Settler for SetSink<B> {
     }
 
     fn charged_by_handler(&self) -> bool {
-        self.set
-            .limits
-            .iter()
-            .any(|e| e.metered.as_ref().is_some_and(|m| m.by_handler))
+        self.set.charged_by_handler
     }
 
     fn settle(&self, items: &[Item], actual: &[u32]) {
