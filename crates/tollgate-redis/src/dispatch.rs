@@ -6,7 +6,8 @@ use tollgate_core::{
     Algorithm, BackendError, BackendErrorKind, Check, Micros, Verdicts, MAX_CHECKS,
 };
 
-use crate::backend::RedisBackend;
+use crate::backend::{Inner, RedisBackend};
+use crate::breaker::Permit;
 use crate::future::ResponseFuture;
 use crate::keys;
 use crate::merged::Merged;
@@ -72,16 +73,23 @@ impl RedisBackend {
             let until = tokio::time::Instant::now() + inner.deadline;
             return ResponseFuture::call(async move {
                 inner.releases.answered(until).await;
-                if now.is_none() && !inner.cluster {
-                    Merged::new(inner, batch, permit).await
-                } else {
-                    inner.run(batch, now, permit).await
-                }
+                send(&inner, batch, now, permit).await
             });
         }
-        if now.is_none() && !inner.cluster {
-            return ResponseFuture::merged(Merged::new(Arc::clone(inner), batch, permit));
-        }
-        ResponseFuture::call(Arc::clone(inner).run(batch, now, permit))
+        send(inner, batch, now, permit)
     }
+}
+
+/// `batch`'s call: the next merged call on a standalone server at the server's time, else a
+/// call of its own (a cluster's groups, or a test's fixed `now`).
+fn send(
+    inner: &Arc<Inner>,
+    batch: Vec<Prepared>,
+    now: Option<Micros>,
+    permit: Permit,
+) -> ResponseFuture {
+    if now.is_none() && !inner.cluster {
+        return ResponseFuture::merged(Merged::new(Arc::clone(inner), batch, permit));
+    }
+    ResponseFuture::call(Arc::clone(inner).run(batch, now, permit))
 }
