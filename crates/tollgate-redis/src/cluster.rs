@@ -13,7 +13,6 @@ use crate::breaker::Permit;
 use crate::failure::unavailable;
 use crate::keys;
 use crate::script::{Answer, Prepared, Reply};
-use crate::slots::{self, Held};
 
 impl Inner {
     /// `batch` in a cluster, by `deadline`: one call if its keys share a slot; otherwise one
@@ -204,9 +203,8 @@ impl Inner {
 /// A slot group's answer; for a group of shadow checks only (`unanswered` holds them), its
 /// checks reported not checked if it fails or has not answered by `shadow_deadline`.
 ///
-/// A late group's call is not dropped: it is awaited in the background, and the slots it took
-/// (if its script ran) are given back, since the request, told they were not checked, will
-/// not give them back itself.
+/// A late group's slots are given back by the backend once its call has answered: the
+/// request, told they were not checked, will not give them back itself.
 async fn shadowed(
     inner: &Arc<Inner>,
     call: impl Future<Output = Result<(Vec<Prepared>, Reply), BackendError>> + Send + 'static,
@@ -220,18 +218,14 @@ async fn shadowed(
     let answer = match tokio::time::timeout_at(shadow_deadline, call.as_mut()).await {
         Ok(answer) => answer.ok(),
         Err(_) => {
-            let inner = Arc::clone(inner);
-            tokio::spawn(async move {
-                if let Ok((sub, reply)) = call.await {
-                    let took: Vec<Prepared> = sub
-                        .into_iter()
-                        .zip(&reply.answers)
-                        .filter(|(_, a)| reply.committed && a.verdict.is_allowed())
-                        .map(|(p, _)| p)
-                        .collect();
-                    slots::release(&inner, Held::from_batch(&inner.prefix, &took));
-                }
-            });
+            // Like a call whose caller went away: its slots are given back by id once it
+            // has answered, so that the release cannot overtake the call.
+            if let Some(unclaimed) = inner.unclaimed(&sub) {
+                tokio::spawn(async move {
+                    let _ = call.await;
+                    drop(unclaimed);
+                });
+            }
             None
         }
     };
