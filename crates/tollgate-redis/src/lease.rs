@@ -123,6 +123,12 @@ impl Entry {
         self.limit.algorithm()
     }
 
+    /// Whether this entry's slices are `c`'s: taken under its quota and lease (a reload can
+    /// change either).
+    fn serves(&self, c: &Check<'_>) -> bool {
+        self.quota == c.quota && c.limit.lease() == Some(&self.lease)
+    }
+
     /// The units Redis likely has left at `now`, from what it said last.
     fn estimate(&self, now: Micros) -> u64 {
         let full = full(self.algorithm(), &self.quota);
@@ -273,7 +279,7 @@ impl Table {
             self.count += 1;
         }
         let e = keys.get_mut(c.key)?;
-        if e.quota != c.quota || e.lease != *lease {
+        if !e.serves(c) {
             // The limit was reloaded under another quota or lease.
             let units = e.slice.drain();
             back.extend(e.give_back(units, t));
@@ -564,34 +570,25 @@ impl RedisBackend {
                 let receipt = answered.receipt(j);
                 let at = if receipt.at > 0 { receipt.at } else { t };
                 let (name, key) = &holding.ids[i];
+                let check = owned[i].check();
                 // The entry may have been replaced while the take was out (a reload under
-                // another quota or lease): its slice is not this take's.
-                let same = |e: &Entry| {
-                    e.quota == owned[i].quota && owned[i].limit.lease() == Some(&e.lease)
-                };
-                if let (Plan::Slice(units), Some(false)) =
-                    (holding.plan[i], table.get_mut(name, key).map(|e| same(e)))
+                // another quota or lease): the take's slice is then not the entry's, and goes
+                // back at once, as the entry it was taken for would give it back.
+                let replaced = table.get_mut(name, key).is_some_and(|e| !e.serves(&check));
+                if let (Plan::Slice(units), true, Some(lease)) =
+                    (holding.plan[i], replaced, check.limit.lease())
                 {
-                    let extra = units - owned[i].cost;
-                    if admitted && verdict.is_allowed() && extra > 0 {
-                        // Given back under the quota it was taken under; a GCRA refund only
-                        // while the TAT is the one the take left.
-                        let o = &owned[i];
-                        back.push(GiveBack {
-                            limit: o.limit.clone(),
-                            key: o.key.clone(),
-                            units: extra,
-                            receipt,
-                            quota: o.quota,
-                            only_at: match o.limit.algorithm() {
-                                Algorithm::Gcra => at.saturating_add(verdict.reset),
-                                _ => 0,
-                            },
-                        });
-                    }
-                    if !(admitted && verdict.is_allowed()) {
-                        let o = &owned[i];
-                        verdict = own_cost(o.limit.algorithm(), &o.quota, verdict, extra);
+                    let mut take = Entry::new(&check, *lease);
+                    let extra = units - check.cost;
+                    if admitted && verdict.is_allowed() {
+                        let fresh =
+                            lease.slice(take.algorithm(), &take.quota, extra, at, verdict.reset);
+                        take.slice.refill(fresh);
+                        take.receipt = receipt;
+                        let units = take.slice.drain();
+                        back.extend(take.give_back(units, at));
+                    } else {
+                        verdict = own_cost(take.algorithm(), &take.quota, verdict, extra);
                     }
                 } else if let Some(e) = table.get_mut(name, key) {
                     if leasable(&owned[i].check()).is_some() {
