@@ -619,13 +619,16 @@ impl Prepared {
         let cost = u64::from(self.cost);
         match self.code {
             1 => {
-                let back = self.params[0].saturating_mul(cost);
-                // The TAT this check left, which a guarded refund requires (0: any).
+                // The TAT this check left (from the TAT it read), which a guarded refund
+                // requires (0: any; a TAT no key holds, should the check not have admitted).
+                let read = (answer.extra > 0).then_some(answer.extra);
                 let left = match self.guarded {
-                    true => answer.extra.max(now).saturating_add(back),
+                    true => algorithm::gcra(&self.quota, read, now, self.cost)
+                        .1
+                        .unwrap_or(u64::MAX),
                     false => 0,
                 };
-                [1, back, left, 0]
+                [1, self.params[0].saturating_mul(cost), left, 0]
             }
             2 => [2, answer.extra, cost, 0],
             4 => {
