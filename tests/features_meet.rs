@@ -26,6 +26,24 @@ fn standalone(url: &str) -> RedisBackend {
         .unwrap()
 }
 
+/// `GET /` answering `ok`, behind `layer`.
+fn ok_app<B: Backend>(layer: RateLimitLayer<B>) -> Router {
+    Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(layer)
+}
+
+/// A backend whose Redis was started and stopped: every call fails, fast.
+fn down() -> RedisBackend {
+    let mut server = RedisServer::start();
+    server.stop();
+    RedisBackend::builder()
+        .url(server.url())
+        .deadline(Duration::from_millis(200))
+        .build()
+        .unwrap()
+}
+
 fn cluster(cluster: &RedisCluster) -> RedisBackend {
     RedisBackend::builder()
         .cluster(cluster.urls())
@@ -147,15 +165,7 @@ async fn a_refund_under_a_plan_keeps_the_plans_count_on_a_cluster() {
 /// handle is called, and the handle says its reports go nowhere.
 #[tokio::test]
 async fn fail_open_admits_into_a_metered_handler() {
-    let mut server = RedisServer::start();
-    let url = server.url();
-    server.stop();
-    let backend = RedisBackend::builder()
-        .url(&url)
-        .deadline(Duration::from_millis(200))
-        .build()
-        .unwrap();
-    let (_, app) = tokens(backend);
+    let (_, app) = tokens(down());
     for _ in 0..3 {
         let res = app.clone().oneshot(pro(5, 3)).await.unwrap();
         assert_eq!(res.status(), StatusCode::OK);
@@ -220,9 +230,7 @@ async fn a_reset_reaches_another_replicas_cached_denial_within_the_ttl() {
             .backend(backend)
             .build()
             .unwrap();
-        let app = Router::new()
-            .route("/", get(|| async { "ok" }))
-            .layer(layer.clone());
+        let app = ok_app(layer.clone());
         (layer, app)
     };
     let (a, _) = replica(standalone(&server.url()));
@@ -328,9 +336,7 @@ async fn refusals_from_redis_and_from_the_deny_cache_carry_the_same_fields() {
             .backend(backend)
             .build()
             .unwrap();
-        Router::new()
-            .route("/", get(|| async { "ok" }))
-            .layer(layer)
+        ok_app(layer)
     };
     let (cached, uncached) = (replica(1000), replica(0));
     let req = || {
@@ -381,9 +387,6 @@ async fn refusals_from_redis_and_from_the_deny_cache_carry_the_same_fields() {
 /// of its quota is unknown.
 #[tokio::test]
 async fn a_fail_closed_refusal_claims_nothing_about_the_quota() {
-    let mut server = RedisServer::start();
-    let url = server.url();
-    server.stop();
     let layer = RateLimitLayer::builder()
         .limit(
             Limit::gcra("ask-ai", Quota::per_minute(5).unwrap())
@@ -391,18 +394,10 @@ async fn a_fail_closed_refusal_claims_nothing_about_the_quota() {
                 .fail_closed(),
             tollgate::key::Global,
         )
-        .backend(
-            RedisBackend::builder()
-                .url(url)
-                .deadline(Duration::from_millis(200))
-                .build()
-                .unwrap(),
-        )
+        .backend(down())
         .build()
         .unwrap();
-    let app = Router::new()
-        .route("/", get(|| async { "ok" }))
-        .layer(layer);
+    let app = ok_app(layer);
     let res = app
         .oneshot(Request::get("/").body(Body::empty()).unwrap())
         .await
@@ -422,9 +417,7 @@ async fn a_missing_key_names_its_source() {
         )
         .build()
         .unwrap();
-    let app = Router::new()
-        .route("/", get(|| async { "ok" }))
-        .layer(layer);
+    let app = ok_app(layer);
     let res = app
         .clone()
         .oneshot(Request::get("/").body(Body::empty()).unwrap())
