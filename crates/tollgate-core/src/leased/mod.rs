@@ -31,8 +31,8 @@
 //! [`Sizing`]: crate::Sizing
 //! [`Slice`]: crate::Slice
 
-mod take;
 mod table;
+mod take;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -40,9 +40,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll};
 
-use crate::backend::{
-    AdminFuture, Backend, BackendError, Check, KeyState, Settlement, Verdicts,
-};
+use crate::backend::{AdminFuture, Backend, BackendError, Check, KeyState, Settlement, Verdicts};
 use crate::clock::{Clock, SystemClock};
 
 use table::{GiveBack, Table};
@@ -185,7 +183,9 @@ impl<F> std::fmt::Debug for LeasedFuture<F> {
             State::Inner(_) => "inner",
             State::Taking(_) => "taking",
         };
-        f.debug_struct("LeasedFuture").field("state", &state).finish()
+        f.debug_struct("LeasedFuture")
+            .field("state", &state)
+            .finish()
     }
 }
 

@@ -34,9 +34,7 @@ pub(super) fn check<B: Backend, C: Clock>(
     checks: &[Check<'_>],
 ) -> LeasedFuture<B::Future> {
     let shared = &leased.shared;
-    if checks.len() > MAX_CHECKS
-        || shared.closed()
-        || !checks.iter().any(|c| leasable(c).is_some())
+    if checks.len() > MAX_CHECKS || shared.closed() || !checks.iter().any(|c| leasable(c).is_some())
     {
         return LeasedFuture {
             state: State::Inner(shared.backend.check(checks)),
@@ -225,7 +223,13 @@ impl<B: Backend, C: Clock> Batch<B, C> {
     }
 
     /// The batch's verdicts, and the slices that the inner backend's answer filled.
-    fn finish(&mut self, local: Verdicts, idx: &[usize], answered: &Verdicts, t: Micros) -> Verdicts {
+    fn finish(
+        &mut self,
+        local: Verdicts,
+        idx: &[usize],
+        answered: &Verdicts,
+        t: Micros,
+    ) -> Verdicts {
         self.armed = false;
         let asked: Vec<Check<'_>> = idx.iter().map(|&i| self.owned[i].check()).collect();
         let admitted = answered.admits(&asked);
