@@ -559,6 +559,48 @@ fn plans_and_shadow_checks_are_not_leased() {
     assert_eq!(r.leased_units(), 0);
 }
 
+#[test]
+fn a_take_answered_after_shutdown_gives_its_slice_back_at_once() {
+    let w = World::new();
+    let plain = gcra_per_hour("closing", 10);
+    let limit = leased(&plain, Duration::from_secs(3_600));
+    let r = w.replica();
+    let mut out = r.check(&[Check::new(&limit, b"k")]);
+    assert!(poll(&mut r.shutdown()).is_ready());
+    let Poll::Ready(Ok(v)) = poll(&mut out) else {
+        panic!("the memory backend answers at once");
+    };
+    assert!(v[0].is_allowed() && !v.from_lease(0));
+    assert_eq!(r.leased_units(), 0);
+    // The request's unit stays counted, the slice's 3 are back.
+    assert_eq!(w.remaining(&plain, b"k"), 9);
+}
+
+#[test]
+fn the_memory_backend_applies_a_guarded_gcra_refund_only_at_its_tat() {
+    let w = World::new();
+    let limit = gcra_per_hour("guarded", 10);
+    let c = Check::new(&limit, b"k").with_cost(4);
+    let v = w.memory.check_now(&[c]).unwrap();
+    let tat = v.receipt(0).at + v[0].reset;
+    let guarded = |mark| Settlement {
+        receipt: tollgate_core::Receipt {
+            at: v.receipt(0).at,
+            mark,
+        },
+        ..Settlement::of(&c, v.receipt(0), 1)
+    };
+    // Another TAT than the key's: nothing changes.
+    w.memory.settle_now(&[guarded(tat + 1)]);
+    assert_eq!(w.remaining(&limit, b"k"), 6);
+    // The key's own TAT: 3 of the 4 units come back.
+    w.memory.settle_now(&[guarded(tat)]);
+    assert_eq!(w.remaining(&limit, b"k"), 9);
+    // The TAT moved with that refund: the same guard no longer holds.
+    w.memory.settle_now(&[guarded(tat)]);
+    assert_eq!(w.remaining(&limit, b"k"), 9);
+}
+
 /// One sequential trace (three replicas, irregular times across expiries, window turns and
 /// refills, one replica shut down half-way) through `Leased` over the in-memory backend and
 /// through the model that the accuracy simulation runs: every answer, every replica's

@@ -233,7 +233,6 @@ impl<B: Backend, C: Clock> Batch<B, C> {
         self.armed = false;
         let asked: Vec<Check<'_>> = idx.iter().map(|&i| self.owned[i].check()).collect();
         let admitted = answered.admits(&asked);
-        let closed = self.shared.closed();
         let mut out = local;
         let mut back = Vec::new();
         {
@@ -246,9 +245,12 @@ impl<B: Backend, C: Clock> Batch<B, C> {
                 let entry = table.get_mut(check.limit.name(), check.key);
                 match (self.sources[i], entry, check.limit.lease()) {
                     // The entry was replaced while the take was out (a reload under another
-                    // quota or lease): the take's slice is not the entry's, and goes back at
-                    // once, as the entry it was taken for would give it back.
-                    (Source::Take(units), Some(e), Some(lease)) if !e.serves(&check) => {
+                    // quota or lease), or is gone (shut down): the take's slice is not the
+                    // entry's, and goes back at once, as the entry it was taken for would give
+                    // it back.
+                    (Source::Take(units), e, Some(lease))
+                        if e.as_ref().is_none_or(|e| !e.serves(&check)) =>
+                    {
                         let mut take = Entry::new(&check, *lease);
                         let extra = units - check.cost;
                         if admitted && verdict.is_allowed() {
@@ -270,9 +272,6 @@ impl<B: Backend, C: Clock> Batch<B, C> {
                                 let lease = e.lease;
                                 back.extend(fill(e, &lease, extra, at, verdict.reset));
                                 e.receipt = receipt;
-                                if closed {
-                                    back.extend(e.drain(at));
-                                }
                                 verdict.remaining =
                                     verdict.remaining.saturating_add(u64::from(extra));
                             } else {
