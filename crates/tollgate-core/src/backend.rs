@@ -78,6 +78,12 @@ impl<'a> Check<'a> {
 /// `at` is the backend's time of the check (for a sliding log, the time its units were
 /// recorded at); `mark` is the algorithm's: the end of a fixed window's window, the last
 /// sequence number of a sliding log's units on Redis, 0 otherwise.
+///
+/// A GCRA check's receipt has no mark. A [`Settlement`] whose GCRA receipt has one is
+/// *guarded*: it applies only while the key's TAT is exactly `mark` (the TAT its check left),
+/// and changes nothing otherwise. A quota lease's give-back is such a settle (see
+/// [`Leased`](crate::leased::Leased)): a backend under `Leased` must honour the guard, as the
+/// in-memory backend does.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Receipt {
     /// The backend's time of the check, in microseconds since the Unix epoch.

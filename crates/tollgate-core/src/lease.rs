@@ -3,7 +3,8 @@
 //!
 //! This module holds what a backend and a model of one need to agree on, as pure functions and
 //! plain data: how large a slice is ([`Lease::take_for`]), when it expires ([`Lease::expiry`])
-//! and what a replica holds of it ([`Slice`]). The Redis backend runs it against Redis; the
+//! and what a replica holds of it ([`Slice`]). [`Leased`](crate::leased::Leased) runs it over
+//! any backend (the in-memory one included), the Redis backend runs it against Redis, and the
 //! accuracy simulation (`lease-sim`) runs the very same code against a model of Redis' state.
 //!
 //! # What a lease keeps and what it gives up

@@ -32,6 +32,7 @@ mod backend;
 mod clock;
 mod error;
 pub mod lease;
+pub mod leased;
 mod limit;
 mod memory;
 mod sip;

@@ -424,8 +424,15 @@ impl<C: Clock> MemoryBackend<C> {
                 // A slot is one request: nothing to settle.
                 Algorithm::Concurrency => {}
                 Algorithm::Gcra => {
+                    let stored = shard.gcra.get_mut(&fp).map(Slot::get);
+                    // A guarded settle (a lease's give-back) applies only to the TAT it names.
+                    if s.receipt.mark > 0
+                        && stored != Some((s.receipt.mark, quota.emission_interval()))
+                    {
+                        continue;
+                    }
                     // The TAT under this quota's interval (carried if another quota wrote it).
-                    let tat = carried(shard.gcra.get_mut(&fp).map(Slot::get), quota, now);
+                    let tat = carried(stored, quota, now);
                     match algorithm::gcra_settle(quota, tat, now, s.reserved, s.actual) {
                         Some(t) if t <= now && shard.gcra.remove(&fp).is_some() => {
                             inner.tracked.fetch_sub(1, Ordering::Relaxed);
