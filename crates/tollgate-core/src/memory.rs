@@ -39,13 +39,17 @@ use std::sync::{Arc, PoisonError, RwLock, RwLockWriteGuard};
 use std::time::Duration;
 
 use crate::algorithm::{self, WindowState};
-use crate::backend::{
-    AdminFuture, Backend, BackendError, BackendErrorKind, Check, KeyState, Receipt, Settlement,
-    Status, Verdict, Verdicts, MAX_CHECKS,
-};
+use crate::backend::{AdminFuture, Backend};
+use crate::backend_error::{unsupported, BackendError, BackendErrorKind};
+use crate::bounds::MAX_CHECKS;
+use crate::check::{Check, Receipt, Settlement};
 use crate::clock::{micros, Clock, Micros, SystemClock};
-use crate::limit::Algorithm;
+use crate::counting::Algorithm;
+use crate::key_state::KeyState;
+use crate::quota::Quota;
 use crate::sip::Sip13;
+use crate::verdict::{Status, Verdict};
+use crate::verdicts::Verdicts;
 
 const DEFAULT_MAX_KEYS: usize = 1 << 20;
 const DEFAULT_SWEEP: Duration = Duration::from_secs(1);
@@ -202,7 +206,7 @@ impl Slot for GcraSlot {
 
 /// The TAT `state` holds, carried to `quota`'s interval.
 #[inline]
-fn carried(state: Option<(Micros, Micros)>, quota: &crate::Quota, now: Micros) -> Option<Micros> {
+fn carried(state: Option<(Micros, Micros)>, quota: &Quota, now: Micros) -> Option<Micros> {
     state.map(|(tat, from)| algorithm::gcra_carry(tat, now, from, quota.emission_interval()))
 }
 
@@ -542,7 +546,7 @@ impl<C: Clock> MemoryBackend<C> {
             Algorithm::Gcra => shard.gcra.remove(&fp).is_some(),
             Algorithm::FixedWindow => shard.windows.remove(&fp).is_some(),
             Algorithm::SlidingLog => shard.logs.remove(&fp).is_some(),
-            Algorithm::Concurrency => return Err(crate::backend::unsupported("memory", "reset")),
+            Algorithm::Concurrency => return Err(unsupported("memory", "reset")),
         };
         if removed {
             inner.tracked.fetch_sub(1, Ordering::Relaxed);
