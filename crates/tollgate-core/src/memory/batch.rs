@@ -12,7 +12,7 @@ use crate::clock::{Clock, Micros};
 use crate::counting::Algorithm;
 use crate::memory::fingerprint::{Fp, FpMap};
 use crate::memory::inner::{Inner, Sweeps};
-use crate::memory::shard::{carried, Pending, Shard, Slot};
+use crate::memory::shard::{carried, Pending, Record, Shard};
 use crate::verdict::Verdict;
 use crate::verdicts::Verdicts;
 
@@ -79,7 +79,7 @@ impl<C> Inner<C> {
             guards[held] = Some(self.lock(s, now, sweeps));
             held += 1;
         }
-        let slot_of = |i: usize| {
+        let lock_of = |i: usize| {
             locked[..held]
                 .iter()
                 .position(|&s| s == shard_of[i])
@@ -92,15 +92,15 @@ impl<C> Inner<C> {
         // New keys the batch has placed in each locked shard, not yet inserted.
         let mut added = [0usize; MAX_CHECKS];
         for (i, check) in checks.iter().enumerate() {
-            let slot = slot_of(i);
-            let Some(shard) = guards[slot].as_mut() else {
+            let at = lock_of(i);
+            let Some(shard) = guards[at].as_mut() else {
                 continue;
             };
             let (mut verdict, p, new) = shard.evaluate(check, &fps[i], now);
             if verdict.is_allowed() && new {
-                if shard.len() + added[slot] < self.shard_cap && self.reserve() {
+                if shard.len() + added[at] < self.shard_cap && self.reserve() {
                     reserved[i] = true;
-                    added[slot] += 1;
+                    added[at] += 1;
                 } else {
                     verdict.status = self.at_capacity();
                 }
@@ -113,7 +113,7 @@ impl<C> Inner<C> {
 
         if verdicts.admits(checks) {
             for (i, check) in checks.iter().enumerate() {
-                if let Some(shard) = guards[slot_of(i)].as_mut() {
+                if let Some(shard) = guards[lock_of(i)].as_mut() {
                     shard.commit(check, fps[i], pending[i], now);
                 }
             }
@@ -141,13 +141,13 @@ impl<C> Inner<C> {
         if now >= guard.next_sweep.load(Ordering::Relaxed) {
             return None;
         }
-        let slot = guard.gcra.get(&fp)?;
+        let record = guard.gcra.get(&fp)?;
         let quota = &check.quota;
-        if slot.interval != quota.emission_interval() {
+        if record.interval != quota.emission_interval() {
             // Written under another quota: carried under the write lock.
             return None;
         }
-        let tat = &slot.tat;
+        let tat = &record.tat;
         let mut current = tat.load(Ordering::Relaxed);
         loop {
             let (verdict, next) = algorithm::gcra(quota, Some(current), now, check.cost);
@@ -166,17 +166,17 @@ impl<C> Inner<C> {
     /// one lookup for a tracked key; a new key takes a place under the cap (if its shard has
     /// `room`), or is refused.
     #[inline]
-    fn step<S: Slot>(
+    fn step<S: Record>(
         &self,
         map: &mut FpMap<S>,
         room: bool,
         fp: Fp,
         algorithm: impl FnOnce(Option<S::State>) -> (Verdict, Option<S::State>),
     ) -> Verdict {
-        let mut slot = map.get_mut(&fp);
-        let (mut verdict, next) = algorithm(slot.as_deref_mut().map(Slot::get));
-        match (slot, next) {
-            (Some(slot), Some(next)) => *slot = S::new(next),
+        let mut record = map.get_mut(&fp);
+        let (mut verdict, next) = algorithm(record.as_deref_mut().map(Record::get));
+        match (record, next) {
+            (Some(record), Some(next)) => *record = S::new(next),
             (None, Some(next)) => {
                 if room && self.reserve() {
                     map.insert(fp, S::new(next));

@@ -4,10 +4,11 @@ use std::sync::atomic::{AtomicU64, AtomicUsize};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use crate::clock::{micros, Clock, SystemClock};
+use crate::clock::{micros, Clock};
 use crate::memory::inner::Inner;
 use crate::memory::MemoryBackend;
 use crate::sip::Sip13;
+use crate::system_clock::SystemClock;
 
 const DEFAULT_MAX_KEYS: usize = 1 << 20;
 const DEFAULT_SWEEP: Duration = Duration::from_secs(1);

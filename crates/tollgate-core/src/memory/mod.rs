@@ -39,9 +39,10 @@ use crate::backend::{AdminFuture, Backend};
 use crate::backend_error::{unsupported, BackendError, BackendErrorKind};
 use crate::bounds::MAX_CHECKS;
 use crate::check::{Check, Settlement};
-use crate::clock::{Clock, SystemClock};
+use crate::clock::Clock;
 use crate::counting::Algorithm;
 use crate::key_state::KeyState;
+use crate::system_clock::SystemClock;
 use crate::verdicts::Verdicts;
 
 mod batch;

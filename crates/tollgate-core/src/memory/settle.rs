@@ -10,7 +10,7 @@ use crate::check::{Check, Settlement};
 use crate::clock::Clock;
 use crate::counting::Algorithm;
 use crate::memory::inner::{Inner, Sweeps};
-use crate::memory::shard::{carried, store, Log, Slot};
+use crate::memory::shard::{carried, store, Log, Record};
 
 impl<C: Clock> Inner<C> {
     /// Settles checks admitted earlier, at once (see [`Settlement`] for what each algorithm
@@ -35,7 +35,7 @@ impl<C: Clock> Inner<C> {
                 Algorithm::Concurrency => {}
                 Algorithm::Gcra => {
                     // The TAT under this quota's interval (carried if another quota wrote it).
-                    let tat = carried(shard.gcra.get_mut(&fp).map(Slot::get), quota, now);
+                    let tat = carried(shard.gcra.get_mut(&fp).map(Record::get), quota, now);
                     match algorithm::gcra_settle(quota, tat, now, s.reserved, s.actual) {
                         Some(t) if t <= now && shard.gcra.remove(&fp).is_some() => {
                             self.tracked.fetch_sub(1, Ordering::Relaxed);

@@ -26,7 +26,7 @@ pub(super) struct Log {
 #[derive(Default)]
 #[repr(align(128))]
 pub(super) struct Shard {
-    pub(super) gcra: FpMap<GcraSlot>,
+    pub(super) gcra: FpMap<GcraRecord>,
     pub(super) windows: FpMap<WindowState>,
     pub(super) logs: FpMap<Log>,
     /// Concurrency slots held per key; an entry lives while its count is above 0.
@@ -35,7 +35,7 @@ pub(super) struct Shard {
 }
 
 /// A map value holding an algorithm's state, read and written under the shard's write lock.
-pub(super) trait Slot {
+pub(super) trait Record {
     type State: Copy;
     fn new(state: Self::State) -> Self;
     fn get(&mut self) -> Self::State;
@@ -45,12 +45,12 @@ pub(super) trait Slot {
 /// quota (a plan, a reload) carries what the key used ([`algorithm::gcra_carry`]). The
 /// interval changes only under the write lock; the lone check's compare-and-swap on the TAT
 /// under the read lock applies only while it is the check's own.
-pub(super) struct GcraSlot {
+pub(super) struct GcraRecord {
     pub(super) tat: AtomicU64,
     pub(super) interval: Micros,
 }
 
-impl Slot for GcraSlot {
+impl Record for GcraRecord {
     type State = (Micros, Micros);
     fn new((tat, interval): (Micros, Micros)) -> Self {
         Self {
@@ -73,7 +73,7 @@ pub(super) fn carried(
     state.map(|(tat, from)| algorithm::gcra_carry(tat, now, from, quota.emission_interval()))
 }
 
-impl Slot for u32 {
+impl Record for u32 {
     type State = u32;
     fn new(held: u32) -> Self {
         held
@@ -83,7 +83,7 @@ impl Slot for u32 {
     }
 }
 
-impl Slot for WindowState {
+impl Record for WindowState {
     type State = WindowState;
     fn new(state: WindowState) -> Self {
         state
@@ -93,11 +93,11 @@ impl Slot for WindowState {
     }
 }
 
-/// Stores `state` for `fp`. Overwriting in place skips `insert`'s growth check and slot search
+/// Stores `state` for `fp`. Overwriting in place skips `insert`'s growth check and bucket search
 /// for the common case, a key already tracked.
-pub(super) fn store<S: Slot>(map: &mut FpMap<S>, fp: Fp, state: S::State) {
+pub(super) fn store<S: Record>(map: &mut FpMap<S>, fp: Fp, state: S::State) {
     match map.get_mut(&fp) {
-        Some(slot) => *slot = S::new(state),
+        Some(record) => *record = S::new(state),
         None => {
             map.insert(fp, S::new(state));
         }
@@ -112,7 +112,7 @@ impl Shard {
     /// Drops every entry whose state equals a fresh key's; returns how many.
     pub(super) fn sweep(&mut self, now: Micros) -> usize {
         let before = self.len();
-        self.gcra.retain(|_, slot| *slot.tat.get_mut() > now);
+        self.gcra.retain(|_, record| *record.tat.get_mut() > now);
         self.windows.retain(|_, w| w.window_end > now);
         self.logs
             .retain(|_, log| log.entries.back().is_some_and(|&t| t + log.period > now));
@@ -131,7 +131,7 @@ impl Shard {
         let quota = &check.quota;
         match check.limit.algorithm() {
             Algorithm::Gcra => {
-                let tat = carried(self.gcra.get_mut(fp).map(Slot::get), quota, now);
+                let tat = carried(self.gcra.get_mut(fp).map(Record::get), quota, now);
                 let (v, next) = algorithm::gcra(quota, tat, now, check.cost);
                 (v, next.map_or(Pending::None, Pending::Tat), tat.is_none())
             }
