@@ -47,6 +47,8 @@ use crate::tsc::{self, kernel_nanos, Anchor};
 /// second in the whole process. Readings on one thread never decrease; two threads agree to a
 /// fraction of a microsecond (a check reads `now` before it takes its shard's lock, so checks
 /// never relied on a closer agreement). Every `SystemClock` of a process reads the same time.
+/// What reading the counter saves: see `docs/benchmarks.md`, section "Hand-written parts of the
+/// core, and what each saves", "The clock".
 #[derive(Debug, Clone, Copy)]
 pub struct SystemClock {
     /// Test sources in place of the machine's clocks.

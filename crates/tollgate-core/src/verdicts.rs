@@ -1,4 +1,8 @@
 //! The verdicts of one batch, with where each admitted check's units went.
+//!
+//! A small vector written for the purpose: three inline, one allocation past them. What it
+//! saves over a fixed array of [`MAX_CHECKS`] and over `smallvec`: see
+//! docs/benchmarks.md, section "Hand-written parts of the core, and what each saves", "A batch's answer".
 
 use std::fmt;
 use std::ops::Deref;
@@ -192,8 +196,8 @@ mod tests {
 
     #[test]
     fn an_answer_stays_small_to_move() {
-        // An answer the size of eight verdicts (400 bytes) was copied several times per request;
-        // three inline verdicts and their receipts keep it under 160.
+        // An answer moves several times per request: three inline verdicts and their receipts
+        // keep it small.
         assert!(std::mem::size_of::<Result<Verdicts, BackendError>>() <= 160);
     }
 

@@ -27,8 +27,7 @@
 //! asks for them), a shard never holds more than twice that (a new key past it is refused as
 //! at the cap, which random fingerprints make as good as impossible before the cap itself), and
 //! one call sweeps at most one shard's worth of entries: a sweep and a table's growth both
-//! stay within a few thousand entries, where sweeping every shard of a million keys inline
-//! stalled one request for milliseconds.
+//! stay within a few thousand entries, however many keys are tracked.
 
 use std::collections::hash_map::Entry;
 use std::future::{ready, Ready};
