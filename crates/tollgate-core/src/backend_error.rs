@@ -18,8 +18,8 @@ pub enum BackendErrorKind {
     /// deadline (a full queue, or a deadline that passed before the check was sent): the
     /// backend was not asked, and says nothing about its health.
     Overloaded,
-    /// The backend does not offer what was asked (see [`Backend::peek`] and
-    /// [`Backend::reset`]).
+    /// The backend does not offer what was asked (see [`Backend::peek`](crate::Backend::peek) and
+    /// [`Backend::reset`](crate::Backend::reset)).
     Unsupported,
 }
 

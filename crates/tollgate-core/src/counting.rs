@@ -18,7 +18,8 @@ pub enum Algorithm {
     /// At most `limit` requests in flight at once: a request takes a slot when it is admitted
     /// and gives it back when its response body ends or is dropped. The quota's period is how
     /// long a slot lives in a backend whose slots expire (Redis) unless its holder renews it,
-    /// so that a crashed replica cannot hold slots for longer. See [`Limit::concurrency`].
+    /// so that a crashed replica cannot hold slots for longer. See
+    /// [`Limit::concurrency`](crate::Limit::concurrency).
     Concurrency,
 }
 

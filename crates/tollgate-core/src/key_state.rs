@@ -8,7 +8,8 @@ use crate::counting::Algorithm;
 use crate::quota::Quota;
 use crate::verdict::{Status, Verdict};
 
-/// One key's state under one limit, read without consuming anything ([`Backend::peek`]).
+/// One key's state under one limit, read without consuming anything
+/// ([`Backend::peek`](crate::Backend::peek)).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KeyState {
     /// Units the key may take now (for a concurrency limit: slots free now).

@@ -123,8 +123,8 @@ impl Limit {
     /// # Errors
     ///
     /// [`ConfigError::PeriodTooShort`] under a second (slots are renewed every third of it),
-    /// [`ConfigError::PeriodTooLong`] past [`MAX_PERIOD`](crate::MAX_PERIOD), [`ConfigError::InvalidBurst`] on a
-    /// limit that is not a concurrency limit.
+    /// [`ConfigError::PeriodTooLong`] past [`MAX_PERIOD`](crate::MAX_PERIOD),
+    /// [`ConfigError::InvalidBurst`] on a limit that is not a concurrency limit.
     pub fn with_slot_ttl(mut self, ttl: Duration) -> Result<Self, ConfigError> {
         if self.algorithm != Algorithm::Concurrency {
             return Err(ConfigError::InvalidBurst);
@@ -391,7 +391,7 @@ impl Limit {
     }
 
     /// The largest cost one request can have and still be admitted.
-    pub fn max_cost(&self) -> u32 {
+    pub(crate) fn max_cost(&self) -> u32 {
         max_cost_of(self.algorithm, &self.quota)
     }
 

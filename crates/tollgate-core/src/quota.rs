@@ -146,7 +146,7 @@ impl Quota {
     }
 
     /// This quota with the limit divided by `parts` (rounded up, at least 1).
-    pub fn divided(&self, parts: NonZeroU32) -> Self {
+    pub(crate) fn divided(&self, parts: NonZeroU32) -> Self {
         let share = |n: NonZeroU32| {
             NonZeroU32::new(n.get().div_ceil(parts.get())).unwrap_or(NonZeroU32::MIN)
         };

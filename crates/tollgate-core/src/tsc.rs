@@ -2,8 +2,8 @@
 //! (through `quanta`, which falls back to the kernel's monotonic clock where the counter is not
 //! invariant), counted per thread from a recent reading of the kernel's monotonic clock.
 //!
-//! What reading the counter saves over asking the kernel: see docs/benchmarks.md, section "Hand-written parts of the core, and what each saves",
-//! "The clock".
+//! What reading the counter saves over asking the kernel: see `docs/benchmarks.md`, section
+//! "Hand-written parts of the core, and what each saves", "The clock".
 
 use std::sync::OnceLock;
 use std::time::Instant;

@@ -1,8 +1,8 @@
 //! The verdicts of one batch, with where each admitted check's units went.
 //!
 //! A small vector written for the purpose: three inline, one allocation past them. What it
-//! saves over a fixed array of [`MAX_CHECKS`] and over `smallvec`: see
-//! docs/benchmarks.md, section "Hand-written parts of the core, and what each saves", "A batch's answer".
+//! saves over a fixed array of [`MAX_CHECKS`] and over `smallvec`: see `docs/benchmarks.md`,
+//! section "Hand-written parts of the core, and what each saves", "A batch's answer".
 
 use std::fmt;
 use std::ops::Deref;
@@ -25,11 +25,11 @@ pub struct Verdicts {
     len: u8,
     /// Bit `i`: the `i`-th check was admitted from a leased slice held locally.
     from_lease: u8,
-    store: Store,
+    storage: Storage,
 }
 
 #[derive(Clone)]
-enum Store {
+enum Storage {
     Inline {
         items: [Verdict; INLINE],
         receipts: [Receipt; INLINE],
@@ -50,7 +50,7 @@ impl Verdicts {
         Self {
             len: 0,
             from_lease: 0,
-            store: Store::Inline {
+            storage: Storage::Inline {
                 items: [Verdict::EMPTY; INLINE],
                 receipts: [Receipt { at: 0, mark: 0 }; INLINE],
             },
@@ -60,18 +60,18 @@ impl Verdicts {
     #[inline]
     fn parts(&self) -> (&[Verdict], &[Receipt]) {
         let len = usize::from(self.len);
-        match &self.store {
-            Store::Inline { items, receipts } => (&items[..len], &receipts[..len]),
-            Store::Spilled(s) => (&s.items[..len], &s.receipts[..len]),
+        match &self.storage {
+            Storage::Inline { items, receipts } => (&items[..len], &receipts[..len]),
+            Storage::Spilled(s) => (&s.items[..len], &s.receipts[..len]),
         }
     }
 
     #[inline]
     fn parts_mut(&mut self) -> (&mut [Verdict], &mut [Receipt]) {
         let len = usize::from(self.len);
-        match &mut self.store {
-            Store::Inline { items, receipts } => (&mut items[..len], &mut receipts[..len]),
-            Store::Spilled(s) => (&mut s.items[..len], &mut s.receipts[..len]),
+        match &mut self.storage {
+            Storage::Inline { items, receipts } => (&mut items[..len], &mut receipts[..len]),
+            Storage::Spilled(s) => (&mut s.items[..len], &mut s.receipts[..len]),
         }
     }
 
@@ -113,7 +113,7 @@ impl Verdicts {
     #[inline]
     pub fn push(&mut self, verdict: Verdict) -> Result<(), Verdict> {
         let len = usize::from(self.len);
-        if let Store::Inline { items, receipts } = &self.store {
+        if let Storage::Inline { items, receipts } = &self.storage {
             if len == INLINE {
                 let mut spilled = Box::new(Spilled {
                     items: [Verdict::EMPTY; MAX_CHECKS],
@@ -121,12 +121,12 @@ impl Verdicts {
                 });
                 spilled.items[..INLINE].copy_from_slice(items);
                 spilled.receipts[..INLINE].copy_from_slice(receipts);
-                self.store = Store::Spilled(spilled);
+                self.storage = Storage::Spilled(spilled);
             }
         }
-        let slot = match &mut self.store {
-            Store::Inline { items, .. } => items.get_mut(len),
-            Store::Spilled(s) => s.items.get_mut(len),
+        let slot = match &mut self.storage {
+            Storage::Inline { items, .. } => items.get_mut(len),
+            Storage::Spilled(s) => s.items.get_mut(len),
         };
         *slot.ok_or(verdict)? = verdict;
         self.len += 1;

@@ -1,6 +1,6 @@
 //! The bounded, sharded in-memory backend.
 //!
-//! State lives in shards, each a read-write lock over three hash maps (one per algorithm). A
+//! State lives in shards, each a read-write lock over four hash maps (one per algorithm). A
 //! key is stored as a 64-bit keyed fingerprint of (limit, key bytes) (SipHash-1-3 with random
 //! per-process keys), never as the key itself, so every entry has the same small size whatever
 //! the key. Two tracked keys share a fingerprint with a probability of about n²/2⁶⁵ (three in a
@@ -15,10 +15,10 @@
 //! batch at one instant.
 //!
 //! Memory is bounded by a hard cap on tracked keys. A new key past the cap is refused
-//! ([`Status::AtCapacity`](crate::Status::AtCapacity)) while tracked keys keep their state: a spray of unique keys can
-//! neither grow memory nor evict someone's counter. Expired state is reclaimed by the requests
-//! themselves: a shard touched after its sweep interval first drops its expired entries, so no
-//! background thread is needed and the cost is amortised. At the cap, the requests also walk
+//! ([`Status::AtCapacity`](crate::Status::AtCapacity)) while tracked keys keep their state: a
+//! spray of unique keys can neither grow memory nor evict someone's counter. Expired state is
+//! reclaimed by the requests themselves: a shard touched after its sweep interval first drops
+//! its expired entries, so no background thread is needed and the cost is amortised. At the cap, the requests also walk
 //! the shards in turn, once per sweep interval, so that expired keys in shards nobody touches
 //! give their places back.
 //!
