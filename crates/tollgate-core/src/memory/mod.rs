@@ -107,11 +107,6 @@ impl<C: Clock> MemoryBackend<C> {
         }
     }
 
-    /// The clock this backend reads.
-    pub fn clock(&self) -> &C {
-        &self.inner.clock
-    }
-
     /// What a check of one unit of `check`'s limit and key would find now, consuming nothing
     /// and adding no key: [`Backend::peek`], at once.
     pub fn peek_now(&self, check: &Check<'_>) -> KeyState {
