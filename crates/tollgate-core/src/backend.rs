@@ -1,11 +1,16 @@
-//! The backend trait: where limits are counted.
+//! The backend trait, where limits are counted, and what a backend answers besides verdicts:
+//! a key's state for operators, and why it could not answer.
 
+use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
+use std::time::Duration;
 
-use crate::backend_error::{unsupported, BackendError};
+use crate::algorithm;
 use crate::check::{Check, Settlement};
-use crate::key_state::KeyState;
+use crate::counting::Algorithm;
+use crate::quota::Quota;
+use crate::verdict::{Status, Verdict};
 use crate::verdicts::Verdicts;
 
 /// The answer of [`Backend::peek`] and [`Backend::reset`]: boxed, since operators call them
@@ -80,7 +85,7 @@ pub trait Backend: Send + Sync + 'static {
     /// Reads `check`'s key (under `check.quota`) without consuming anything: what a request
     /// of one unit would find now. `check.cost` is ignored.
     ///
-    /// The default answers [`BackendErrorKind::Unsupported`](crate::BackendErrorKind::Unsupported).
+    /// The default answers [`BackendErrorKind::Unsupported`].
     fn peek(&self, check: &Check<'_>) -> AdminFuture<KeyState> {
         let _ = check;
         Box::pin(std::future::ready(Err(unsupported(self.kind(), "peek"))))
@@ -89,9 +94,9 @@ pub trait Backend: Send + Sync + 'static {
     /// Forgets what `check`'s key has used, so that its next request finds the whole quota,
     /// and drops whatever this process remembers of its denials. A concurrency limit's slots
     /// are not reset (they are requests still in flight, given back when they end): that
-    /// answers [`BackendErrorKind::Unsupported`](crate::BackendErrorKind::Unsupported).
+    /// answers [`BackendErrorKind::Unsupported`].
     ///
-    /// The default answers [`BackendErrorKind::Unsupported`](crate::BackendErrorKind::Unsupported).
+    /// The default answers [`BackendErrorKind::Unsupported`].
     fn reset(&self, check: &Check<'_>) -> AdminFuture<()> {
         let _ = check;
         Box::pin(std::future::ready(Err(unsupported(self.kind(), "reset"))))
@@ -147,5 +152,159 @@ impl<B: Backend> Backend for std::sync::Arc<B> {
 
     fn shutdown(&self) -> Pin<Box<dyn Future<Output = ()> + Send + 'static>> {
         (**self).shutdown()
+    }
+}
+
+/// One key's state under one limit, read without consuming anything
+/// ([`Backend::peek`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KeyState {
+    /// Units the key may take now (for a concurrency limit: slots free now).
+    pub remaining: u64,
+    /// Time until the quota is whole again (0 for a concurrency limit: nothing refills with
+    /// time).
+    pub reset: Duration,
+    /// Time until one more unit can be taken, when none is left now; `None` when one is
+    /// left, or when it never can be (a concurrency limit's slots free when requests end).
+    pub retry_after: Option<Duration>,
+}
+
+impl KeyState {
+    /// The state a check of one unit of `check`'s limit saw, from its `verdict`, which the
+    /// backend did not consume.
+    pub fn from_probe(check: &Check<'_>, verdict: Verdict) -> Self {
+        let unconsumed = algorithm::unconsumed(check.limit.algorithm(), &check.quota, verdict, 1);
+        let retry_after = match (check.limit.algorithm(), unconsumed.status) {
+            (Algorithm::Concurrency, _) => None,
+            (_, Status::Allowed) => None,
+            _ => unconsumed.retry_after(),
+        };
+        Self {
+            remaining: unconsumed.remaining,
+            reset: unconsumed.reset(),
+            retry_after,
+        }
+    }
+
+    /// The state of a key the backend holds nothing for: its whole quota, or for GCRA its
+    /// whole burst (what a request could take at once; the burst is the limit unless set).
+    pub fn fresh(quota: &Quota) -> Self {
+        Self {
+            remaining: u64::from(quota.burst()),
+            reset: Duration::ZERO,
+            retry_after: None,
+        }
+    }
+}
+
+/// Why a backend could not answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum BackendErrorKind {
+    /// No answer within the deadline.
+    Timeout,
+    /// The backend could not be reached or answered with an error.
+    Unavailable,
+    /// The circuit breaker is open: the backend failed recently and is not being called.
+    CircuitOpen,
+    /// The backend answered something that could not be understood.
+    Protocol,
+    /// This process had more checks waiting for the backend than it could send by their
+    /// deadline (a full queue, or a deadline that passed before the check was sent): the
+    /// backend was not asked, and says nothing about its health.
+    Overloaded,
+    /// The backend does not offer what was asked (see [`Backend::peek`] and
+    /// [`Backend::reset`]).
+    Unsupported,
+}
+
+/// A backend that could not answer a batch.
+#[derive(Debug, Clone)]
+pub struct BackendError {
+    kind: BackendErrorKind,
+    message: String,
+}
+
+impl BackendError {
+    /// An error of `kind`, described by `message`.
+    pub fn new(kind: BackendErrorKind, message: impl Into<String>) -> Self {
+        Self {
+            kind,
+            message: message.into(),
+        }
+    }
+
+    /// What went wrong.
+    pub fn kind(&self) -> BackendErrorKind {
+        self.kind
+    }
+
+    /// Whether the deadline passed.
+    pub fn is_timeout(&self) -> bool {
+        self.kind == BackendErrorKind::Timeout
+    }
+
+    /// Whether the circuit breaker refused the call.
+    pub fn is_circuit_open(&self) -> bool {
+        self.kind == BackendErrorKind::CircuitOpen
+    }
+
+    /// Whether the check was not sent because this process had too many waiting.
+    pub fn is_overloaded(&self) -> bool {
+        self.kind == BackendErrorKind::Overloaded
+    }
+
+    /// A fixed label for metrics: `timeout`, `error`, `circuit_open`, `protocol`,
+    /// `overloaded` or `unsupported`.
+    pub fn reason(&self) -> &'static str {
+        match self.kind {
+            BackendErrorKind::Timeout => "timeout",
+            BackendErrorKind::Unavailable => "error",
+            BackendErrorKind::CircuitOpen => "circuit_open",
+            BackendErrorKind::Protocol => "protocol",
+            BackendErrorKind::Overloaded => "overloaded",
+            BackendErrorKind::Unsupported => "unsupported",
+        }
+    }
+}
+
+impl fmt::Display for BackendError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "rate-limit backend {}: {}", self.reason(), self.message)
+    }
+}
+
+impl std::error::Error for BackendError {}
+
+/// The error of an operation `backend` does not offer.
+pub fn unsupported(backend: &str, what: &str) -> BackendError {
+    BackendError::new(
+        BackendErrorKind::Unsupported,
+        format!("the {backend} backend cannot {what} this key"),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_answer_stays_small_to_move() {
+        // An answer moves several times per request: three inline verdicts and their receipts
+        // keep it small.
+        assert!(std::mem::size_of::<Result<Verdicts, BackendError>>() <= 160);
+    }
+
+    #[test]
+    fn a_fresh_gcra_key_has_its_burst_left() {
+        let quota = Quota::per_minute(60).unwrap().with_burst(10).unwrap();
+        assert_eq!(KeyState::fresh(&quota).remaining, 10);
+        // One unit later, one less: what the first check of the key answers.
+        let (verdict, _) = algorithm::gcra(&quota, None, 0, 1);
+        assert_eq!(verdict.remaining, 9);
+        assert_eq!(
+            KeyState::fresh(&Quota::per_minute(60).unwrap()).remaining,
+            60
+        );
     }
 }

@@ -29,17 +29,14 @@
 
 pub mod algorithm;
 mod backend;
-mod backend_error;
 mod bounds;
 mod check;
 mod clock;
 mod counting;
 mod error;
-mod key_state;
 pub mod lease;
 mod limit;
 mod memory;
-mod policy;
 mod quota;
 mod sip;
 mod system_clock;
@@ -47,18 +44,17 @@ mod tsc;
 mod verdict;
 mod verdicts;
 
-pub use backend::{AdminFuture, Backend};
-pub use backend_error::{unsupported, BackendError, BackendErrorKind};
+pub use backend::{unsupported, AdminFuture, Backend, BackendError, BackendErrorKind, KeyState};
 pub use bounds::{MAX_CHECKS, MAX_LOG_UNITS, MAX_NAME_LEN, MAX_PERIOD, MAX_PLANS};
 pub use check::{Check, Receipt, Settlement};
 pub use clock::{Clock, FakeClock, Micros};
 pub use counting::Algorithm;
 pub use error::ConfigError;
-pub use key_state::KeyState;
 pub use lease::{Lease, Sizing, Slice, MAX_SLICE};
-pub use limit::{Limit, DEFAULT_BUSY_RETRY_AFTER, DEFAULT_SLOT_TTL};
+pub use limit::{
+    FailurePolicy, Limit, MissingKeyPolicy, DEFAULT_BUSY_RETRY_AFTER, DEFAULT_SLOT_TTL,
+};
 pub use memory::{MemoryBackend, MemoryBackendBuilder, MemoryStats};
-pub use policy::{FailurePolicy, MissingKeyPolicy};
 pub use quota::Quota;
 pub use system_clock::SystemClock;
 pub use verdict::{Status, Verdict};

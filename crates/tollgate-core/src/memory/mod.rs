@@ -18,9 +18,9 @@
 //! ([`Status::AtCapacity`](crate::Status::AtCapacity)) while tracked keys keep their state: a
 //! spray of unique keys can neither grow memory nor evict someone's counter. Expired state is
 //! reclaimed by the requests themselves: a shard touched after its sweep interval first drops
-//! its expired entries, so no background thread is needed and the cost is amortised. At the cap, the requests also walk
-//! the shards in turn, once per sweep interval, so that expired keys in shards nobody touches
-//! give their places back.
+//! its expired entries, so no background thread is needed and the cost is amortised. At the
+//! cap, the requests also walk the shards in turn, once per sweep interval, so that expired
+//! keys in shards nobody touches give their places back.
 //!
 //! No check does more than a bounded amount of this work, however many keys are tracked. A
 //! full backend holds about 4,096 keys per shard (it gets more shards when its cap
@@ -34,13 +34,11 @@ use std::future::{ready, Ready};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, PoisonError};
 
-use crate::backend::{AdminFuture, Backend};
-use crate::backend_error::{unsupported, BackendError, BackendErrorKind};
+use crate::backend::{unsupported, AdminFuture, Backend, BackendError, BackendErrorKind, KeyState};
 use crate::bounds::MAX_CHECKS;
 use crate::check::{Check, Settlement};
 use crate::clock::Clock;
 use crate::counting::Algorithm;
-use crate::key_state::KeyState;
 use crate::system_clock::SystemClock;
 use crate::verdicts::Verdicts;
 
