@@ -17,6 +17,7 @@ static ORIGIN: OnceLock<Instant> = OnceLock::new();
 
 static COUNTER: OnceLock<quanta::Clock> = OnceLock::new();
 
+#[inline]
 pub(crate) fn counter() -> &'static quanta::Clock {
     COUNTER.get_or_init(quanta::Clock::new)
 }
@@ -56,6 +57,7 @@ impl Anchor {
 
     /// The reading at counter value `raw`, which the counter puts `since` nanoseconds after the
     /// anchor; `kernel` reads the kernel's clock when the anchor has to move.
+    #[inline]
     fn read(&mut self, raw: u64, since: u64, kernel: impl FnOnce() -> u64) -> u64 {
         // A counter below the anchor (another core's, or no anchor yet) or past the
         // re-anchoring period: read the kernel's clock.

@@ -22,8 +22,8 @@ impl<C: Clock> Inner<C> {
     pub(super) fn check(&self, checks: &[Check<'_>]) -> Verdicts {
         let now = self.clock.now();
         let mask = self.shards.len() - 1;
-        let mut sweeps = Sweeps::new(self.shard_cap);
-        if self.tracked.load(Ordering::Relaxed) >= self.max_keys {
+        let mut sweeps = Sweeps::new(self.places.shard_cap);
+        if self.places.full() {
             self.sweep_round(now, mask, &mut sweeps);
         }
         let mut verdicts = match checks {
@@ -31,7 +31,9 @@ impl<C: Clock> Inner<C> {
             _ => self.check_batch(checks, now, mask, &mut sweeps),
         };
         if sweeps.swept > 0 {
-            self.most_swept.fetch_max(sweeps.swept, Ordering::Relaxed);
+            self.sweeping
+                .most_swept
+                .fetch_max(sweeps.swept, Ordering::Relaxed);
         }
         for (i, check) in checks.iter().enumerate() {
             if let Some(v) = verdicts.get(i).copied().filter(Verdict::is_allowed) {
@@ -98,7 +100,7 @@ impl<C> Inner<C> {
             };
             let (mut verdict, p, new) = shard.evaluate(check, &fps[i], now);
             if verdict.is_allowed() && new {
-                if shard.len() + added[at] < self.shard_cap && self.reserve() {
+                if shard.len() + added[at] < self.places.shard_cap && self.places.reserve() {
                     reserved[i] = true;
                     added[at] += 1;
                 } else {
@@ -120,7 +122,7 @@ impl<C> Inner<C> {
         } else {
             for (i, check) in checks.iter().enumerate() {
                 if reserved[i] {
-                    self.tracked.fetch_sub(1, Ordering::Relaxed);
+                    self.places.free(1);
                 }
                 let v = &mut verdicts.as_mut_slice()[i];
                 *v = algorithm::unconsumed(check.limit.algorithm(), &check.quota, *v, check.cost);
@@ -178,7 +180,7 @@ impl<C> Inner<C> {
         match (record, next) {
             (Some(record), Some(next)) => *record = S::new(next),
             (None, Some(next)) => {
-                if room && self.reserve() {
+                if room && self.places.reserve() {
                     map.insert(fp, S::new(next));
                 } else {
                     verdict.status = self.at_capacity();
@@ -225,7 +227,7 @@ impl<C> Inner<C> {
         let mut guard = self.lock(s, now, sweeps);
         let shard = &mut *guard;
         let quota = &check.quota;
-        let room = shard.len() < self.shard_cap;
+        let room = shard.len() < self.places.shard_cap;
         // GCRA and fixed window read and write a tracked key's state through one lookup.
         match check.limit.algorithm() {
             Algorithm::Gcra => self.step(&mut shard.gcra, room, fp, |state| {
@@ -237,7 +239,7 @@ impl<C> Inner<C> {
             }),
             Algorithm::SlidingLog | Algorithm::Concurrency => {
                 let (mut verdict, pending, new) = shard.evaluate(check, &fp, now);
-                if verdict.is_allowed() && new && !(room && self.reserve()) {
+                if verdict.is_allowed() && new && !(room && self.places.reserve()) {
                     verdict.status = self.at_capacity();
                 }
                 if verdict.is_allowed() {

@@ -5,7 +5,7 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use crate::clock::{micros, Clock};
-use crate::memory::inner::Inner;
+use crate::memory::inner::{Inner, Places, Sweeping};
 use crate::memory::MemoryBackend;
 use crate::sip::Sip13;
 use crate::system_clock::SystemClock;
@@ -101,14 +101,18 @@ impl<C: Clock> MemoryBackendBuilder<C> {
             inner: Arc::new(Inner {
                 shards: (0..shards).map(|_| RwLock::default()).collect(),
                 clock: self.clock,
-                max_keys: self.max_keys,
-                shard_cap,
-                tracked: AtomicUsize::new(0),
-                cursor: AtomicUsize::new(0),
-                next_round: AtomicU64::new(0),
-                most_swept: AtomicUsize::new(0),
+                places: Places {
+                    max_keys: self.max_keys,
+                    shard_cap,
+                    tracked: AtomicUsize::new(0),
+                },
+                sweeping: Sweeping {
+                    interval: micros(self.sweep_interval).max(1),
+                    cursor: AtomicUsize::new(0),
+                    next_round: AtomicU64::new(0),
+                    most_swept: AtomicUsize::new(0),
+                },
                 seed: Sip13::random(),
-                sweep_interval: micros(self.sweep_interval).max(1),
             }),
         }
     }

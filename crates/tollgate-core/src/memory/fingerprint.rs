@@ -13,12 +13,14 @@ use crate::sip::Sip13;
 pub(super) struct Fp(u64);
 
 impl Fp {
+    #[inline]
     pub(super) fn shard(self, mask: usize) -> usize {
         ((self.0 >> 32) as usize) & mask
     }
 }
 
 impl Hash for Fp {
+    #[inline]
     fn hash<H: Hasher>(&self, state: &mut H) {
         state.write_u64(self.0);
     }
@@ -29,16 +31,19 @@ impl Hash for Fp {
 pub(super) struct FpHasher(u64);
 
 impl Hasher for FpHasher {
+    #[inline]
     fn finish(&self) -> u64 {
         self.0
     }
 
+    #[inline]
     fn write(&mut self, bytes: &[u8]) {
         for &b in bytes {
             self.0 = self.0.rotate_left(8) ^ u64::from(b);
         }
     }
 
+    #[inline]
     fn write_u64(&mut self, n: u64) {
         self.0 = n;
     }
@@ -47,6 +52,7 @@ impl Hasher for FpHasher {
 pub(super) type FpMap<V> = HashMap<Fp, V, BuildHasherDefault<FpHasher>>;
 
 /// The fingerprint of `check`'s key under `seed`.
+#[inline]
 pub(super) fn fingerprint(seed: &Sip13, check: &Check<'_>) -> Fp {
     // A fixed window's count belongs to its period: a limit whose period changes at run
     // time starts empty rather than reading a day's count as a minute's.

@@ -31,7 +31,6 @@
 
 use std::collections::hash_map::Entry;
 use std::future::{ready, Ready};
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, PoisonError};
 
 use crate::backend::{unsupported, AdminFuture, Backend, BackendError, BackendErrorKind, KeyState};
@@ -100,8 +99,8 @@ impl<C: Clock> MemoryBackend<C> {
     /// How many keys are tracked, and the cap.
     pub fn stats(&self) -> MemoryStats {
         MemoryStats {
-            tracked_keys: self.inner.tracked.load(Ordering::Relaxed),
-            max_keys: self.inner.max_keys,
+            tracked_keys: self.inner.places.tracked(),
+            max_keys: self.inner.places.max_keys,
         }
     }
 
@@ -143,7 +142,7 @@ impl<C: Clock> MemoryBackend<C> {
             Algorithm::Concurrency => return Err(unsupported("memory", "reset")),
         };
         if removed {
-            inner.tracked.fetch_sub(1, Ordering::Relaxed);
+            inner.places.free(1);
         }
         Ok(())
     }
@@ -166,7 +165,7 @@ impl<C: Clock> MemoryBackend<C> {
                 let left = held.get().saturating_sub(check.cost);
                 if left == 0 {
                     held.remove();
-                    inner.tracked.fetch_sub(1, Ordering::Relaxed);
+                    inner.places.free(1);
                 } else {
                     *held.get_mut() = left;
                 }
@@ -177,7 +176,10 @@ impl<C: Clock> MemoryBackend<C> {
     /// The most entries one call has swept so far.
     #[cfg(test)]
     fn most_swept(&self) -> usize {
-        self.inner.most_swept.load(Ordering::Relaxed)
+        self.inner
+            .sweeping
+            .most_swept
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 }
 

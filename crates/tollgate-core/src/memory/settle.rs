@@ -3,7 +3,6 @@
 
 use std::collections::hash_map::Entry;
 use std::collections::VecDeque;
-use std::sync::atomic::Ordering;
 
 use crate::algorithm;
 use crate::check::{Check, Settlement};
@@ -18,7 +17,7 @@ impl<C: Clock> Inner<C> {
     pub(super) fn settle(&self, settlements: &[Settlement<'_>]) {
         let now = self.clock.now();
         let mask = self.shards.len() - 1;
-        let mut sweeps = Sweeps::new(self.shard_cap);
+        let mut sweeps = Sweeps::new(self.places.shard_cap);
         for s in settlements {
             if s.actual == s.reserved {
                 continue;
@@ -27,7 +26,7 @@ impl<C: Clock> Inner<C> {
             let fp = self.fingerprint(&Check::new(s.limit, s.key).with_quota(s.quota));
             let mut guard = self.lock(fp.shard(mask), now, &mut sweeps);
             let shard = &mut *guard;
-            let room = shard.len() < self.shard_cap;
+            let room = shard.len() < self.places.shard_cap;
             // The quota the check was made under (its plan's), never the limit's default.
             let quota = &s.quota;
             match s.limit.algorithm() {
@@ -38,10 +37,10 @@ impl<C: Clock> Inner<C> {
                     let tat = carried(shard.gcra.get_mut(&fp).map(Record::get), quota, now);
                     match algorithm::gcra_settle(quota, tat, now, s.reserved, s.actual) {
                         Some(t) if t <= now && shard.gcra.remove(&fp).is_some() => {
-                            self.tracked.fetch_sub(1, Ordering::Relaxed);
+                            self.places.free(1);
                         }
                         Some(t) if t <= now => {}
-                        Some(t) if tat.is_some() || (room && self.reserve()) => {
+                        Some(t) if tat.is_some() || (room && self.places.reserve()) => {
                             store(&mut shard.gcra, fp, (t, quota.emission_interval()));
                         }
                         _ => {}
@@ -57,7 +56,7 @@ impl<C: Clock> Inner<C> {
                     if let Some(next) =
                         algorithm::fixed_window_settle(state, s.receipt.mark, s.reserved, actual)
                     {
-                        if state.is_some() || (room && self.reserve()) {
+                        if state.is_some() || (room && self.places.reserve()) {
                             store(&mut shard.windows, fp, next);
                         }
                     }
@@ -80,7 +79,7 @@ impl<C: Clock> Inner<C> {
                         let log = match shard.logs.entry(fp) {
                             Entry::Occupied(e) => e.into_mut(),
                             Entry::Vacant(e) => {
-                                if !(room && self.reserve()) {
+                                if !(room && self.places.reserve()) {
                                     continue;
                                 }
                                 e.insert(Log {

@@ -95,6 +95,7 @@ impl Record for WindowState {
 
 /// Stores `state` for `fp`. Overwriting in place skips `insert`'s growth check and bucket search
 /// for the common case, a key already tracked.
+#[inline]
 pub(super) fn store<S: Record>(map: &mut FpMap<S>, fp: Fp, state: S::State) {
     match map.get_mut(&fp) {
         Some(record) => *record = S::new(state),
@@ -105,6 +106,7 @@ pub(super) fn store<S: Record>(map: &mut FpMap<S>, fp: Fp, state: S::State) {
 }
 
 impl Shard {
+    #[inline]
     pub(super) fn len(&self) -> usize {
         self.gcra.len() + self.windows.len() + self.logs.len() + self.inflight.len()
     }
