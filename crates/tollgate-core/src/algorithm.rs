@@ -7,9 +7,11 @@
 //! A denied request never changes state: each function returns the state to store only when it
 //! admits.
 
-use crate::backend::{Status, Verdict};
-use crate::clock::Micros;
-use crate::limit::{Algorithm, Quota};
+use crate::bounds::MAX_PERIOD;
+use crate::clock::{micros, Micros};
+use crate::counting::Algorithm;
+use crate::quota::Quota;
+use crate::verdict::{Status, Verdict};
 
 /// GCRA on the stored theoretical arrival time `tat` (`None` for a key never seen).
 ///
@@ -66,7 +68,7 @@ pub fn gcra(
 /// quota whose interval is `to`: what the key has used, counted in units, is what it has used
 /// under the new quota.
 ///
-/// `TAT' = now + ⌈(TAT − now) / from⌉ × to`, capped at [`MAX_PERIOD`](crate::MAX_PERIOD)
+/// `TAT' = now + ⌈(TAT − now) / from⌉ × to`, capped at [`MAX_PERIOD`]
 /// ahead: `(TAT − now) × to / from` with the units used rounded up to whole ones, which errs
 /// toward limiting by less than one unit and keeps every figure an integer that the Redis
 /// scripts' doubles hold exactly. A TAT in the past, or one stored under the same interval, is
@@ -91,9 +93,7 @@ pub fn gcra_carry(tat: Micros, now: Micros, from: Micros, to: Micros) -> Micros 
         return tat;
     }
     let used = (tat - now).div_ceil(from);
-    now + used
-        .saturating_mul(to)
-        .min(crate::clock::micros(crate::MAX_PERIOD))
+    now + used.saturating_mul(to).min(micros(MAX_PERIOD))
 }
 
 fn remaining_of(tolerance: Micros, used: Micros, interval: Micros) -> u64 {
@@ -546,7 +546,7 @@ mod tests {
         // Lowered: more time ahead than the new bucket holds.
         assert_eq!(gcra_carry(now + 60 * S, now, 6 * S, 12 * S), now + 120 * S);
         // Never more than MAX_PERIOD ahead.
-        let max = crate::clock::micros(crate::MAX_PERIOD);
+        let max = micros(MAX_PERIOD);
         assert_eq!(gcra_carry(now + max, now, 1, max), now + max);
     }
 }

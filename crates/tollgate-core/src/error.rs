@@ -1,6 +1,7 @@
 use std::fmt;
 
-use crate::limit::Algorithm;
+use crate::bounds::{MAX_CHECKS, MAX_NAME_LEN};
+use crate::counting::Algorithm;
 
 /// A limit, quota or backend that cannot be built as configured.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -48,7 +49,7 @@ pub enum ConfigError {
         /// The longest prefix the address family has.
         max: u8,
     },
-    /// A plan name that is empty, longer than [`crate::MAX_NAME_LEN`], has characters outside
+    /// A plan name that is empty, longer than [`MAX_NAME_LEN`], has characters outside
     /// `[A-Za-z0-9_.-]`, or is given twice for one limit.
     InvalidPlan(String),
     /// A fixed-window plan quota whose period differs from the limit's default: a window's
@@ -102,10 +103,10 @@ impl fmt::Display for ConfigError {
             Self::InvalidName(name) => write!(
                 f,
                 "limit name {name:?} must be 1 to {} characters of [A-Za-z0-9_.-]",
-                crate::MAX_NAME_LEN
+                MAX_NAME_LEN
             ),
             Self::DuplicateName(name) => write!(f, "two limits are named {name:?}"),
-            Self::TooManyLimits => write!(f, "at most {} limits per layer", crate::MAX_CHECKS),
+            Self::TooManyLimits => write!(f, "at most {} limits per layer", MAX_CHECKS),
             Self::NoLimits => f.write_str("a rate-limit layer needs at least one limit"),
             Self::ReservedName(name) => {
                 write!(f, "the limit name {name:?} is reserved for the canary")
@@ -119,7 +120,7 @@ impl fmt::Display for ConfigError {
             Self::InvalidPlan(name) => write!(
                 f,
                 "plan name {name:?} must be 1 to {} characters of [A-Za-z0-9_.-], once per limit",
-                crate::MAX_NAME_LEN
+                MAX_NAME_LEN
             ),
             Self::PlanPeriod(name) => write!(
                 f,

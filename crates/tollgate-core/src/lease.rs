@@ -42,7 +42,7 @@ use std::time::Duration;
 use crate::algorithm;
 use crate::clock::Micros;
 use crate::error::ConfigError;
-use crate::limit::{Algorithm, Quota};
+use crate::{counting::Algorithm, quota::Quota};
 
 /// The largest slice a lease may take at once.
 pub const MAX_SLICE: u32 = 100_000;

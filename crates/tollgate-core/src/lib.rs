@@ -29,23 +29,34 @@
 
 pub mod algorithm;
 mod backend;
+mod bounds;
+mod check;
 mod clock;
+mod counting;
 mod error;
 pub mod lease;
 pub mod leased;
 mod limit;
 mod memory;
+mod quota;
 mod sip;
+mod system_clock;
+mod tsc;
+mod verdict;
+mod verdicts;
 
-pub use backend::{
-    unsupported, AdminFuture, Backend, BackendError, BackendErrorKind, Check, KeyState, Receipt,
-    Settlement, Status, Verdict, Verdicts, MAX_CHECKS,
-};
-pub use clock::{Clock, FakeClock, Micros, SystemClock};
+pub use backend::{unsupported, AdminFuture, Backend, BackendError, BackendErrorKind, KeyState};
+pub use bounds::{MAX_CHECKS, MAX_LOG_UNITS, MAX_NAME_LEN, MAX_PERIOD, MAX_PLANS};
+pub use check::{Check, Receipt, Settlement};
+pub use clock::{Clock, FakeClock, Micros};
+pub use counting::Algorithm;
 pub use error::ConfigError;
 pub use lease::{Lease, Sizing, Slice, MAX_SLICE};
 pub use limit::{
-    Algorithm, FailurePolicy, Limit, MissingKeyPolicy, Quota, DEFAULT_BUSY_RETRY_AFTER,
-    DEFAULT_SLOT_TTL, MAX_LOG_UNITS, MAX_NAME_LEN, MAX_PERIOD, MAX_PLANS,
+    FailurePolicy, Limit, MissingKeyPolicy, DEFAULT_BUSY_RETRY_AFTER, DEFAULT_SLOT_TTL,
 };
 pub use memory::{MemoryBackend, MemoryBackendBuilder, MemoryStats};
+pub use quota::Quota;
+pub use system_clock::SystemClock;
+pub use verdict::{Status, Verdict};
+pub use verdicts::Verdicts;

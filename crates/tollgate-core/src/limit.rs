@@ -2,222 +2,16 @@ use std::num::NonZeroU32;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::clock::{micros, Micros};
+use crate::bounds::{MAX_LOG_UNITS, MAX_NAME_LEN, MAX_PLANS};
+use crate::clock::Micros;
+use crate::counting::Algorithm;
+use crate::error::ConfigError;
 use crate::lease::Lease;
-use crate::ConfigError;
-
-/// The longest limit name, in bytes.
-pub const MAX_NAME_LEN: usize = 64;
-
-/// The longest period a quota may have (and the longest a GCRA burst may take to refill):
-/// 100 years of 365.25 days. Times stay far below 2^53 microseconds, where the Redis scripts'
-/// numbers stop being exact, and no sum of a time and a period can overflow.
-pub const MAX_PERIOD: Duration = Duration::from_secs(36_525 * 86_400);
-
-/// The most plans one limit may name.
-pub const MAX_PLANS: usize = 255;
-
-/// The largest quota a sliding-log limit may have, in units per period, and so the largest
-/// cost one of its checks can be admitted at.
-///
-/// A sliding log keeps one entry per admitted unit and key for a period (in memory, or a
-/// sorted-set member in Redis, where a check that admits `cost` units writes `cost` members),
-/// so its quota bounds both the memory one key takes and the work one check does. A check
-/// whose cost is above its quota is refused as too costly (`Status::CostTooHigh`) before any
-/// entry is written, whatever the cost. For larger quotas, GCRA or a fixed window keep one
-/// number per key.
-pub const MAX_LOG_UNITS: u32 = 10_000;
+use crate::quota::Quota;
 
 /// The most a GCRA limit's rate may exceed its quota through the rounding of its emission
 /// interval to whole microseconds: 1%, in parts per 10,000.
 const MAX_RATE_EXCESS_BP: u64 = 100;
-
-/// How many requests a limit admits in how long.
-///
-/// "100 per minute" is written `Quota::per_minute(100)` and means exactly that. A quota cannot be
-/// zero, its period must leave at least one microsecond per request and last at most
-/// [`MAX_PERIOD`].
-///
-/// # Examples
-///
-/// ```
-/// use std::time::Duration;
-/// use tollgate_core::Quota;
-///
-/// let q = Quota::per_minute(100)?;
-/// assert_eq!(q.limit(), 100);
-/// assert_eq!(q.period(), Duration::from_secs(60));
-/// assert!(Quota::per_minute(0).is_err());
-/// # Ok::<(), tollgate_core::ConfigError>(())
-/// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Quota {
-    limit: NonZeroU32,
-    period: Micros,
-    burst: NonZeroU32,
-    /// `period / limit`, kept so that a GCRA check does not divide for it.
-    interval: Micros,
-}
-
-impl Quota {
-    /// `limit` requests per `period`.
-    ///
-    /// # Errors
-    ///
-    /// [`ConfigError::ZeroLimit`] for a limit of 0; [`ConfigError::PeriodTooShort`] when the
-    /// period has fewer microseconds than the limit has requests;
-    /// [`ConfigError::PeriodTooLong`] for a period longer than [`MAX_PERIOD`].
-    pub fn new(limit: u32, period: Duration) -> Result<Self, ConfigError> {
-        let limit = NonZeroU32::new(limit).ok_or(ConfigError::ZeroLimit)?;
-        if period > MAX_PERIOD {
-            return Err(ConfigError::PeriodTooLong);
-        }
-        let period = micros(period);
-        if period < u64::from(limit.get()) {
-            return Err(ConfigError::PeriodTooShort);
-        }
-        Ok(Self {
-            limit,
-            period,
-            burst: limit,
-            interval: period / u64::from(limit.get()),
-        })
-    }
-
-    /// `limit` requests per second.
-    ///
-    /// # Errors
-    ///
-    /// As [`Quota::new`].
-    pub fn per_second(limit: u32) -> Result<Self, ConfigError> {
-        Self::new(limit, Duration::from_secs(1))
-    }
-
-    /// `limit` requests per minute.
-    ///
-    /// # Errors
-    ///
-    /// As [`Quota::new`].
-    pub fn per_minute(limit: u32) -> Result<Self, ConfigError> {
-        Self::new(limit, Duration::from_secs(60))
-    }
-
-    /// `limit` requests per hour (a UTC hour for a fixed window).
-    ///
-    /// # Errors
-    ///
-    /// As [`Quota::new`].
-    pub fn per_hour(limit: u32) -> Result<Self, ConfigError> {
-        Self::new(limit, Duration::from_secs(3600))
-    }
-
-    /// `limit` requests per day (a UTC day for a fixed window).
-    ///
-    /// # Errors
-    ///
-    /// As [`Quota::new`].
-    pub fn per_day(limit: u32) -> Result<Self, ConfigError> {
-        Self::new(limit, Duration::from_secs(86_400))
-    }
-
-    /// Lets GCRA admit up to `burst` requests at once while keeping the long-run rate.
-    ///
-    /// Without it the burst equals the limit. Only GCRA uses it.
-    ///
-    /// # Errors
-    ///
-    /// [`ConfigError::InvalidBurst`] for a burst of 0; [`ConfigError::PeriodTooLong`] when
-    /// refilling the whole burst would take longer than [`MAX_PERIOD`].
-    pub fn with_burst(mut self, burst: u32) -> Result<Self, ConfigError> {
-        self.burst = NonZeroU32::new(burst).ok_or(ConfigError::InvalidBurst)?;
-        if self.interval.saturating_mul(u64::from(burst)) > micros(MAX_PERIOD) {
-            return Err(ConfigError::PeriodTooLong);
-        }
-        Ok(self)
-    }
-
-    /// How far GCRA's whole-microsecond emission interval lets the long-run rate exceed
-    /// `limit / period`, in parts per 10,000 (rounded up).
-    fn rate_excess_bp(&self) -> u64 {
-        let counted = u64::from(self.limit.get()) * self.interval;
-        (self.period - counted)
-            .saturating_mul(10_000)
-            .div_ceil(counted)
-    }
-
-    /// Requests admitted per period.
-    pub fn limit(&self) -> u32 {
-        self.limit.get()
-    }
-
-    /// The period.
-    pub fn period(&self) -> Duration {
-        Duration::from_micros(self.period)
-    }
-
-    /// The period in microseconds.
-    pub fn period_micros(&self) -> Micros {
-        self.period
-    }
-
-    /// The most requests GCRA admits at once.
-    pub fn burst(&self) -> u32 {
-        self.burst.get()
-    }
-
-    /// GCRA's emission interval: the period divided by the limit, in whole microseconds.
-    pub fn emission_interval(&self) -> Micros {
-        self.interval
-    }
-
-    /// This quota with the limit divided by `parts` (rounded up, at least 1).
-    pub fn divided(&self, parts: NonZeroU32) -> Self {
-        let share = |n: NonZeroU32| {
-            NonZeroU32::new(n.get().div_ceil(parts.get())).unwrap_or(NonZeroU32::MIN)
-        };
-        let limit = share(self.limit);
-        Self {
-            limit,
-            period: self.period,
-            burst: share(self.burst),
-            interval: self.period / u64::from(limit.get()),
-        }
-    }
-}
-
-/// How a limit counts.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[non_exhaustive]
-pub enum Algorithm {
-    /// Generic cell rate algorithm: a token bucket kept as one timestamp. Smooth; admits up to
-    /// `burst` at once, then one request per `period / limit`. The default.
-    #[default]
-    Gcra,
-    /// At most `limit` per window; windows are aligned to the Unix epoch, so a one-day window is
-    /// a UTC day and a one-hour window a UTC hour, on every replica. A burst across a window
-    /// boundary can admit up to twice the limit within one period.
-    FixedWindow,
-    /// At most `limit` in any sliding period, counted exactly from a log of admitted requests.
-    /// Memory grows with the limit (one entry per admitted request in the period).
-    SlidingLog,
-    /// At most `limit` requests in flight at once: a request takes a slot when it is admitted
-    /// and gives it back when its response body ends or is dropped. The quota's period is how
-    /// long a slot lives in a backend whose slots expire (Redis) unless its holder renews it,
-    /// so that a crashed replica cannot hold slots for longer. See [`Limit::concurrency`].
-    Concurrency,
-}
-
-impl Algorithm {
-    /// A short lowercase name: `gcra`, `fixed_window`, `sliding_log` or `concurrency`.
-    pub fn as_str(&self) -> &'static str {
-        match self {
-            Self::Gcra => "gcra",
-            Self::FixedWindow => "fixed_window",
-            Self::SlidingLog => "sliding_log",
-            Self::Concurrency => "concurrency",
-        }
-    }
-}
 
 /// What a limit does when its backend fails or does not answer within its deadline.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -359,8 +153,8 @@ impl Limit {
     /// # Errors
     ///
     /// [`ConfigError::PeriodTooShort`] under a second (slots are renewed every third of it),
-    /// [`ConfigError::PeriodTooLong`] past [`MAX_PERIOD`], [`ConfigError::InvalidBurst`] on a
-    /// limit that is not a concurrency limit.
+    /// [`ConfigError::PeriodTooLong`] past [`MAX_PERIOD`](crate::MAX_PERIOD),
+    /// [`ConfigError::InvalidBurst`] on a limit that is not a concurrency limit.
     pub fn with_slot_ttl(mut self, ttl: Duration) -> Result<Self, ConfigError> {
         if self.algorithm != Algorithm::Concurrency {
             return Err(ConfigError::InvalidBurst);
@@ -452,7 +246,9 @@ impl Limit {
             return Err(ConfigError::InvalidPlan(plan.chars().take(80).collect()));
         }
         check_quota(self.algorithm, &quota)?;
-        if self.algorithm == Algorithm::FixedWindow && quota.period != self.quota.period {
+        if self.algorithm == Algorithm::FixedWindow
+            && quota.period_micros() != self.quota.period_micros()
+        {
             return Err(ConfigError::PlanPeriod(plan.to_owned()));
         }
         let max = max_cost_of(self.algorithm, &quota);
@@ -625,7 +421,7 @@ impl Limit {
     }
 
     /// The largest cost one request can have and still be admitted.
-    pub fn max_cost(&self) -> u32 {
+    pub(crate) fn max_cost(&self) -> u32 {
         max_cost_of(self.algorithm, &self.quota)
     }
 
@@ -663,7 +459,7 @@ fn valid_name(name: &str) -> bool {
 
 /// What an algorithm asks of a quota (the default's, and every plan's).
 fn check_quota(algorithm: Algorithm, quota: &Quota) -> Result<(), ConfigError> {
-    if algorithm != Algorithm::Gcra && quota.burst != quota.limit {
+    if algorithm != Algorithm::Gcra && quota.burst() != quota.limit() {
         return Err(ConfigError::InvalidBurst);
     }
     // GCRA spaces requests by a whole number of microseconds, rounded down: at high rates
@@ -689,152 +485,4 @@ fn name_id(name: &str) -> u64 {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn periods_and_bursts_longer_than_a_century_are_refused() {
-        assert!(Quota::new(1, MAX_PERIOD).is_ok());
-        let longer = MAX_PERIOD + Duration::from_micros(1);
-        assert_eq!(Quota::new(1, longer), Err(ConfigError::PeriodTooLong));
-        assert_eq!(
-            Quota::new(1, Duration::MAX),
-            Err(ConfigError::PeriodTooLong)
-        );
-        // A burst that takes longer than that to refill: 3 a day, 200,000 at once (183 years).
-        let day = Quota::per_day(3).unwrap();
-        assert_eq!(day.with_burst(200_000), Err(ConfigError::PeriodTooLong));
-        assert!(day.with_burst(100_000).is_ok());
-    }
-
-    #[test]
-    fn gcra_refuses_rates_that_whole_microseconds_cannot_space() {
-        let gcra = |q: Result<Quota, ConfigError>| Limit::gcra("r", q.unwrap()).map(|_| ());
-        // One every 1.67 µs would be counted as one every 1 µs: 67% fast.
-        assert_eq!(
-            gcra(Quota::per_second(600_000)),
-            Err(ConfigError::ImpreciseRate)
-        );
-        // 33.33 µs counted as 33: 1.01% fast.
-        assert_eq!(
-            gcra(Quota::per_second(30_000)),
-            Err(ConfigError::ImpreciseRate)
-        );
-        // Exact, or within 1%.
-        assert_eq!(gcra(Quota::per_second(1_000_000)), Ok(()));
-        assert_eq!(gcra(Quota::per_second(25_000)), Ok(()));
-        assert_eq!(gcra(Quota::per_second(9_000)), Ok(()));
-        assert_eq!(gcra(Quota::per_day(u32::MAX)), Ok(()));
-        // Windows and logs have no interval: any rate is exact.
-        let q = Quota::per_second(600_000).unwrap();
-        assert!(Limit::fixed_window("w", q).is_ok());
-        assert!(Limit::sliding_log("l", Quota::per_second(10_000).unwrap()).is_ok());
-    }
-
-    #[test]
-    fn sliding_logs_above_the_most_units_a_log_may_hold_are_refused() {
-        let log = |limit| Limit::sliding_log("l", Quota::per_day(limit).unwrap()).map(|_| ());
-        assert_eq!(log(MAX_LOG_UNITS), Ok(()));
-        let too_long = ConfigError::LogTooLong {
-            limit: MAX_LOG_UNITS + 1,
-            max: MAX_LOG_UNITS,
-        };
-        assert_eq!(log(MAX_LOG_UNITS + 1), Err(too_long));
-        assert!(log(1_000_000).is_err());
-        // Other algorithms keep one number per key: any quota.
-        assert!(Limit::fixed_window("w", Quota::per_day(1_000_000).unwrap()).is_ok());
-        // A cost fits the quota, so never the log's maximum either.
-        let full = Limit::sliding_log("l", Quota::per_day(MAX_LOG_UNITS).unwrap()).unwrap();
-        assert_eq!(
-            full.clone().with_cost(MAX_LOG_UNITS).unwrap().cost(),
-            MAX_LOG_UNITS
-        );
-        assert_eq!(
-            full.with_cost(MAX_LOG_UNITS + 1).unwrap_err(),
-            ConfigError::InvalidCost {
-                cost: MAX_LOG_UNITS + 1,
-                max: MAX_LOG_UNITS
-            }
-        );
-    }
-
-    #[test]
-    fn plans_are_checked_like_the_default_quota() {
-        let minute = |n| Quota::per_minute(n).unwrap();
-        let w = Limit::fixed_window("w", minute(5)).unwrap();
-        assert_eq!(
-            w.clone().plan("", minute(9)).unwrap_err(),
-            ConfigError::InvalidPlan(String::new())
-        );
-        assert_eq!(
-            w.clone().plan("a b", minute(9)).unwrap_err(),
-            ConfigError::InvalidPlan("a b".into())
-        );
-        let pro = w.clone().plan("pro", minute(50)).unwrap();
-        assert_eq!(
-            pro.clone().plan("pro", minute(60)).unwrap_err(),
-            ConfigError::InvalidPlan("pro".into())
-        );
-        // One period per fixed window.
-        assert_eq!(
-            w.clone()
-                .plan("day", Quota::per_day(100).unwrap())
-                .unwrap_err(),
-            ConfigError::PlanPeriod("day".into())
-        );
-        // A burst only on GCRA; GCRA's precision; a log's size.
-        assert_eq!(
-            w.clone()
-                .plan("b", minute(9).with_burst(3).unwrap())
-                .unwrap_err(),
-            ConfigError::InvalidBurst
-        );
-        let g = Limit::gcra("g", minute(5)).unwrap();
-        assert_eq!(
-            g.clone()
-                .plan("fast", Quota::per_second(600_000).unwrap())
-                .unwrap_err(),
-            ConfigError::ImpreciseRate
-        );
-        let l = Limit::sliding_log("l", minute(5)).unwrap();
-        assert_eq!(
-            l.plan("big", minute(MAX_LOG_UNITS + 1)).unwrap_err(),
-            ConfigError::LogTooLong {
-                limit: MAX_LOG_UNITS + 1,
-                max: MAX_LOG_UNITS
-            }
-        );
-        // The cost fits every quota, whichever comes first.
-        let costly = w.clone().with_cost(4).unwrap();
-        assert_eq!(
-            costly.plan("tiny", minute(3)).unwrap_err(),
-            ConfigError::InvalidCost { cost: 4, max: 3 }
-        );
-        let tiny = w.plan("tiny", minute(3)).unwrap();
-        assert_eq!(
-            tiny.clone().with_cost(4).unwrap_err(),
-            ConfigError::InvalidCost { cost: 4, max: 3 }
-        );
-        // At most MAX_PLANS.
-        let mut many = Limit::gcra("many", minute(5)).unwrap();
-        for i in 0..MAX_PLANS {
-            many = many.plan(&format!("p{i}"), minute(6)).unwrap();
-        }
-        assert_eq!(
-            many.plan("one-more", minute(6)).unwrap_err(),
-            ConfigError::InvalidPlan("one-more".into())
-        );
-        // Lookups, and the indices the layer keeps.
-        assert_eq!(pro.quota_of(Some("pro")), (1, &minute(50)));
-        assert_eq!(pro.quota_of(Some("free")), (0, &minute(5)));
-        assert_eq!(pro.quota_of(None), (0, &minute(5)));
-        assert_eq!(pro.quota_at(1), &minute(50));
-        assert_eq!(pro.quota_at(7), &minute(5));
-        // The fallback's share divides every plan.
-        let share = pro.local_share(NonZeroU32::new(5).unwrap());
-        assert_eq!(share.quota_of(Some("pro")).1.limit(), 10);
-        assert_eq!(share.quota().limit(), 1);
-        assert!(pro.same_quotas(&pro.clone()));
-        assert!(!pro.same_quotas(&tiny));
-    }
-}
+mod tests;

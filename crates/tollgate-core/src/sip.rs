@@ -2,8 +2,9 @@
 //!
 //! The in-memory backend fingerprints (limit id, key) once per check. `std`'s `Hasher`
 //! interface pays for buffering on every `write`; hashing the one message we need directly
-//! takes about 40% fewer instructions (111 against 192 for a 6-byte key), with the same
-//! function (SipHash-1-3, as `std`'s `RandomState`) and a 128-bit secret key as strong.
+//! costs less, with the same function (SipHash-1-3, as `std`'s `RandomState`) and a 128-bit
+//! secret key as strong. What it saves: see `docs/benchmarks.md`, section "Hand-written parts
+//! of the core, and what each saves", "The fingerprint's hash".
 
 use std::collections::hash_map::RandomState;
 use std::hash::BuildHasher;

@@ -40,8 +40,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll};
 
-use crate::backend::{AdminFuture, Backend, BackendError, Check, KeyState, Settlement, Verdicts};
-use crate::clock::{Clock, SystemClock};
+use crate::backend::{AdminFuture, Backend, BackendError, KeyState};
+use crate::check::{Check, Settlement};
+use crate::clock::Clock;
+use crate::system_clock::SystemClock;
+use crate::verdicts::Verdicts;
 
 use table::{GiveBack, Table};
 

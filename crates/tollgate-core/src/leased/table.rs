@@ -6,10 +6,13 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use crate::algorithm;
-use crate::backend::{Check, Receipt, Settlement, Status, Verdict};
+use crate::check::{Check, Receipt, Settlement};
 use crate::clock::Micros;
+use crate::counting::Algorithm;
 use crate::lease::{Lease, Sizing, Slice};
-use crate::limit::{Algorithm, Limit, Quota};
+use crate::limit::Limit;
+use crate::quota::Quota;
+use crate::verdict::{Status, Verdict};
 
 /// Keys with a slice (or the figures to size one) that one `Leased` keeps, at most. Past
 /// that, new keys are checked without a lease.

@@ -3,10 +3,16 @@
 
 use std::sync::Arc;
 
-use crate::backend::{Backend, BackendError, Check, Status, Verdict, Verdicts, MAX_CHECKS};
+use crate::backend::{Backend, BackendError};
+use crate::bounds::MAX_CHECKS;
+use crate::check::Check;
 use crate::clock::{Clock, Micros};
+use crate::counting::Algorithm;
 use crate::lease::Lease;
-use crate::limit::{Algorithm, Limit, Quota};
+use crate::limit::Limit;
+use crate::quota::Quota;
+use crate::verdict::{Status, Verdict};
+use crate::verdicts::Verdicts;
 
 use super::table::{leasable, Entry, GiveBack};
 use super::{give_back, Leased, LeasedFuture, Shared, State};

@@ -1,0 +1,138 @@
+//! What a backend is asked: one check of one key against one limit, and the later settle of
+//! an admitted check's cost, found again through its receipt.
+
+use crate::clock::Micros;
+use crate::limit::Limit;
+use crate::quota::Quota;
+
+/// One limit to check for one request: which limit, which key, what it costs.
+#[derive(Debug, Clone, Copy)]
+pub struct Check<'a> {
+    /// The limit.
+    pub limit: &'a Limit,
+    /// The key's bytes, as extracted from the request (never stored as they are).
+    pub key: &'a [u8],
+    /// Units of the quota the request takes.
+    pub cost: u32,
+    /// The quota this check is counted against: the limit's default, or the quota of the
+    /// request's plan ([`Check::with_quota`]). Backends read it, never `limit.quota()`.
+    pub quota: Quota,
+    /// Whether a denial by this limit refuses the batch. `false` for shadow limits: they
+    /// consume when they admit and report when they would deny, but never refuse.
+    pub enforce: bool,
+    /// The request's slot, for a concurrency limit: an id unique among the requests in flight
+    /// on every replica (the layer draws 128 random bits per request), under which a backend
+    /// whose slots expire (Redis) records, renews and releases it. 0 from [`Check::new`]; the
+    /// in-memory backend only counts slots.
+    pub slot: u128,
+}
+
+impl<'a> Check<'a> {
+    /// A check of `key` against `limit`, with the limit's cost and shadow setting.
+    pub fn new(limit: &'a Limit, key: &'a [u8]) -> Self {
+        Self {
+            limit,
+            key,
+            cost: limit.cost(),
+            enforce: !limit.is_shadow(),
+            quota: *limit.quota(),
+            slot: 0,
+        }
+    }
+
+    /// This check, holding slot `slot` of a concurrency limit.
+    pub fn with_slot(mut self, slot: u128) -> Self {
+        self.slot = slot;
+        self
+    }
+
+    /// This check counted against `quota` instead of the limit's default (one of the limit's
+    /// [plan quotas](Limit::plan)).
+    #[inline]
+    pub fn with_quota(mut self, quota: Quota) -> Self {
+        self.quota = quota;
+        self
+    }
+    /// This check with a cost of its own, for this request only (a cost read from the
+    /// request, or the estimate a later [`Settlement`] corrects).
+    #[must_use]
+    pub fn with_cost(mut self, cost: u32) -> Self {
+        self.cost = cost;
+        self
+    }
+}
+
+/// Where an admitted check's units went, as the backend that took them recorded it: what a
+/// later [`Settlement`] of the same check needs to find them again.
+///
+/// `at` is the backend's time of the check (for a sliding log, the time its units were
+/// recorded at); `mark` is the algorithm's: the end of a fixed window's window, the last
+/// sequence number of a sliding log's units on Redis, 0 otherwise.
+///
+/// A GCRA check's receipt has no mark. A [`Settlement`] whose GCRA receipt has one is
+/// *guarded*: it applies only while the key's TAT is exactly `mark` (the TAT its check left),
+/// and changes nothing otherwise. A quota lease's give-back is such a settle (see
+/// [`Leased`](crate::leased::Leased)): a backend under `Leased` must honour the guard, as the
+/// in-memory backend does.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Receipt {
+    /// The backend's time of the check, in microseconds since the Unix epoch.
+    pub at: Micros,
+    /// What the algorithm needs besides the time (see above).
+    pub mark: u64,
+}
+
+/// The settle of one check admitted earlier: it reserved `reserved` units, and should have
+/// cost `actual`.
+///
+/// A settle gives back `reserved - actual` units, or consumes `actual - reserved` more, at
+/// once and whether or not the quota has them (the key then goes into debt). Per algorithm:
+///
+/// - **GCRA** moves the key's theoretical arrival time (TAT) back by the refund's emission
+///   intervals, never before now (a refund never makes a bucket fuller than full), or forward
+///   by the charge's. A charge never puts the TAT more than twice the burst's refill time ahead
+///   of now: the debt is at most one whole burst, paid back at the quota's rate, and the
+///   key's next request waits until it is paid.
+/// - **A fixed window** settles in the window of the check only: a refund decrements its count
+///   (never below zero), a charge increments it past the limit if need be, by at most twice
+///   the limit at a time. Once that window has
+///   ended, a settle changes nothing: its debt, like its count, ends with the window.
+/// - **A sliding log** removes the refunded units among those the check recorded, or records
+///   the charge's units at the time of the settle. A log holds at most twice the quota's
+///   limit: a charge past that is cut to it. The debt leaves with its entries, a period later.
+#[derive(Debug, Clone, Copy)]
+pub struct Settlement<'a> {
+    /// The limit, as in the check.
+    pub limit: &'a Limit,
+    /// The key's bytes, as in the check.
+    pub key: &'a [u8],
+    /// The units the check took.
+    pub reserved: u32,
+    /// The units the request should have cost.
+    pub actual: u32,
+    /// Where the check's units went, from its [`Verdicts`](crate::Verdicts).
+    pub receipt: Receipt,
+    /// The quota the check was counted against ([`Check::quota`]: the limit's default or the
+    /// request's plan). The settle is applied under it, never under the limit's default.
+    pub quota: Quota,
+}
+
+impl<'a> Settlement<'a> {
+    /// The settle of `check`, admitted with `receipt`, which should have cost `actual` instead
+    /// of the check's cost: under the check's limit, key and quota.
+    pub fn of(check: &Check<'a>, receipt: Receipt, actual: u32) -> Self {
+        Self {
+            limit: check.limit,
+            key: check.key,
+            reserved: check.cost,
+            actual,
+            receipt,
+            quota: check.quota,
+        }
+    }
+
+    /// Whether this settle gives units back.
+    pub fn refunds(&self) -> bool {
+        self.actual < self.reserved
+    }
+}

@@ -1,0 +1,134 @@
+//! The unit tests of limits: names, quotas, plans and costs.
+
+use super::*;
+
+#[test]
+fn gcra_refuses_rates_that_whole_microseconds_cannot_space() {
+    let gcra = |q: Result<Quota, ConfigError>| Limit::gcra("r", q.unwrap()).map(|_| ());
+    // One every 1.67 µs would be counted as one every 1 µs: 67% fast.
+    assert_eq!(
+        gcra(Quota::per_second(600_000)),
+        Err(ConfigError::ImpreciseRate)
+    );
+    // 33.33 µs counted as 33: 1.01% fast.
+    assert_eq!(
+        gcra(Quota::per_second(30_000)),
+        Err(ConfigError::ImpreciseRate)
+    );
+    // Exact, or within 1%.
+    assert_eq!(gcra(Quota::per_second(1_000_000)), Ok(()));
+    assert_eq!(gcra(Quota::per_second(25_000)), Ok(()));
+    assert_eq!(gcra(Quota::per_second(9_000)), Ok(()));
+    assert_eq!(gcra(Quota::per_day(u32::MAX)), Ok(()));
+    // Windows and logs have no interval: any rate is exact.
+    let q = Quota::per_second(600_000).unwrap();
+    assert!(Limit::fixed_window("w", q).is_ok());
+    assert!(Limit::sliding_log("l", Quota::per_second(10_000).unwrap()).is_ok());
+}
+
+#[test]
+fn sliding_logs_above_the_most_units_a_log_may_hold_are_refused() {
+    let log = |limit| Limit::sliding_log("l", Quota::per_day(limit).unwrap()).map(|_| ());
+    assert_eq!(log(MAX_LOG_UNITS), Ok(()));
+    let too_long = ConfigError::LogTooLong {
+        limit: MAX_LOG_UNITS + 1,
+        max: MAX_LOG_UNITS,
+    };
+    assert_eq!(log(MAX_LOG_UNITS + 1), Err(too_long));
+    assert!(log(1_000_000).is_err());
+    // Other algorithms keep one number per key: any quota.
+    assert!(Limit::fixed_window("w", Quota::per_day(1_000_000).unwrap()).is_ok());
+    // A cost fits the quota, so never the log's maximum either.
+    let full = Limit::sliding_log("l", Quota::per_day(MAX_LOG_UNITS).unwrap()).unwrap();
+    assert_eq!(
+        full.clone().with_cost(MAX_LOG_UNITS).unwrap().cost(),
+        MAX_LOG_UNITS
+    );
+    assert_eq!(
+        full.with_cost(MAX_LOG_UNITS + 1).unwrap_err(),
+        ConfigError::InvalidCost {
+            cost: MAX_LOG_UNITS + 1,
+            max: MAX_LOG_UNITS
+        }
+    );
+}
+
+#[test]
+fn plans_are_checked_like_the_default_quota() {
+    let minute = |n| Quota::per_minute(n).unwrap();
+    let w = Limit::fixed_window("w", minute(5)).unwrap();
+    assert_eq!(
+        w.clone().plan("", minute(9)).unwrap_err(),
+        ConfigError::InvalidPlan(String::new())
+    );
+    assert_eq!(
+        w.clone().plan("a b", minute(9)).unwrap_err(),
+        ConfigError::InvalidPlan("a b".into())
+    );
+    let pro = w.clone().plan("pro", minute(50)).unwrap();
+    assert_eq!(
+        pro.clone().plan("pro", minute(60)).unwrap_err(),
+        ConfigError::InvalidPlan("pro".into())
+    );
+    // One period per fixed window.
+    assert_eq!(
+        w.clone()
+            .plan("day", Quota::per_day(100).unwrap())
+            .unwrap_err(),
+        ConfigError::PlanPeriod("day".into())
+    );
+    // A burst only on GCRA; GCRA's precision; a log's size.
+    assert_eq!(
+        w.clone()
+            .plan("b", minute(9).with_burst(3).unwrap())
+            .unwrap_err(),
+        ConfigError::InvalidBurst
+    );
+    let g = Limit::gcra("g", minute(5)).unwrap();
+    assert_eq!(
+        g.clone()
+            .plan("fast", Quota::per_second(600_000).unwrap())
+            .unwrap_err(),
+        ConfigError::ImpreciseRate
+    );
+    let l = Limit::sliding_log("l", minute(5)).unwrap();
+    assert_eq!(
+        l.plan("big", minute(MAX_LOG_UNITS + 1)).unwrap_err(),
+        ConfigError::LogTooLong {
+            limit: MAX_LOG_UNITS + 1,
+            max: MAX_LOG_UNITS
+        }
+    );
+    // The cost fits every quota, whichever comes first.
+    let costly = w.clone().with_cost(4).unwrap();
+    assert_eq!(
+        costly.plan("tiny", minute(3)).unwrap_err(),
+        ConfigError::InvalidCost { cost: 4, max: 3 }
+    );
+    let tiny = w.plan("tiny", minute(3)).unwrap();
+    assert_eq!(
+        tiny.clone().with_cost(4).unwrap_err(),
+        ConfigError::InvalidCost { cost: 4, max: 3 }
+    );
+    // At most MAX_PLANS.
+    let mut many = Limit::gcra("many", minute(5)).unwrap();
+    for i in 0..MAX_PLANS {
+        many = many.plan(&format!("p{i}"), minute(6)).unwrap();
+    }
+    assert_eq!(
+        many.plan("one-more", minute(6)).unwrap_err(),
+        ConfigError::InvalidPlan("one-more".into())
+    );
+    // Lookups, and the indices the layer keeps.
+    assert_eq!(pro.quota_of(Some("pro")), (1, &minute(50)));
+    assert_eq!(pro.quota_of(Some("free")), (0, &minute(5)));
+    assert_eq!(pro.quota_of(None), (0, &minute(5)));
+    assert_eq!(pro.quota_at(1), &minute(50));
+    assert_eq!(pro.quota_at(7), &minute(5));
+    // The fallback's share divides every plan.
+    let share = pro.local_share(NonZeroU32::new(5).unwrap());
+    assert_eq!(share.quota_of(Some("pro")).1.limit(), 10);
+    assert_eq!(share.quota().limit(), 1);
+    assert!(pro.same_quotas(&pro.clone()));
+    assert!(!pro.same_quotas(&tiny));
+}

@@ -1,0 +1,112 @@
+//! Settling checks admitted earlier: a refund or a further charge of each, in the window or
+//! under the quota of its check.
+
+use std::collections::hash_map::Entry;
+use std::collections::VecDeque;
+
+use crate::algorithm;
+use crate::check::{Check, Settlement};
+use crate::clock::Clock;
+use crate::counting::Algorithm;
+use crate::memory::inner::{Inner, Sweeps};
+use crate::memory::shard::{carried, store, Log, Record};
+
+impl<C: Clock> Inner<C> {
+    /// Settles checks admitted earlier, at once (see [`Settlement`] for what each algorithm
+    /// does). A settle that would add a key while every place is taken changes nothing.
+    pub(super) fn settle(&self, settlements: &[Settlement<'_>]) {
+        let now = self.clock.now();
+        let mask = self.shards.len() - 1;
+        let mut sweeps = Sweeps::new(self.places.shard_cap);
+        for s in settlements {
+            if s.actual == s.reserved {
+                continue;
+            }
+            // The check's own fingerprint (a fixed window's mixes in its period).
+            let fp = self.fingerprint(&Check::new(s.limit, s.key).with_quota(s.quota));
+            let mut guard = self.lock(fp.shard(mask), now, &mut sweeps);
+            let shard = &mut *guard;
+            let room = shard.len() < self.places.shard_cap;
+            // The quota the check was made under (its plan's), never the limit's default.
+            let quota = &s.quota;
+            match s.limit.algorithm() {
+                // A slot is one request: nothing to settle.
+                Algorithm::Concurrency => {}
+                Algorithm::Gcra => {
+                    let stored = shard.gcra.get_mut(&fp).map(Record::get);
+                    // A guarded settle (a lease's give-back) applies only to the TAT it names.
+                    if s.receipt.mark > 0
+                        && stored != Some((s.receipt.mark, quota.emission_interval()))
+                    {
+                        continue;
+                    }
+                    // The TAT under this quota's interval (carried if another quota wrote it).
+                    let tat = carried(stored, quota, now);
+                    match algorithm::gcra_settle(quota, tat, now, s.reserved, s.actual) {
+                        Some(t) if t <= now && shard.gcra.remove(&fp).is_some() => {
+                            self.places.free(1);
+                        }
+                        Some(t) if t <= now => {}
+                        Some(t) if tat.is_some() || (room && self.places.reserve()) => {
+                            store(&mut shard.gcra, fp, (t, quota.emission_interval()));
+                        }
+                        _ => {}
+                    }
+                }
+                Algorithm::FixedWindow => {
+                    if s.receipt.mark <= now {
+                        continue;
+                    }
+                    let state = shard.windows.get(&fp).copied();
+                    let most = s.reserved.saturating_add(quota.limit().saturating_mul(2));
+                    let actual = s.actual.min(most);
+                    if let Some(next) =
+                        algorithm::fixed_window_settle(state, s.receipt.mark, s.reserved, actual)
+                    {
+                        if state.is_some() || (room && self.places.reserve()) {
+                            store(&mut shard.windows, fp, next);
+                        }
+                    }
+                }
+                Algorithm::SlidingLog => {
+                    let period = quota.period_micros();
+                    if s.actual < s.reserved {
+                        let Some(log) = shard.logs.get_mut(&fp) else {
+                            continue;
+                        };
+                        // The check's units were recorded at its time, or at the newest
+                        // entry's if that was later (by a fraction of a microsecond): the
+                        // first entries from its time on. Units recorded at the same time are
+                        // the same units.
+                        let entries = log.entries.make_contiguous();
+                        let from = entries.partition_point(|&t| t < s.receipt.at);
+                        let n = (entries.len() - from).min((s.reserved - s.actual) as usize);
+                        log.entries.drain(from..from + n);
+                    } else {
+                        let log = match shard.logs.entry(fp) {
+                            Entry::Occupied(e) => e.into_mut(),
+                            Entry::Vacant(e) => {
+                                if !(room && self.places.reserve()) {
+                                    continue;
+                                }
+                                e.insert(Log {
+                                    entries: VecDeque::new(),
+                                    period,
+                                })
+                            }
+                        };
+                        let alive = log
+                            .entries
+                            .iter()
+                            .filter(|&&t| t.saturating_add(period) > now)
+                            .count() as u64;
+                        let more =
+                            algorithm::sliding_log_charge(quota, alive, s.reserved, s.actual);
+                        let at = log.entries.back().map_or(now, |&newest| newest.max(now));
+                        log.entries.extend(std::iter::repeat_n(at, more as usize));
+                    }
+                }
+            }
+        }
+    }
+}

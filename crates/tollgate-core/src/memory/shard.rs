@@ -1,0 +1,209 @@
+//! One shard: the state of the keys whose fingerprints fall in it, one map per algorithm, and
+//! how a check reads and writes it under the shard's lock.
+
+use std::collections::hash_map::Entry;
+use std::collections::VecDeque;
+use std::sync::atomic::AtomicU64;
+
+use crate::algorithm::{self, WindowState};
+use crate::check::Check;
+use crate::clock::Micros;
+use crate::counting::Algorithm;
+use crate::memory::fingerprint::{Fp, FpMap};
+use crate::quota::Quota;
+use crate::verdict::Verdict;
+
+pub(super) struct Log {
+    pub(super) entries: VecDeque<Micros>,
+    pub(super) period: Micros,
+}
+
+/// Aligned (and so sized) to 128 bytes, the span the adjacent-line prefetcher pulls in: two
+/// threads on neighbouring shards do not bounce one cache line between their cores.
+///
+/// GCRA's TATs and the time of the next sweep are atomics, so that a lone GCRA check can read
+/// and update them under the read lock; under the write lock they are plain values.
+#[derive(Default)]
+#[repr(align(128))]
+pub(super) struct Shard {
+    pub(super) gcra: FpMap<GcraRecord>,
+    pub(super) windows: FpMap<WindowState>,
+    pub(super) logs: FpMap<Log>,
+    /// Concurrency slots held per key; an entry lives while its count is above 0.
+    pub(super) inflight: FpMap<u32>,
+    pub(super) next_sweep: AtomicU64,
+}
+
+/// A map value holding an algorithm's state, read and written under the shard's write lock.
+pub(super) trait Record {
+    type State: Copy;
+    fn new(state: Self::State) -> Self;
+    fn get(&mut self) -> Self::State;
+}
+
+/// A GCRA key: its TAT and the emission interval it was written under, so that a change of
+/// quota (a plan, a reload) carries what the key used ([`algorithm::gcra_carry`]). The
+/// interval changes only under the write lock; the lone check's compare-and-swap on the TAT
+/// under the read lock applies only while it is the check's own.
+pub(super) struct GcraRecord {
+    pub(super) tat: AtomicU64,
+    pub(super) interval: Micros,
+}
+
+impl Record for GcraRecord {
+    type State = (Micros, Micros);
+    fn new((tat, interval): (Micros, Micros)) -> Self {
+        Self {
+            tat: AtomicU64::new(tat),
+            interval,
+        }
+    }
+    fn get(&mut self) -> (Micros, Micros) {
+        (*self.tat.get_mut(), self.interval)
+    }
+}
+
+/// The TAT `state` holds, carried to `quota`'s interval.
+#[inline]
+pub(super) fn carried(
+    state: Option<(Micros, Micros)>,
+    quota: &Quota,
+    now: Micros,
+) -> Option<Micros> {
+    state.map(|(tat, from)| algorithm::gcra_carry(tat, now, from, quota.emission_interval()))
+}
+
+impl Record for u32 {
+    type State = u32;
+    fn new(held: u32) -> Self {
+        held
+    }
+    fn get(&mut self) -> u32 {
+        *self
+    }
+}
+
+impl Record for WindowState {
+    type State = WindowState;
+    fn new(state: WindowState) -> Self {
+        state
+    }
+    fn get(&mut self) -> WindowState {
+        *self
+    }
+}
+
+/// Stores `state` for `fp`. Overwriting in place skips `insert`'s growth check and bucket search
+/// for the common case, a key already tracked.
+#[inline]
+pub(super) fn store<S: Record>(map: &mut FpMap<S>, fp: Fp, state: S::State) {
+    match map.get_mut(&fp) {
+        Some(record) => *record = S::new(state),
+        None => {
+            map.insert(fp, S::new(state));
+        }
+    }
+}
+
+impl Shard {
+    #[inline]
+    pub(super) fn len(&self) -> usize {
+        self.gcra.len() + self.windows.len() + self.logs.len() + self.inflight.len()
+    }
+
+    /// Drops every entry whose state equals a fresh key's; returns how many.
+    pub(super) fn sweep(&mut self, now: Micros) -> usize {
+        let before = self.len();
+        self.gcra.retain(|_, record| *record.tat.get_mut() > now);
+        self.windows.retain(|_, w| w.window_end > now);
+        self.logs
+            .retain(|_, log| log.entries.back().is_some_and(|&t| t + log.period > now));
+        before - self.len()
+    }
+
+    /// The check's verdict, what to write if the batch commits, and whether the key is new
+    /// (one lookup: the same answers the capacity check).
+    #[inline(always)]
+    pub(super) fn evaluate(
+        &mut self,
+        check: &Check<'_>,
+        fp: &Fp,
+        now: Micros,
+    ) -> (Verdict, Pending, bool) {
+        let quota = &check.quota;
+        match check.limit.algorithm() {
+            Algorithm::Gcra => {
+                let tat = carried(self.gcra.get_mut(fp).map(Record::get), quota, now);
+                let (v, next) = algorithm::gcra(quota, tat, now, check.cost);
+                (v, next.map_or(Pending::None, Pending::Tat), tat.is_none())
+            }
+            Algorithm::FixedWindow => {
+                let state = self.windows.get(fp).copied();
+                let (v, next) = algorithm::fixed_window(quota, state, now, check.cost);
+                (
+                    v,
+                    next.map_or(Pending::None, Pending::Window),
+                    state.is_none(),
+                )
+            }
+            Algorithm::SlidingLog => {
+                let log = self.logs.get_mut(fp).map(|l| &*l.entries.make_contiguous());
+                let (v, trim) = algorithm::sliding_log(quota, log.unwrap_or(&[]), now, check.cost);
+                let pending = if v.is_allowed() {
+                    Pending::Log { trim }
+                } else {
+                    Pending::None
+                };
+                (v, pending, log.is_none())
+            }
+            Algorithm::Concurrency => {
+                let held = self.inflight.get(fp).copied();
+                let busy = check.limit.busy_retry_after_micros();
+                let (v, next) = algorithm::concurrency(quota, held.unwrap_or(0), check.cost, busy);
+                (
+                    v,
+                    next.map_or(Pending::None, Pending::Slots),
+                    held.is_none(),
+                )
+            }
+        }
+    }
+
+    #[inline(always)]
+    pub(super) fn commit(&mut self, check: &Check<'_>, fp: Fp, pending: Pending, now: Micros) {
+        match pending {
+            Pending::None => {}
+            Pending::Tat(tat) => store(&mut self.gcra, fp, (tat, check.quota.emission_interval())),
+            Pending::Window(state) => store(&mut self.windows, fp, state),
+            Pending::Slots(held) => store(&mut self.inflight, fp, held),
+            Pending::Log { trim } => {
+                let period = check.quota.period_micros();
+                let log = match self.logs.entry(fp) {
+                    Entry::Occupied(e) => e.into_mut(),
+                    Entry::Vacant(e) => e.insert(Log {
+                        entries: VecDeque::new(),
+                        period,
+                    }),
+                };
+                // The entries carry across a change of quota; they expire by the latest one.
+                log.period = period;
+                log.entries.drain(..trim.min(log.entries.len()));
+                // The log stays ascending (the algorithm's search and the sweep rely on it):
+                // a check that read the clock before the newest entry was written records its
+                // units at that entry's time, which errs toward limiting by the difference.
+                let at = log.entries.back().map_or(now, |&newest| newest.max(now));
+                log.entries
+                    .extend(std::iter::repeat_n(at, check.cost as usize));
+            }
+        }
+    }
+}
+
+#[derive(Clone, Copy)]
+pub(super) enum Pending {
+    None,
+    Tat(Micros),
+    Window(WindowState),
+    Log { trim: usize },
+    Slots(u32),
+}
