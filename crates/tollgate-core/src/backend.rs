@@ -13,7 +13,7 @@ use crate::quota::Quota;
 use crate::verdict::{Status, Verdict};
 use crate::verdicts::Verdicts;
 
-/// The answer of [`Backend::peek`] and [`Backend::reset`]: boxed, since operators call them
+/// The answer of [`Admin::peek`] and [`Admin::reset`]: boxed, since operators call them
 /// rarely and a backend can then answer with any future.
 pub type AdminFuture<T> = Pin<Box<dyn Future<Output = Result<T, BackendError>> + Send + 'static>>;
 
@@ -49,66 +49,75 @@ pub trait Backend: Send + Sync + 'static {
         let _ = settlements;
     }
 
+    /// A short, fixed name for metrics and logs, such as `memory` or `redis`.
+    fn kind(&self) -> &'static str;
+
+    /// This backend's concurrency slots, if it counts them ([`Slots`]): the layer gives a
+    /// finished request's slots back through it. The default, `None`, suits a backend without
+    /// concurrency limits.
+    fn slots(&self) -> Option<&dyn Slots> {
+        None
+    }
+
+    /// Operators' reads and resets of one key ([`Admin`]), if this backend offers them. The
+    /// default, `None`, makes the layer's `peek` and `reset` answer
+    /// [`BackendErrorKind::Unsupported`].
+    fn admin(&self) -> Option<&dyn Admin> {
+        None
+    }
+
+    /// What this backend does at a graceful shutdown ([`Lifecycle`]), if anything. The
+    /// default, `None`, is right for a backend that holds nothing of a shared quota.
+    fn lifecycle(&self) -> Option<&dyn Lifecycle> {
+        None
+    }
+}
+
+/// A backend's concurrency slots: what a concurrency limit's admitted requests hold until
+/// they finish. A backend that counts them returns itself from [`Backend::slots`].
+pub trait Slots: Send + Sync {
     /// Gives back the slots that `checks` took: the concurrency checks of an admitted batch
     /// whose request has finished (its response body ended or was dropped). Called exactly once
     /// per admitted request that holds slots, with the same checks (and slot ids) as the
-    /// check. Returns at once; a networked backend sends the release in the background. The
-    /// default does nothing: a backend without concurrency limits has nothing to give back.
-    fn release(&self, checks: &[Check<'_>]) {
-        let _ = checks;
-    }
+    /// check. Returns at once; a networked backend sends the release in the background.
+    fn release(&self, checks: &[Check<'_>]);
 
     /// Extends the life of the slots `checks` hold, for a backend whose slots expire
-    /// ([`slots_expire`](Self::slots_expire)): the layer calls it every third of a slot's
-    /// lifetime while a response streams. Returns at once. The default does nothing.
+    /// ([`expire`](Self::expire)): the layer calls it every third of a slot's lifetime while a
+    /// response streams. Returns at once. The default does nothing.
     fn renew(&self, checks: &[Check<'_>]) {
         let _ = checks;
     }
 
-    /// Whether this backend's concurrency slots expire unless renewed (Redis: so that a crashed
-    /// replica cannot hold them forever). The default, `false`, is right for a backend in the
-    /// process, whose slots die with it.
-    fn slots_expire(&self) -> bool {
+    /// Whether slots expire unless renewed (Redis: so that a crashed replica cannot hold them
+    /// forever). The default, `false`, is right for a backend in the process, whose slots die
+    /// with it.
+    fn expire(&self) -> bool {
         false
     }
+}
 
-    /// A short, fixed name for metrics and logs, such as `memory` or `redis`.
-    fn kind(&self) -> &'static str;
-
-    /// Drops whatever this process remembers of `limit`'s denials (a local deny cache), so
-    /// that a raised quota is seen at once. Called when the limit's quotas change at run time.
-    /// Backends without such a cache do nothing (the default).
-    fn forget_denials(&self, limit: &str) {
-        let _ = limit;
-    }
-
+/// Operators' reads and resets of one key. A backend that offers them returns itself from
+/// [`Backend::admin`].
+pub trait Admin: Send + Sync {
     /// Reads `check`'s key (under `check.quota`) without consuming anything: what a request
     /// of one unit would find now. `check.cost` is ignored.
-    ///
-    /// The default answers [`BackendErrorKind::Unsupported`].
-    fn peek(&self, check: &Check<'_>) -> AdminFuture<KeyState> {
-        let _ = check;
-        Box::pin(std::future::ready(Err(unsupported(self.kind(), "peek"))))
-    }
+    fn peek(&self, check: &Check<'_>) -> AdminFuture<KeyState>;
 
     /// Forgets what `check`'s key has used, so that its next request finds the whole quota,
     /// and drops whatever this process remembers of its denials. A concurrency limit's slots
     /// are not reset (they are requests still in flight, given back when they end): that
     /// answers [`BackendErrorKind::Unsupported`].
-    ///
-    /// The default answers [`BackendErrorKind::Unsupported`].
-    fn reset(&self, check: &Check<'_>) -> AdminFuture<()> {
-        let _ = check;
-        Box::pin(std::future::ready(Err(unsupported(self.kind(), "reset"))))
-    }
+    fn reset(&self, check: &Check<'_>) -> AdminFuture<()>;
+}
 
-    /// Gives back what this process holds of shared quotas (leased slices), for a graceful
-    /// shutdown; resolves once the backend has them back (or could not be reached). Checks
-    /// made after it are checked without leases. The default, for a backend that holds
-    /// nothing, is ready at once.
-    fn shutdown(&self) -> Pin<Box<dyn Future<Output = ()> + Send + 'static>> {
-        Box::pin(std::future::ready(()))
-    }
+/// What a backend does at a graceful shutdown. A backend that holds something of a shared
+/// quota (leased slices) returns itself from [`Backend::lifecycle`].
+pub trait Lifecycle: Send + Sync {
+    /// Gives back what this process holds of shared quotas, for a graceful shutdown; resolves
+    /// once the backend has them back (or could not be reached). Checks made after it are
+    /// checked without leases.
+    fn shutdown(&self) -> Pin<Box<dyn Future<Output = ()> + Send + 'static>>;
 }
 
 impl<B: Backend> Backend for std::sync::Arc<B> {
@@ -126,37 +135,21 @@ impl<B: Backend> Backend for std::sync::Arc<B> {
         (**self).kind()
     }
 
-    fn release(&self, checks: &[Check<'_>]) {
-        (**self).release(checks)
+    fn slots(&self) -> Option<&dyn Slots> {
+        (**self).slots()
     }
 
-    fn renew(&self, checks: &[Check<'_>]) {
-        (**self).renew(checks)
+    fn admin(&self) -> Option<&dyn Admin> {
+        (**self).admin()
     }
 
-    fn slots_expire(&self) -> bool {
-        (**self).slots_expire()
-    }
-
-    fn forget_denials(&self, limit: &str) {
-        (**self).forget_denials(limit);
-    }
-
-    fn peek(&self, check: &Check<'_>) -> AdminFuture<KeyState> {
-        (**self).peek(check)
-    }
-
-    fn reset(&self, check: &Check<'_>) -> AdminFuture<()> {
-        (**self).reset(check)
-    }
-
-    fn shutdown(&self) -> Pin<Box<dyn Future<Output = ()> + Send + 'static>> {
-        (**self).shutdown()
+    fn lifecycle(&self) -> Option<&dyn Lifecycle> {
+        (**self).lifecycle()
     }
 }
 
 /// One key's state under one limit, read without consuming anything
-/// ([`Backend::peek`]).
+/// ([`Admin::peek`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KeyState {
     /// Units the key may take now (for a concurrency limit: slots free now).
@@ -213,8 +206,8 @@ pub enum BackendErrorKind {
     /// deadline (a full queue, or a deadline that passed before the check was sent): the
     /// backend was not asked, and says nothing about its health.
     Overloaded,
-    /// The backend does not offer what was asked (see [`Backend::peek`] and
-    /// [`Backend::reset`]).
+    /// The backend does not offer what was asked (see [`Admin::peek`] and
+    /// [`Admin::reset`]).
     Unsupported,
 }
 

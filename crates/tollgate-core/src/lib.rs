@@ -45,7 +45,10 @@ mod tsc;
 mod verdict;
 mod verdicts;
 
-pub use backend::{unsupported, AdminFuture, Backend, BackendError, BackendErrorKind, KeyState};
+pub use backend::{
+    unsupported, Admin, AdminFuture, Backend, BackendError, BackendErrorKind, KeyState, Lifecycle,
+    Slots,
+};
 pub use bounds::{MAX_CHECKS, MAX_LOG_UNITS, MAX_NAME_LEN, MAX_PERIOD, MAX_PLANS};
 pub use check::{Check, Receipt, Settlement};
 pub use clock::{Clock, FakeClock, Micros};

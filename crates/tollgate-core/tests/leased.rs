@@ -12,8 +12,8 @@ use std::time::Duration;
 
 use tollgate_core::leased::Leased;
 use tollgate_core::{
-    AdminFuture, Backend, BackendError, BackendErrorKind, Check, FakeClock, Lease, Limit,
-    MemoryBackend, Micros, Quota, Settlement, Status, Verdicts,
+    Admin, AdminFuture, Backend, BackendError, BackendErrorKind, Check, FakeClock, KeyState, Lease,
+    Lifecycle, Limit, MemoryBackend, Micros, Quota, Settlement, Status, Verdicts,
 };
 
 /// The start of a UTC day: windows of a minute or an hour start here.
@@ -61,6 +61,16 @@ impl Backend for Link {
 
     fn kind(&self) -> &'static str {
         "memory"
+    }
+
+    fn admin(&self) -> Option<&dyn Admin> {
+        Some(self)
+    }
+}
+
+impl Admin for Link {
+    fn peek(&self, check: &Check<'_>) -> AdminFuture<KeyState> {
+        Box::pin(ready(Ok(self.memory.peek_now(check))))
     }
 
     fn reset(&self, check: &Check<'_>) -> AdminFuture<()> {

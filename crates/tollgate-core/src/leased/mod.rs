@@ -40,7 +40,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll};
 
-use crate::backend::{AdminFuture, Backend, BackendError, KeyState};
+use crate::backend::{
+    unsupported, Admin, AdminFuture, Backend, BackendError, KeyState, Lifecycle, Slots,
+};
 use crate::check::{Check, Settlement};
 use crate::clock::Clock;
 use crate::system_clock::SystemClock;
@@ -235,30 +237,34 @@ impl<B: Backend, C: Clock> Backend for Leased<B, C> {
         self.shared.backend.settle(settlements);
     }
 
-    fn release(&self, checks: &[Check<'_>]) {
-        self.shared.backend.release(checks);
-    }
-
-    fn renew(&self, checks: &[Check<'_>]) {
-        self.shared.backend.renew(checks);
-    }
-
-    fn slots_expire(&self) -> bool {
-        self.shared.backend.slots_expire()
-    }
-
     fn kind(&self) -> &'static str {
         self.shared.backend.kind()
     }
 
-    fn forget_denials(&self, limit: &str) {
-        self.shared.backend.forget_denials(limit);
+    fn slots(&self) -> Option<&dyn Slots> {
+        self.shared.backend.slots()
     }
 
+    /// Present when the inner backend's is: peeks pass through, a reset also drops this
+    /// replica's slice of the key.
+    fn admin(&self) -> Option<&dyn Admin> {
+        self.shared.backend.admin().map(|_| self as &dyn Admin)
+    }
+
+    /// Always: a leased backend holds slices to give back.
+    fn lifecycle(&self) -> Option<&dyn Lifecycle> {
+        Some(self)
+    }
+}
+
+impl<B: Backend, C: Clock> Admin for Leased<B, C> {
     /// The inner backend's state of the key, where every replica's slices were counted when
     /// they were taken: `remaining` is what no slice holds.
     fn peek(&self, check: &Check<'_>) -> AdminFuture<KeyState> {
-        self.shared.backend.peek(check)
+        match self.shared.backend.admin() {
+            Some(admin) => admin.peek(check),
+            None => Box::pin(std::future::ready(Err(unsupported(self.kind(), "peek")))),
+        }
     }
 
     /// Drops this replica's slice of the key without giving it back (the inner backend's new
@@ -268,15 +274,23 @@ impl<B: Backend, C: Clock> Backend for Leased<B, C> {
         if let Some(e) = self.shared.lock().get_mut(check.limit.name(), check.key) {
             e.slice.drain();
         }
-        self.shared.backend.reset(check)
+        match self.shared.backend.admin() {
+            Some(admin) => admin.reset(check),
+            None => Box::pin(std::future::ready(Err(unsupported(self.kind(), "reset")))),
+        }
     }
+}
 
+impl<B: Backend, C: Clock> Lifecycle for Leased<B, C> {
     /// Gives every slice back and takes no more, then shuts the inner backend down.
     fn shutdown(&self) -> Pin<Box<dyn Future<Output = ()> + Send + 'static>> {
         self.shared.closed.store(true, Ordering::Relaxed);
         let now = self.shared.clock.now();
         let back = self.shared.lock().drain(now);
         self.give_back(&back);
-        self.shared.backend.shutdown()
+        match self.shared.backend.lifecycle() {
+            Some(inner) => inner.shutdown(),
+            None => Box::pin(std::future::ready(())),
+        }
     }
 }

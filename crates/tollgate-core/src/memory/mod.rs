@@ -33,7 +33,9 @@ use std::collections::hash_map::Entry;
 use std::future::{ready, Ready};
 use std::sync::{Arc, PoisonError};
 
-use crate::backend::{unsupported, AdminFuture, Backend, BackendError, BackendErrorKind, KeyState};
+use crate::backend::{
+    unsupported, Admin, AdminFuture, Backend, BackendError, BackendErrorKind, KeyState, Slots,
+};
 use crate::bounds::MAX_CHECKS;
 use crate::check::{Check, Settlement};
 use crate::clock::Clock;
@@ -194,14 +196,26 @@ impl<C: Clock> Backend for MemoryBackend<C> {
         self.settle_now(settlements);
     }
 
-    fn release(&self, checks: &[Check<'_>]) {
-        self.release_now(checks);
-    }
-
     fn kind(&self) -> &'static str {
         "memory"
     }
 
+    fn slots(&self) -> Option<&dyn Slots> {
+        Some(self)
+    }
+
+    fn admin(&self) -> Option<&dyn Admin> {
+        Some(self)
+    }
+}
+
+impl<C: Clock> Slots for MemoryBackend<C> {
+    fn release(&self, checks: &[Check<'_>]) {
+        self.release_now(checks);
+    }
+}
+
+impl<C: Clock> Admin for MemoryBackend<C> {
     fn peek(&self, check: &Check<'_>) -> AdminFuture<KeyState> {
         Box::pin(ready(Ok(self.peek_now(check))))
     }
