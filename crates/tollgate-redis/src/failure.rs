@@ -1,43 +1,8 @@
-//! Failure mapping: what a Redis error, a missed deadline or a full queue become.
+//! Failure mapping: what a Redis error or a full queue become.
 
-use std::future::Future;
-
-use tokio::time::Instant;
 use tollgate_core::{BackendError, BackendErrorKind};
 
-use crate::backend::Inner;
-use crate::conn::breaks_connection;
-
-impl Inner {
-    /// `call`'s answer, or a timeout once the deadline has passed; `what` names the answer
-    /// awaited, for the error.
-    pub(crate) async fn within_deadline<T>(
-        &self,
-        call: impl Future<Output = Result<T, BackendError>>,
-        what: &str,
-    ) -> Result<T, BackendError> {
-        self.until(Instant::now() + self.deadline, call, what).await
-    }
-
-    /// `call`'s answer, or a timeout at `deadline`.
-    pub(crate) async fn until<T>(
-        &self,
-        deadline: Instant,
-        call: impl Future<Output = Result<T, BackendError>>,
-        what: &str,
-    ) -> Result<T, BackendError> {
-        tokio::time::timeout_at(deadline, call)
-            .await
-            .unwrap_or_else(|_| Err(self.timed_out(what)))
-    }
-
-    pub(crate) fn timed_out(&self, what: &str) -> BackendError {
-        BackendError::new(
-            BackendErrorKind::Timeout,
-            format!("no answer {what} within {:?}", self.deadline),
-        )
-    }
-}
+use crate::transport::conn::breaks_connection;
 
 pub(crate) fn unavailable(msg: impl Into<String>) -> BackendError {
     BackendError::new(BackendErrorKind::Unavailable, msg)

@@ -56,12 +56,8 @@
 //!   emission interval it was counted in (`<tat>:<interval>`, microseconds), expiring when the
 //!   state becomes that of a fresh key. A check under another interval (the key's plan
 //!   changed, or the limit was reloaded with another quota) first carries the units the key
-//!   used to its own interval, as `tollgate_core::algorithm::gcra_carry` does. Versions before
-//!   this one kept the TAT alone at `<key>`. Under the new name, a replica still on an old
-//!   version never parses a value it does not know as an empty bucket (which would reset the
-//!   key on every one of its checks); but until every replica runs the new version, old and
-//!   new ones count each GCRA key in two buckets, so a key can be admitted up to twice its
-//!   quota for the length of the deploy. Fixed windows and sliding logs keep their keys.
+//!   used to its own interval, as `tollgate_core::algorithm::gcra_carry` does. Fixed windows
+//!   and sliding logs keep their state under keys of their own (below).
 //! - **Fixed window**: `INCRBY` on `<key>:<window index>`; the TTL is set by the first write of
 //!   the window only. The window is the one that holds the server's `TIME`, which the client
 //!   cannot know exactly: it declares the keys of its estimate's window and the next (its
@@ -167,7 +163,7 @@
 //! reservations as they were. A verdict's receipt (the server's time of the check, a window's
 //! end, a log's last sequence number) tells the settle where the units went. A settle that
 //! gives units back clears this replica's cached denial of the key.
-//! [`RedisBackend::settle_at`] is the same call, awaited, for tests.
+//! `RedisBackend::settle_at` (feature `testing`) is the same call, awaited, for tests.
 //!
 //! # Failures
 //!
@@ -240,30 +236,25 @@
 
 mod admin;
 mod backend;
-mod breaker;
 mod builder;
-mod calls;
+mod checks;
 mod cluster;
-mod coalesce;
-mod conn;
 mod denials;
 mod deny_cache;
 mod digests;
-mod direct;
 mod dispatch;
 mod error;
 mod failure;
 mod future;
 mod keys;
 mod lease;
-mod merged;
-mod script;
+mod scripts;
 mod settle;
 mod slots;
 mod tls;
+mod transport;
 
 pub use backend::RedisBackend;
-pub use breaker::CircuitState;
 pub use builder::{
     RedisBackendBuilder, DEFAULT_DEADLINE, DEFAULT_DENY_CACHE_CAPACITY, DEFAULT_DENY_CACHE_TTL,
     DEFAULT_PREFIX,
@@ -271,3 +262,4 @@ pub use builder::{
 pub use error::BuildError;
 pub use future::ResponseFuture;
 pub use tls::redact_url;
+pub use transport::breaker::CircuitState;
