@@ -258,7 +258,7 @@ impl Transport {
 
     /// Writes a `CHECK` call of `args` into `out`; [`check_len`] arguments.
     fn check_args(&self, out: &mut dyn Args, args: &CheckArgs<'_>, now: Option<Micros>) {
-        self.script_args(out, &check::script(), args.keys.iter().copied(), now);
+        self.script_args(out, check::script(), args.keys.iter().copied(), now);
         out.number(args.limits.len() as u64);
         for limit in &args.limits {
             for &n in limit {
@@ -373,7 +373,7 @@ impl Transport {
         }
         let mut call = redis::Cmd::with_capacity(count, 64 * count);
         write(&mut call);
-        self.invoke_raw(&check::script(), &call).await
+        self.invoke_raw(check::script(), &call).await
     }
 
     /// As [`invoke`](Self::invoke), with Redis' own error.
@@ -391,12 +391,10 @@ impl Transport {
     }
 }
 
+/// Shown as its shared connection: where it goes, and whether it is up.
 impl std::fmt::Debug for Transport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Transport")
-            .field("deadline", &self.deadline)
-            .field("connection", &self.shared)
-            .finish_non_exhaustive()
+        std::fmt::Debug::fmt(&self.shared, f)
     }
 }
 
