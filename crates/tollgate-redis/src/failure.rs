@@ -1,8 +1,9 @@
-//! Failure mapping: what a Redis error or a full queue become.
+//! Failure mapping: what a Redis error or a full queue become, and which errors break a
+//! connection.
 
 use tollgate_core::{BackendError, BackendErrorKind};
 
-use crate::transport::conn::breaks_connection;
+use redis::{ErrorKind, RedisError, ServerErrorKind};
 
 pub(crate) fn unavailable(msg: impl Into<String>) -> BackendError {
     BackendError::new(BackendErrorKind::Unavailable, msg)
@@ -16,8 +17,7 @@ pub(crate) fn overloaded(msg: impl Into<String>) -> BackendError {
 
 /// Sorts a Redis error into the backend's kinds: the server could not be used
 /// (`Unavailable`), did not answer in time (`Timeout`), or answered nonsense (`Protocol`).
-pub(crate) fn map_error(e: redis::RedisError) -> BackendError {
-    use redis::{ErrorKind, ServerErrorKind};
+pub(crate) fn map_error(e: RedisError) -> BackendError {
     let kind = if e.is_timeout() {
         BackendErrorKind::Timeout
     } else if breaks_connection(&e)
@@ -46,6 +46,20 @@ pub(crate) fn map_error(e: redis::RedisError) -> BackendError {
         }
     };
     BackendError::new(kind, e.to_string())
+}
+
+/// Whether an error means the connection itself is broken and must be replaced.
+///
+/// `READONLY` is one of them: the server was demoted to a replica (a Sentinel failover) and
+/// the connection to it still works, so nothing else would ever move the backend to the new
+/// master. Replacing it makes the next call look the master up again.
+pub(crate) fn breaks_connection(e: &RedisError) -> bool {
+    e.kind() == ErrorKind::Server(ServerErrorKind::ReadOnly)
+        || e.is_io_error()
+        || e.is_connection_dropped()
+        || e.is_connection_refusal()
+        || e.is_unrecoverable_error()
+        || e.kind() == ErrorKind::ClusterConnectionNotFound
 }
 
 #[cfg(test)]

@@ -255,17 +255,3 @@ impl Drop for Attempt {
         self.notify.notify_waiters();
     }
 }
-
-/// Whether an error means the connection itself is broken and must be replaced.
-///
-/// `READONLY` is one of them: the server was demoted to a replica (a Sentinel failover) and
-/// the connection to it still works, so nothing else would ever move the backend to the new
-/// master. Replacing it makes the next call look the master up again.
-pub(crate) fn breaks_connection(e: &RedisError) -> bool {
-    e.kind() == ErrorKind::Server(ServerErrorKind::ReadOnly)
-        || e.is_io_error()
-        || e.is_connection_dropped()
-        || e.is_connection_refusal()
-        || e.is_unrecoverable_error()
-        || e.kind() == redis::ErrorKind::ClusterConnectionNotFound
-}

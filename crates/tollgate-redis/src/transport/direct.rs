@@ -24,9 +24,9 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::Notify;
 
+use crate::failure::breaks_connection;
 use crate::keys::decimal;
 use crate::transport::args::Args;
-use crate::transport::conn::breaks_connection;
 
 /// Where the direct connection goes, and how it logs in.
 pub(crate) struct Direct {

@@ -23,7 +23,7 @@ use redis::{ErrorKind, ServerErrorKind};
 use tokio::time::Instant;
 use tollgate_core::{BackendError, BackendErrorKind, Micros};
 
-use crate::failure::map_error;
+use crate::failure::{breaks_connection, map_error};
 use crate::keys::{self, Suffix};
 use crate::scripts::check::{self, CheckArgs, EncodedCheck};
 use crate::scripts::reply::{self, Reply};
@@ -32,7 +32,7 @@ use args::Args;
 use breaker::{Breaker, BreakerConfig, CircuitState, Permit};
 use clock::ServerClock;
 use coalesce::Queues;
-use conn::{breaks_connection, Connector, Target};
+use conn::{Connector, Target};
 use direct::Direct;
 
 /// The backend's name in metrics and logs.
