@@ -79,14 +79,14 @@ impl Direct {
 
     /// The connection for one call, once an attempt has made one if there is none; `None`
     /// when another call holds it. The caller bounds the wait with its deadline.
-    pub(crate) async fn take(self: &Arc<Self>) -> Option<RedisResult<Held>> {
+    pub(crate) async fn take(self: &Arc<Self>) -> Option<RedisResult<Lent>> {
         let mut started = false;
         loop {
             let notify = {
                 let mut state = self.lock();
                 match std::mem::replace(&mut *state, State::Busy) {
                     State::Ready(stream) => {
-                        return Some(Ok(Held {
+                        return Some(Ok(Lent {
                             direct: Arc::clone(self),
                             stream: Some(stream),
                             in_step: true,
@@ -216,17 +216,17 @@ impl Drop for Attempt {
     }
 }
 
-/// The connection, held by one call. Dropped, it hands the connection back only if its last
+/// The connection, lent to one call. Dropped, it hands the connection back only if its last
 /// query ended with a reply read whole: a call dropped while it waits (its deadline passed),
 /// or one that failed on the wire, leaves no connection behind, so that a late reply is
 /// never read as the next call's.
-pub(crate) struct Held {
+pub(crate) struct Lent {
     direct: Arc<Direct>,
     stream: Option<Stream>,
     in_step: bool,
 }
 
-impl Held {
+impl Lent {
     /// Sends `cmd` and reads its reply; an error reply is an `Err`.
     pub(crate) async fn query(&mut self, cmd: &redis::Cmd) -> RedisResult<Value> {
         self.exchange(|output| cmd.write_packed_command(output))
@@ -268,7 +268,7 @@ impl Held {
     }
 }
 
-impl Drop for Held {
+impl Drop for Lent {
     fn drop(&mut self) {
         let stream = self.stream.take().filter(|_| self.in_step);
         let mut state = self.direct.lock();
