@@ -311,7 +311,7 @@ impl Backend for RedisBackend {
 
     /// One `EVAL` that deletes the key's state (a fixed window's current and next window),
     /// then drops this replica's cached denial of it. Other replicas' deny caches keep theirs
-    /// until it expires (at most the deny cache's lease).
+    /// until it expires (at most the deny cache's TTL).
     fn reset(&self, check: &Check<'_>) -> AdminFuture<()> {
         let inner = Arc::clone(&self.inner);
         let check = OwnedCheck::of(check);
