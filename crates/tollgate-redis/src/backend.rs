@@ -1,33 +1,34 @@
-//! The backend: one script call per batch (per slot group in a cluster), with a deadline, a
-//! circuit breaker and a local deny cache in front.
+//! The backend: the components a call goes through, put together, and the public API.
+//!
+//! [`RedisBackend`] holds the layers (see `docs/architecture.md`): the transport (connections,
+//! breaker, merged calls), and over it the checks (with the deny cache, the digests and the
+//! cluster's split), the concurrency slots, the settles, operators' calls and quota leases.
+//! Each is a component of its own; this file only hands each call to the one it is for.
 
 use std::fmt;
-use std::sync::atomic::AtomicI64;
-use std::sync::{Arc, OnceLock};
+use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::time::Instant;
 use tollgate_core::{
-    AdminFuture, Backend, BackendError, BackendErrorKind, Check, KeyState, Limit, Micros,
-    Settlement, Status, Verdict, Verdicts,
+    AdminFuture, Backend, BackendError, Check, KeyState, Limit, Micros, Settlement, MAX_CHECKS,
 };
 
-use crate::admin::OwnedCheck;
-use crate::breaker::{Breaker, BreakerConfig, CircuitState, Permit};
-use crate::coalesce::{Coalescer, SlotCoalescer};
-use crate::conn::{breaks_connection, Connector, Target};
+use crate::admin::{Admin, OwnedCheck};
+use crate::checks::Checks;
 use crate::deny_cache::DenyCache;
-use crate::digests::DigestCache;
-use crate::direct::Direct;
-use crate::failure::map_error;
 use crate::future::ResponseFuture;
 use crate::keys;
 use crate::lease::Leases;
-use crate::script::{self, Answer, Prepared, Reply, Script};
-use crate::settle::SettleQueue;
-use crate::slots::{self, Held, Unclaimed};
+use crate::settle::Settles;
+use crate::slots::Slots;
+use crate::transport::breaker::{BreakerConfig, CircuitState};
+use crate::transport::conn::Target;
+use crate::transport::{Transport, TransportConfig};
 
-pub(crate) const BACKEND: &str = "redis";
+pub(crate) use crate::scripts::reply::NOT_CHECKED;
+pub(crate) use crate::transport::BACKEND;
 
 /// The Redis and Redis Cluster backend. Cheap to clone: clones share connections, breaker and
 /// deny cache.
@@ -38,37 +39,15 @@ pub struct RedisBackend {
     pub(crate) inner: Arc<Inner>,
 }
 
+/// The components of one backend, shared by its clones.
 pub(crate) struct Inner {
-    pub(crate) prefix: String,
-    pub(crate) deadline: Duration,
-    pub(crate) cluster: bool,
-    pub(crate) connector: Arc<Connector>,
-    /// The `CHECK` calls' own connection, for a plain TCP standalone server.
-    pub(crate) direct: Option<Arc<Direct>>,
-    pub(crate) breaker: Breaker,
-    pub(crate) deny: DenyCache,
-    /// The digests of recently checked (limit, key) pairs.
-    pub(crate) digests: DigestCache,
-    pub(crate) check_script: Script,
-    pub(crate) refund_script: Script,
-    pub(crate) settle_script: Script,
-    /// Moves a concurrency slot's deadline.
-    pub(crate) renew_script: Script,
-    /// Slot releases sent and not answered yet: a concurrency check waits for them.
-    pub(crate) releases: slots::Releases,
-    /// Merges concurrent requests' batches into one call (standalone Redis only).
-    pub(crate) coalescer: Coalescer,
-    /// The same in a Redis Cluster, one queue per hash slot.
-    pub(crate) slot_coalescer: SlotCoalescer,
-    /// Settles waiting for the call in flight to end, sent together next (standalone Redis).
-    pub(crate) settles: SettleQueue,
-    /// The server's `TIME` minus the local clock, in microseconds, as last seen.
-    pub(crate) skew: AtomicI64,
+    prefix: String,
+    transport: Arc<Transport>,
+    checks: Arc<Checks>,
+    settles: Arc<Settles>,
+    admin: Admin,
     /// Slices of leased quotas held here (see `lease`).
     pub(crate) leases: Leases,
-    /// Registered on the first call, like the layer's, so that a recorder installed after the
-    /// backend was built still receives them; after that a call only updates them.
-    metrics: OnceLock<Metrics>,
 }
 
 /// What a backend is made of, checked by the builder.
@@ -84,219 +63,100 @@ pub(crate) struct Config {
     pub(crate) deny_cache_ttl: Duration,
 }
 
-struct Metrics {
-    up: metrics::Gauge,
-    duration: metrics::Histogram,
-}
-
-/// What a batch came to, before the verdicts are finished.
-pub(crate) struct Outcome {
-    pub(crate) committed: bool,
-    pub(crate) answers: Vec<Answer>,
-}
-
-impl From<Reply> for Outcome {
-    fn from(reply: Reply) -> Self {
-        Self {
-            committed: reply.committed,
-            answers: reply.answers,
-        }
-    }
-}
-
 impl RedisBackend {
     /// The backend `config` describes. No connection is made here.
     pub(crate) fn new(config: Config) -> Self {
-        let breaker = Breaker::new(BreakerConfig {
-            threshold: config.breaker_threshold,
-            open_for: config.breaker_open_for,
-            max_open_for: config.breaker_max_open_for.max(config.breaker_open_for),
-            // A probe whose caller gave up frees its place once its deadline has surely passed.
-            probe_timeout: config.deadline * 2,
-        });
-        let cluster = matches!(config.target, Target::Cluster(_));
-        let direct = match &config.target {
-            Target::Single(client) => {
-                Direct::for_client(client, config.connect_timeout).map(Arc::new)
-            }
-            _ => None,
-        };
-        let inner = Inner {
-            prefix: config.prefix,
+        let transport = Arc::new(Transport::new(TransportConfig {
+            prefix: config.prefix.clone(),
             deadline: config.deadline,
-            cluster,
-            connector: Arc::new(Connector::new(config.target, config.connect_timeout)),
-            direct,
-            breaker,
-            deny: DenyCache::new(
-                config.deny_cache_capacity,
-                config.deadline,
-                config.deny_cache_ttl,
-            ),
-            digests: DigestCache::default(),
-            check_script: Script::new(script::CHECK),
-            refund_script: Script::new(script::REFUND),
-            settle_script: Script::new(script::SETTLE),
-            renew_script: slots::renew_script(),
-            releases: slots::Releases::default(),
-            coalescer: Coalescer::default(),
-            slot_coalescer: SlotCoalescer::default(),
-            settles: SettleQueue::default(),
-            skew: AtomicI64::new(0),
+            target: config.target,
+            connect_timeout: config.connect_timeout,
+            breaker: BreakerConfig {
+                threshold: config.breaker_threshold,
+                open_for: config.breaker_open_for,
+                max_open_for: config.breaker_max_open_for.max(config.breaker_open_for),
+                // A probe whose caller gave up frees its place once its deadline has surely
+                // passed.
+                probe_timeout: config.deadline * 2,
+            },
+        }));
+        let deny = Arc::new(DenyCache::new(
+            config.deny_cache_capacity,
+            config.deadline,
+            config.deny_cache_ttl,
+        ));
+        let slots = Arc::new(Slots::new(Arc::clone(&transport), config.prefix.clone()));
+        let inner = Inner {
+            checks: Arc::new(Checks::new(
+                Arc::clone(&transport),
+                Arc::clone(&deny),
+                slots,
+            )),
+            settles: Arc::new(Settles::new(Arc::clone(&transport), deny)),
+            admin: Admin::new(Arc::clone(&transport), config.prefix.clone()),
+            prefix: config.prefix,
+            transport,
             leases: Leases::default(),
-            metrics: OnceLock::new(),
         };
         Self {
             inner: Arc::new(inner),
         }
     }
-}
 
-impl Inner {
-    fn metrics(&self) -> &Metrics {
-        self.metrics.get_or_init(|| Metrics {
-            up: metrics::gauge!("tollgate_backend_up", "backend" => BACKEND),
-            duration: metrics::histogram!("tollgate_backend_duration_seconds", "backend" => BACKEND),
-        })
+    /// Checks `checks` at `now` (a test's), or at the server's time, leases aside.
+    pub(crate) fn dispatch(&self, checks: &[Check<'_>], now: Option<Micros>) -> ResponseFuture {
+        self.dispatch_slices(checks, now, &[0; MAX_CHECKS])
     }
 
-    /// Runs a batch under the deadline, and keeps the metrics and deny cache.
-    pub(crate) async fn run(
-        self: Arc<Self>,
-        batch: Vec<Prepared>,
-        now: Option<Micros>,
-        permit: Permit,
-    ) -> Result<Verdicts, BackendError> {
-        let started = Instant::now();
-        let unclaimed = self.unclaimed(&batch);
-        let result = self.call(batch, now, started + self.deadline, permit).await;
-        self.answered_at(started, unclaimed, result, now)
-    }
-
-    /// The slots `batch` may take: given back unless the call is answered (see `slots`).
-    pub(crate) fn unclaimed(self: &Arc<Self>, batch: &[Prepared]) -> Option<Unclaimed> {
-        batch
-            .iter()
-            .any(|p| p.algorithm == tollgate_core::Algorithm::Concurrency)
-            .then(|| Unclaimed::new(self, Held::from_batch(&self.prefix, batch)))
-    }
-
-    /// The verdicts of a call started at `started` that came to `result`, with its duration
-    /// recorded and its slots, once answered, the caller's.
-    pub(crate) fn answered_at(
+    /// As `dispatch`, with `slices[i]` units (when above 0) taken in Redis for the `i`-th
+    /// check instead of its cost: a quota lease's slice. The deny cache is asked with the
+    /// checks' own costs.
+    pub(crate) fn dispatch_slices(
         &self,
-        started: Instant,
-        unclaimed: Option<Unclaimed>,
-        result: Result<(Vec<Prepared>, Outcome), BackendError>,
+        checks: &[Check<'_>],
         now: Option<Micros>,
-    ) -> Result<Verdicts, BackendError> {
-        self.metrics()
-            .duration
-            .record(started.elapsed().as_secs_f64());
-        match result {
-            Ok((batch, outcome)) => {
-                if let Some(unclaimed) = unclaimed {
-                    unclaimed.disarm();
-                }
-                Ok(self.verdicts(&batch, &outcome, now))
-            }
-            Err(e) => {
-                if e.is_overloaded() {
-                    // Never sent: nothing was taken.
-                    if let Some(unclaimed) = unclaimed {
-                        unclaimed.disarm();
-                    }
-                    tracing::debug!(backend = BACKEND, error = %e, "rate-limit check not sent");
-                } else {
-                    tracing::debug!(backend = BACKEND, error = %e, "rate-limit check failed");
-                }
-                Err(e)
-            }
-        }
+        slices: &[u32; MAX_CHECKS],
+    ) -> ResponseFuture {
+        self.inner.checks.dispatch(checks, now, slices)
     }
 
-    /// Tells the breaker and the health gauge how one call to Redis went: once per call,
-    /// however many requests it carried. A check that was not sent (`Overloaded`) says
-    /// nothing of Redis and is never reported.
-    pub(crate) fn report(&self, result: Result<(), &BackendError>, permit: Permit) {
-        match result {
-            Ok(()) => self.answered(permit),
-            // Redis answered, with something we did not expect: it is up.
-            Err(e) if e.kind() == BackendErrorKind::Protocol => self.answered(permit),
-            Err(e) if e.is_overloaded() => {}
-            Err(_) => {
-                if self.breaker.failure(permit) {
-                    self.connector.replace();
-                    if let Some(direct) = &self.direct {
-                        direct.replace();
-                    }
-                }
-                self.metrics().up.set(0.0);
-            }
-        }
+    /// Sends `settlements` in the background (see [`Backend::settle`]); the `i`-th GCRA refund
+    /// applies only while its key's TAT is `only_at[i]` (when given and above 0).
+    pub(crate) fn settle_later_at(&self, settlements: &[Settlement<'_>], only_at: &[Micros]) {
+        self.inner.settles.later(settlements, only_at);
     }
 
-    fn answered(&self, permit: Permit) {
-        self.breaker.success(permit);
-        self.metrics().up.set(1.0);
-    }
-
-    /// `batch`'s answer by `deadline`, or a timeout; the call is reported to the breaker.
-    async fn call(
-        self: &Arc<Self>,
-        batch: Vec<Prepared>,
+    /// As `settle_at`; the `i`-th GCRA refund applies only while its key's TAT is
+    /// `only_at[i]` (when given and above 0).
+    pub(crate) fn settle_guarded(
+        &self,
+        settlements: &[Settlement<'_>],
+        only_at: &[Micros],
         now: Option<Micros>,
-        deadline: Instant,
-        permit: Permit,
-    ) -> Result<(Vec<Prepared>, Outcome), BackendError> {
-        if now.is_none() {
-            // In a cluster, each slot's merged call: a batch waits for that of each slot it
-            // touches. (A standalone server's merged call is awaited by `Merged`, not here.)
-            return Box::pin(self.call_cluster(batch, None, deadline, Some(permit))).await;
-        }
-        // Boxed: the future of a direct call is large (over 1 KiB with the connection's), and
-        // kept inline it would make every request's future as large, and its allocation one
-        // that the allocator's per-thread cache does not serve.
-        let call = self.until(
-            deadline,
-            self.call_direct(batch, now, deadline),
-            "from Redis",
-        );
-        let result = Box::pin(call).await;
-        self.report(result.as_ref().map(|_| ()), permit);
-        result
+    ) -> impl Future<Output = Result<(), BackendError>> + Send + 'static {
+        self.inner.settles.now_or_at(settlements, only_at, now)
     }
 
-    /// A call of its own for `batch` (one per slot group in a cluster), at a fixed time: for
-    /// tests.
-    async fn call_direct(
-        self: &Arc<Self>,
-        batch: Vec<Prepared>,
+    /// Settles `settlements` at `now` (tests), or at the server's `TIME`; answers once Redis
+    /// has. [`Backend::settle`] sends the same call without waiting for it.
+    ///
+    /// A settlement that gives units back clears this replica's cached denial of its key.
+    /// While the circuit breaker is open, nothing is sent and reservations stay as they are.
+    ///
+    /// **For tests only**; available with the `testing` feature.
+    ///
+    /// # Errors
+    ///
+    /// As [`Backend::check`]: the call failed, timed out, or the breaker is open.
+    #[cfg(any(feature = "testing", doc))]
+    pub fn settle_at(
+        &self,
+        settlements: &[Settlement<'_>],
         now: Option<Micros>,
-        deadline: Instant,
-    ) -> Result<(Vec<Prepared>, Outcome), BackendError> {
-        if !self.cluster {
-            let reply = self.eval_check(&[batch.as_slice()], now).await?;
-            return Ok((batch, reply.into()));
-        }
-        self.call_cluster(batch, now, deadline, None).await
+    ) -> impl Future<Output = Result<(), BackendError>> + Send + 'static {
+        self.settle_guarded(settlements, &[], now)
     }
-}
 
-pub(crate) const NOT_CHECKED: Verdict = Verdict {
-    status: Status::NotChecked,
-    remaining: 0,
-    reset: 0,
-};
-
-/// The answer of a check that Redis did not evaluate.
-pub(crate) const UNANSWERED: Answer = Answer {
-    verdict: NOT_CHECKED,
-    extra: 0,
-    at: 0,
-};
-
-impl RedisBackend {
     /// Checks a batch at `now` (microseconds since the Unix epoch) instead of the Redis server's
     /// `TIME`.
     ///
@@ -306,6 +166,9 @@ impl RedisBackend {
     /// the local deny cache, whose time is the local clock.
     ///
     /// Leased limits are leased at that time too: slices expire and are given back by it.
+    ///
+    /// Available with the `testing` feature.
+    #[cfg(any(feature = "testing", doc))]
     pub fn check_at(&self, checks: &[Check<'_>], now: Micros) -> ResponseFuture {
         if checks.iter().any(|c| c.limit.lease().is_some()) {
             return self.check_leased(checks, Some(now));
@@ -336,39 +199,47 @@ impl RedisBackend {
     ///
     /// As [`Backend::check`], except that it never reports `CircuitOpen`.
     pub async fn ping(&self) -> Result<Duration, BackendError> {
-        let inner = Arc::clone(&self.inner);
         let started = Instant::now();
-        let attempt = async {
-            let (generation, mut conn) = inner.connector.get().await.map_err(map_error)?;
-            match conn.query(&redis::cmd("PING")).await {
-                Ok(_) => Ok(()),
-                Err(e) => {
-                    if breaks_connection(&e) {
-                        inner.connector.invalidate(generation);
-                    }
-                    Err(map_error(e))
-                }
-            }
-        };
-        let result = inner.within_deadline(attempt, "to PING").await;
-        let up = if result.is_ok() { 1.0 } else { 0.0 };
-        inner.metrics().up.set(up);
-        result.map(|()| started.elapsed())
+        self.inner.transport.ping().await?;
+        Ok(started.elapsed())
     }
 
     /// Where the circuit breaker stands.
     pub fn circuit_state(&self) -> CircuitState {
-        self.inner.breaker.state()
+        self.inner.transport.circuit_state()
     }
 
     /// Entries in the local deny cache (expired ones included until they are dropped).
     pub fn deny_cache_len(&self) -> usize {
-        self.inner.deny.len()
+        self.inner.checks.deny().len()
     }
 
     /// Whether this backend talks to a Redis Cluster.
     pub fn is_cluster(&self) -> bool {
-        self.inner.cluster
+        self.inner.transport.is_cluster()
+    }
+}
+
+impl Inner {
+    /// The client's estimate of the server's `TIME` (see `transport::clock`).
+    pub(crate) fn server_time(&self) -> Micros {
+        self.transport.server_time()
+    }
+
+    /// Forgets `check`'s key: this replica's slice of it, the key in Redis, and this
+    /// replica's cached denial of it.
+    async fn reset(&self, check: OwnedCheck) -> Result<(), BackendError> {
+        if check.limit.algorithm() == tollgate_core::Algorithm::Concurrency {
+            return Err(tollgate_core::unsupported("redis", "reset"));
+        }
+        // This replica's slice of the key is dropped first, so that it admits nothing the
+        // reset state does not count; other replicas' slices end with their lifetime.
+        self.leases.forget(check.limit.name(), &check.key);
+        self.admin.reset(&check).await?;
+        self.checks
+            .deny()
+            .forget(&keys::digest(check.limit.name(), &check.key));
+        Ok(())
     }
 }
 
@@ -395,7 +266,7 @@ impl Backend for RedisBackend {
     /// none is), in a cluster in one call per hash slot. A failure is logged at debug level,
     /// and the reservations stay as they were. Outside a Tokio runtime nothing is sent.
     fn settle(&self, settlements: &[Settlement<'_>]) {
-        self.settle_later(settlements);
+        self.settle_later_at(settlements, &[]);
     }
 
     fn kind(&self) -> &'static str {
@@ -404,17 +275,25 @@ impl Backend for RedisBackend {
 
     /// Drops the local deny cache's denials of `limit`, so that a raised quota is seen at once.
     fn forget_denials(&self, limit: &str) {
-        self.inner.deny.forget_limit(limit);
+        self.inner.checks.deny().forget_limit(limit);
     }
 
     /// `ZREM`s each slot in the background (retried while Redis fails, until the slot would
     /// have expired anyway).
     fn release(&self, checks: &[Check<'_>]) {
-        slots::release(&self.inner, Held::from_checks(&self.inner, checks));
+        let checker = &self.inner.checks;
+        let held = checker
+            .slots()
+            .of_checks(checks, |n, k| checker.digest(n, k));
+        checker.slots().release(held);
     }
 
     fn renew(&self, checks: &[Check<'_>]) {
-        slots::renew(&self.inner, Held::from_checks(&self.inner, checks));
+        let checker = &self.inner.checks;
+        let held = checker
+            .slots()
+            .of_checks(checks, |n, k| checker.digest(n, k));
+        checker.slots().renew(held);
     }
 
     /// Slots expire one slot lifetime (the concurrency limit's period) after they were taken
@@ -425,14 +304,18 @@ impl Backend for RedisBackend {
 
     /// One `EVAL` that reads the key with the server's `TIME`; writes nothing.
     fn peek(&self, check: &Check<'_>) -> AdminFuture<KeyState> {
-        Box::pin(Arc::clone(&self.inner).peek(OwnedCheck::of(check)))
+        let inner = Arc::clone(&self.inner);
+        let check = OwnedCheck::of(check);
+        Box::pin(async move { inner.admin.peek(&check).await })
     }
 
     /// One `EVAL` that deletes the key's state (a fixed window's current and next window),
     /// then drops this replica's cached denial of it. Other replicas' deny caches keep theirs
-    /// until it expires (at most the deny cache's lease).
+    /// until it expires (at most the deny cache's TTL).
     fn reset(&self, check: &Check<'_>) -> AdminFuture<()> {
-        Box::pin(Arc::clone(&self.inner).reset(OwnedCheck::of(check)))
+        let inner = Arc::clone(&self.inner);
+        let check = OwnedCheck::of(check);
+        Box::pin(async move { inner.reset(check).await })
     }
 
     /// Gives back the unused units of every leased slice (one `SETTLE` refund each) and takes
@@ -451,11 +334,64 @@ impl fmt::Debug for RedisBackend {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RedisBackend")
             .field("prefix", &self.inner.prefix)
-            .field("deadline", &self.inner.deadline)
-            .field("cluster", &self.inner.cluster)
-            .field("connection", &self.inner.connector)
+            .field("deadline", &self.inner.transport.deadline())
+            .field("cluster", &self.is_cluster())
+            .field("connection", &self.inner.transport)
             .field("circuit", &self.circuit_state())
             .field("deny_cache_len", &self.deny_cache_len())
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use tollgate_core::{Backend, Check, Limit, Quota};
+    use tollgate_testsupport::RedisServer;
+
+    use crate::RedisBackend;
+
+    /// The estimate of the server's time is never behind it: the server read its `TIME` after
+    /// the call was sent, and the estimate counts from the sending.
+    #[tokio::test]
+    async fn the_servers_time_is_estimated_at_or_after_it() {
+        let server = RedisServer::start();
+        let backend = RedisBackend::builder().url(server.url()).build().unwrap();
+        let limit = Limit::gcra("clock", Quota::per_minute(100).unwrap()).unwrap();
+        let mut conn = server.client();
+        for _ in 0..20 {
+            backend.check(&[Check::new(&limit, b"k")]).await.unwrap();
+            let (secs, micros): (u64, u64) = redis::cmd("TIME").query(&mut conn).unwrap();
+            let estimate = backend.inner.server_time();
+            assert!(
+                estimate >= secs * 1_000_000 + micros,
+                "{estimate} behind the server"
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn a_call_for_the_wrong_window_writes_nothing_and_is_made_again_for_the_right_one() {
+        let server = RedisServer::start();
+        let backend = RedisBackend::builder()
+            .url(server.url())
+            .deadline(std::time::Duration::from_secs(5))
+            .build()
+            .unwrap();
+        let limit = Limit::fixed_window("w", Quota::per_minute(10).unwrap()).unwrap();
+        let check = || backend.check(&[Check::new(&limit, b"k")]);
+        assert_eq!(check().await.unwrap()[0].remaining, 9);
+        server.reset_stats();
+        // The client believes the server an hour behind: the windows it declares are not the
+        // server's, which refuses the call, says its time, and the call is made again.
+        backend.inner.transport.clock().set_skew(-3_600_000_000);
+        assert_eq!(check().await.unwrap()[0].remaining, 8);
+        assert_eq!(server.calls("evalsha"), 2);
+        // The server's time is known again: one call.
+        assert_eq!(check().await.unwrap()[0].remaining, 7);
+        assert_eq!(server.calls("evalsha"), 3);
+        // Only the window of the server's time was written.
+        assert_eq!(server.dbsize(), 1);
     }
 }

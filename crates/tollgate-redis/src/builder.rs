@@ -4,10 +4,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::backend::{Config, RedisBackend};
-use crate::conn::Target;
 use crate::error::BuildError;
 use crate::keys;
 use crate::tls::{blot, is_tls_url, redact_url, secrets_of, TlsFiles};
+use crate::transport::conn::Target;
 
 /// The default key prefix.
 pub const DEFAULT_PREFIX: &str = "tollgate";

@@ -1,110 +1,39 @@
-//! Deny-cache lookups: a batch refused locally before Redis is asked, and what Redis' answers
-//! tell the cache.
+//! What a batch and Redis' answers mean to the deny cache: a batch refused locally before
+//! Redis is asked, and the denials an answer foretells.
 
-use tollgate_core::{
-    algorithm, Algorithm, Check, Micros, Receipt, Status, Verdict, Verdicts, MAX_CHECKS,
-};
+use tollgate_core::{Algorithm, Check, Status, Verdict, Verdicts, MAX_CHECKS};
 
-use crate::backend::{Inner, Outcome, RedisBackend, NOT_CHECKED};
-use crate::deny_cache::Lookup;
-use crate::keys;
-use crate::script::Prepared;
+use crate::deny_cache::{DenyCache, Lookup};
+use crate::keys::KeyDigest;
+use crate::scripts::check::EncodedCheck;
+use crate::scripts::reply::NOT_CHECKED;
 
-impl Inner {
-    /// The verdicts of an answered batch; an enforced check's answer updates the deny cache
-    /// (not for a check at a fixed `now`, whose time is not the local clock's).
-    pub(crate) fn verdicts(
-        &self,
-        batch: &[Prepared],
-        outcome: &Outcome,
-        now: Option<Micros>,
-    ) -> Verdicts {
-        let mut verdicts = Verdicts::new();
-        for (p, answer) in batch.iter().zip(&outcome.answers) {
-            let mut verdict = answer.verdict;
-            if !outcome.committed {
-                verdict = algorithm::unconsumed(p.algorithm, &p.quota, verdict, p.cost);
-            }
-            // Slots free at any moment: a concurrency refusal is never kept.
-            if now.is_none() && p.enforce && p.algorithm != Algorithm::Concurrency {
-                let foreseen = if p.slice {
-                    None
-                } else {
-                    foreseen_denial(p.algorithm, &p.quota, p.cost, &verdict)
-                };
-                match foreseen {
-                    Some(denial) => {
-                        let per_unit = match p.algorithm {
-                            Algorithm::Gcra => Some(p.quota.emission_interval()),
-                            Algorithm::FixedWindow => Some(0),
-                            _ => None,
-                        };
-                        self.deny
-                            .insert(&p.digest, &p.name, &p.quota, p.cost, per_unit, &denial);
-                    }
-                    // Only the request that held a run-out denial's lease settles it.
-                    // An answer that tells nothing of the room left (the check was not
-                    // run, or can never pass) ends the wait.
-                    None if p.leased => {
-                        let room = if verdict.is_allowed() {
-                            verdict.remaining
-                        } else {
-                            u64::MAX
-                        };
-                        self.deny.settle(&p.digest, p.cost, room);
-                    }
-                    None => {}
-                }
-            }
-            let _ = verdicts.push(verdict);
-            if verdict.is_allowed() {
-                let mark = match p.algorithm {
-                    // The end of the window, as the in-memory backend marks it.
-                    Algorithm::FixedWindow => answer
-                        .extra
-                        .saturating_add(1)
-                        .saturating_mul(p.quota.period_micros()),
-                    _ => answer.extra,
-                };
-                verdicts.set_receipt(
-                    verdicts.len() - 1,
-                    Receipt {
-                        at: answer.at,
-                        mark,
-                    },
-                );
-            }
-        }
-        verdicts
-    }
-}
-
-impl RedisBackend {
-    /// The batch's verdicts if an enforced check is in the deny cache; otherwise `leased` says
-    /// which checks took the lease of a denial that ran out.
-    pub(crate) fn cached_denial(
+impl DenyCache {
+    /// The batch's verdicts if an enforced check is in the cache; otherwise `asks` says which
+    /// checks took the turn to ask Redis after a denial ran out.
+    pub(crate) fn refuse(
         &self,
         checks: &[Check<'_>],
-        digests: &[keys::KeyDigest; MAX_CHECKS],
-        leased: &mut [bool; MAX_CHECKS],
+        digests: &[KeyDigest; MAX_CHECKS],
+        asks: &mut [bool; MAX_CHECKS],
     ) -> Option<Verdicts> {
         // Every cached denial of the batch, not only the first: the refusal's Retry-After is
         // the longest of their waits, and each refusing limit is reported as refusing.
         let mut hits = [None; MAX_CHECKS];
         for (i, c) in checks.iter().enumerate().filter(|(_, c)| c.enforce) {
-            match self.inner.deny.lookup(&digests[i], c.cost, &c.quota) {
+            match self.lookup(&digests[i], c.cost, &c.quota) {
                 Lookup::Miss => {}
-                Lookup::Leased => leased[i] = true,
+                Lookup::Asks => asks[i] = true,
                 Lookup::Denied(verdict) => hits[i] = Some(verdict),
             }
         }
         if hits.iter().all(Option::is_none) {
             return None;
         }
-        // Leases taken for a refused batch would hold their keys back for nothing.
-        for (taken, digest) in leased.iter_mut().zip(digests) {
+        // Turns taken for a refused batch would hold their keys back for nothing.
+        for (taken, digest) in asks.iter_mut().zip(digests) {
             if std::mem::take(taken) {
-                self.inner.deny.release(digest);
+                self.pass_turn(digest);
             }
         }
         Some(
@@ -112,6 +41,42 @@ impl RedisBackend {
                 .map(|i| hits[i].unwrap_or(NOT_CHECKED))
                 .collect(),
         )
+    }
+
+    /// What Redis' `verdict` for the enforced check `p` tells the cache: a denial (or one it
+    /// foretells) to hold, or the end of the turn `p` held. Slots free at any moment: a
+    /// concurrency refusal is never kept.
+    pub(crate) fn learn(&self, p: &EncodedCheck, verdict: &Verdict) {
+        if !p.enforce || p.algorithm == Algorithm::Concurrency {
+            return;
+        }
+        let foreseen = if p.slice {
+            None
+        } else {
+            foreseen_denial(p.algorithm, &p.quota, p.cost, verdict)
+        };
+        match foreseen {
+            Some(denial) => {
+                let per_unit = match p.algorithm {
+                    Algorithm::Gcra => Some(p.quota.emission_interval()),
+                    Algorithm::FixedWindow => Some(0),
+                    _ => None,
+                };
+                self.insert(&p.digest, &p.name, &p.quota, p.cost, per_unit, &denial);
+            }
+            // Only the request whose turn it was to ask ends the turn. An answer that tells
+            // nothing of the room left (the check was not run, or can never pass) ends the
+            // wait.
+            None if p.asks => {
+                let room = if verdict.is_allowed() {
+                    verdict.remaining
+                } else {
+                    u64::MAX
+                };
+                self.end_turn(&p.digest, p.cost, room);
+            }
+            None => {}
+        }
     }
 }
 
@@ -150,7 +115,7 @@ fn foreseen_denial(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tollgate_core::Quota;
+    use tollgate_core::{algorithm, Quota};
 
     /// Runs `step` (the core's maths on its stored state) until it refuses; returns the last
     /// admission and the refusal that followed.

@@ -40,7 +40,7 @@ pub(crate) struct DenyCache {
     shards: Box<[Mutex<HashMap<KeyDigest, Entry>>]>,
     per_shard: usize,
     /// How long the request that asks Redis after a denial ran out holds the others back.
-    lease: Duration,
+    turn: Duration,
     /// How long a denial is answered here before a request asks Redis again, however long
     /// the denial is: what another replica's reset (or a raised quota) waits at most.
     ttl: Duration,
@@ -51,8 +51,8 @@ pub(crate) struct DenyCache {
 pub(crate) enum Lookup {
     /// Nothing: ask Redis.
     Miss,
-    /// A denial ran out and this request holds its lease: ask Redis, then settle the entry.
-    Leased,
+    /// A denial ran out and it is this request's turn to ask Redis, then to end the turn.
+    Asks,
     /// Refused locally.
     Denied(Verdict),
 }
@@ -63,7 +63,7 @@ impl Lookup {
     pub(crate) fn denial(self) -> Option<Verdict> {
         match self {
             Self::Denied(v) => Some(v),
-            Self::Miss | Self::Leased => None,
+            Self::Miss | Self::Asks => None,
         }
     }
 }
@@ -92,16 +92,16 @@ struct Entry {
     /// costlier request then asks Redis.
     per_unit: Option<Micros>,
     /// A request is asking Redis (until `until`).
-    leased: bool,
+    asking: bool,
     /// Requests refused here while it did.
     held: u32,
 }
 
 impl Entry {
-    /// Ends the lease: the next request takes a new one and asks Redis.
+    /// Ends the turn: the next request takes a new one and asks Redis.
     fn reopen(&mut self) {
         self.until = Instant::now();
-        self.leased = false;
+        self.asking = false;
         self.held = 0;
     }
 }
@@ -111,14 +111,14 @@ fn micros_until(t: Instant, now: Instant) -> Micros {
 }
 
 impl DenyCache {
-    /// A cache of about `capacity` entries (0 disables it); `lease` is the backend's deadline;
+    /// A cache of about `capacity` entries (0 disables it); `turn` (how long an asker holds the others back) is the backend's deadline;
     /// a denial is trusted for at most `ttl` before Redis is asked again.
-    pub(crate) fn new(capacity: usize, lease: Duration, ttl: Duration) -> Self {
+    pub(crate) fn new(capacity: usize, turn: Duration, ttl: Duration) -> Self {
         let per_shard = capacity.div_ceil(SHARDS);
         Self {
             shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
             per_shard,
-            lease,
+            turn,
             ttl,
         }
     }
@@ -153,7 +153,7 @@ impl DenyCache {
     }
 
     /// The cached denial of `digest` for a request of `cost`, if one stands; or whether this
-    /// request took the lease of a denial that ran out (and must [`forget`](Self::forget) it
+    /// request took the turn to ask Redis after a denial ran out (and must [`forget`](Self::forget) it
     /// when Redis admits it with room left).
     pub(crate) fn lookup(&self, digest: &KeyDigest, cost: u32, quota: &Quota) -> Lookup {
         if self.per_shard == 0 {
@@ -170,16 +170,16 @@ impl DenyCache {
         let now = Instant::now();
         if entry.until <= now {
             // This request asks Redis; the others wait for its answer (or the deadline).
-            entry.until = now + self.lease;
-            entry.leased = true;
+            entry.until = now + self.turn;
+            entry.asking = true;
             entry.held = 0;
-            return Lookup::Leased;
+            return Lookup::Asks;
         }
         if cost < entry.cost {
             return Lookup::Miss;
         }
         let mut retry_after = micros_until(entry.denied_until.max(entry.until), now);
-        if cost > entry.cost && !entry.leased {
+        if cost > entry.cost && !entry.asking {
             // A costlier request waits longer: its Retry-After must say so.
             let Some(per_unit) = entry.per_unit else {
                 return Lookup::Miss;
@@ -187,7 +187,7 @@ impl DenyCache {
             let more = per_unit.saturating_mul(u64::from(cost - entry.cost));
             retry_after = retry_after.saturating_add(more);
         }
-        if entry.leased {
+        if entry.asking {
             entry.held = entry.held.saturating_add(1);
         }
         entry.hits.increment(1);
@@ -227,14 +227,14 @@ impl DenyCache {
             remaining: verdict.remaining,
             cost,
             per_unit,
-            leased: false,
+            asking: false,
             held: 0,
         };
         let mut shard = self.shard(digest);
         if let Some(old) = shard.get_mut(digest) {
             // Keep the denial that covers the most requests: the lowest cost (an answer always
-            // replaces the lease its request held).
-            if entry.cost <= old.cost || old.until <= now + self.lease {
+            // ends the turn its request held).
+            if entry.cost <= old.cost || old.until <= now + self.turn {
                 entry.hits = old.hits.clone();
                 *old = entry;
             }
@@ -251,10 +251,10 @@ impl DenyCache {
         shard.insert(*digest, entry);
     }
 
-    /// Settles the lease the request for `digest` held: Redis admitted it at `cost`, with
+    /// Ends the turn the request for `digest` held: Redis admitted it at `cost`, with
     /// `remaining` units left. With room for every request held back meanwhile, the key is
     /// forgotten; with less, the next request asks Redis alone again.
-    pub(crate) fn settle(&self, digest: &KeyDigest, cost: u32, remaining: u64) {
+    pub(crate) fn end_turn(&self, digest: &KeyDigest, cost: u32, remaining: u64) {
         if self.per_shard == 0 {
             return;
         }
@@ -262,7 +262,7 @@ impl DenyCache {
         let Some(entry) = shard.get_mut(digest) else {
             return;
         };
-        if !entry.leased {
+        if !entry.asking {
             // A newer denial took its place: it stands.
             return;
         }
@@ -273,14 +273,14 @@ impl DenyCache {
         }
     }
 
-    /// Gives back a lease whose request will not ask Redis after all (another check refused
+    /// Passes on a turn whose request will not ask Redis after all (another check refused
     /// it here): the next request asks instead.
-    pub(crate) fn release(&self, digest: &KeyDigest) {
+    pub(crate) fn pass_turn(&self, digest: &KeyDigest) {
         if self.per_shard == 0 {
             return;
         }
         if let Some(entry) = self.shard(digest).get_mut(digest) {
-            if entry.leased {
+            if entry.asking {
                 entry.reopen();
             }
         }
@@ -335,8 +335,8 @@ mod tests {
             }
         );
         tokio::time::advance(Duration::from_millis(600)).await;
-        // Run out: this request asks Redis, the others wait for its answer for one lease.
-        assert_eq!(cache.lookup(&d, 1, &q()), Lookup::Leased);
+        // Run out: this request asks Redis, the others wait for its answer for one turn.
+        assert_eq!(cache.lookup(&d, 1, &q()), Lookup::Asks);
         assert_eq!(
             cache.lookup(&d, 1, &q()).denial().unwrap().status,
             Status::Denied {
@@ -345,7 +345,7 @@ mod tests {
         );
         // Its answer (admitted, room left for the one held back and the next) ends the wait
         // for everyone.
-        cache.settle(&d, 1, 2);
+        cache.end_turn(&d, 1, 2);
         assert_eq!(cache.lookup(&d, 1, &q()), Lookup::Miss);
         assert_eq!(cache.len(), 0);
     }
@@ -356,46 +356,46 @@ mod tests {
         let d = [4u8; 16];
         cache.insert(&d, &limit(), &q(), 1, Some(0), &denied(1_000));
         tokio::time::advance(Duration::from_millis(1)).await;
-        assert_eq!(cache.lookup(&d, 1, &q()), Lookup::Leased);
+        assert_eq!(cache.lookup(&d, 1, &q()), Lookup::Asks);
         for _ in 0..3 {
             assert!(cache.lookup(&d, 1, &q()).denial().is_some());
         }
         // Room for 3 units: not for the 3 held back and one more.
-        cache.settle(&d, 1, 3);
-        assert_eq!(cache.lookup(&d, 1, &q()), Lookup::Leased);
+        cache.end_turn(&d, 1, 3);
+        assert_eq!(cache.lookup(&d, 1, &q()), Lookup::Asks);
         assert!(cache.lookup(&d, 1, &q()).denial().is_some());
         // Room for 2 with one held back: forgotten.
-        cache.settle(&d, 1, 2);
+        cache.end_turn(&d, 1, 2);
         assert_eq!(cache.lookup(&d, 1, &q()), Lookup::Miss);
-        // A newer denial is not undone by a late settle.
+        // A newer denial is not undone by a late end of a turn.
         cache.insert(&d, &limit(), &q(), 1, Some(0), &denied(1_000));
-        cache.settle(&d, 1, 100);
+        cache.end_turn(&d, 1, 100);
         assert!(cache.lookup(&d, 1, &q()).denial().is_some());
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_lease_whose_answer_never_came_runs_out() {
+    async fn a_turn_whose_answer_never_came_runs_out() {
         let cache = DenyCache::new(100, Duration::from_millis(50), Duration::from_secs(3600));
         let d = [2u8; 16];
         cache.insert(&d, &limit(), &q(), 1, Some(0), &denied(1_000));
         tokio::time::advance(Duration::from_millis(1)).await;
-        assert_eq!(cache.lookup(&d, 1, &q()), Lookup::Leased); // then fails (no answer)
+        assert_eq!(cache.lookup(&d, 1, &q()), Lookup::Asks); // then fails (no answer)
         tokio::time::advance(Duration::from_micros(49_999)).await;
         assert!(cache.lookup(&d, 1, &q()).denial().is_some());
         tokio::time::advance(Duration::from_micros(1)).await;
-        assert_eq!(cache.lookup(&d, 1, &q()), Lookup::Leased); // the next request asks
+        assert_eq!(cache.lookup(&d, 1, &q()), Lookup::Asks); // the next request asks
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_released_lease_goes_to_the_next_request() {
+    async fn a_passed_turn_goes_to_the_next_request() {
         let cache = DenyCache::new(100, Duration::from_millis(50), Duration::from_secs(3600));
         let d = [5u8; 16];
         cache.insert(&d, &limit(), &q(), 1, Some(0), &denied(1_000));
         tokio::time::advance(Duration::from_millis(1)).await;
-        assert_eq!(cache.lookup(&d, 1, &q()), Lookup::Leased);
+        assert_eq!(cache.lookup(&d, 1, &q()), Lookup::Asks);
         assert!(cache.lookup(&d, 1, &q()).denial().is_some());
-        cache.release(&d);
-        assert_eq!(cache.lookup(&d, 1, &q()), Lookup::Leased);
+        cache.pass_turn(&d);
+        assert_eq!(cache.lookup(&d, 1, &q()), Lookup::Asks);
     }
 
     #[tokio::test(start_paused = true)]

@@ -1,35 +1,34 @@
 //! A fixed-size cache of key digests, for the identities that come back.
 //!
-//! SHA-256 is the most expensive step of a check on this side of the network: about 3,500
-//! instructions for one (limit, key) pair in software, 52 ns with the CPU's SHA extensions.
-//! Clients that are limited at all send many requests, so most checks digest a pair that was
-//! digested a moment ago. The cache remembers the last pair of each of its slots, found by a
+//! SHA-256 is the most expensive step of a check on this side of the network (see
+//! `docs/benchmarks.md`). Clients that are limited at all send many requests, so most checks digest a pair that was
+//! digested a moment ago. The cache remembers the last pair of each of its cells, found by a
 //! cheap keyed hash and confirmed by comparing the whole pair, so a hit is the digest of
-//! exactly that pair. It never grows: a new pair takes its slot's place, and an attacker who
-//! aims pairs at one slot only makes those checks digest as if there were no cache.
+//! exactly that pair. It never grows: a new pair takes its cell's place, and an attacker who
+//! aims pairs at one cell only makes those checks digest as if there were no cache.
 
 use std::hash::BuildHasher;
 use std::sync::Mutex;
 
 use crate::keys::{self, KeyDigest};
 
-/// Slots in the cache (a power of two).
-const SLOTS: usize = 1024;
+/// Cells in the cache (a power of two).
+const CELLS: usize = 1024;
 
 /// The longest (limit name, key) pair kept, in bytes: IP keys, tenants and principal ids fit;
 /// longer pairs are digested every time.
 const MAX_PAIR: usize = 96;
 
-/// The remembered pair of one slot and its digest.
-struct Slot {
+/// The remembered pair of one cell and its digest.
+struct Cell {
     name_len: u8,
-    /// 0 with `name_len` 0: the slot is empty (a limit name is never empty).
+    /// 0 with `name_len` 0: the cell is empty (a limit name is never empty).
     key_len: u8,
     pair: [u8; MAX_PAIR],
     digest: KeyDigest,
 }
 
-impl Slot {
+impl Cell {
     const EMPTY: Self = Self {
         name_len: 0,
         key_len: 0,
@@ -48,14 +47,14 @@ impl Slot {
 /// The cache; about 120 KB whatever the traffic.
 pub(crate) struct DigestCache {
     seed: u64,
-    slots: Box<[Mutex<Slot>]>,
+    cells: Box<[Mutex<Cell>]>,
 }
 
 impl Default for DigestCache {
     fn default() -> Self {
         Self {
             seed: std::collections::hash_map::RandomState::new().hash_one(0_u64),
-            slots: (0..SLOTS).map(|_| Mutex::new(Slot::EMPTY)).collect(),
+            cells: (0..CELLS).map(|_| Mutex::new(Cell::EMPTY)).collect(),
         }
     }
 }
@@ -68,29 +67,29 @@ impl DigestCache {
             return keys::digest(limit_name, key);
         }
         let index = self.index(name, key);
-        let Some(slot) = self.slots.get(index) else {
+        let Some(cell) = self.cells.get(index) else {
             return keys::digest(limit_name, key);
         };
-        // A slot another thread holds is not waited for: the digest is computed instead.
-        if let Ok(slot) = slot.try_lock() {
-            if slot.holds(name, key) {
-                return slot.digest;
+        // A cell another thread holds is not waited for: the digest is computed instead.
+        if let Ok(cell) = cell.try_lock() {
+            if cell.holds(name, key) {
+                return cell.digest;
             }
         }
         let digest = keys::digest(limit_name, key);
-        if let Ok(mut slot) = slot.try_lock() {
-            slot.pair[..name.len()].copy_from_slice(name);
-            slot.pair[name.len()..name.len() + key.len()].copy_from_slice(key);
+        if let Ok(mut cell) = cell.try_lock() {
+            cell.pair[..name.len()].copy_from_slice(name);
+            cell.pair[name.len()..name.len() + key.len()].copy_from_slice(key);
             // Both lengths fit: the pair is at most `MAX_PAIR` (< 256) bytes.
-            slot.name_len = name.len() as u8;
-            slot.key_len = key.len() as u8;
-            slot.digest = digest;
+            cell.name_len = name.len() as u8;
+            cell.key_len = key.len() as u8;
+            cell.digest = digest;
         }
         digest
     }
 
-    /// The slot of a pair: a multiply-rotate hash seeded per process. Not collision-proof,
-    /// and it need not be: the slot's whole pair is compared before its digest is used.
+    /// The cell of a pair: a multiply-rotate hash seeded per process. Not collision-proof,
+    /// and it need not be: the cell's whole pair is compared before its digest is used.
     fn index(&self, name: &[u8], key: &[u8]) -> usize {
         const K: u64 = 0x9e37_79b9_7f4a_7c15;
         let mut h = self.seed ^ (name.len() as u64) << 8 ^ key.len() as u64;
@@ -105,7 +104,7 @@ impl DigestCache {
             tail[..words.remainder().len()].copy_from_slice(words.remainder());
             h = (h.rotate_left(5) ^ u64::from_le_bytes(tail)).wrapping_mul(K);
         }
-        (h >> 32) as usize & (SLOTS - 1)
+        (h >> 32) as usize & (CELLS - 1)
     }
 }
 
@@ -116,7 +115,7 @@ mod tests {
     #[test]
     fn a_hit_is_the_digest_of_exactly_that_pair() {
         let cache = DigestCache::default();
-        // More pairs than slots, so that slots are shared and pairs evict each other; pairs
+        // More pairs than cells, so that cells are shared and pairs evict each other; pairs
         // that differ only in where the name ends and the key begins.
         let mut pairs = Vec::new();
         for i in 0..3000_u32 {
@@ -135,17 +134,17 @@ mod tests {
                 );
             }
         }
-        // Asked again at once, the last pairs come from the cache: their slots hold them.
+        // Asked again at once, the last pairs come from the cache: their cells hold them.
         let (name, key) = &pairs[pairs.len() - 2];
-        let slot = cache.slots[cache.index(name.as_bytes(), key)]
+        let cell = cache.cells[cache.index(name.as_bytes(), key)]
             .lock()
             .unwrap();
-        assert!(slot.holds(name.as_bytes(), key));
+        assert!(cell.holds(name.as_bytes(), key));
     }
 
     #[test]
-    fn an_empty_slot_matches_nothing() {
-        assert!(!Slot::EMPTY.holds(b"a", b""));
-        assert!(!Slot::EMPTY.holds(b"", b"x"));
+    fn an_empty_cell_matches_nothing() {
+        assert!(!Cell::EMPTY.holds(b"a", b""));
+        assert!(!Cell::EMPTY.holds(b"", b"x"));
     }
 }

@@ -1,43 +1,9 @@
-//! Failure mapping: what a Redis error, a missed deadline or a full queue become.
+//! Failure mapping: what a Redis error or a full queue become, and which errors break a
+//! connection.
 
-use std::future::Future;
-
-use tokio::time::Instant;
 use tollgate_core::{BackendError, BackendErrorKind};
 
-use crate::backend::Inner;
-use crate::conn::breaks_connection;
-
-impl Inner {
-    /// `call`'s answer, or a timeout once the deadline has passed; `what` names the answer
-    /// awaited, for the error.
-    pub(crate) async fn within_deadline<T>(
-        &self,
-        call: impl Future<Output = Result<T, BackendError>>,
-        what: &str,
-    ) -> Result<T, BackendError> {
-        self.until(Instant::now() + self.deadline, call, what).await
-    }
-
-    /// `call`'s answer, or a timeout at `deadline`.
-    pub(crate) async fn until<T>(
-        &self,
-        deadline: Instant,
-        call: impl Future<Output = Result<T, BackendError>>,
-        what: &str,
-    ) -> Result<T, BackendError> {
-        tokio::time::timeout_at(deadline, call)
-            .await
-            .unwrap_or_else(|_| Err(self.timed_out(what)))
-    }
-
-    pub(crate) fn timed_out(&self, what: &str) -> BackendError {
-        BackendError::new(
-            BackendErrorKind::Timeout,
-            format!("no answer {what} within {:?}", self.deadline),
-        )
-    }
-}
+use redis::{ErrorKind, RedisError, ServerErrorKind};
 
 pub(crate) fn unavailable(msg: impl Into<String>) -> BackendError {
     BackendError::new(BackendErrorKind::Unavailable, msg)
@@ -51,8 +17,7 @@ pub(crate) fn overloaded(msg: impl Into<String>) -> BackendError {
 
 /// Sorts a Redis error into the backend's kinds: the server could not be used
 /// (`Unavailable`), did not answer in time (`Timeout`), or answered nonsense (`Protocol`).
-pub(crate) fn map_error(e: redis::RedisError) -> BackendError {
-    use redis::{ErrorKind, ServerErrorKind};
+pub(crate) fn map_error(e: RedisError) -> BackendError {
     let kind = if e.is_timeout() {
         BackendErrorKind::Timeout
     } else if breaks_connection(&e)
@@ -81,6 +46,20 @@ pub(crate) fn map_error(e: redis::RedisError) -> BackendError {
         }
     };
     BackendError::new(kind, e.to_string())
+}
+
+/// Whether an error means the connection itself is broken and must be replaced.
+///
+/// `READONLY` is one of them: the server was demoted to a replica (a Sentinel failover) and
+/// the connection to it still works, so nothing else would ever move the backend to the new
+/// master. Replacing it makes the next call look the master up again.
+pub(crate) fn breaks_connection(e: &RedisError) -> bool {
+    e.kind() == ErrorKind::Server(ServerErrorKind::ReadOnly)
+        || e.is_io_error()
+        || e.is_connection_dropped()
+        || e.is_connection_refusal()
+        || e.is_unrecoverable_error()
+        || e.kind() == ErrorKind::ClusterConnectionNotFound
 }
 
 #[cfg(test)]

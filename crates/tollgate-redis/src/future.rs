@@ -3,11 +3,13 @@
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::task::{Context, Poll};
+use std::sync::Arc;
+use std::task::{ready, Context, Poll};
 
 use tollgate_core::{BackendError, BackendErrorKind, Verdicts};
 
-use crate::merged::Merged;
+use crate::checks::{Checks, Started};
+use crate::transport::merged::Merged;
 
 type Boxed = Pin<Box<dyn Future<Output = Result<Verdicts, BackendError>> + Send + 'static>>;
 
@@ -25,7 +27,12 @@ pub struct ResponseFuture {
 #[allow(clippy::large_enum_variant)]
 enum State {
     Ready(Option<Result<Verdicts, BackendError>>),
-    Merged(Merged),
+    /// A standalone server's check, waiting for the merged call that carries it.
+    Merged {
+        checks: Arc<Checks>,
+        wait: Merged,
+        started: Option<Started>,
+    },
     Call(Boxed),
 }
 
@@ -36,10 +43,15 @@ impl ResponseFuture {
         }
     }
 
-    /// A standalone server's check, sent in the next merged call.
-    pub(crate) fn merged(merged: Merged) -> Self {
+    /// A standalone server's check, sent in the next merged call; its answer is finished by
+    /// `checks`.
+    pub(crate) fn merged(checks: Arc<Checks>, wait: Merged, started: Started) -> Self {
         Self {
-            state: State::Merged(merged),
+            state: State::Merged {
+                checks,
+                wait,
+                started: Some(started),
+            },
         }
     }
 
@@ -52,18 +64,35 @@ impl ResponseFuture {
     }
 }
 
+fn polled_after_completion() -> BackendError {
+    BackendError::new(
+        BackendErrorKind::Protocol,
+        "ResponseFuture polled after completion",
+    )
+}
+
 impl Future for ResponseFuture {
     type Output = Result<Verdicts, BackendError>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         match &mut self.get_mut().state {
-            State::Ready(result) => Poll::Ready(result.take().unwrap_or_else(|| {
-                Err(BackendError::new(
-                    BackendErrorKind::Protocol,
-                    "ResponseFuture polled after completion",
-                ))
-            })),
-            State::Merged(merged) => Pin::new(merged).poll(cx),
+            State::Ready(result) => Poll::Ready(
+                result
+                    .take()
+                    .unwrap_or_else(|| Err(polled_after_completion())),
+            ),
+            State::Merged {
+                checks,
+                wait,
+                started,
+            } => {
+                let answer = ready!(wait.poll_on(cx, checks.transport()));
+                let Some(started) = started.take() else {
+                    return Poll::Ready(Err(polled_after_completion()));
+                };
+                let answer = answer.map(|(batch, reply)| (batch, reply.into()));
+                Poll::Ready(checks.finish(started, answer))
+            }
             State::Call(fut) => fut.as_mut().poll(cx),
         }
     }
@@ -73,7 +102,7 @@ impl fmt::Debug for ResponseFuture {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let state = match self.state {
             State::Ready(_) => "ready",
-            State::Merged(_) | State::Call(_) => "calling",
+            State::Merged { .. } | State::Call(_) => "calling",
         };
         f.debug_struct("ResponseFuture")
             .field("state", &state)

@@ -3,7 +3,7 @@
 //! The digest is SHA-256 over a domain-separated encoding of (limit name, key bytes), cut to 16
 //! bytes: raw identities never reach Redis, every key of a limit has the same length, and one
 //! limit's key can never be another's. The hash tag wraps the digest, not the prefix, so a
-//! cluster spreads identities over its slots.
+//! cluster spreads identities over its hash slots.
 
 use sha2::{Digest, Sha256};
 use tollgate_core::MAX_NAME_LEN;
@@ -151,7 +151,7 @@ fn hex(digest: &KeyDigest) -> [u8; 2 * DIGEST_LEN] {
 }
 
 /// The cluster hash slot of every key of `digest`: its hash tag is the hex digest.
-pub(crate) fn digest_slot(digest: &KeyDigest) -> u16 {
+pub(crate) fn digest_hash_slot(digest: &KeyDigest) -> u16 {
     crc16(&hex(digest)) & 0x3fff
 }
 
@@ -167,9 +167,9 @@ pub(crate) fn valid_prefix(prefix: &str) -> bool {
 
 /// The Redis Cluster hash slot of a key, computed as Redis does: CRC16 (XMODEM) of the hash
 /// tag (the part between the first `{` and the next `}`, if not empty) modulo 16384. The
-/// backend needs only [`digest_slot`]; this checks it.
+/// backend needs only [`digest_hash_slot`]; this checks it.
 #[cfg(test)]
-pub(crate) fn slot(key: &str) -> u16 {
+pub(crate) fn hash_slot(key: &str) -> u16 {
     let bytes = key.as_bytes();
     let tagged = bytes
         .iter()
@@ -204,24 +204,27 @@ mod tests {
 
     #[test]
     fn crc16_matches_redis() {
-        // The check value of CRC-16/XMODEM, and slots from `CLUSTER KEYSLOT`.
+        // The check value of CRC-16/XMODEM, and hash slots from `CLUSTER KEYSLOT`.
         assert_eq!(crc16(b"123456789"), 0x31c3);
-        assert_eq!(slot("foo"), 12_182);
-        assert_eq!(slot("{user1000}.following"), slot("{user1000}.followers"));
-        assert_eq!(slot("foo{}{bar}"), slot("foo{}{bar}"));
-        assert_eq!(slot("{}x"), crc16(b"{}x") & 0x3fff);
+        assert_eq!(hash_slot("foo"), 12_182);
+        assert_eq!(
+            hash_slot("{user1000}.following"),
+            hash_slot("{user1000}.followers")
+        );
+        assert_eq!(hash_slot("foo{}{bar}"), hash_slot("foo{}{bar}"));
+        assert_eq!(hash_slot("{}x"), crc16(b"{}x") & 0x3fff);
     }
 
     #[test]
-    fn the_slot_of_a_digest_is_that_of_its_keys() {
+    fn the_hash_slot_of_a_digest_is_that_of_its_keys() {
         let d = digest("login", b"10.0.0.1");
         let key = base_key("tollgate", "login", &d);
-        assert_eq!(digest_slot(&d), slot(&key));
-        assert_eq!(digest_slot(&d), slot(&format!("{key}:20000")));
+        assert_eq!(digest_hash_slot(&d), hash_slot(&key));
+        assert_eq!(digest_hash_slot(&d), hash_slot(&format!("{key}:20000")));
     }
 
     #[test]
-    fn every_key_of_a_digest_is_in_its_slot() {
+    fn every_key_of_a_digest_is_in_its_hash_slot() {
         let d = digest("login", b"10.0.0.1");
         let name = |suffix| {
             let key = BaseKey::new("tollgate", "login", &d).with(suffix);
@@ -242,7 +245,7 @@ mod tests {
             Suffix::Log,
             Suffix::Seq,
         ] {
-            assert_eq!(slot(&name(suffix)), digest_slot(&d));
+            assert_eq!(hash_slot(&name(suffix)), digest_hash_slot(&d));
         }
     }
 

@@ -48,20 +48,16 @@
 //! and reads its one reply in place; settles, slot releases and operators' calls use a
 //! second, shared connection. Within a call, each GCRA or fixed-window key is read once and written once,
 //! however many of the call's requests it serves. In a cluster a script can touch the keys of
-//! one hash slot only, so the merging is per slot: the batches (or a batch's slot groups) of
-//! concurrent requests whose keys share a slot share that slot's calls, in the same way, and
-//! the calls of different slots go out side by side.
+//! one hash slot only, so the merging is per hash slot: the batches (or a batch's hash-slot
+//! groups) of concurrent requests whose keys share a hash slot share that hash slot's calls,
+//! in the same way, and the calls of different hash slots go out side by side.
 //!
 //! - **GCRA**: one string key, `<key>:v2`, holding the theoretical arrival time and the
 //!   emission interval it was counted in (`<tat>:<interval>`, microseconds), expiring when the
 //!   state becomes that of a fresh key. A check under another interval (the key's plan
 //!   changed, or the limit was reloaded with another quota) first carries the units the key
-//!   used to its own interval, as `tollgate_core::algorithm::gcra_carry` does. Versions before
-//!   this one kept the TAT alone at `<key>`. Under the new name, a replica still on an old
-//!   version never parses a value it does not know as an empty bucket (which would reset the
-//!   key on every one of its checks); but until every replica runs the new version, old and
-//!   new ones count each GCRA key in two buckets, so a key can be admitted up to twice its
-//!   quota for the length of the deploy. Fixed windows and sliding logs keep their keys.
+//!   used to its own interval, as `tollgate_core::algorithm::gcra_carry` does. Fixed windows
+//!   and sliding logs keep their state under keys of their own (below).
 //! - **Fixed window**: `INCRBY` on `<key>:<window index>`; the TTL is set by the first write of
 //!   the window only. The window is the one that holds the server's `TIME`, which the client
 //!   cannot know exactly: it declares the keys of its estimate's window and the next (its
@@ -81,29 +77,30 @@
 //! `<prefix>:<limit name>:{<digest>}`, where the digest is the first 16 bytes of SHA-256 over
 //! `"tollgate/v1\0" ‖ u32be(len name) ‖ name ‖ u32be(len key) ‖ key`, in lowercase hex. Raw
 //! identities never reach Redis, keys have a fixed length, and one limit's key cannot be
-//! another's. The cluster hash tag wraps the digest, so identities spread over the slots.
+//! another's. The cluster hash tag wraps the digest, so identities spread over the hash slots.
 //! The digests of recently checked pairs are remembered (1,024 of them, about 120 KB per
 //! backend), so a client that comes back is not digested again.
 //! Each algorithm keeps its state under keys of its own (above), so a limit whose algorithm
 //! changes under the same name starts afresh instead of finding a key of another type.
 //! Every key a script touches is declared in its `KEYS`, and all of a check's keys share the
-//! hash tag, so a cluster routes them to one slot.
+//! hash tag, so a cluster routes them to one hash slot.
 //!
 //! # Redis Cluster
 //!
-//! A batch whose keys fall in several hash slots becomes one slot group per slot, each waiting
-//! for its slot's next merged call, concurrently. If any refuses (or fails), the calls that wrote are refunded by a second script
+//! A batch whose keys fall in several hash slots becomes one group per hash slot, each
+//! waiting for its hash slot's next merged call, concurrently. If any refuses (or fails), the
+//! calls that wrote are refunded by a second script
 //! that undoes exactly their writes (GCRA: the TAT moves back by `cost × interval`; fixed window:
 //! `DECRBY`; sliding log: `ZREM` of the members added). The consume and the refund run in a task
 //! of their own, so a caller that gives up at its deadline does not leave them half done.
 //!
-//! The cluster client routes each call by its keys' slot, and when a slot moves (`MOVED`, or
+//! The cluster client routes each call by its keys' hash slot, and when a hash slot moves (`MOVED`, or
 //! `ASK` while it migrates) it sends that call again to the node named, after `ASKING` for an
-//! `ASK`: a redirected script has not run, so nothing is counted twice, and the other slots'
+//! `ASK`: a redirected script has not run, so nothing is counted twice, and the other hash slots'
 //! calls are not touched. Calls bound for one node share one connection to it, so those sent
-//! together reach Redis in one write and come back in one read. (A pipeline of several slots'
+//! together reach Redis in one write and come back in one read. (A pipeline of several hash slots'
 //! calls is not used: redis-rs sends a whole pipeline again when one of its commands is
-//! redirected, which would run the other slots' scripts twice.)
+//! redirected, which would run the other hash slots' scripts twice.)
 //!
 //! The cost of this, compared with one atomic script:
 //!
@@ -167,7 +164,7 @@
 //! reservations as they were. A verdict's receipt (the server's time of the check, a window's
 //! end, a log's last sequence number) tells the settle where the units went. A settle that
 //! gives units back clears this replica's cached denial of the key.
-//! [`RedisBackend::settle_at`] is the same call, awaited, for tests.
+//! `RedisBackend::settle_at` (feature `testing`) is the same call, awaited, for tests.
 //!
 //! # Failures
 //!
@@ -240,30 +237,25 @@
 
 mod admin;
 mod backend;
-mod breaker;
 mod builder;
-mod calls;
+mod checks;
 mod cluster;
-mod coalesce;
-mod conn;
 mod denials;
 mod deny_cache;
 mod digests;
-mod direct;
 mod dispatch;
 mod error;
 mod failure;
 mod future;
 mod keys;
 mod lease;
-mod merged;
-mod script;
+mod scripts;
 mod settle;
 mod slots;
 mod tls;
+mod transport;
 
 pub use backend::RedisBackend;
-pub use breaker::CircuitState;
 pub use builder::{
     RedisBackendBuilder, DEFAULT_DEADLINE, DEFAULT_DENY_CACHE_CAPACITY, DEFAULT_DENY_CACHE_TTL,
     DEFAULT_PREFIX,
@@ -271,3 +263,4 @@ pub use builder::{
 pub use error::BuildError;
 pub use future::ResponseFuture;
 pub use tls::redact_url;
+pub use transport::breaker::CircuitState;

@@ -1,15 +1,26 @@
 //! Settles: the difference between what admitted checks reserved and what they should have
-//! cost, given back or consumed, in one `SETTLE` call (one per slot group in a cluster).
+//! cost, given back or consumed, in one `SETTLE` call (one per hash-slot group in a cluster).
 
 use std::future::Future;
 use std::sync::{Arc, Mutex};
 
-use tollgate_core::{Algorithm, BackendError, Check, Micros, Settlement};
+use tollgate_core::{BackendError, BackendErrorKind, Micros, Settlement};
 
-use crate::backend::{Inner, RedisBackend, BACKEND};
-use crate::breaker::Permit;
-use crate::keys::{self, Suffix};
-use crate::script::Prepared;
+use crate::deny_cache::DenyCache;
+use crate::failure::unavailable;
+use crate::keys;
+use crate::scripts::settle::{self, Settling};
+use crate::transport::breaker::Permit;
+use crate::transport::{Transport, BACKEND};
+
+/// The settles of one backend: encoded for `SETTLE`, queued (standalone Redis) and sent on the
+/// transport; a refund clears the deny cache's denial of its key.
+pub(crate) struct Settles {
+    transport: Arc<Transport>,
+    deny: Arc<DenyCache>,
+    /// Settles waiting for the call in flight to end, sent together next (standalone Redis).
+    queue: SettleQueue,
+}
 
 /// Settlements waiting, at most; beyond, a settle is dropped (its reservation stays) rather
 /// than queue without bound behind a slow Redis.
@@ -64,7 +75,7 @@ impl SettleQueue {
 /// Counts the sending task out if it is dropped before it is done (its runtime shutting
 /// down), so that the next settle starts a new one.
 struct Sending {
-    inner: Arc<Inner>,
+    settles: Arc<Settles>,
     /// Counted out already, by the `next_call` that found nothing.
     done: bool,
 }
@@ -79,121 +90,35 @@ impl Sending {
 impl Drop for Sending {
     fn drop(&mut self) {
         if !self.done {
-            self.inner.settles.lock().sending = false;
+            self.settles.queue.lock().sending = false;
         }
     }
 }
 
-/// One settlement, ready for `SETTLE`.
-#[derive(Debug, Clone)]
-struct Settling {
-    check: Prepared,
-    suffixes: [Option<Suffix>; 2],
-    args: [u64; 7],
-    refunds: bool,
-}
-
-impl Settling {
-    /// `s` encoded; a GCRA refund with `only_at` above 0 applies only while the key's TAT is
-    /// exactly `only_at` (a lease's give-back: see `lease`).
-    fn new(s: &Settlement<'_>, only_at: Micros) -> Result<Option<Self>, BackendError> {
-        // A concurrency slot is one request: nothing to settle.
-        if s.actual == s.reserved || s.limit.algorithm() == Algorithm::Concurrency {
-            return Ok(None);
+impl Settles {
+    pub(crate) fn new(transport: Arc<Transport>, deny: Arc<DenyCache>) -> Self {
+        Self {
+            transport,
+            deny,
+            queue: SettleQueue::default(),
         }
-        let digest = keys::digest(s.limit.name(), s.key);
-        let check = Prepared::new(
-            &Check::new(s.limit, s.key)
-                .with_cost(s.reserved)
-                .with_quota(s.quota),
-            digest,
-        )?;
-        // The quota the check was made under (its plan's), never the limit's default.
-        let quota = &s.quota;
-        let refund = u64::from(s.reserved.saturating_sub(s.actual));
-        let charge = u64::from(s.actual.saturating_sub(s.reserved));
-        let (suffixes, args) = match s.limit.algorithm() {
-            Algorithm::Gcra => {
-                // Past twice the burst, a refund empties any TAT and a charge meets the cap:
-                // cut there, every product in the script stays exact.
-                let most = 2 * u64::from(quota.burst());
-                let interval = quota.emission_interval();
-                let cap = 2 * interval * u64::from(quota.burst());
-                (
-                    [Some(Suffix::Tat), None],
-                    [
-                        1,
-                        refund.min(most),
-                        charge.min(most),
-                        interval,
-                        cap,
-                        only_at,
-                        0,
-                    ],
-                )
-            }
-            Algorithm::FixedWindow => {
-                let period = quota.period_micros();
-                let Some(index) = (s.receipt.mark / period).checked_sub(1) else {
-                    return Ok(None);
-                };
-                let most = u64::from(quota.limit()).saturating_mul(2);
-                (
-                    [Some(Suffix::Window(index)), None],
-                    [2, refund, charge.min(most), s.receipt.mark, 0, 0, 0],
-                )
-            }
-            _ => {
-                let limit = u64::from(quota.limit());
-                (
-                    [Some(Suffix::Log), Some(Suffix::Seq)],
-                    [
-                        3,
-                        refund.min(u64::from(s.reserved)),
-                        charge.min(2 * limit),
-                        s.receipt.at,
-                        s.receipt.mark,
-                        quota.period_micros(),
-                        2 * limit,
-                    ],
-                )
-            }
-        };
-        Ok(Some(Self {
-            check,
-            suffixes,
-            args,
-            refunds: refund > 0,
-        }))
-    }
-}
-
-impl RedisBackend {
-    /// What [`Backend::settle`](tollgate_core::Backend::settle) does (see there).
-    pub(crate) fn settle_later(&self, settlements: &[Settlement<'_>]) {
-        self.settle_later_at(settlements, &[]);
     }
 
-    /// As `settle_later`; the `i`-th GCRA refund applies only while its key's TAT is
-    /// `only_at[i]` (when given and above 0).
-    pub(crate) fn settle_later_at(&self, settlements: &[Settlement<'_>], only_at: &[Micros]) {
+    /// What [`Backend::settle`](tollgate_core::Backend::settle) does (see there); the `i`-th
+    /// GCRA refund applies only while its key's TAT is `only_at[i]` (when given and above 0).
+    pub(crate) fn later(self: &Arc<Self>, settlements: &[Settlement<'_>], only_at: &[Micros]) {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             tracing::debug!(backend = BACKEND, "rate-limit settle outside a runtime");
             return;
         };
-        if self.inner.cluster {
-            let call = self.settle_guarded(settlements, only_at, None);
+        if self.transport.is_cluster() {
+            let call = self.now_or_at(settlements, only_at, None);
             runtime.spawn(async move {
                 let _ = call.await;
             });
             return;
         }
-        let settles: Vec<Settling> = match settlements
-            .iter()
-            .enumerate()
-            .filter_map(|(i, s)| Settling::new(s, guard(only_at, i)).transpose())
-            .collect()
-        {
+        let settles = match settle::encode(settlements, only_at) {
             Ok(settles) => settles,
             Err(e) => {
                 tracing::debug!(backend = BACKEND, error = %e, "rate-limit settle not sent");
@@ -207,27 +132,27 @@ impl RedisBackend {
         // forgotten now, so that a request in the meantime asks Redis instead of being
         // refused here, and again when the settle is answered (a check answered in between
         // may have foreseen it anew).
-        self.inner.forget_refunded(&settles);
-        match self.inner.settles.push(settles) {
+        self.forget_refunded(&settles);
+        match self.queue.push(settles) {
             Err(settles) => dropped(&settles, "queue_full"),
             Ok(false) => {}
             Ok(true) => {
                 let sending = Sending {
-                    inner: Arc::clone(&self.inner),
+                    settles: Arc::clone(self),
                     done: false,
                 };
                 runtime.spawn(async move {
                     loop {
-                        let batch = sending.inner.settles.next_call();
+                        let batch = sending.settles.queue.next_call();
                         if batch.is_empty() {
                             return sending.finish();
                         }
                         // A settle needs the breaker's permit like a check: while it is
                         // open none goes out, and in half-open one may be the probe.
-                        match sending.inner.breaker.admit() {
+                        match sending.settles.transport.admit() {
                             None => dropped(&batch, "circuit_open"),
                             Some(permit) => {
-                                let _ = sending.inner.settle_group(&batch, None, permit).await;
+                                let _ = sending.settles.send(&batch, None, permit).await;
                             }
                         }
                     }
@@ -236,87 +161,62 @@ impl RedisBackend {
         }
     }
 
-    /// Settles `settlements` at `now` (tests), or at the server's `TIME`; answers once Redis
-    /// has. [`Backend::settle`](tollgate_core::Backend::settle) sends the same call without
-    /// waiting for it.
-    ///
-    /// A settlement that gives units back clears this replica's cached denial of its key.
-    /// While the circuit breaker is open, nothing is sent and reservations stay as they are.
-    ///
-    /// # Errors
-    ///
-    /// As [`Backend::check`](tollgate_core::Backend::check): the call failed, timed out, or
-    /// the breaker is open.
-    pub fn settle_at(
-        &self,
-        settlements: &[Settlement<'_>],
-        now: Option<Micros>,
-    ) -> impl Future<Output = Result<(), BackendError>> + Send + 'static {
-        self.settle_guarded(settlements, &[], now)
-    }
-
-    /// As `settle_at`; the `i`-th GCRA refund applies only while its key's TAT is
-    /// `only_at[i]` (when given and above 0).
-    pub(crate) fn settle_guarded(
-        &self,
+    /// Settles `settlements` at `now` (tests), or at the server's `TIME`, and answers once
+    /// Redis has; the `i`-th GCRA refund applies only while its key's TAT is `only_at[i]`
+    /// (when given and above 0).
+    pub(crate) fn now_or_at(
+        self: &Arc<Self>,
         settlements: &[Settlement<'_>],
         only_at: &[Micros],
         now: Option<Micros>,
     ) -> impl Future<Output = Result<(), BackendError>> + Send + 'static {
-        let inner = Arc::clone(&self.inner);
-        let prepared: Result<Vec<Settling>, BackendError> = settlements
-            .iter()
-            .enumerate()
-            .filter_map(|(i, s)| Settling::new(s, guard(only_at, i)).transpose())
-            .collect();
+        let this = Arc::clone(self);
+        let encoded = settle::encode(settlements, only_at);
         async move {
-            let batch = prepared?;
+            let batch = encoded?;
             if batch.is_empty() {
                 return Ok(());
             }
-            let Some(permit) = inner.breaker.admit() else {
+            let Some(permit) = this.transport.admit() else {
                 dropped(&batch, "circuit_open");
                 return Err(BackendError::new(
-                    tollgate_core::BackendErrorKind::CircuitOpen,
+                    BackendErrorKind::CircuitOpen,
                     "Redis failed recently; the circuit breaker is open",
                 ));
             };
-            if !inner.cluster {
-                return inner.settle_group(&batch, now, permit).await;
+            if !this.transport.is_cluster() {
+                return this.send(&batch, now, permit).await;
             }
-            // One call per slot, concurrently.
+            // One call per hash slot, concurrently.
             let mut groups: Vec<(u16, Vec<Settling>)> = Vec::new();
             for s in batch {
-                let slot = keys::digest_slot(&s.check.digest);
-                match groups.iter_mut().find(|(g, _)| *g == slot) {
+                let hash_slot = keys::digest_hash_slot(&s.check.digest);
+                match groups.iter_mut().find(|(g, _)| *g == hash_slot) {
                     Some((_, group)) => group.push(s),
-                    None => groups.push((slot, vec![s])),
+                    None => groups.push((hash_slot, vec![s])),
                 }
             }
             let tasks: Vec<_> = groups
                 .into_iter()
                 .map(|(_, group)| {
-                    let inner = Arc::clone(&inner);
-                    tokio::spawn(async move { inner.settle_group(&group, now, permit).await })
+                    let this = Arc::clone(&this);
+                    tokio::spawn(async move { this.send(&group, now, permit).await })
                 })
                 .collect();
             let mut result = Ok(());
             for task in tasks {
-                let one = task.await.unwrap_or_else(|e| {
-                    Err(crate::failure::unavailable(format!(
-                        "rate-limit task failed: {e}"
-                    )))
-                });
+                let one = task
+                    .await
+                    .unwrap_or_else(|e| Err(unavailable(format!("rate-limit task failed: {e}"))));
                 result = result.and(one);
             }
             result
         }
     }
-}
 
-impl Inner {
-    /// One `SETTLE` call for settlements whose keys share a slot (or a standalone server).
-    async fn settle_group(
+    /// One `SETTLE` call for settlements whose keys share a hash slot (or a standalone
+    /// server).
+    async fn send(
         &self,
         group: &[Settling],
         now: Option<Micros>,
@@ -325,14 +225,15 @@ impl Inner {
         let keys = group
             .iter()
             .flat_map(|s| s.suffixes.iter().flatten().map(move |&x| (&s.check, x)));
-        let mut call = self.script_call(&self.settle_script, keys, now, 7 * group.len());
+        let mut call = self
+            .transport
+            .script_call(settle::script(), keys, now, 7 * group.len());
         for s in group {
             call.arg(&s.args);
         }
-        let sent = self
-            .within_deadline(self.invoke(&self.settle_script, &call), "to settle")
-            .await;
-        self.report(sent.as_ref().map(|_| ()), permit);
+        let sent = self.transport.invoke(settle::script(), &call);
+        let sent = self.transport.within_deadline(sent, "to settle").await;
+        self.transport.report(sent.as_ref().map(|_| ()), permit);
         if let Err(e) = sent {
             // Not sent again: a call that timed out may have been applied, and a second one
             // would apply it twice.
@@ -364,8 +265,4 @@ fn dropped(settles: &[Settling], reason: &'static str) {
         )
         .increment(1);
     }
-}
-
-fn guard(only_at: &[Micros], i: usize) -> Micros {
-    only_at.get(i).copied().unwrap_or(0)
 }

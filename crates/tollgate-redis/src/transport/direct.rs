@@ -24,9 +24,9 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::Notify;
 
-use crate::calls::Args;
-use crate::conn::breaks_connection;
+use crate::failure::breaks_connection;
 use crate::keys::decimal;
+use crate::transport::args::Args;
 
 /// Where the direct connection goes, and how it logs in.
 pub(crate) struct Direct {
@@ -36,10 +36,10 @@ pub(crate) struct Direct {
     password: Option<String>,
     db: i64,
     connect_timeout: Duration,
-    slot: Mutex<Slot>,
+    state: Mutex<State>,
 }
 
-enum Slot {
+enum State {
     /// No connection: the next call starts an attempt. The last attempt's error, for the call
     /// that waited for it.
     Idle(Option<RedisError>),
@@ -69,39 +69,39 @@ impl Direct {
             password: settings.password().map(str::to_owned),
             db: settings.db(),
             connect_timeout,
-            slot: Mutex::new(Slot::Idle(None)),
+            state: Mutex::new(State::Idle(None)),
         })
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Slot> {
-        self.slot.lock().unwrap_or_else(|e| e.into_inner())
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// The connection for one call, once an attempt has made one if there is none; `None`
     /// when another call holds it. The caller bounds the wait with its deadline.
-    pub(crate) async fn take(self: &Arc<Self>) -> Option<RedisResult<Held>> {
+    pub(crate) async fn take(self: &Arc<Self>) -> Option<RedisResult<Lent>> {
         let mut started = false;
         loop {
             let notify = {
-                let mut slot = self.lock();
-                match std::mem::replace(&mut *slot, Slot::Busy) {
-                    Slot::Ready(stream) => {
-                        return Some(Ok(Held {
+                let mut state = self.lock();
+                match std::mem::replace(&mut *state, State::Busy) {
+                    State::Ready(stream) => {
+                        return Some(Ok(Lent {
                             direct: Arc::clone(self),
                             stream: Some(stream),
                             in_step: true,
                         }))
                     }
-                    Slot::Busy => return None,
-                    Slot::Idle(last_error) if started => {
-                        *slot = Slot::Idle(None);
+                    State::Busy => return None,
+                    State::Idle(last_error) if started => {
+                        *state = State::Idle(None);
                         return Some(Err(last_error.unwrap_or_else(|| {
                             RedisError::from((ErrorKind::Io, "could not connect to Redis"))
                         })));
                     }
-                    Slot::Idle(_) => {
+                    State::Idle(_) => {
                         let notify = Arc::new(Notify::new());
-                        *slot = Slot::Connecting(Arc::clone(&notify));
+                        *state = State::Connecting(Arc::clone(&notify));
                         let attempt = Attempt {
                             direct: Arc::clone(self),
                             notify: Arc::clone(&notify),
@@ -109,8 +109,8 @@ impl Direct {
                         tokio::spawn(attempt.run());
                         notify
                     }
-                    Slot::Connecting(notify) => {
-                        *slot = Slot::Connecting(Arc::clone(&notify));
+                    State::Connecting(notify) => {
+                        *state = State::Connecting(Arc::clone(&notify));
                         notify
                     }
                 }
@@ -118,7 +118,7 @@ impl Direct {
             started = true;
             let wait = notify.notified();
             // The attempt may have ended between the unlock and `notified()`.
-            if !matches!(&*self.lock(), Slot::Connecting(n) if Arc::ptr_eq(n, &notify)) {
+            if !matches!(&*self.lock(), State::Connecting(n) if Arc::ptr_eq(n, &notify)) {
                 continue;
             }
             wait.await;
@@ -127,9 +127,9 @@ impl Direct {
 
     /// Drops the connection (unless a call holds it: that call's failure drops it).
     pub(crate) fn replace(&self) {
-        let mut slot = self.lock();
-        if matches!(&*slot, Slot::Ready(_)) {
-            *slot = Slot::Idle(None);
+        let mut state = self.lock();
+        if matches!(&*state, State::Ready(_)) {
+            *state = State::Idle(None);
         }
     }
 
@@ -174,7 +174,7 @@ impl Direct {
 }
 
 /// A connection attempt's task. Dropped, it wakes the calls waiting for it; dropped before
-/// the attempt ended (its runtime shut down), it first puts the slot back to idle, so that
+/// the attempt ended (its runtime shut down), it first puts the state back to idle, so that
 /// the next call starts a new attempt instead of waiting for this one forever.
 struct Attempt {
     direct: Arc<Direct>,
@@ -191,13 +191,13 @@ impl Attempt {
                     "timed out connecting to Redis",
                 )))
             });
-        let mut slot = self.direct.lock();
-        if matches!(&*slot, Slot::Connecting(n) if Arc::ptr_eq(n, &self.notify)) {
-            *slot = match result {
-                Ok(stream) => Slot::Ready(stream),
+        let mut state = self.direct.lock();
+        if matches!(&*state, State::Connecting(n) if Arc::ptr_eq(n, &self.notify)) {
+            *state = match result {
+                Ok(stream) => State::Ready(stream),
                 Err(e) => {
                     tracing::debug!(backend = "redis", error = %e, "connection attempt failed");
-                    Slot::Idle(Some(e))
+                    State::Idle(Some(e))
                 }
             };
         }
@@ -207,26 +207,26 @@ impl Attempt {
 impl Drop for Attempt {
     fn drop(&mut self) {
         {
-            let mut slot = self.direct.lock();
-            if matches!(&*slot, Slot::Connecting(n) if Arc::ptr_eq(n, &self.notify)) {
-                *slot = Slot::Idle(None);
+            let mut state = self.direct.lock();
+            if matches!(&*state, State::Connecting(n) if Arc::ptr_eq(n, &self.notify)) {
+                *state = State::Idle(None);
             }
         }
         self.notify.notify_waiters();
     }
 }
 
-/// The connection, held by one call. Dropped, it hands the connection back only if its last
+/// The connection, lent to one call. Dropped, it hands the connection back only if its last
 /// query ended with a reply read whole: a call dropped while it waits (its deadline passed),
 /// or one that failed on the wire, leaves no connection behind, so that a late reply is
 /// never read as the next call's.
-pub(crate) struct Held {
+pub(crate) struct Lent {
     direct: Arc<Direct>,
     stream: Option<Stream>,
     in_step: bool,
 }
 
-impl Held {
+impl Lent {
     /// Sends `cmd` and reads its reply; an error reply is an `Err`.
     pub(crate) async fn query(&mut self, cmd: &redis::Cmd) -> RedisResult<Value> {
         self.exchange(|output| cmd.write_packed_command(output))
@@ -268,13 +268,13 @@ impl Held {
     }
 }
 
-impl Drop for Held {
+impl Drop for Lent {
     fn drop(&mut self) {
         let stream = self.stream.take().filter(|_| self.in_step);
-        let mut slot = self.direct.lock();
-        *slot = match stream {
-            Some(stream) => Slot::Ready(stream),
-            None => Slot::Idle(None),
+        let mut state = self.direct.lock();
+        *state = match stream {
+            Some(stream) => State::Ready(stream),
+            None => State::Idle(None),
         };
     }
 }

@@ -1,5 +1,5 @@
 //! Merges the batches of concurrent requests into one script call: on a standalone server all
-//! of them ([`Coalescer`]), in a cluster those of one hash slot ([`SlotCoalescer`]).
+//! of them ([`Coalescer`]), in a cluster those of one hash slot ([`HashSlotCoalescer`]).
 //!
 //! A request's batch waits in a queue; one task at a time takes batches from it and sends
 //! everything waiting, up to [`MAX_REQUESTS_PER_CALL`] requests, in one `CHECK` call. When
@@ -21,12 +21,12 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 use tollgate_core::BackendError;
 
-use crate::breaker::Permit;
-use crate::script::{Prepared, Reply};
+use crate::scripts::check::EncodedCheck;
+use crate::scripts::reply::Reply;
+use crate::transport::breaker::Permit;
 
 /// Tasks sending calls at the same time. One: with two, calls carried fewer requests each and
-/// tollgate on Redis served fewer requests per second (0.33-0.36× bare axum against
-/// 0.41-0.43× with one, in `benches/run.sh`; see `docs/benchmarks.md`).
+/// tollgate on Redis served fewer requests per second (see `docs/benchmarks.md`).
 pub(crate) const MAX_CALLERS: usize = 1;
 /// Requests merged into one call, at most: bounds how long one script holds Redis.
 pub(crate) const MAX_REQUESTS_PER_CALL: usize = 64;
@@ -35,12 +35,12 @@ pub(crate) const MAX_REQUESTS_PER_CALL: usize = 64;
 pub(crate) const MAX_WAITING: usize = 8192;
 
 /// What a waiting request gets back: its batch and the script's answer for it.
-pub(crate) type Answer = Result<(Vec<Prepared>, Reply), BackendError>;
+pub(crate) type Delivery = Result<(Vec<EncodedCheck>, Reply), BackendError>;
 
 /// One request's batch, waiting for a call.
 pub(crate) struct Waiter {
-    pub(crate) batch: Vec<Prepared>,
-    pub(crate) reply: oneshot::Sender<Answer>,
+    pub(crate) batch: Vec<EncodedCheck>,
+    pub(crate) reply: oneshot::Sender<Delivery>,
     /// When the request's answer is due, a timeout if need be.
     pub(crate) deadline: Instant,
     /// The breaker's permit for the request; the call that carries it reports for it.
@@ -111,6 +111,14 @@ impl Coalescer {
     }
 }
 
+/// The requests waiting for merged calls: on a standalone server in one queue, in a cluster
+/// in one per hash slot.
+#[derive(Default)]
+pub(crate) struct Queues {
+    pub(crate) all: Coalescer,
+    pub(crate) by_hash_slot: HashSlotCoalescer,
+}
+
 /// The batches for the next call from `waiting`, oldest first, skipping those whose caller
 /// gave up and setting apart those whose deadline is not after `now`.
 fn take(waiting: &mut VecDeque<Waiter>, now: Instant) -> Call {
@@ -135,41 +143,41 @@ fn take(waiting: &mut VecDeque<Waiter>, now: Instant) -> Call {
 }
 
 /// The queues of a Redis Cluster: one per hash slot, each with at most one task sending its
-/// merged calls, so that concurrent requests whose keys share a slot share one `CHECK` call
-/// (a script can touch the keys of one slot only), and calls for different slots go out side
-/// by side. A slot has an entry only while requests wait for it or its task runs.
+/// merged calls, so that concurrent requests whose keys share a hash slot share one `CHECK` call
+/// (a script can touch the keys of one hash slot only), and calls for different hash slots go out side
+/// by side. A hash slot has an entry only while requests wait for it or its task runs.
 #[derive(Default)]
-pub(crate) struct SlotCoalescer {
-    slots: Mutex<Slots>,
+pub(crate) struct HashSlotCoalescer {
+    hash_slots: Mutex<HashSlots>,
 }
 
 #[derive(Default)]
-struct Slots {
-    queues: HashMap<u16, SlotQueue>,
-    /// Requests waiting over every slot, bounded by [`MAX_WAITING`].
+struct HashSlots {
+    queues: HashMap<u16, HashSlotQueue>,
+    /// Requests waiting over every hash slot, bounded by [`MAX_WAITING`].
     waiting: usize,
 }
 
 #[derive(Default)]
-struct SlotQueue {
+struct HashSlotQueue {
     waiting: VecDeque<Waiter>,
-    /// Whether a task sends this slot's calls.
+    /// Whether a task sends this hash slot's calls.
     sending: bool,
 }
 
-impl SlotCoalescer {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Slots> {
-        self.slots.lock().unwrap_or_else(|e| e.into_inner())
+impl HashSlotCoalescer {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashSlots> {
+        self.hash_slots.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Queues a batch whose keys are all in `slot`.
-    pub(crate) fn push(&self, slot: u16, waiter: Waiter) -> Push {
+    /// Queues a batch whose keys are all in `hash_slot`.
+    pub(crate) fn push(&self, hash_slot: u16, waiter: Waiter) -> Push {
         let mut s = self.lock();
         if s.waiting >= MAX_WAITING {
             return Push::Full;
         }
         s.waiting += 1;
-        let q = s.queues.entry(slot).or_default();
+        let q = s.queues.entry(hash_slot).or_default();
         q.waiting.push_back(waiter);
         if q.sending {
             Push::Waits
@@ -179,25 +187,25 @@ impl SlotCoalescer {
         }
     }
 
-    /// Counts a task that was started for `slot` after [`Push::StartCaller`]; as
+    /// Counts a task that was started for `hash_slot` after [`Push::StartCaller`]; as
     /// [`Coalescer::caller`].
-    pub(crate) fn caller(&self, slot: u16) -> SlotCaller<'_> {
-        SlotCaller {
+    pub(crate) fn caller(&self, hash_slot: u16) -> HashSlotCaller<'_> {
+        HashSlotCaller {
             coalescer: self,
-            slot,
+            hash_slot,
             stopped: false,
         }
     }
 
-    fn next_call(&self, slot: u16, now: Instant) -> Option<Call> {
+    fn next_call(&self, hash_slot: u16, now: Instant) -> Option<Call> {
         let mut s = self.lock();
-        let q = s.queues.get_mut(&slot)?;
+        let q = s.queues.get_mut(&hash_slot)?;
         let before = q.waiting.len();
         let call = take(&mut q.waiting, now);
         let taken = before - q.waiting.len();
         if call.is_empty() {
-            // Nothing waits (those skipped gave up): the slot is idle again.
-            s.queues.remove(&slot);
+            // Nothing waits (those skipped gave up): the hash slot is idle again.
+            s.queues.remove(&hash_slot);
             s.waiting = s.waiting.saturating_sub(taken);
             return None;
         }
@@ -205,20 +213,20 @@ impl SlotCoalescer {
         Some(call)
     }
 
-    /// A task of `slot` that stops without being told to: the next batch starts another.
-    fn stopped(&self, slot: u16) {
+    /// A task of `hash_slot` that stops without being told to: the next batch starts another.
+    fn stopped(&self, hash_slot: u16) {
         let mut s = self.lock();
-        if let Some(q) = s.queues.get_mut(&slot) {
+        if let Some(q) = s.queues.get_mut(&hash_slot) {
             q.sending = false;
             if q.waiting.is_empty() {
-                s.queues.remove(&slot);
+                s.queues.remove(&hash_slot);
             }
         }
     }
 
     /// Slots with an entry: requests waiting or a task sending.
     #[cfg(test)]
-    fn busy_slots(&self) -> usize {
+    fn busy_hash_slots(&self) -> usize {
         self.lock().queues.len()
     }
 }
@@ -263,27 +271,27 @@ impl Drop for Caller<'_> {
     }
 }
 
-/// A task sending one slot's merged calls; see [`SlotCoalescer::caller`].
-pub(crate) struct SlotCaller<'a> {
-    coalescer: &'a SlotCoalescer,
-    slot: u16,
+/// A task sending one hash slot's merged calls; see [`HashSlotCoalescer::caller`].
+pub(crate) struct HashSlotCaller<'a> {
+    coalescer: &'a HashSlotCoalescer,
+    hash_slot: u16,
     stopped: bool,
 }
 
-impl SlotCaller<'_> {
-    /// The batches for the slot's next call, at `now`; `None` when nothing waits, and the
+impl HashSlotCaller<'_> {
+    /// The batches for the hash slot's next call, at `now`; `None` when nothing waits, and the
     /// task must stop.
     pub(crate) fn next_call(&mut self, now: Instant) -> Option<Call> {
-        let call = self.coalescer.next_call(self.slot, now);
+        let call = self.coalescer.next_call(self.hash_slot, now);
         self.stopped = call.is_none();
         call
     }
 }
 
-impl Drop for SlotCaller<'_> {
+impl Drop for HashSlotCaller<'_> {
     fn drop(&mut self) {
         if !self.stopped {
-            self.coalescer.stopped(self.slot);
+            self.coalescer.stopped(self.hash_slot);
         }
     }
 }
@@ -292,7 +300,7 @@ impl Drop for SlotCaller<'_> {
 mod tests {
     use super::*;
 
-    fn waiter_until(deadline: Instant) -> (Waiter, oneshot::Receiver<Answer>) {
+    fn waiter_until(deadline: Instant) -> (Waiter, oneshot::Receiver<Delivery>) {
         let (reply, rx) = oneshot::channel();
         (
             Waiter {
@@ -305,7 +313,7 @@ mod tests {
         )
     }
 
-    fn waiter() -> (Waiter, oneshot::Receiver<Answer>) {
+    fn waiter() -> (Waiter, oneshot::Receiver<Delivery>) {
         waiter_until(Instant::now() + std::time::Duration::from_secs(3_600))
     }
 
@@ -375,16 +383,16 @@ mod tests {
     }
 
     #[test]
-    fn each_slot_has_one_caller_and_merges_only_its_own_batches() {
-        let c = SlotCoalescer::default();
+    fn each_hash_slot_has_one_caller_and_merges_only_its_own_batches() {
+        let c = HashSlotCoalescer::default();
         let mut receivers = Vec::new();
         let mut started = Vec::new();
         for i in 0..100u16 {
             let (w, rx) = waiter();
             receivers.push(rx);
-            let slot = i % 2 * 7;
-            if matches!(c.push(slot, w), Push::StartCaller) {
-                started.push(slot);
+            let hash_slot = i % 2 * 7;
+            if matches!(c.push(hash_slot, w), Push::StartCaller) {
+                started.push(hash_slot);
             }
         }
         assert_eq!(started, [0, 7]);
@@ -393,8 +401,8 @@ mod tests {
         assert_eq!(sent(zero.next_call(now)), Some(50));
         assert!(zero.next_call(now).is_none());
         drop(zero);
-        // Slot 0 is idle again, slot 7 still has its caller and waiting batches.
-        assert_eq!(c.busy_slots(), 1);
+        // Hash slot 0 is idle again, hash slot 7 still has its caller and waiting batches.
+        assert_eq!(c.busy_hash_slots(), 1);
         let (w, _rx) = waiter();
         assert!(matches!(c.push(0, w), Push::StartCaller));
         let (w, _rx) = waiter();
@@ -402,12 +410,12 @@ mod tests {
         let mut seven = c.caller(7);
         assert_eq!(sent(seven.next_call(now)), Some(51));
         assert!(seven.next_call(now).is_none());
-        assert_eq!(c.busy_slots(), 1);
+        assert_eq!(c.busy_hash_slots(), 1);
     }
 
     #[test]
-    fn a_slot_caller_dropped_midway_lets_the_next_batch_start_one() {
-        let c = SlotCoalescer::default();
+    fn a_hash_slot_caller_dropped_midway_lets_the_next_batch_start_one() {
+        let c = HashSlotCoalescer::default();
         let (w, _rx) = waiter();
         assert!(matches!(c.push(3, w), Push::StartCaller));
         let mut caller = c.caller(3);
@@ -423,8 +431,8 @@ mod tests {
     }
 
     #[test]
-    fn a_full_slot_coalescer_refuses_whatever_the_slot() {
-        let c = SlotCoalescer::default();
+    fn a_full_hash_slot_coalescer_refuses_whatever_the_slot() {
+        let c = HashSlotCoalescer::default();
         let mut receivers = Vec::new();
         for i in 0..MAX_WAITING {
             let (w, rx) = waiter();

@@ -16,7 +16,7 @@ use redis::sentinel::SentinelClient;
 use redis::{AsyncConnectionConfig, ErrorKind, RedisError, RedisResult, ServerErrorKind, Value};
 use tokio::sync::Notify;
 
-use crate::script::Script;
+use crate::scripts::Script;
 
 /// Where to connect.
 pub(crate) enum Target {
@@ -76,7 +76,7 @@ impl Conn {
     }
 }
 
-enum Slot {
+enum State {
     Idle { last_error: Option<RedisError> },
     Connecting(Arc<Notify>),
     Ready { generation: u64, conn: Conn },
@@ -85,16 +85,16 @@ enum Slot {
 pub(crate) struct Connector {
     target: Target,
     connect_timeout: Duration,
-    slot: Mutex<Slot>,
+    state: Mutex<State>,
     generation: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for Connector {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let state = match &*self.lock() {
-            Slot::Idle { .. } => "idle",
-            Slot::Connecting(_) => "connecting",
-            Slot::Ready { .. } => "ready",
+            State::Idle { .. } => "idle",
+            State::Connecting(_) => "connecting",
+            State::Ready { .. } => "ready",
         };
         f.debug_struct("Connector")
             .field("target", &self.target.name())
@@ -108,13 +108,18 @@ impl Connector {
         Self {
             target,
             connect_timeout,
-            slot: Mutex::new(Slot::Idle { last_error: None }),
+            state: Mutex::new(State::Idle { last_error: None }),
             generation: std::sync::atomic::AtomicU64::new(0),
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Slot> {
-        self.slot.lock().unwrap_or_else(|e| e.into_inner())
+    /// Whether the target is a Redis Cluster.
+    pub(crate) fn is_cluster(&self) -> bool {
+        matches!(self.target, Target::Cluster(_))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// A connection and its generation, connecting first if there is none.
@@ -124,17 +129,17 @@ impl Connector {
         let mut started = false;
         loop {
             let notified = {
-                let mut slot = self.lock();
-                match &*slot {
-                    Slot::Ready { generation, conn } => return Ok((*generation, conn.clone())),
-                    Slot::Idle { last_error } if started => {
+                let mut state = self.lock();
+                match &*state {
+                    State::Ready { generation, conn } => return Ok((*generation, conn.clone())),
+                    State::Idle { last_error } if started => {
                         return Err(last_error.clone().unwrap_or_else(|| {
                             RedisError::from((redis::ErrorKind::Io, "could not connect to Redis"))
                         }))
                     }
-                    Slot::Idle { .. } => {
+                    State::Idle { .. } => {
                         let notify = Arc::new(Notify::new());
-                        *slot = Slot::Connecting(Arc::clone(&notify));
+                        *state = State::Connecting(Arc::clone(&notify));
                         started = true;
                         let attempt = Attempt {
                             connector: Arc::clone(self),
@@ -144,7 +149,7 @@ impl Connector {
                         tokio::spawn(async move { attempt.connector.connect().await });
                         notify
                     }
-                    Slot::Connecting(notify) => {
+                    State::Connecting(notify) => {
                         started = true;
                         Arc::clone(notify)
                     }
@@ -152,7 +157,7 @@ impl Connector {
             };
             let wait = notified.notified();
             // The attempt may have ended between the unlock and `notified()`.
-            if !matches!(&*self.lock(), Slot::Connecting(n) if Arc::ptr_eq(n, &notified)) {
+            if !matches!(&*self.lock(), State::Connecting(n) if Arc::ptr_eq(n, &notified)) {
                 continue;
             }
             wait.await;
@@ -194,19 +199,19 @@ impl Connector {
             ))),
         };
         {
-            let mut slot = self.lock();
-            *slot = match result {
+            let mut state = self.lock();
+            *state = match result {
                 Ok(conn) => {
                     let generation = self
                         .generation
                         .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
                         + 1;
                     tracing::debug!(backend = "redis", "connected");
-                    Slot::Ready { generation, conn }
+                    State::Ready { generation, conn }
                 }
                 Err(e) => {
                     tracing::debug!(backend = "redis", error = %e, "connection attempt failed");
-                    Slot::Idle {
+                    State::Idle {
                         last_error: Some(e),
                     }
                 }
@@ -216,23 +221,23 @@ impl Connector {
 
     /// Drops the current connection, whichever it is: the next call makes a new one.
     pub(crate) fn replace(&self) {
-        let mut slot = self.lock();
-        if matches!(&*slot, Slot::Ready { .. }) {
-            *slot = Slot::Idle { last_error: None };
+        let mut state = self.lock();
+        if matches!(&*state, State::Ready { .. }) {
+            *state = State::Idle { last_error: None };
         }
     }
 
     /// Drops the connection of `generation` after an error that broke it.
     pub(crate) fn invalidate(&self, generation: u64) {
-        let mut slot = self.lock();
-        if matches!(&*slot, Slot::Ready { generation: g, .. } if *g == generation) {
-            *slot = Slot::Idle { last_error: None };
+        let mut state = self.lock();
+        if matches!(&*state, State::Ready { generation: g, .. } if *g == generation) {
+            *state = State::Idle { last_error: None };
         }
     }
 }
 
 /// A connection attempt's task. Dropped, it wakes the calls waiting for the attempt; dropped
-/// before the attempt ended (its runtime shut down), it first puts the slot back to idle, so
+/// before the attempt ended (its runtime shut down), it first puts the state back to idle, so
 /// that the next call starts a new attempt instead of waiting for this one forever.
 struct Attempt {
     connector: Arc<Connector>,
@@ -242,25 +247,11 @@ struct Attempt {
 impl Drop for Attempt {
     fn drop(&mut self) {
         {
-            let mut slot = self.connector.lock();
-            if matches!(&*slot, Slot::Connecting(n) if Arc::ptr_eq(n, &self.notify)) {
-                *slot = Slot::Idle { last_error: None };
+            let mut state = self.connector.lock();
+            if matches!(&*state, State::Connecting(n) if Arc::ptr_eq(n, &self.notify)) {
+                *state = State::Idle { last_error: None };
             }
         }
         self.notify.notify_waiters();
     }
-}
-
-/// Whether an error means the connection itself is broken and must be replaced.
-///
-/// `READONLY` is one of them: the server was demoted to a replica (a Sentinel failover) and
-/// the connection to it still works, so nothing else would ever move the backend to the new
-/// master. Replacing it makes the next call look the master up again.
-pub(crate) fn breaks_connection(e: &RedisError) -> bool {
-    e.kind() == ErrorKind::Server(ServerErrorKind::ReadOnly)
-        || e.is_io_error()
-        || e.is_connection_dropped()
-        || e.is_connection_refusal()
-        || e.is_unrecoverable_error()
-        || e.kind() == redis::ErrorKind::ClusterConnectionNotFound
 }

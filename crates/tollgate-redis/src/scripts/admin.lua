@@ -1,0 +1,29 @@
+
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local function fmt(x) return string.format('%d', x) end
+local op, alg, period, key = ARGV[1], ARGV[2], tonumber(ARGV[3]), KEYS[1]
+if alg == 'window' then
+  local i = math.floor(now / period)
+  if i * period > now then i = i - 1 elseif (i + 1) * period <= now then i = i + 1 end
+  local k = i - tonumber(ARGV[4]) + 1
+  if k < 1 or k > 3 then
+    return redis.error_reply('TOLLGATE_WINDOW ' .. fmt(now))
+  end
+  if op == 'reset' then
+    redis.call('DEL', KEYS[k], KEYS[k + 1])
+    return {fmt(now)}
+  end
+  return {fmt(now), redis.call('GET', KEYS[k])}
+end
+if op == 'reset' then
+  redis.call('DEL', key)
+  return {fmt(now)}
+end
+if alg == 'log' then
+  return {fmt(now), redis.call('ZRANGEBYSCORE', key, '(' .. fmt(now - period), '+inf', 'WITHSCORES')}
+end
+if alg == 'slots' then
+  return {fmt(now), redis.call('ZCOUNT', key, '(' .. fmt(now), '+inf')}
+end
+return {fmt(now), redis.call('GET', key)}

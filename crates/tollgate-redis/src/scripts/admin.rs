@@ -1,0 +1,161 @@
+//! `admin.lua`: one key's state read without consuming (`peek`), or deleted (`reset`), with
+//! the server's `TIME`, so that the figures are the ones the next `CHECK` would compute.
+
+use redis::Value;
+use tollgate_core::algorithm::{self, WindowState};
+use tollgate_core::{
+    Algorithm, BackendError, BackendErrorKind, Check, KeyState, Limit, Micros, Quota,
+};
+
+use crate::keys::{BaseKey, Suffix};
+
+/// `KEYS[1]`: the key; for a fixed window, `KEYS[1..4]` are the windows `ARGV[4]` to
+/// `ARGV[4] + 3` (the client's estimate of the server's window, less one, and the next three:
+/// the script touches only keys it is given). `ARGV`: `peek` or `reset`, the algorithm (`gcra`,
+/// `window`, `log`, `slots`), the period in microseconds, the first window's index. Answers the
+/// server's time, then for a peek what it read: a GCRA value, a window's count, a log's
+/// scores, the slots held. A fixed window whose current window is not among those given
+/// answers the error `TOLLGATE_WINDOW <now>`.
+pub(crate) const ADMIN: &str = include_str!("admin.lua");
+
+/// The `EVAL` of `op` (`peek` or `reset`) on `limit`'s key under `base`, whose fixed windows
+/// are declared for the server's time `server_now` (the client's estimate).
+///
+/// # Errors
+///
+/// `Unsupported` for an algorithm the script does not know.
+pub(crate) fn command(
+    op: &str,
+    base: &BaseKey,
+    algorithm: Algorithm,
+    quota: &Quota,
+    server_now: Micros,
+) -> Result<redis::Cmd, BackendError> {
+    let (key, alg) = match algorithm {
+        Algorithm::Gcra => (base.clone().with(Suffix::Tat), "gcra"),
+        Algorithm::FixedWindow => (base.clone(), "window"),
+        Algorithm::SlidingLog => (base.clone().with(Suffix::Log), "log"),
+        Algorithm::Concurrency => (base.clone().with(Suffix::Slots), "slots"),
+        _ => return Err(tollgate_core::unsupported("redis", op)),
+    };
+    let period = quota.period_micros();
+    let mut cmd = redis::cmd("EVAL");
+    cmd.arg(ADMIN);
+    // A fixed window declares the windows its script may touch, as `CHECK` does.
+    let first = (server_now / period).saturating_sub(1);
+    if alg == "window" {
+        cmd.arg(4);
+        for i in first..first + 4 {
+            cmd.arg(base.clone().with(Suffix::Window(i)).as_bytes());
+        }
+    } else {
+        cmd.arg(1).arg(key.as_bytes());
+    }
+    cmd.arg(op).arg(alg).arg(period).arg(first);
+    Ok(cmd)
+}
+
+/// What a check of one unit of `limit` for `key` under `quota` would find, from a `peek`'s
+/// `reply`.
+///
+/// # Errors
+///
+/// `Protocol` for a reply that is not what the script answers.
+pub(crate) fn key_state(
+    limit: &Limit,
+    key: &[u8],
+    quota: &Quota,
+    reply: &Value,
+) -> Result<KeyState, BackendError> {
+    let (now, state) = split(reply)?;
+    let probe = Check::new(limit, key).with_quota(*quota);
+    let verdict = match limit.algorithm() {
+        Algorithm::Gcra => {
+            let Some(value) = text(state) else {
+                return Ok(KeyState::fresh(quota));
+            };
+            let (tat, from) = parse_tat(&value)?;
+            let tat = algorithm::gcra_carry(tat, now, from, quota.emission_interval());
+            algorithm::gcra(quota, Some(tat), now, 1).0
+        }
+        Algorithm::FixedWindow => {
+            let Some(count) = text(state) else {
+                return Ok(KeyState::fresh(quota));
+            };
+            let count = count
+                .parse::<u64>()
+                .map_err(|_| protocol("a window's count"))?;
+            let window = WindowState {
+                window_end: algorithm::window_end(quota, now),
+                count,
+            };
+            algorithm::fixed_window(quota, Some(window), now, 1).0
+        }
+        Algorithm::SlidingLog => {
+            let Value::Array(items) = state else {
+                return Err(protocol("a sliding log"));
+            };
+            let mut log = Vec::with_capacity(items.len() / 2);
+            for score in items.iter().skip(1).step_by(2) {
+                let score = text(score).ok_or_else(|| protocol("a log's score"))?;
+                let at = score
+                    .parse::<f64>()
+                    .map_err(|_| protocol("a log's score"))?;
+                log.push(at as Micros);
+            }
+            if log.is_empty() {
+                return Ok(KeyState::fresh(quota));
+            }
+            algorithm::sliding_log(quota, &log, now, 1).0
+        }
+        Algorithm::Concurrency => {
+            let Value::Int(held) = state else {
+                return Err(protocol("a count of slots"));
+            };
+            let held = u32::try_from(*held).unwrap_or(u32::MAX);
+            let busy = limit.busy_retry_after_micros();
+            algorithm::concurrency(quota, held, 1, busy).0
+        }
+        _ => return Err(tollgate_core::unsupported("redis", "peek")),
+    };
+    Ok(KeyState::from_probe(&probe, verdict))
+}
+
+fn split(reply: &Value) -> Result<(Micros, &Value), BackendError> {
+    let Value::Array(items) = reply else {
+        return Err(protocol("the reply"));
+    };
+    let now = items
+        .first()
+        .and_then(text)
+        .and_then(|t| t.parse::<Micros>().ok())
+        .ok_or_else(|| protocol("the server's time"))?;
+    Ok((now, items.get(1).unwrap_or(&Value::Nil)))
+}
+
+fn text(value: &Value) -> Option<String> {
+    match value {
+        Value::BulkString(bytes) => String::from_utf8(bytes.clone()).ok(),
+        Value::SimpleString(s) => Some(s.clone()),
+        Value::Int(n) => Some(n.to_string()),
+        _ => None,
+    }
+}
+
+/// A GCRA value `<tat>:<interval>`.
+fn parse_tat(value: &str) -> Result<(Micros, Micros), BackendError> {
+    let (tat, interval) = value
+        .split_once(':')
+        .ok_or_else(|| protocol("a GCRA value"))?;
+    match (tat.parse(), interval.parse()) {
+        (Ok(tat), Ok(interval)) => Ok((tat, interval)),
+        _ => Err(protocol("a GCRA value")),
+    }
+}
+
+fn protocol(what: &str) -> BackendError {
+    BackendError::new(
+        BackendErrorKind::Protocol,
+        format!("cannot read {what} from Redis"),
+    )
+}

@@ -1,0 +1,214 @@
+
+-- tollgate_core::algorithm::gcra_carry: now + ceil((tat - now) / from) * to, at most
+-- MAX_PERIOD ahead. Every figure below 2^53 is exact; a product above the cap may round, but
+-- never to the other side of it.
+local MAX_AHEAD = 3155760000000000
+local function carry(tat, from, to)
+  if (not tat) or tat <= now or from == to or from == 0 then return tat end
+  local d = tat - now
+  local used = idiv(d, from)
+  if used * from < d then used = used + 1 end
+  local ahead = used * to
+  if ahead > MAX_AHEAD then ahead = MAX_AHEAD end
+  return now + ahead
+end
+local limits = {}
+local a = 3
+for l = 1, tonumber(ARGV[2]) do
+  local algo, p1, p2, p3 = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]),
+    tonumber(ARGV[a + 3])
+  if algo == 2 then
+    -- The client declared the keys of its current window (index p3) and the next; before
+    -- anything is written, the window that holds now must be one of them.
+    local shift = idiv(now, p1) - p3
+    if shift ~= 0 and shift ~= 1 then
+      return redis.error_reply('TOLLGATE_WINDOW ' .. fmt(now))
+    end
+    p3 = shift
+  end
+  limits[l] = {algo, p1, p2, p3}
+  a = a + 4
+end
+-- The requests: sizes, check numbers and key numbers, decoded in one call.
+local packed = ARGV[a]
+local figures = #packed / 8
+local fig = {struct.unpack('<' .. string.rep('d', figures), packed)}
+local i = 1
+-- The reply, and the index of its last figure.
+local out, o = {now}, 1
+-- The state of every GCRA and fixed-window key this call touched, read once and written once
+-- at the end: requests that share a key (a hot client, a tenant) cost one GET and one write
+-- per call, not per request. `false` stands for a key with no state. `written` lists the keys
+-- to write, in order; `ttl` holds a written window's TTL, `false` a GCRA key's.
+local state, first, written, ttl = {}, {}, {}, {}
+-- The emission interval each GCRA key's TAT in `state` is counted in.
+local t_of = {}
+-- The slots held per concurrency key, counted at its first check in the call.
+local in_flight = {}
+local function read(key, missing)
+  local v = state[key]
+  if v == nil then
+    v = tonumber(redis.call('GET', key) or '') or missing
+    state[key], first[key] = v, v
+  end
+  return v
+end
+-- What each admitting check of the current request would write: algorithm, key, value, TTL
+-- (of a window), and where a sliding log's reply takes the sequence number the write makes.
+local w_algo, w_key, w_val, w_ttl, w_seq = {}, {}, {}, {}, {}
+while i <= figures do
+  local n = fig[i]
+  i = i + 1
+  o = o + 1
+  local head = o
+  out[head] = 0
+  local admits = true
+  for j = 1, n do
+    w_algo[j] = 0
+    local code, k = fig[i], fig[i + 1]
+    local key = KEYS[k]
+    i = i + 2
+    local l = code % 1024
+    code = (code - l) / 1024
+    local enforce = code % 2 == 1
+    local cost = (code - code % 2) / 2
+    local limit = limits[l + 1]
+    local algo, p1, p2, p3 = limit[1], limit[2], limit[3], limit[4]
+    local status = 0
+    local slot
+    if algo == 4 then
+      -- A concurrency check also carries its request's slot id, in three parts.
+      slot = fmt(fig[i]) .. '-' .. fmt(fig[i + 1]) .. '-' .. fmt(fig[i + 2])
+      i = i + 3
+    end
+
+    if algo == 1 then
+      local interval, burst, tolerance = p1, p3, p2
+      local tat = state[key]
+      if tat == nil then
+        tat, t_of[key] = read_tat(key)
+        state[key], first[key] = tat, tat
+      end
+      -- Written under another quota (a plan, a reload): carry what the key used.
+      tat = carry(tat, t_of[key], interval)
+      local base = now
+      if tat and tat > now then base = tat end
+      local new_tat = base + interval * cost
+      if cost > burst then
+        status = 2
+      elseif new_tat - now > tolerance then
+        status = 1
+      else
+        w_algo[j], w_key[j], w_val[j], w_ttl[j] = 1, key, new_tat, interval
+      end
+      out[o + 1], out[o + 2] = status, tat or 0
+      o = o + 2
+
+    elseif algo == 2 then
+      local period, limit = p1, p2
+      local index = idiv(now, period)
+      local wkey = KEYS[k + p3]
+      local count = read(wkey, 0)
+      if cost > limit then
+        status = 2
+      elseif count + cost > limit then
+        status = 1
+      else
+        w_algo[j], w_key[j], w_val[j], w_ttl[j] = 2, wkey, cost, (index + 1) * period - now
+      end
+      out[o + 1], out[o + 2] = status, count
+      o = o + 2
+
+    elseif algo == 3 then
+      local period, limit = p1, p2
+      local remaining, reset, retry = 0, 0, 0
+      local log = key
+      -- An entry at t counts while t + period > now.
+      local oldest = fmt(now - period)
+      local count = redis.call('ZCOUNT', log, '(' .. oldest, '+inf')
+      if limit > count then remaining = limit - count end
+      if count > 0 then
+        local newest = redis.call('ZRANGE', log, -1, -1, 'WITHSCORES')
+        reset = tonumber(newest[2]) + period - now
+      end
+      if cost > limit then
+        status = 2
+      elseif count + cost > limit then
+        local nth = redis.call('ZRANGEBYSCORE', log, '(' .. oldest, '+inf', 'WITHSCORES',
+          'LIMIT', count + cost - limit - 1, 1)
+        status, retry = 1, tonumber(nth[2]) + period - now
+      else
+        remaining, reset = limit - count - cost, period
+        w_algo[j], w_key[j], w_val[j], w_ttl[j], w_seq[j] = 3, k, cost, period, o + 5
+      end
+      out[o + 1], out[o + 2], out[o + 3], out[o + 4], out[o + 5] = status, remaining, reset, retry, 0
+      o = o + 5
+
+    elseif algo == 4 then
+      local ttl, limit = p1, p2
+      -- The slots held: a slot's score is its deadline, and one past it is gone (its holder
+      -- crashed, or stopped renewing it). Counted once per call and key, then kept up to date.
+      local held = in_flight[key]
+      if held == nil then
+        redis.call('ZREMRANGEBYSCORE', key, '-inf', fmt(now))
+        held = redis.call('ZCARD', key)
+        in_flight[key] = held
+      end
+      if cost > limit then
+        status = 2
+      elseif held + cost > limit then
+        status = 1
+      else
+        w_algo[j], w_key[j], w_val[j], w_ttl[j] = 4, key, slot, ttl
+      end
+      out[o + 1], out[o + 2] = status, held
+      o = o + 2
+
+    else
+      return redis.error_reply('tollgate: unknown algorithm ' .. tostring(algo))
+    end
+
+    if status ~= 0 and enforce then admits = false end
+  end
+
+  if admits then
+    for j = 1, n do
+      local algo, key = w_algo[j], w_key[j]
+      if algo == 1 then
+        state[key], t_of[key] = w_val[j], w_ttl[j]
+        if ttl[key] == nil then ttl[key] = false; written[#written + 1] = key end
+      elseif algo == 2 then
+        state[key] = state[key] + w_val[j]
+        if ttl[key] == nil then ttl[key] = w_ttl[j]; written[#written + 1] = key end
+      elseif algo == 3 then
+        local cost, period, log, seq_key = w_val[j], w_ttl[j], KEYS[key], KEYS[key + 1]
+        redis.call('ZREMRANGEBYSCORE', log, '-inf', now - period)
+        local last = redis.call('INCRBY', seq_key, cost)
+        -- A unique member per unit (two units in the same microsecond are two entries).
+        log_units('ZADD', log, fmt(now), last - cost + 1, last)
+        redis.call('PEXPIRE', log, ttl_ms(period))
+        redis.call('PEXPIRE', seq_key, ttl_ms(period))
+        out[w_seq[j]] = last
+      elseif algo == 4 then
+        local slot_ttl = w_ttl[j]
+        redis.call('ZADD', key, fmt(now + slot_ttl), w_val[j])
+        redis.call('PEXPIRE', key, ttl_ms(slot_ttl))
+        in_flight[key] = in_flight[key] + 1
+      end
+    end
+    out[head] = 1
+  end
+end
+for i = 1, #written do
+  local key = written[i]
+  local v, window_ttl = state[key], ttl[key]
+  if not window_ttl then
+    -- A GCRA TAT lives until it is in the past.
+    redis.call('SET', key, tat_value(v, t_of[key]), 'PX', ttl_ms(v - now))
+  else
+    -- A window's count: its TTL (the time to the window's turn) is set by its first write.
+    redis.call('INCRBY', key, fmt(v - first[key]))
+    if first[key] == 0 then redis.call('PEXPIRE', key, ttl_ms(window_ttl)) end
+  end
+end
+return struct.pack('<' .. string.rep('d', o), unpack(out, 1, o))

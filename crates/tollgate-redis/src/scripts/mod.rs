@@ -1,0 +1,64 @@
+//! The Lua scripts, one `.lua` file each, and their Rust codecs: what each call sends and
+//! how its reply is read.
+//!
+//! - `check.lua` ([`check`] encodes, [`reply`] decodes): checks and consumes the batches of
+//!   one or more requests, all-or-nothing per request.
+//! - `refund.lua` ([`refund`]): undoes what a `CHECK` wrote (a Redis Cluster batch split over
+//!   several hash slots, one of which refused).
+//! - `settle.lua` ([`settle`]): gives back or charges what a metered check reserved.
+//! - `renew.lua` ([`renew`]): moves a concurrency slot's deadline.
+//! - `admin.lua` ([`admin`]): operators' `peek` and `reset` of one key.
+//!
+//! Every script but `admin.lua` starts with `prelude.lua`: helpers, and `now` (the server's
+//! `TIME`, or `ARGV[1]` when a test fixes it).
+//!
+//! Lua numbers are doubles: every figure here (microseconds since the epoch, about 2^51 today)
+//! is an integer below 2^53 and exact. Lua's own `tostring` and `..` keep only 14 digits, and
+//! Redis formats a number passed to `redis.call` as a double (`%.17g`, slow in the C library),
+//! so numbers that become strings go through `fmt`, an integer format (`%d`, a C `long`).
+
+pub(crate) mod admin;
+pub(crate) mod check;
+pub(crate) mod refund;
+pub(crate) mod renew;
+pub(crate) mod reply;
+pub(crate) mod settle;
+pub(crate) mod slot_id;
+
+/// Helpers and `now`, prepended to every script called by its digest.
+const PRELUDE: &str = include_str!("prelude.lua");
+
+/// A Lua script, called by its SHA-1 with `EVALSHA` (see `Conn::invoke`).
+pub(crate) struct Script {
+    code: String,
+    sha: String,
+}
+
+impl Script {
+    /// The script made of the prelude and `body`.
+    pub(crate) fn new(body: &str) -> Self {
+        let code = format!("{PRELUDE}{body}");
+        let sha = redis::Script::new(&code).get_hash().to_owned();
+        Self { code, sha }
+    }
+
+    /// An `EVALSHA` of this script with `keys` keys, with room for `args` keys and arguments
+    /// of `bytes` bytes in all; the caller adds the keys, then the arguments.
+    pub(crate) fn call(&self, keys: usize, args: usize, bytes: usize) -> redis::Cmd {
+        let mut cmd = redis::Cmd::with_capacity(3 + args, 64 + bytes);
+        cmd.arg("EVALSHA").arg(&self.sha).arg(keys);
+        cmd
+    }
+
+    /// The script's SHA-1, as `EVALSHA` takes it.
+    pub(crate) fn sha(&self) -> &str {
+        &self.sha
+    }
+
+    /// `SCRIPT LOAD` of this script.
+    pub(crate) fn load(&self) -> redis::Cmd {
+        let mut cmd = redis::cmd("SCRIPT");
+        cmd.arg("LOAD").arg(&self.code);
+        cmd
+    }
+}

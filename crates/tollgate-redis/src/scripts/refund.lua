@@ -1,0 +1,30 @@
+
+for i = 1, #KEYS do
+  local a = 2 + (i - 1) * 4
+  local algo = tonumber(ARGV[a])
+  local x, y, z = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
+  local key = KEYS[i]
+  if algo == 1 then
+    local tat, interval = read_tat(key)
+    -- y: the TAT the check left, which a leased key's refund requires (0: any).
+    if tat and (y == 0 or tat == y) then
+      local back = tat - x
+      if back <= now then
+        redis.call('DEL', key)
+      else
+        redis.call('SET', key, tat_value(back, interval), 'PX', ttl_ms(back - now))
+      end
+    end
+  elseif algo == 2 then
+    local wkey = key
+    local count = tonumber(redis.call('GET', wkey) or '')
+    if count ~= nil then
+      if count <= y then redis.call('DEL', wkey) else redis.call('DECRBY', wkey, y) end
+    end
+  elseif algo == 4 then
+    redis.call('ZREM', key, fmt(x) .. '-' .. fmt(y) .. '-' .. fmt(z))
+  elseif algo == 3 then
+    log_units('ZREM', key, fmt(x), y - z + 1, y)
+  end
+end
+return 1

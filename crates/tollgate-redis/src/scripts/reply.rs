@@ -1,0 +1,327 @@
+//! The `CHECK` reply: one string of figures, read into each check's answer.
+
+use tollgate_core::algorithm::{self, WindowState};
+use tollgate_core::{Algorithm, BackendError, BackendErrorKind, Micros, Status, Verdict};
+
+use crate::scripts::check::EncodedCheck;
+
+/// The verdict of a check that was not checked.
+pub(crate) const NOT_CHECKED: Verdict = Verdict {
+    status: Status::NotChecked,
+    remaining: 0,
+    reset: 0,
+};
+
+/// The answer of a check that Redis did not evaluate.
+pub(crate) const UNANSWERED: Answer = Answer {
+    verdict: NOT_CHECKED,
+    extra: 0,
+    at: 0,
+};
+
+/// What `CHECK` answered for one check.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Answer {
+    pub(crate) verdict: Verdict,
+    pub(crate) extra: u64,
+    /// The server's time of the call that answered.
+    pub(crate) at: Micros,
+}
+
+/// A whole `CHECK` reply.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Reply {
+    pub(crate) committed: bool,
+    pub(crate) now: Micros,
+    pub(crate) answers: Vec<Answer>,
+}
+
+/// What a request's batch came to, before its verdicts are finished: whether it was
+/// committed, and each check's answer (from one `CHECK` reply, or from a cluster's several).
+pub(crate) struct Answered {
+    pub(crate) committed: bool,
+    pub(crate) answers: Vec<Answer>,
+}
+
+impl From<Reply> for Answered {
+    fn from(reply: Reply) -> Self {
+        Self {
+            committed: reply.committed,
+            answers: reply.answers,
+        }
+    }
+}
+
+fn protocol(msg: impl Into<String>) -> BackendError {
+    BackendError::new(BackendErrorKind::Protocol, msg)
+}
+
+/// Decodes a `CHECK` reply for one request.
+///
+/// # Errors
+///
+/// [`BackendErrorKind::Protocol`] for anything but the expected figures.
+#[cfg(test)]
+pub(crate) fn parse_reply(
+    value: &redis::Value,
+    batch: &[EncodedCheck],
+) -> Result<Reply, BackendError> {
+    let mut replies = parse_replies(value, &[batch])?;
+    replies.pop().ok_or_else(|| protocol("empty script reply"))
+}
+
+/// The figures of one check's answer in a `CHECK` reply.
+fn answer_len(p: &EncodedCheck) -> usize {
+    match p.algorithm {
+        Algorithm::Gcra | Algorithm::FixedWindow | Algorithm::Concurrency => 2,
+        _ => 5,
+    }
+}
+
+/// Decodes a `CHECK` reply for the requests of `batches`, in order.
+///
+/// A GCRA or fixed-window check's verdict is computed here, by `tollgate_core::algorithm`,
+/// from the state the script read for it; the script's status must agree with it.
+///
+/// # Errors
+///
+/// [`BackendErrorKind::Protocol`] for anything but a string of the expected figures.
+pub(crate) fn parse_replies(
+    value: &redis::Value,
+    batches: &[&[EncodedCheck]],
+) -> Result<Vec<Reply>, BackendError> {
+    let redis::Value::BulkString(bytes) = value else {
+        return Err(protocol(format!("unexpected script reply {value:?}")));
+    };
+    let expected = 1 + batches
+        .iter()
+        .map(|b| 1 + b.iter().map(answer_len).sum::<usize>())
+        .sum::<usize>();
+    if bytes.len() != 8 * expected {
+        return Err(protocol(format!(
+            "script reply of {} bytes where {} figures were expected",
+            bytes.len(),
+            expected
+        )));
+    }
+    let mut figures = bytes.chunks_exact(8).map(|c| {
+        let mut raw = [0u8; 8];
+        raw.copy_from_slice(c);
+        figure(f64::from_le_bytes(raw))
+    });
+    let mut next = || {
+        figures
+            .next()
+            .unwrap_or_else(|| Err(protocol("script reply too short")))
+    };
+    let now = next()?;
+    let mut replies = Vec::with_capacity(batches.len());
+    for batch in batches {
+        let committed = next()? == 1;
+        let mut answers = Vec::with_capacity(batch.len());
+        for p in batch.iter() {
+            let status = next()?;
+            let answer = match p.algorithm {
+                Algorithm::Gcra => {
+                    let tat = Some(next()?).filter(|&t| t != 0);
+                    let (verdict, _) = algorithm::gcra(&p.quota, tat, now, p.cost);
+                    Answer {
+                        verdict,
+                        extra: 0,
+                        at: now,
+                    }
+                }
+                Algorithm::FixedWindow => {
+                    let state = WindowState {
+                        window_end: algorithm::window_end(&p.quota, now),
+                        count: next()?,
+                    };
+                    let (verdict, _) = algorithm::fixed_window(&p.quota, Some(state), now, p.cost);
+                    let extra = algorithm::window_index(&p.quota, now);
+                    Answer {
+                        verdict,
+                        extra,
+                        at: now,
+                    }
+                }
+                Algorithm::Concurrency => {
+                    let held = u32::try_from(next()?).unwrap_or(u32::MAX);
+                    let (verdict, _) =
+                        algorithm::concurrency(&p.quota, held, p.cost, p.busy_retry_after);
+                    Answer {
+                        verdict,
+                        extra: 0,
+                        at: now,
+                    }
+                }
+                _ => {
+                    let [remaining, reset, retry_after, extra] =
+                        [next()?, next()?, next()?, next()?];
+                    let status = match status {
+                        0 => Status::Allowed,
+                        1 => Status::Denied { retry_after },
+                        2 => Status::CostTooHigh,
+                        other => return Err(protocol(format!("unknown status {other} in reply"))),
+                    };
+                    let verdict = Verdict {
+                        status,
+                        remaining,
+                        reset,
+                    };
+                    Answer {
+                        verdict,
+                        extra,
+                        at: now,
+                    }
+                }
+            };
+            if status_code(answer.verdict.status) != status {
+                return Err(protocol(format!(
+                    "the script answered status {status} where {:?} was expected",
+                    answer.verdict.status
+                )));
+            }
+            answers.push(answer);
+        }
+        replies.push(Reply {
+            committed,
+            now,
+            answers,
+        });
+    }
+    Ok(replies)
+}
+
+/// A status as the script writes it.
+fn status_code(status: Status) -> u64 {
+    match status {
+        Status::Allowed => 0,
+        Status::Denied { .. } => 1,
+        Status::CostTooHigh => 2,
+        // No status the script writes.
+        _ => u64::MAX,
+    }
+}
+
+/// A figure of a reply: a whole number of at most 2^53, the range in which Lua is exact.
+fn figure(x: f64) -> Result<u64, BackendError> {
+    const EXACT: f64 = 9_007_199_254_740_992.0; // 2^53
+    if (0.0..=EXACT).contains(&x) && x.fract() == 0.0 {
+        // In range and whole: the conversion is exact.
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        Ok(x as u64)
+    } else {
+        Err(protocol(format!(
+            "figure {x} in reply is not a whole number"
+        )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use redis::Value;
+    use tollgate_core::{Check, Limit, Quota};
+
+    fn packed(figures: &[f64]) -> Value {
+        Value::BulkString(figures.iter().flat_map(|f| f.to_le_bytes()).collect())
+    }
+
+    const NOW: f64 = 1_000_000_000_000.;
+
+    fn prepared(algorithm: Algorithm, cost: u32) -> EncodedCheck {
+        let limit = Limit::new("l", algorithm, Quota::per_minute(5).unwrap()).unwrap();
+        let mut check = Check::new(&limit, b"k");
+        check.cost = cost;
+        EncodedCheck::new(&check, [0; 16]).unwrap()
+    }
+
+    #[test]
+    fn computes_gcra_and_window_verdicts_from_the_state_the_script_read() {
+        let batch = [
+            prepared(Algorithm::Gcra, 1),
+            prepared(Algorithm::FixedWindow, 1),
+            prepared(Algorithm::SlidingLog, 6),
+        ];
+        // now; committed; GCRA allowed on a key never seen; the window refused with its 5
+        // units used; the log: cost too high, 3 left.
+        let figures = [NOW, 1., 0., 0., 1., 5., 2., 3., 0., 0., 0.];
+        let r = parse_reply(&packed(&figures), &batch).unwrap();
+        assert!(r.committed);
+        assert_eq!(r.now, 1_000_000_000_000);
+        let gcra = r.answers[0].verdict;
+        assert_eq!(
+            (gcra.status, gcra.remaining, gcra.reset),
+            (Status::Allowed, 4, 12_000_000)
+        );
+        // The minute's window that holds now ends 20 s later.
+        let window = r.answers[1];
+        assert_eq!(
+            (
+                window.verdict.status,
+                window.verdict.remaining,
+                window.extra
+            ),
+            (
+                Status::Denied {
+                    retry_after: 20_000_000
+                },
+                0,
+                16_666
+            )
+        );
+        assert_eq!(r.answers[2].verdict.status, Status::CostTooHigh);
+        assert_eq!(r.answers[2].verdict.remaining, 3);
+
+        // A TAT 40 s ahead leaves 1 unit, then none.
+        let ahead = [NOW, 1., 0., NOW + 40e6, 1., 5., 2., 3., 0., 0., 0.];
+        let gcra = parse_reply(&packed(&ahead), &batch).unwrap().answers[0].verdict;
+        assert_eq!((gcra.remaining, gcra.reset), (0, 52_000_000));
+    }
+
+    #[test]
+    fn a_status_that_disagrees_with_the_state_is_a_protocol_error() {
+        let batch = [prepared(Algorithm::Gcra, 1)];
+        assert!(parse_reply(&packed(&[NOW, 1., 0., 0.]), &batch).is_ok());
+        // Refused, on a key never seen.
+        assert!(parse_reply(&packed(&[NOW, 1., 1., 0.]), &batch).is_err());
+        // Allowed, with the bucket full for the next 60 s.
+        assert!(parse_reply(&packed(&[NOW, 1., 0., NOW + 60e6]), &batch).is_err());
+        let log = [prepared(Algorithm::SlidingLog, 1)];
+        assert!(parse_reply(&packed(&[NOW, 1., 3., 0., 0., 0., 0.]), &log).is_err());
+    }
+
+    #[test]
+    fn only_whole_figures_of_the_expected_number_are_read() {
+        let batch = [prepared(Algorithm::Gcra, 1)];
+        assert!(parse_reply(&packed(&[NOW, 1., 0.]), &batch).is_err());
+        assert!(parse_reply(&packed(&[NOW, 1., 0., 0., 0.]), &batch).is_err());
+        assert!(parse_reply(&Value::Nil, &[]).is_err());
+        assert!(parse_reply(&packed(&[-1., 0.]), &[]).is_err());
+        assert!(parse_reply(&packed(&[0.5, 0.]), &[]).is_err());
+        assert!(parse_reply(&packed(&[f64::NAN, 0.]), &[]).is_err());
+        assert!(parse_reply(&packed(&[2f64.powi(54), 0.]), &[]).is_err());
+        assert_eq!(
+            parse_reply(&packed(&[2f64.powi(53), 0.]), &[]).unwrap().now,
+            1 << 53
+        );
+        assert!(parse_reply(&Value::BulkString(vec![0; 15]), &[]).is_err());
+    }
+
+    #[test]
+    fn parses_the_reply_of_several_requests() {
+        let one = [prepared(Algorithm::Gcra, 1)];
+        let two = [prepared(Algorithm::Gcra, 6), prepared(Algorithm::Gcra, 1)];
+        // A committed request of one check, a refused one of two (the first costs too much).
+        let v = packed(&[NOW, 1., 0., 0., 0., 2., 0., 0., 0.]);
+        let r = parse_replies(&v, &[&one, &two]).unwrap();
+        assert_eq!(r.len(), 2);
+        assert!(r[0].committed && !r[1].committed);
+        assert_eq!((r[0].now, r[1].now), (1_000_000_000_000, 1_000_000_000_000));
+        assert_eq!(r[0].answers[0].verdict.remaining, 4);
+        assert_eq!(r[1].answers[0].verdict.status, Status::CostTooHigh);
+        assert_eq!(r[1].answers[1].verdict.status, Status::Allowed);
+        assert!(parse_replies(&v, &[&two, &one]).is_err());
+        assert!(parse_replies(&v, &[&one]).is_err());
+    }
+}

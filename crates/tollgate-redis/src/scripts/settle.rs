@@ -1,0 +1,135 @@
+//! `settle.lua`: what admitted checks reserved, given back or charged to what they cost.
+
+use tollgate_core::{Algorithm, BackendError, Check, Micros, Settlement};
+
+use std::sync::LazyLock;
+
+use crate::keys::{self, Suffix};
+use crate::scripts::check::EncodedCheck;
+use crate::scripts::Script;
+
+/// Settles checks admitted earlier: gives back or consumes the difference between what each
+/// reserved and what it should have cost (see `tollgate_core::Settlement` for each algorithm).
+///
+/// `KEYS`: per settlement, its key (a GCRA TAT at `<base>:v2`, a fixed window's
+/// `<base>:<index>`), or two for
+/// a sliding log (`<base>:log`, `<base>:seq`). `ARGV[1]`: `now` or empty, as for `CHECK`.
+/// `ARGV[2 + 7 (i - 1) ..]`: per settlement: algorithm, refund, charge, then GCRA: interval,
+/// the most the TAT may run ahead of now, the TAT a refund requires (0: any; a lease's
+/// give-back applies only while the TAT is still the one its take left), 0; fixed window: the end of its window, 0, 0, 0;
+/// sliding log: the stamp of its units, their last sequence number, the period, the most
+/// units the log may hold. Refunds and charges are cut in the client so that every product
+/// here stays an exact integer.
+pub(crate) const SETTLE: &str = include_str!("settle.lua");
+
+/// The script: the prelude and [`SETTLE`], loaded once per process.
+pub(crate) fn script() -> &'static Script {
+    static SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(SETTLE));
+    &SCRIPT
+}
+
+/// One settlement, ready for `SETTLE`.
+#[derive(Debug, Clone)]
+pub(crate) struct Settling {
+    pub(crate) check: EncodedCheck,
+    /// The keys it touches, after the base key: one, or two for a sliding log.
+    pub(crate) suffixes: [Option<Suffix>; 2],
+    pub(crate) args: [u64; 7],
+    /// Whether it gives units back (and so clears a cached denial of its key).
+    pub(crate) refunds: bool,
+}
+
+impl Settling {
+    /// `s` encoded; a GCRA refund with `only_at` above 0 applies only while the key's TAT is
+    /// exactly `only_at` (a lease's give-back: see `lease`).
+    pub(crate) fn new(s: &Settlement<'_>, only_at: Micros) -> Result<Option<Self>, BackendError> {
+        // A concurrency slot is one request: nothing to settle.
+        if s.actual == s.reserved || s.limit.algorithm() == Algorithm::Concurrency {
+            return Ok(None);
+        }
+        let digest = keys::digest(s.limit.name(), s.key);
+        let check = EncodedCheck::new(
+            &Check::new(s.limit, s.key)
+                .with_cost(s.reserved)
+                .with_quota(s.quota),
+            digest,
+        )?;
+        // The quota the check was made under (its plan's), never the limit's default.
+        let quota = &s.quota;
+        let refund = u64::from(s.reserved.saturating_sub(s.actual));
+        let charge = u64::from(s.actual.saturating_sub(s.reserved));
+        let (suffixes, args) = match s.limit.algorithm() {
+            Algorithm::Gcra => {
+                // Past twice the burst, a refund empties any TAT and a charge meets the cap:
+                // cut there, every product in the script stays exact.
+                let most = 2 * u64::from(quota.burst());
+                let interval = quota.emission_interval();
+                let cap = 2 * interval * u64::from(quota.burst());
+                (
+                    [Some(Suffix::Tat), None],
+                    [
+                        1,
+                        refund.min(most),
+                        charge.min(most),
+                        interval,
+                        cap,
+                        only_at,
+                        0,
+                    ],
+                )
+            }
+            Algorithm::FixedWindow => {
+                let period = quota.period_micros();
+                let Some(index) = (s.receipt.mark / period).checked_sub(1) else {
+                    return Ok(None);
+                };
+                let most = u64::from(quota.limit()).saturating_mul(2);
+                (
+                    [Some(Suffix::Window(index)), None],
+                    [2, refund, charge.min(most), s.receipt.mark, 0, 0, 0],
+                )
+            }
+            _ => {
+                let limit = u64::from(quota.limit());
+                (
+                    [Some(Suffix::Log), Some(Suffix::Seq)],
+                    [
+                        3,
+                        refund.min(u64::from(s.reserved)),
+                        charge.min(2 * limit),
+                        s.receipt.at,
+                        s.receipt.mark,
+                        quota.period_micros(),
+                        2 * limit,
+                    ],
+                )
+            }
+        };
+        Ok(Some(Self {
+            check,
+            suffixes,
+            args,
+            refunds: refund > 0,
+        }))
+    }
+}
+
+/// `settlements` encoded, those with nothing to settle left out; the `i`-th GCRA refund
+/// applies only while its key's TAT is `only_at[i]` (when given and above 0).
+///
+/// # Errors
+///
+/// As [`EncodedCheck::new`].
+pub(crate) fn encode(
+    settlements: &[Settlement<'_>],
+    only_at: &[Micros],
+) -> Result<Vec<Settling>, BackendError> {
+    settlements
+        .iter()
+        .enumerate()
+        .filter_map(|(i, s)| {
+            let only_at = only_at.get(i).copied().unwrap_or(0);
+            Settling::new(s, only_at).transpose()
+        })
+        .collect()
+}

@@ -1,0 +1,250 @@
+//! The merged-call senders: on a standalone server, the batches of concurrent requests share
+//! one `CHECK` call; in a cluster, those whose keys share a hash slot do (see `coalesce`).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{ready, Context, Poll};
+
+use tokio::sync::oneshot;
+use tokio::time::Instant;
+
+use tollgate_core::{BackendError, BackendErrorKind};
+
+use crate::failure::{overloaded, unavailable};
+use crate::scripts::check::EncodedCheck;
+use crate::scripts::reply::Reply;
+use crate::transport::breaker::Permit;
+use crate::transport::coalesce::{Call, Delivery, Push, Waiter};
+use crate::transport::Transport;
+
+/// A standalone server's check, waiting for the merged call that carries it: queued on its
+/// first poll, then answered by the task sending merged calls, which keeps the deadline (one
+/// timer per call, not one per request) and reports each call once. Written out rather than
+/// an `async fn`, so that a request's wait is part of the backend's future instead of a boxed
+/// future of its own; it holds no transport of its own, but is polled with one.
+pub(crate) struct Merged {
+    deadline: Instant,
+    step: Step,
+}
+
+enum Step {
+    Queue {
+        batch: Vec<EncodedCheck>,
+        permit: Permit,
+    },
+    Wait(oneshot::Receiver<Delivery>),
+    Done,
+}
+
+impl Merged {
+    /// `batch`'s wait for the merged call that will carry it, due by `deadline`.
+    pub(crate) fn new(batch: Vec<EncodedCheck>, permit: Permit, deadline: Instant) -> Self {
+        Self {
+            deadline,
+            step: Step::Queue { batch, permit },
+        }
+    }
+
+    /// Polls the wait: on the first poll, queues the batch on `transport` (starting its
+    /// sending task if none runs).
+    pub(crate) fn poll_on(
+        &mut self,
+        cx: &mut Context<'_>,
+        transport: &Arc<Transport>,
+    ) -> Poll<Result<(Vec<EncodedCheck>, Reply), BackendError>> {
+        loop {
+            match &mut self.step {
+                Step::Queue { .. } => {
+                    let Step::Queue { batch, permit } =
+                        std::mem::replace(&mut self.step, Step::Done)
+                    else {
+                        unreachable!("matched above");
+                    };
+                    let (reply, answer) = oneshot::channel();
+                    let waiter = Waiter {
+                        batch,
+                        reply,
+                        deadline: self.deadline,
+                        permit,
+                    };
+                    match transport.queues().all.push(waiter) {
+                        Push::Waits => {}
+                        Push::StartCaller => {
+                            let task = Unstarted(Some(Arc::clone(transport)));
+                            tokio::spawn(async move { send_merged(task.start()).await });
+                        }
+                        Push::Full => {
+                            return Poll::Ready(Err(overloaded(
+                                "too many rate-limit checks are waiting for Redis",
+                            )))
+                        }
+                    }
+                    self.step = Step::Wait(answer);
+                }
+                Step::Wait(answer) => {
+                    let answer = ready!(Pin::new(answer).poll(cx));
+                    self.step = Step::Done;
+                    return Poll::Ready(
+                        answer.unwrap_or_else(|_| {
+                            Err(unavailable("the rate-limit call was dropped"))
+                        }),
+                    );
+                }
+                Step::Done => {
+                    return Poll::Ready(Err(BackendError::new(
+                        BackendErrorKind::Protocol,
+                        "ResponseFuture polled after completion",
+                    )))
+                }
+            }
+        }
+    }
+}
+
+/// Sends what waits in the standalone queue, one merged call after the other, until nothing
+/// does.
+///
+/// Every request gets its answer by its deadline: one whose deadline passed while it waited is
+/// not sent (so it consumes nothing) and is answered `Overloaded`, a process that could not
+/// send its checks in time, which says nothing of Redis; and a call times out at the earliest
+/// deadline of the requests it carries. Each call is reported to the breaker once, as a probe
+/// if any of its requests holds the probe's permit.
+async fn send_merged(transport: Arc<Transport>) {
+    let mut caller = transport.queues().all.caller();
+    while let Some(call) = caller.next_call(Instant::now()) {
+        send_call(&transport, call).await;
+    }
+}
+
+/// Queues `batch`, whose keys are all in `hash_slot`, for that hash slot's next merged call
+/// now, and returns the wait for its answer: a request in several hash slots queues each group
+/// at once, with no task of its own.
+pub(crate) fn queue_in_hash_slot(
+    transport: &Arc<Transport>,
+    hash_slot: u16,
+    batch: Vec<EncodedCheck>,
+    deadline: Instant,
+    permit: Permit,
+) -> impl Future<Output = Result<(Vec<EncodedCheck>, Reply), BackendError>> + Send + 'static {
+    let (reply, answer) = tokio::sync::oneshot::channel();
+    let waiter = Waiter {
+        batch,
+        reply,
+        deadline,
+        permit,
+    };
+    let queued = match transport.queues().by_hash_slot.push(hash_slot, waiter) {
+        Push::Waits => Ok(()),
+        Push::StartCaller => {
+            let task = UnstartedHashSlot(Some(Arc::clone(transport)), hash_slot);
+            tokio::spawn(async move {
+                let (transport, hash_slot) = task.start();
+                send_hash_slot_merged(transport, hash_slot).await
+            });
+            Ok(())
+        }
+        Push::Full => Err(overloaded(
+            "too many rate-limit checks are waiting for Redis",
+        )),
+    };
+    async move {
+        queued?;
+        let answer = answer.await;
+        answer.unwrap_or_else(|_| Err(unavailable("the rate-limit call was dropped")))
+    }
+}
+
+/// Sends what waits for `hash_slot`, one merged call after the other, until nothing does; as
+/// [`send_merged`]. The cluster client routes each call by its keys' hash slot and follows
+/// `MOVED` and `ASK` for it alone (a redirected script did not run), and the calls of all hash
+/// slots bound for one node share its connection: those sent while the connection writes go
+/// out in one write, and their answers come back in one read.
+async fn send_hash_slot_merged(transport: Arc<Transport>, hash_slot: u16) {
+    let mut caller = transport.queues().by_hash_slot.caller(hash_slot);
+    while let Some(call) = caller.next_call(Instant::now()) {
+        send_call(&transport, call).await;
+    }
+}
+
+/// One merged call: its late requests answered `Overloaded`, the others sent together by the
+/// earliest of their deadlines, and the call reported once.
+async fn send_call(transport: &Transport, call: Call) {
+    for late in call.late {
+        let _ = late.reply.send(Err(overloaded(format!(
+            "the rate-limit check waited {:?} for a call to Redis, and was not sent",
+            transport.deadline()
+        ))));
+    }
+    let waiters = call.send;
+    let carried = waiters.len();
+    let Some(deadline) = waiters.iter().map(|w| w.deadline).min() else {
+        return;
+    };
+    let permit = Permit::any(waiters.iter().map(|w| w.permit));
+    let batches: Vec<&[EncodedCheck]> = waiters.iter().map(|w| w.batch.as_slice()).collect();
+    let call = transport.eval_checks(&batches, None);
+    let result = transport.until(deadline, call, "from Redis").await;
+    transport.report(result.as_ref().map(|_| ()), permit);
+    match result {
+        Ok(replies) => {
+            for (w, reply) in waiters.into_iter().zip(replies) {
+                let _ = w.reply.send(Ok((w.batch, reply)));
+            }
+        }
+        Err(e) => {
+            for w in waiters {
+                let _ = w.reply.send(Err(e.clone()));
+            }
+        }
+    }
+    // Under concurrent load (this call carried several requests), let the tasks that are
+    // ready run before the next call is taken: the requests that arrived during the round
+    // trip join it instead of following one by one. A lone request never waits for this.
+    if carried > 1 {
+        tokio::task::yield_now().await;
+    }
+}
+
+/// A sending task that has not run yet. [`Push::StartCaller`] counted it as started; dropped
+/// before it first runs (its runtime shutting down), it counts itself out, so that the next
+/// request starts a new one instead of waiting, unanswered, for one that never runs.
+struct Unstarted(Option<Arc<Transport>>);
+
+impl Unstarted {
+    fn start(mut self) -> Arc<Transport> {
+        match self.0.take() {
+            Some(transport) => transport,
+            None => unreachable!("a task starts once"),
+        }
+    }
+}
+
+impl Drop for Unstarted {
+    fn drop(&mut self) {
+        if let Some(transport) = self.0.take() {
+            // A caller dropped before it is told to stop counts itself out.
+            drop(transport.queues().all.caller());
+        }
+    }
+}
+
+/// As [`Unstarted`], for the task of one hash slot.
+struct UnstartedHashSlot(Option<Arc<Transport>>, u16);
+
+impl UnstartedHashSlot {
+    fn start(mut self) -> (Arc<Transport>, u16) {
+        match self.0.take() {
+            Some(transport) => (transport, self.1),
+            None => unreachable!("a task starts once"),
+        }
+    }
+}
+
+impl Drop for UnstartedHashSlot {
+    fn drop(&mut self) {
+        if let Some(transport) = self.0.take() {
+            drop(transport.queues().by_hash_slot.caller(self.1));
+        }
+    }
+}
