@@ -12,7 +12,8 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 use tollgate_core::{
-    AdminFuture, Backend, BackendError, Check, KeyState, Limit, Micros, Settlement, MAX_CHECKS,
+    AdminFuture, Backend, BackendError, Check, KeyState, Lifecycle, Limit, Micros, Settlement,
+    MAX_CHECKS,
 };
 
 use crate::admin::{Admin, OwnedCheck};
@@ -273,11 +274,20 @@ impl Backend for RedisBackend {
         BACKEND
     }
 
-    /// Drops the local deny cache's denials of `limit`, so that a raised quota is seen at once.
-    fn forget_denials(&self, limit: &str) {
-        self.inner.checks.deny().forget_limit(limit);
+    fn slots(&self) -> Option<&dyn tollgate_core::Slots> {
+        Some(self)
     }
 
+    fn admin(&self) -> Option<&dyn tollgate_core::Admin> {
+        Some(self)
+    }
+
+    fn lifecycle(&self) -> Option<&dyn Lifecycle> {
+        Some(self)
+    }
+}
+
+impl tollgate_core::Slots for RedisBackend {
     /// `ZREM`s each slot in the background (retried while Redis fails, until the slot would
     /// have expired anyway).
     fn release(&self, checks: &[Check<'_>]) {
@@ -298,10 +308,12 @@ impl Backend for RedisBackend {
 
     /// Slots expire one slot lifetime (the concurrency limit's period) after they were taken
     /// or last renewed, so that a crashed replica cannot hold them.
-    fn slots_expire(&self) -> bool {
+    fn expire(&self) -> bool {
         true
     }
+}
 
+impl tollgate_core::Admin for RedisBackend {
     /// One `EVAL` that reads the key with the server's `TIME`; writes nothing.
     fn peek(&self, check: &Check<'_>) -> AdminFuture<KeyState> {
         let inner = Arc::clone(&self.inner);
@@ -317,7 +329,9 @@ impl Backend for RedisBackend {
         let check = OwnedCheck::of(check);
         Box::pin(async move { inner.reset(check).await })
     }
+}
 
+impl Lifecycle for RedisBackend {
     /// Gives back the unused units of every leased slice (one `SETTLE` refund each) and takes
     /// no more slices; resolves when Redis has answered, or could not.
     fn shutdown(&self) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> {

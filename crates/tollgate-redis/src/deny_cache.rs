@@ -74,8 +74,6 @@ struct Entry {
     /// made: a hit increments it under the shard's lock it already holds, with no registry
     /// lookup.
     hits: Counter,
-    /// The entry's limit, so that a change of its quotas drops its denials.
-    limit: Arc<str>,
     /// The quota the denial was made under: a request of the same key under another quota
     /// (another plan) asks Redis.
     quota: Quota,
@@ -134,21 +132,6 @@ impl DenyCache {
     pub(crate) fn forget(&self, digest: &KeyDigest) {
         if self.per_shard > 0 {
             self.shard(digest).remove(digest);
-        }
-    }
-
-    /// Drops every denial of `limit`: its quotas changed, and a denial seen under the old ones
-    /// may no longer stand. Visits every shard; it runs when limits are reloaded, never on a
-    /// request.
-    pub(crate) fn forget_limit(&self, limit: &str) {
-        if self.per_shard == 0 {
-            return;
-        }
-        for shard in self.shards.iter() {
-            shard
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .retain(|_, e| &*e.limit != limit);
         }
     }
 
@@ -219,7 +202,6 @@ impl DenyCache {
         let denied_until = now + Duration::from_micros(retry_after);
         let mut entry = Entry {
             hits: Counter::noop(),
-            limit: Arc::clone(limit),
             quota: *quota,
             until: denied_until.min(now + self.ttl),
             denied_until,
@@ -456,23 +438,15 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn forgetting_a_limit_drops_its_denials_only() {
+    async fn a_denial_stands_only_under_the_quota_it_was_made_under() {
         let cache = DenyCache::new(100, Duration::from_millis(50), Duration::from_secs(3600));
-        let other: Arc<str> = "other".into();
-        let (a, b, c) = ([1u8; 16], [2u8; 16], [3u8; 16]);
+        let a = [1u8; 16];
         cache.insert(&a, &limit(), &q(), 1, Some(0), &denied(1_000_000));
-        cache.insert(&b, &limit(), &q(), 1, Some(0), &denied(1_000_000));
-        cache.insert(&c, &other, &q(), 1, Some(0), &denied(1_000_000));
-        assert_eq!(cache.len(), 3);
-        cache.forget_limit(&limit());
-        assert_eq!(cache.len(), 1);
-        // A request under another quota (another plan) is not answered by a denial made
-        // under the first.
+        // A request under another quota (another plan, or a reload that changed the quota)
+        // is not answered by a denial made under the first: it asks Redis.
         let pro = Quota::per_minute(50).unwrap();
-        assert_eq!(cache.lookup(&c, 1, &pro), Lookup::Miss);
-        assert_eq!(cache.lookup(&a, 1, &q()), Lookup::Miss);
-        assert_eq!(cache.lookup(&b, 1, &q()), Lookup::Miss);
-        assert!(cache.lookup(&c, 1, &q()).denial().is_some());
+        assert_eq!(cache.lookup(&a, 1, &pro), Lookup::Miss);
+        assert!(cache.lookup(&a, 1, &q()).denial().is_some());
     }
 
     #[tokio::test(start_paused = true)]
