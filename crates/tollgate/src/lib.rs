@@ -94,12 +94,15 @@ mod canary;
 mod decision;
 #[cfg(feature = "axum")]
 mod extract;
+mod fields;
 mod grpc;
 mod layer;
 mod limits_file;
 mod metrics;
 mod plan;
-mod response;
+mod problem;
+mod refusal_cache;
+mod rejection;
 
 /// The parts that know nothing of HTTP: quotas, algorithms, clocks, backends.
 pub use tollgate_core as core;
@@ -117,7 +120,7 @@ pub use layer::{
 };
 pub use limits_file::{LimitsFile, LimitsFileError};
 pub use plan::Plan;
-pub use response::{Rejection, RejectionKind};
+pub use rejection::{Rejection, RejectionKind};
 pub use tollgate_core::{
     Algorithm, FailurePolicy, FakeClock, Limit, MemoryBackend, MissingKeyPolicy, Quota, SystemClock,
 };

@@ -21,7 +21,7 @@ use crate::key::{
     Cidr, ClientIp, ForwardedHeader, Global, Identity, KeyExtractor, Principal, PrincipalId,
     Tenant, TrustedProxies,
 };
-use crate::layer::{Limits, RateLimitLayer};
+use crate::layer::Limits;
 
 type MakeKey = Arc<dyn Fn() -> Box<dyn KeyExtractor> + Send + Sync>;
 
@@ -378,30 +378,6 @@ fn ip_key(ip: &IpSpec) -> Result<ClientIp, String> {
         key = key.ipv6_prefix(bits).map_err(|e| e.to_string())?;
     }
     Ok(key)
-}
-
-impl RateLimitLayer {
-    /// A layer counting in memory with the limits of a TOML text (no principal bound; use
-    /// [`LimitsFile`] and [`RateLimitLayerBuilder::limits`](crate::RateLimitLayerBuilder::limits)
-    /// for principals or another backend).
-    ///
-    /// # Errors
-    ///
-    /// As [`LimitsFile::parse`].
-    pub fn from_toml_str(text: &str) -> Result<Self, LimitsFileError> {
-        let limits = LimitsFile::new().parse(text)?;
-        Ok(RateLimitLayer::builder().limits(limits).build()?)
-    }
-
-    /// As [`RateLimitLayer::from_toml_str`], reading the file at `path`.
-    ///
-    /// # Errors
-    ///
-    /// As [`LimitsFile::read`].
-    pub fn from_toml_file(path: impl AsRef<Path>) -> Result<Self, LimitsFileError> {
-        let limits = LimitsFile::new().read(path)?;
-        Ok(RateLimitLayer::builder().limits(limits).build()?)
-    }
 }
 
 /// A mistake in a file, where it is: what `parse` turns into a [`LimitsFileError`].

@@ -1,3 +1,5 @@
+//! [`ResponseFuture`]: a request's way from its backend call to the inner service's answer.
+
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -11,9 +13,11 @@ use tollgate_core::Backend;
 use tower_service::Service;
 
 use super::body::ResponseBody;
+use super::decide::{Admitted, Decided};
+use super::prepare::Facts;
 use super::settle::{Owed, SetSink, Settler};
 use super::slots::Slots;
-use super::{Decided, Plan, Shared};
+use super::state::Shared;
 use crate::cost::Settle;
 use crate::decision::Decision;
 
@@ -58,11 +62,12 @@ pin_project! {
     }
 }
 
+/// A request whose backend call is pending, with the service that will answer it.
 struct Checking<S, B: Backend, ReqBody> {
     check: B::Future,
     req: Request<ReqBody>,
     inner: S,
-    plan: Plan,
+    facts: Facts,
     shared: Arc<Shared<B>>,
 }
 
@@ -75,7 +80,7 @@ where
         check: B::Future,
         req: Request<ReqBody>,
         inner: S,
-        plan: Plan,
+        facts: Facts,
         shared: Arc<Shared<B>>,
     ) -> Self {
         Self {
@@ -84,7 +89,7 @@ where
                     check,
                     req,
                     inner,
-                    plan,
+                    facts,
                     shared,
                 })),
             },
@@ -98,12 +103,14 @@ where
         mut req: Request<ReqBody>,
         inner: &mut S,
         shared: Arc<Shared<B>>,
-        slot: u128,
     ) -> Self {
         match decided {
-            Decided::Admit(decision, items, slot_set) => {
-                let slots =
-                    slot_set.and_then(|set| Slots::taken(&shared, set, &decision, &req, slot));
+            Decided::Admit(Admitted {
+                decision,
+                owed,
+                slots,
+            }) => {
+                let slots = slots.map(|taken| Slots::hold(&shared, taken));
                 // A copy stays for the response, unless the layer adds nothing to it.
                 let for_response = shared.adds_to_response(&decision).then(|| decision.clone());
                 // Under an outer `RateLimitLayer`, the handler sees both layers' limits.
@@ -113,7 +120,7 @@ where
                         req.extensions_mut().insert(both);
                     }
                 }
-                let mut owed = items.map(|(items, set)| {
+                let mut owed = owed.map(|(items, set)| {
                     // The limits the request was checked under, even if a reload has replaced
                     // them since.
                     let sink: Arc<dyn Settler> = Arc::new(SetSink {
@@ -173,20 +180,20 @@ where
                         panic!("{DONE}");
                     };
                     let result = ready!(Pin::new(&mut waiting.check).poll(cx));
-                    let Some(waiting) = checking.take() else {
+                    let Some(mut waiting) = checking.take() else {
                         panic!("{DONE}");
                     };
+                    let decided = waiting
+                        .shared
+                        .decide(&result, &waiting.req, &mut waiting.facts);
                     let Checking {
                         req,
                         mut inner,
-                        plan,
                         shared,
                         ..
                     } = *waiting;
-                    let decided = shared.decide(&result, &req, &plan);
-                    let slot = plan.slot();
                     this.state
-                        .set(Self::decided(decided, req, &mut inner, shared, slot).state);
+                        .set(Self::decided(decided, req, &mut inner, shared).state);
                 }
                 StateProj::Calling {
                     call,

@@ -6,7 +6,8 @@ use std::sync::{Arc, PoisonError};
 
 use tollgate_core::{Backend, ConfigError};
 
-use super::{Limits, Shared};
+use super::limits::Limits;
+use super::state::Shared;
 use crate::limits_file::{LimitsFile, LimitsFileError};
 
 /// Replaces the limits of a [`RateLimitLayer`](super::RateLimitLayer) (and of every clone of
@@ -83,10 +84,13 @@ impl<B: Backend> Reloader<B> {
 
     /// Parses `text` with `file` and replaces the limits with it, or refuses it whole.
     ///
+    /// Deprecated: [`reload`](Self::reload) takes what [`LimitsFile::parse`] reads.
+    ///
     /// # Errors
     ///
     /// [`ReloadError::File`] for a file that does not parse (with its line and column) or
     /// describes limits that cannot be built; the old limits stay.
+    #[deprecated(note = "use `reloader.reload(file.parse(text)?)`")]
     pub fn reload_toml_str(&self, file: &LimitsFile, text: &str) -> Result<(), ReloadError> {
         let ticket = self.ticket();
         let result = file
@@ -100,10 +104,13 @@ impl<B: Backend> Reloader<B> {
     /// Reads the file at `path` with `file` and replaces the limits with it, or refuses it
     /// whole.
     ///
+    /// Deprecated: [`reload`](Self::reload) takes what [`LimitsFile::read`] reads.
+    ///
     /// # Errors
     ///
     /// As [`Reloader::reload_toml_str`], and [`ReloadError::File`] for a file that cannot be
     /// read.
+    #[deprecated(note = "use `reloader.reload(file.read(path)?)`")]
     pub fn reload_toml_file(
         &self,
         file: &LimitsFile,
