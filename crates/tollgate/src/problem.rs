@@ -134,5 +134,4 @@ mod tests {
             StatusCode::SERVICE_UNAVAILABLE
         );
     }
-
 }

@@ -68,7 +68,11 @@ pub(crate) fn reused_or_written(
     policy: Option<&HeaderValue>,
     options: FieldOptions,
 ) -> Option<Response<Bytes>> {
-    let seconds = match (rejection.kind(), rejection.retry_after(), rejection.is_grpc()) {
+    let seconds = match (
+        rejection.kind(),
+        rejection.retry_after(),
+        rejection.is_grpc(),
+    ) {
         (RejectionKind::TooManyRequests, Some(after), false) => whole_seconds(after),
         _ => return None,
     };
@@ -115,4 +119,3 @@ pub(crate) fn reused_or_written(
     *response.headers_mut() = headers;
     Some(response)
 }
-

@@ -134,4 +134,3 @@ pub(crate) fn refusal_of(decision: &Decision) -> Option<(RejectionKind, &str)> {
     }
     first
 }
-

@@ -21,12 +21,15 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use http::{Extensions, HeaderMap, Method, Uri};
 
+mod forwarded;
 mod ip;
+mod peer;
 mod principal;
 mod proxies;
 mod tenant;
 
-pub use ip::{ClientIp, ForwardedHeader};
+pub use forwarded::ForwardedHeader;
+pub use ip::ClientIp;
 pub use principal::{Principal, PrincipalId};
 pub use proxies::{Cidr, InvalidCidr, TrustedProxies};
 pub use tenant::Tenant;

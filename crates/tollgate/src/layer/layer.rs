@@ -348,7 +348,7 @@ impl<B: Backend> RateLimitLayerBuilder<B> {
                     .clock(self.fallback_clock)
                     .build(),
                 fields: self.fields,
-            decision_on_allowed: self.decision_on_allowed,
+                decision_on_allowed: self.decision_on_allowed,
                 responder: self.responder,
                 grpc_responder: self.grpc_responder,
                 unavailable_retry_after: self.unavailable_retry_after,
@@ -367,4 +367,3 @@ impl<B> fmt::Debug for RateLimitLayerBuilder<B> {
             .finish()
     }
 }
-

@@ -106,10 +106,7 @@ impl Limits {
         if limits.len() > MAX_CHECKS {
             return Err(ConfigError::TooManyLimits);
         }
-        if let Some((limit, _, _)) = limits
-            .iter()
-            .find(|(l, _, _)| l.name() == CANARY_LIMIT)
-        {
+        if let Some((limit, _, _)) = limits.iter().find(|(l, _, _)| l.name() == CANARY_LIMIT) {
             return Err(ConfigError::ReservedName(limit.name().to_owned()));
         }
         for (i, (limit, _, metered)) in limits.iter().enumerate() {
