@@ -114,11 +114,15 @@ pub use decision::{
 };
 #[cfg(feature = "axum")]
 pub use extract::MissingDecision;
-pub use layer::{
-    AdminError, Limits, RateLimit, RateLimitLayer, RateLimitLayerBuilder, ReloadError, Reloader,
-    ResponseBody, ResponseFuture,
-};
-pub use limits_file::{LimitsFile, LimitsFileError};
+pub use layer::admin::AdminError;
+pub use layer::body::ResponseBody;
+pub use layer::future::ResponseFuture;
+pub use layer::layer::{RateLimitLayer, RateLimitLayerBuilder};
+pub use layer::limits::Limits;
+pub use layer::reload::{ReloadError, Reloader};
+pub use layer::service::RateLimit;
+pub use limits_file::error::LimitsFileError;
+pub use limits_file::LimitsFile;
 pub use plan::Plan;
 pub use rejection::{Rejection, RejectionKind};
 pub use tollgate_core::{

@@ -37,7 +37,7 @@ impl Limits {
     }
 
     /// Adds a limit with a boxed extractor.
-    pub fn push(&mut self, limit: Limit, key: Box<dyn KeyExtractor>) {
+    pub(crate) fn push(&mut self, limit: Limit, key: Box<dyn KeyExtractor>) {
         self.entries.push((limit, key, None));
     }
 
@@ -59,7 +59,7 @@ impl Limits {
     }
 
     /// Adds `allowlist`'s rules to these limits' allowlist.
-    pub fn add_allowlist(&mut self, allowlist: Allowlist) {
+    pub(crate) fn add_allowlist(&mut self, allowlist: Allowlist) {
         let own = std::mem::take(&mut self.allowlist);
         self.allowlist = own.extend(allowlist);
     }

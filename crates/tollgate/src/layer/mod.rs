@@ -16,28 +16,20 @@
 //! [`MissingKeyPolicy`]: tollgate_core::MissingKeyPolicy
 //! [`FailurePolicy`]: tollgate_core::FailurePolicy
 
-mod admin;
-mod body;
+pub(crate) mod admin;
+pub(crate) mod body;
 mod decide;
 mod failure;
-mod future;
+pub(crate) mod future;
 // The layer itself, as in tower-http's middleware folders.
 #[allow(clippy::module_inception)]
-mod layer;
-mod limits;
+pub(crate) mod layer;
+pub(crate) mod limits;
 mod prepare;
 mod refusal;
-mod reload;
+pub(crate) mod reload;
 mod respond;
-mod service;
+pub(crate) mod service;
 mod settle;
 mod slots;
 mod state;
-
-pub use admin::AdminError;
-pub use body::ResponseBody;
-pub use future::ResponseFuture;
-pub use layer::{RateLimitLayer, RateLimitLayerBuilder};
-pub use limits::Limits;
-pub use reload::{ReloadError, Reloader};
-pub use service::RateLimit;

@@ -8,7 +8,8 @@ use tollgate_core::{Backend, ConfigError};
 
 use super::limits::Limits;
 use super::state::Shared;
-use crate::limits_file::{LimitsFile, LimitsFileError};
+use crate::limits_file::error::LimitsFileError;
+use crate::limits_file::LimitsFile;
 
 /// Replaces the limits of a [`RateLimitLayer`](super::RateLimitLayer) (and of every clone of
 /// it and of its services) while it serves.

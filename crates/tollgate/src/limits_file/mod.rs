@@ -19,12 +19,12 @@ use crate::key::{
     Cidr, ClientIp, ForwardedHeader, Global, Identity, KeyExtractor, Principal, PrincipalId,
     Tenant, TrustedProxies,
 };
-use crate::layer::Limits;
+use crate::layer::limits::Limits;
 
-mod error;
+pub(crate) mod error;
 mod spec;
 
-pub use error::LimitsFileError;
+use error::LimitsFileError;
 use error::{said, Mistake};
 use spec::{
     parse_period, AllowSpec, FailureSpec, FileSpec, IpSpec, KeySpec, LimitSpec, QuotaField,
