@@ -39,7 +39,7 @@ const DEFAULT_V6_PREFIX: u8 = 64;
 ///    `MockConnectInfo<SocketAddr>` in tests;
 /// 2. tonic's `TcpConnectInfo` (feature `tonic`), which tonic's server always inserts, and
 ///    `TlsConnectInfo<TcpConnectInfo>` (feature `tonic-tls`) behind tonic's TLS;
-/// 3. a plain [`SocketAddr`], for any other server (a hyper service inserts it itself);
+/// 3. a plain [`SocketAddr`](std::net::SocketAddr), for any other server (a hyper service inserts it itself);
 /// 4. the function given to [`peer_fn`](Self::peer_fn).
 ///
 /// With none of them, every request gets [`MissingKey::NoPeerAddress`] (and the limit's

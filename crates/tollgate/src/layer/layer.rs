@@ -203,7 +203,7 @@ impl<B: Backend> RateLimitLayerBuilder<B> {
         self
     }
 
-    /// Chooses the plan of a request that has no [`Plan`](crate::Plan) extension with `plan`,
+    /// Chooses the plan of a request that has no [`Plan`] extension with `plan`,
     /// a function of the request (a header, the path, another extension). A request for
     /// which it answers `None` gets every limit's default quota.
     ///
@@ -229,7 +229,7 @@ impl<B: Backend> RateLimitLayerBuilder<B> {
         self
     }
 
-    /// Adds every limit of `limits` (for example from a [`LimitsFile`](crate::LimitsFile)),
+    /// Adds every limit of `limits` (for example from a [`LimitsFile`]),
     /// and its allowlist.
     pub fn limits(mut self, limits: Limits) -> Self {
         self.limits.extend(limits);
@@ -333,7 +333,7 @@ impl<B: Backend> RateLimitLayerBuilder<B> {
     /// # Errors
     ///
     /// [`ConfigError::NoLimits`], [`ConfigError::TooManyLimits`] (more than
-    /// [`MAX_CHECKS`]), [`ConfigError::DuplicateName`], or [`ConfigError::ReservedName`] for a
+    /// [`MAX_CHECKS`](tollgate_core::MAX_CHECKS)), [`ConfigError::DuplicateName`], or [`ConfigError::ReservedName`] for a
     /// limit named [`CANARY_LIMIT`](crate::CANARY_LIMIT), which only the canary may use.
     pub fn build(self) -> Result<RateLimitLayer<B>, ConfigError> {
         let set = self.limits.compile()?;

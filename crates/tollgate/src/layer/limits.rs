@@ -16,7 +16,8 @@ use crate::key::KeyExtractor;
 use crate::metrics::LimitMetrics;
 
 /// Limits with the keys they are counted per: what a layer is built from
-/// ([`RateLimitLayerBuilder::limits`]) and what a [`Reloader`] installs. A
+/// ([`RateLimitLayerBuilder::limits`](crate::RateLimitLayerBuilder::limits)) and what a
+/// [`Reloader`](crate::Reloader) installs. A
 /// [`LimitsFile`](crate::LimitsFile) reads them from TOML.
 #[derive(Default)]
 pub struct Limits {
@@ -41,7 +42,7 @@ impl Limits {
         self.entries.push((limit, key, None));
     }
 
-    /// Adds a metered limit (see [`RateLimitLayerBuilder::metered`]).
+    /// Adds a metered limit (see [`RateLimitLayerBuilder::metered`](crate::RateLimitLayerBuilder::metered)).
     pub fn push_metered(&mut self, limit: Limit, key: Box<dyn KeyExtractor>, metered: Metered) {
         self.entries.push((limit, key, Some(metered)));
     }

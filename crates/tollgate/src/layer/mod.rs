@@ -1,4 +1,5 @@
-//! The rate-limit middleware: [`RateLimitLayer`], its service [`RateLimit`] and future.
+//! The rate-limit middleware: [`RateLimitLayer`](crate::RateLimitLayer), its service
+//! [`RateLimit`](crate::RateLimit) and future.
 //!
 //! One request's way through it:
 //!

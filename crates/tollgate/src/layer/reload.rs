@@ -11,7 +11,7 @@ use super::state::Shared;
 use crate::limits_file::error::LimitsFileError;
 use crate::limits_file::LimitsFile;
 
-/// Replaces the limits of a [`RateLimitLayer`](super::RateLimitLayer) (and of every clone of
+/// Replaces the limits of a [`RateLimitLayer`](crate::RateLimitLayer) (and of every clone of
 /// it and of its services) while it serves.
 ///
 /// - The swap is atomic and takes no lock on the request path: a request loads the limits once
@@ -74,7 +74,7 @@ impl<B: Backend> Reloader<B> {
     /// # Errors
     ///
     /// [`ReloadError::Config`] when the set could not build a layer (see
-    /// [`RateLimitLayerBuilder::build`](super::RateLimitLayerBuilder::build)); the old limits
+    /// [`RateLimitLayerBuilder::build`](crate::RateLimitLayerBuilder::build)); the old limits
     /// stay.
     pub fn reload(&self, limits: Limits) -> Result<(), ReloadError> {
         let ticket = self.ticket();

@@ -1,4 +1,4 @@
-//! [`RateLimit`], the service a [`RateLimitLayer`](super::RateLimitLayer) wraps around
+//! [`RateLimit`], the service a [`RateLimitLayer`](crate::RateLimitLayer) wraps around
 //! another.
 
 use std::future::Future;
@@ -18,7 +18,7 @@ use super::future::ResponseFuture;
 use super::prepare::Start;
 use super::state::Shared;
 
-/// The service a [`RateLimitLayer`](super::RateLimitLayer) wraps around `S`.
+/// The service a [`RateLimitLayer`](crate::RateLimitLayer) wraps around `S`.
 ///
 /// An answer that is ready at once (every in-memory answer, a Redis deny-cache hit) is taken in
 /// [`call`](Service::call) itself.
