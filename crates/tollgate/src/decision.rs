@@ -163,7 +163,7 @@ pub struct LimitDecision {
 
 impl LimitDecision {
     /// A limit's decision.
-    pub(crate) fn new(
+    pub fn new(
         name: Arc<str>,
         quota: Quota,
         outcome: Outcome,
@@ -354,6 +354,11 @@ impl std::fmt::Debug for Decision {
 }
 
 impl Decision {
+    /// A decision from its limits' parts.
+    pub fn new(limits: Vec<LimitDecision>) -> Self {
+        limits.into_iter().collect()
+    }
+
     /// Every limit's part, in the layer's order.
     ///
     /// (Collecting an iterator of parts into a `Decision` allocates at most once, and not at
@@ -452,7 +457,7 @@ mod tests {
 
     #[test]
     fn one_part_or_many_read_the_same() {
-        let one = [part("a", 3)].into_iter().collect::<Decision>();
+        let one = Decision::new(vec![part("a", 3)]);
         assert_eq!(one.limits(), [part("a", 3)]);
         assert_eq!(one.remaining(), Some(3));
         // Collected from an iterator whose length is not known in advance.
@@ -463,13 +468,13 @@ mod tests {
         assert_eq!(filtered, one);
         for n in [0, 2, 3] {
             let parts: Vec<_> = (0..n).map(|i| part(&format!("l{i}"), i)).collect();
-            let many = parts.clone().into_iter().collect::<Decision>();
+            let many = Decision::new(parts.clone());
             assert_eq!(many.limits(), parts.as_slice());
             let collected: Decision = parts.iter().filter(|_| true).cloned().collect();
             assert_eq!(collected.limits(), parts.as_slice());
         }
         assert_eq!(
-            format!("{:?}", Vec::new().into_iter().collect::<Decision>()),
+            format!("{:?}", Decision::new(vec![])),
             "Decision { limits: [] }"
         );
         assert_eq!(one.clone(), one);
