@@ -9,6 +9,7 @@ use super::{MissingKey, RequestView};
 
 static WARNED_NO_PEER: AtomicBool = AtomicBool::new(false);
 
+#[inline]
 pub(super) fn peer_ip(
     req: &RequestView<'_>,
     custom: Option<&PeerFn>,

@@ -1,16 +1,13 @@
 //! The backend's answer about a request's [`Facts`], made a [`Decision`]: admitted (with what
 //! it owes its metered limits and the slots it holds), or refused.
 
-use std::sync::Arc;
-
 use bytes::Bytes;
 use http::{Request, Response};
 use tollgate_core::{
     Algorithm, Backend, BackendError, BackendErrorKind, Receipt, Verdicts, MAX_CHECKS,
 };
 
-use super::limits::LimitSet;
-use super::prepare::Facts;
+use super::prepare::{Facts, KeptKeys};
 use super::settle::{Item, Reservation};
 use super::slots::Taken;
 use super::state::Shared;
@@ -19,31 +16,12 @@ use crate::metrics as obs;
 
 /// What follows a request's decision.
 pub(crate) enum Decided {
-    /// Admitted: the request goes on to the inner service.
-    Admit(Admitted),
+    /// Admitted: the request goes on to the inner service with its decision, what it owes its
+    /// metered limits, and the concurrency slots it took (settled and given back against the
+    /// limits it was checked under, even if a reload replaced them since).
+    Admit(Decision, Option<Vec<Item>>, Option<Taken>),
     /// Refused, with its response.
     Refuse(Response<Bytes>),
-}
-
-/// An admitted request's decision, and what it holds until its answer.
-pub(crate) struct Admitted {
-    pub(crate) decision: Decision,
-    /// What the request owes its metered limits, and the limits it was checked under (it
-    /// settles against them even if a reload replaced them since).
-    pub(crate) owed: Option<(Vec<Item>, Arc<LimitSet>)>,
-    /// The concurrency slots it took.
-    pub(crate) slots: Option<Taken>,
-}
-
-impl Admitted {
-    /// Admitted with nothing owed and no slot (allowlisted).
-    pub(crate) fn bare(decision: Decision) -> Self {
-        Self {
-            decision,
-            owed: None,
-            slots: None,
-        }
-    }
 }
 
 impl<B: Backend> Shared<B> {
@@ -55,11 +33,11 @@ impl<B: Backend> Shared<B> {
         &self,
         result: &Result<Verdicts, BackendError>,
         req: &Request<T>,
-        facts: &mut Facts,
+        facts: &Facts,
+        kept: &mut KeptKeys,
     ) -> Decided {
         // Warnings about bypasses and capacity are logged inside the request's span.
-        let span = std::mem::replace(&mut facts.span, tracing::Span::none());
-        let _entered = span.enter();
+        let _entered = facts.span.enter();
         // Where each limit's units went, in the layer's order, for a settle.
         let mut receipts = [Receipt::default(); MAX_CHECKS];
         let decision = match result {
@@ -86,45 +64,42 @@ impl<B: Backend> Shared<B> {
                     BackendErrorKind::Protocol,
                     format!("{} verdicts for {} checks", verdicts.len(), facts.n),
                 );
-                self.decide_failure(&error, facts, &mut receipts)
+                self.decide_failure(&error, facts, kept, &mut receipts)
             }
-            Err(error) => self.decide_failure(error, facts, &mut receipts),
+            Err(error) => self.decide_failure(error, facts, kept, &mut receipts),
         };
         let admitted = decision.is_admitted();
         for (entry, d) in facts.set.limits.iter().zip(decision.limits()) {
             entry.metrics.record(d, admitted);
         }
-        obs::record_span(&span, &decision);
+        obs::record_span(&facts.span, &decision);
         if admitted {
             let owed = if facts.set.settles {
-                owed(&decision, facts, &receipts)
+                owed(&decision, facts, kept, &receipts)
             } else {
                 None
             };
             let slots = if facts.set.has_slots {
-                taken_slots(&decision, facts)
+                taken_slots(&decision, facts, kept)
             } else {
                 None
             };
-            return Decided::Admit(Admitted {
-                decision,
-                owed,
-                slots,
-            });
+            return Decided::Admit(decision, owed, slots);
         }
         Decided::Refuse(self.refuse_decision(decision, req, &facts.set))
     }
 }
 
 /// What an admitted request owes the metered limits that settle: the units each took, where,
-/// and under which key and quota (its key moves out of `facts`).
+/// and under which key and quota (its key moves out of `kept`).
 fn owed(
     decision: &Decision,
-    facts: &mut Facts,
+    facts: &Facts,
+    kept: &mut KeptKeys,
     receipts: &[Receipt; MAX_CHECKS],
-) -> Option<(Vec<Item>, Arc<LimitSet>)> {
+) -> Option<Vec<Item>> {
     let mut items = Vec::new();
-    let set = Arc::clone(&facts.set);
+    let set = &facts.set;
     for (i, (entry, d)) in set.limits.iter().zip(decision.limits()).enumerate() {
         let Some(metered) = entry.metered.as_ref().filter(|m| m.settles()) else {
             continue;
@@ -134,9 +109,9 @@ fn owed(
         }
         // A concurrency limit's slot gives its key back too: it keeps a copy.
         let key = if entry.limit.algorithm() == Algorithm::Concurrency {
-            facts.keys[i].clone()
+            kept.get(i).cloned()
         } else {
-            facts.keys[i].take()
+            kept.take(i)
         };
         let Some(key) = key else {
             continue;
@@ -165,7 +140,7 @@ fn owed(
     // A limit charged by the handler gives every admitted request a `Settle` handle, even
     // one whose reservation nothing counts (a bypass, a missing key): the handler that
     // takes it must find it.
-    (set.charged_by_handler || !items.is_empty()).then_some((items, set))
+    (set.charged_by_handler || !items.is_empty()).then_some(items)
 }
 
 /// The decision of every verdict: each limit's outcome is its verdict, or a skip for a
@@ -199,19 +174,15 @@ fn decision_of(verdicts: &Verdicts, facts: &Facts) -> Decision {
 }
 
 /// The concurrency slots `decision` says the request took, with their keys (moved out of
-/// `facts`): given back when the request is done.
-fn taken_slots(decision: &Decision, facts: &mut Facts) -> Option<Taken> {
+/// `kept`): given back when the request is done.
+fn taken_slots(decision: &Decision, facts: &Facts, kept: &mut KeptKeys) -> Option<Taken> {
     let mut items = Vec::new();
     for (i, (entry, d)) in facts.set.limits.iter().zip(decision.limits()).enumerate() {
         let took = entry.limit.algorithm() == Algorithm::Concurrency
             && matches!(d.outcome(), Outcome::Allowed { .. });
-        if let (true, Some(key)) = (took, facts.keys[i].take()) {
+        if let (true, Some(key)) = (took, kept.take(i)) {
             items.push((i, key, d.source()));
         }
     }
-    (!items.is_empty()).then(|| Taken {
-        set: Arc::clone(&facts.set),
-        slot: facts.slot,
-        items,
-    })
+    (!items.is_empty()).then_some(Taken { items })
 }

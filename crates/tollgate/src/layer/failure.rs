@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use tollgate_core::{Backend, BackendError, Check, FailurePolicy, Receipt, MAX_CHECKS};
 
-use super::prepare::Facts;
+use super::prepare::{Facts, KeptKeys};
 use super::state::Shared;
 use crate::decision::{Decision, DenyReason, Outcome, SkipReason, Source};
 
@@ -15,6 +15,7 @@ impl<B: Backend> Shared<B> {
         &self,
         error: &BackendError,
         facts: &Facts,
+        kept: &KeptKeys,
         receipts: &mut [Receipt; MAX_CHECKS],
     ) -> Decision {
         let mut outcomes = [(
@@ -23,7 +24,7 @@ impl<B: Backend> Shared<B> {
             },
             Source::Backend,
         ); MAX_CHECKS];
-        self.on_failure(error, facts, &mut outcomes, receipts);
+        self.on_failure(error, facts, kept, &mut outcomes, receipts);
         // A refused request went nowhere: a fail-open limit beside the one that refused it
         // bypassed nothing, and must not say it did.
         let refused = facts
@@ -58,6 +59,7 @@ impl<B: Backend> Shared<B> {
         &self,
         error: &BackendError,
         facts: &Facts,
+        kept: &KeptKeys,
         outcomes: &mut [(Outcome, Source); MAX_CHECKS],
         receipts: &mut [Receipt; MAX_CHECKS],
     ) {
@@ -98,7 +100,7 @@ impl<B: Backend> Shared<B> {
         let mut n = 0;
         for &i in &facts.limit_of[..facts.n] {
             let entry = &limits[i];
-            if let (Some(local), Some(key)) = (&entry.local, &facts.keys[i]) {
+            if let (Some(local), Some(key)) = (&entry.local, kept.get(i)) {
                 let quota = *local.quota_at(usize::from(facts.quota_of[i]));
                 checks[n] = Check::new(local, key.as_bytes())
                     .with_quota(quota)

@@ -13,8 +13,9 @@ use tollgate_core::Backend;
 use tower_service::Service;
 
 use super::body::ResponseBody;
-use super::decide::{Admitted, Decided};
-use super::prepare::Facts;
+use super::decide::Decided;
+use super::limits::LimitSet;
+use super::prepare::{Facts, KeptKeys};
 use super::settle::{Owed, SetSink, Settler};
 use super::slots::Slots;
 use super::state::Shared;
@@ -68,6 +69,7 @@ struct Checking<S, B: Backend, ReqBody> {
     req: Request<ReqBody>,
     inner: S,
     facts: Facts,
+    kept: KeptKeys,
     shared: Arc<Shared<B>>,
 }
 
@@ -80,7 +82,7 @@ where
         check: B::Future,
         req: Request<ReqBody>,
         inner: S,
-        facts: Facts,
+        (facts, kept): (Facts, KeptKeys),
         shared: Arc<Shared<B>>,
     ) -> Self {
         Self {
@@ -90,6 +92,7 @@ where
                     req,
                     inner,
                     facts,
+                    kept,
                     shared,
                 })),
             },
@@ -103,14 +106,14 @@ where
         mut req: Request<ReqBody>,
         inner: &mut S,
         shared: Arc<Shared<B>>,
+        checked: Option<(&Arc<LimitSet>, u128)>,
     ) -> Self {
         match decided {
-            Decided::Admit(Admitted {
-                decision,
-                owed,
-                slots,
-            }) => {
-                let slots = slots.map(|taken| Slots::hold(&shared, taken));
+            Decided::Admit(decision, owed, slots) => {
+                let slots = match (slots, checked) {
+                    (Some(taken), Some(checked)) => Some(Slots::hold(&shared, taken, checked)),
+                    _ => None,
+                };
                 // A copy stays for the response, unless the layer adds nothing to it.
                 let for_response = shared.adds_to_response(&decision).then(|| decision.clone());
                 // Under an outer `RateLimitLayer`, the handler sees both layers' limits.
@@ -120,15 +123,18 @@ where
                         req.extensions_mut().insert(both);
                     }
                 }
-                let mut owed = owed.map(|(items, set)| {
-                    // The limits the request was checked under, even if a reload has replaced
-                    // them since.
-                    let sink: Arc<dyn Settler> = Arc::new(SetSink {
-                        shared: Arc::clone(&shared),
-                        set,
-                    });
-                    Box::new(Owed::new(sink, items))
-                });
+                let mut owed = match (owed, checked) {
+                    (Some(items), Some((set, _))) => {
+                        // The limits the request was checked under, even if a reload has
+                        // replaced them since.
+                        let sink: Arc<dyn Settler> = Arc::new(SetSink {
+                            shared: Arc::clone(&shared),
+                            set: Arc::clone(set),
+                        });
+                        Some(Box::new(Owed::new(sink, items)))
+                    }
+                    _ => None,
+                };
                 if let Some(owed) = owed.as_mut() {
                     match req.extensions().get::<Settle>() {
                         // Under an outer layer charged by the handler too: one handle for both.
@@ -183,17 +189,27 @@ where
                     let Some(mut waiting) = checking.take() else {
                         panic!("{DONE}");
                     };
-                    let decided = waiting
-                        .shared
-                        .decide(&result, &waiting.req, &mut waiting.facts);
+                    let decided = {
+                        let w = &mut *waiting;
+                        w.shared.decide(&result, &w.req, &w.facts, &mut w.kept)
+                    };
                     let Checking {
                         req,
                         mut inner,
+                        facts,
                         shared,
                         ..
                     } = *waiting;
-                    this.state
-                        .set(Self::decided(decided, req, &mut inner, shared).state);
+                    this.state.set(
+                        Self::decided(
+                            decided,
+                            req,
+                            &mut inner,
+                            shared,
+                            Some((&facts.set, facts.slot)),
+                        )
+                        .state,
+                    );
                 }
                 StateProj::Calling {
                     call,

@@ -3,9 +3,9 @@
 //!
 //! Every extractor runs here and nowhere else. A key borrows from the request while the
 //! checks are made; one that is needed after the check (to settle, to give a slot back, or for
-//! the local fallback limiter: [`Entry::keeps_key`]) is kept owned in the [`Facts`], inline
-//! when short. The backend's future owns what it needs, so nothing borrows the request once
-//! the call has started.
+//! the local fallback limiter: [`Entry::keeps_key`]) is kept owned in the [`KeptKeys`] beside
+//! the [`Facts`], inline when short. The backend's future owns what it needs, so nothing
+//! borrows the request once the call has started.
 
 use std::sync::Arc;
 
@@ -41,17 +41,37 @@ pub(crate) struct Facts {
     pub(crate) quota_of: [u8; MAX_CHECKS],
     /// Per limit, the request's cost.
     pub(crate) cost: [u32; MAX_CHECKS],
-    /// Per limit, its key when it is needed after the check ([`Entry::keeps_key`]).
-    pub(crate) keys: [Option<Key<'static>>; MAX_CHECKS],
     /// The request's concurrency slot id (0 when the layer has no concurrency limit).
     pub(crate) slot: u128,
     /// The request's `tollgate.check` span, open from the keys to the decision.
     pub(crate) span: tracing::Span,
 }
 
+/// The keys of a request that are needed after its check ([`Entry::keeps_key`]), by limit.
+///
+/// Beside the [`Facts`] rather than in them, and made only when a limit keeps its key: most
+/// layers keep none, and their requests then neither fill nor move nor drop room for eight
+/// keys.
+#[derive(Debug, Default)]
+pub(crate) struct KeptKeys(Option<[Option<Key<'static>>; MAX_CHECKS]>);
+
+impl KeptKeys {
+    /// The kept key of the limit at `i`.
+    pub(crate) fn get(&self, i: usize) -> Option<&Key<'static>> {
+        self.0.as_ref()?[i].as_ref()
+    }
+
+    /// Takes the kept key of the limit at `i`.
+    pub(crate) fn take(&mut self, i: usize) -> Option<Key<'static>> {
+        self.0.as_mut()?[i].take()
+    }
+
+    fn put(&mut self, i: usize, key: Key<'static>) {
+        self.0.get_or_insert_with(Default::default)[i] = Some(key);
+    }
+}
+
 /// How a request starts.
-// Nearly every request asks: boxing its facts would allocate for each one.
-#[allow(clippy::large_enum_variant)]
 pub(crate) enum Start<F> {
     /// The backend is asked (`F` is its answer) about the request's [`Facts`].
     Ask(F, Facts),
@@ -74,9 +94,9 @@ enum Extracted<'r> {
 }
 
 impl<B: Backend> Shared<B> {
-    /// Decides the request's facts and starts the backend call; or admits an allowlisted
-    /// request, or refuses one without a key or a valid cost.
-    pub(crate) fn prepare<T>(&self, req: &Request<T>) -> Start<B::Future> {
+    /// Decides the request's facts (its kept keys into `kept`) and starts the backend call;
+    /// or admits an allowlisted request, or refuses one without a key or a valid cost.
+    pub(crate) fn prepare<T>(&self, req: &Request<T>, kept: &mut KeptKeys) -> Start<B::Future> {
         // Only a subscriber that wants debug spans gets one (`names` is built once, when the
         // layer is). Otherwise the span is `none`: a disabled span still costs, on every
         // request, what `tracing`'s `log` compatibility does when no subscriber is set (its
@@ -114,10 +134,9 @@ impl<B: Backend> Shared<B> {
         let mut limit_of = [0; MAX_CHECKS];
         let mut quota_of = [0u8; MAX_CHECKS];
         let mut cost = [0u32; MAX_CHECKS];
-        let mut keys: [Option<Key<'static>>; MAX_CHECKS] = Default::default();
         // One limit (most layers): no arrays of keys and checks to fill and drop.
         let check = if let [entry] = &*set.limits {
-            let extracted = match extract(entry, &view, &mut keys[0]) {
+            let extracted = match extract(entry, &view, kept, 0) {
                 Ok(extracted) => extracted,
                 Err(missing) => {
                     return Start::Refuse(self.refuse_keyless(entry, missing, req, &span))
@@ -126,7 +145,7 @@ impl<B: Backend> Shared<B> {
             let key = match &extracted {
                 Extracted::None => None,
                 Extracted::Borrowed(key) => Some(key.as_bytes()),
-                Extracted::Kept => keys[0].as_ref().map(Key::as_bytes),
+                Extracted::Kept => kept.get(0).map(Key::as_bytes),
             };
             match key {
                 Some(key) => {
@@ -143,7 +162,7 @@ impl<B: Backend> Shared<B> {
         } else {
             let mut extracted: [Extracted<'_>; MAX_CHECKS] = Default::default();
             for (i, entry) in set.limits.iter().enumerate() {
-                match extract(entry, &view, &mut keys[i]) {
+                match extract(entry, &view, kept, i) {
                     Ok(key) => extracted[i] = key,
                     Err(missing) => {
                         return Start::Refuse(self.refuse_keyless(entry, missing, req, &span))
@@ -155,7 +174,7 @@ impl<B: Backend> Shared<B> {
                 let key = match &extracted[i] {
                     Extracted::None => continue,
                     Extracted::Borrowed(key) => key.as_bytes(),
-                    Extracted::Kept => match &keys[i] {
+                    Extracted::Kept => match kept.get(i) {
                         Some(key) => key.as_bytes(),
                         None => continue,
                     },
@@ -178,7 +197,6 @@ impl<B: Backend> Shared<B> {
             limit_of,
             quota_of,
             cost,
-            keys,
             slot,
             span,
         };
@@ -210,12 +228,14 @@ impl<B: Backend> Shared<B> {
     }
 }
 
-/// `entry`'s key of the request, under its missing-key policy: kept in `kept` (owned) when
-/// the entry keeps its key, else borrowed.
+/// `entry`'s key of the request, under its missing-key policy: kept in `kept` (owned, at
+/// `i`) when the entry keeps its key, else borrowed.
+#[inline]
 fn extract<'r>(
     entry: &Entry,
     view: &RequestView<'r>,
-    kept: &mut Option<Key<'static>>,
+    kept: &mut KeptKeys,
+    i: usize,
 ) -> Result<Extracted<'r>, MissingKey> {
     let key = match entry.key.extract(view) {
         Ok(key) => key,
@@ -228,7 +248,7 @@ fn extract<'r>(
         },
     };
     if entry.keeps_key {
-        *kept = Some(key.into_owned());
+        kept.put(i, key.into_owned());
         Ok(Extracted::Kept)
     } else {
         Ok(Extracted::Borrowed(key))

@@ -13,9 +13,9 @@ use tollgate_core::{Backend, MemoryBackend};
 use tower_service::Service;
 
 use super::body::ResponseBody;
-use super::decide::{Admitted, Decided};
+use super::decide::Decided;
 use super::future::ResponseFuture;
-use super::prepare::Start;
+use super::prepare::{KeptKeys, Start};
 use super::state::Shared;
 
 /// The service a [`RateLimitLayer`](crate::RateLimitLayer) wraps around `S`.
@@ -74,19 +74,21 @@ where
     fn call(&mut self, req: Request<ReqBody>) -> Self::Future {
         // The prepared check (its answer inline) is a few hundred bytes: it is answered in
         // place, and only a pending answer moves it, into the future.
-        let mut start = self.shared.prepare(&req);
+        let mut kept = KeptKeys::default();
+        let mut start = self.shared.prepare(&req, &mut kept);
         if let Start::Ask(check, facts) = &mut start {
             // The in-memory backend, and a networked one's local deny cache, answer at once.
             // Then the request goes straight to the service that was polled ready: no clone of
             // it, and no trip of the request through the future.
             let answer = Pin::new(check).poll(&mut Context::from_waker(Waker::noop()));
             if let Poll::Ready(result) = &answer {
-                let decided = self.shared.decide(result, &req, facts);
+                let decided = self.shared.decide(result, &req, facts, &mut kept);
                 return ResponseFuture::decided(
                     decided,
                     req,
                     &mut self.inner,
                     Arc::clone(&self.shared),
+                    Some((&facts.set, facts.slot)),
                 );
             }
         }
@@ -96,14 +98,16 @@ where
             Start::Ask(check, facts) => {
                 let clone = self.inner.clone();
                 let inner = std::mem::replace(&mut self.inner, clone);
-                ResponseFuture::checking(check, req, inner, facts, Arc::clone(&self.shared))
+                let shared = Arc::clone(&self.shared);
+                ResponseFuture::checking(check, req, inner, (facts, kept), shared)
             }
             Start::Refuse(response) => ResponseFuture::refused(response),
             Start::Admit(decision) => ResponseFuture::decided(
-                Decided::Admit(Admitted::bare(decision)),
+                Decided::Admit(decision, None, None),
                 req,
                 &mut self.inner,
                 Arc::clone(&self.shared),
+                None,
             ),
         }
     }

@@ -35,9 +35,6 @@ pub(crate) fn next_id() -> u128 {
 /// The slots an admitted request took: the limits (by index in the layer) whose slots it
 /// holds, the key of each, and where each was taken.
 pub(crate) struct Taken {
-    /// The limits the request was checked under (a reload may have replaced them since).
-    pub(crate) set: Arc<LimitSet>,
-    pub(crate) slot: u128,
     pub(crate) items: Vec<(usize, Key<'static>, Source)>,
 }
 
@@ -83,9 +80,16 @@ pub(crate) struct Slots<B: Backend> {
 }
 
 impl<B: Backend> Slots<B> {
-    /// Holds the slots `taken` until dropped, renewing them while the backend's slots expire.
-    pub(crate) fn hold(shared: &Arc<Shared<B>>, taken: Taken) -> Self {
-        let Taken { set, slot, items } = taken;
+    /// Holds the slots `taken` under the request's slot id `slot` and the limits `set` it was
+    /// checked under (a reload may have replaced them since) until dropped, renewing them
+    /// while the backend's slots expire.
+    pub(crate) fn hold(
+        shared: &Arc<Shared<B>>,
+        taken: Taken,
+        (set, slot): (&Arc<LimitSet>, u128),
+    ) -> Self {
+        let Taken { items } = taken;
+        let set = Arc::clone(set);
         let held = Arc::new(Held {
             shared: Arc::clone(shared),
             set,
