@@ -64,7 +64,8 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
     let watched = path.clone();
     tokio::spawn(async move {
         while hangups.recv().await.is_some() {
-            match reloader.reload_toml_file(&file, &watched) {
+            let read = file.read(&watched).map_err(|e| e.to_string());
+            match read.and_then(|limits| reloader.reload(limits).map_err(|e| e.to_string())) {
                 Ok(()) => tracing::info!("reloaded the limits from {watched}"),
                 Err(e) => {
                     tracing::error!("reload error: {watched}: {e}; the old limits stay")

@@ -109,7 +109,7 @@ impl Allowlist {
     }
 
     /// Appends `other`'s rules to this one's.
-    pub fn extend(mut self, other: Allowlist) -> Self {
+    pub(crate) fn extend(mut self, other: Allowlist) -> Self {
         self.rules.extend(other.rules);
         self
     }
@@ -120,7 +120,7 @@ impl Allowlist {
     }
 
     /// Whether `req` matches a rule.
-    pub fn matches(&self, req: &RequestView<'_>) -> bool {
+    pub(crate) fn matches(&self, req: &RequestView<'_>) -> bool {
         self.rules.iter().any(|rule| match rule {
             Rule::Networks { ip, networks } => ip
                 .client_ip(req)

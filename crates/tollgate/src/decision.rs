@@ -110,7 +110,7 @@ pub enum Outcome {
 
 impl Outcome {
     /// The outcome a verdict stands for.
-    pub fn from_verdict(verdict: &Verdict) -> Self {
+    pub(crate) fn from_verdict(verdict: &Verdict) -> Self {
         let reset = verdict.reset();
         let remaining = verdict.remaining;
         let reason = match verdict.status {

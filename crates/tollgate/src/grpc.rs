@@ -20,16 +20,11 @@ use bytes::Bytes;
 use http::header::{HeaderName, HeaderValue, CONTENT_TYPE};
 use http::{HeaderMap, Response};
 
-use crate::response::{Rejection, RejectionKind};
+use crate::rejection::{Rejection, RejectionKind};
 
 static GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
 static GRPC_MESSAGE: HeaderName = HeaderName::from_static("grpc-message");
 static APPLICATION_GRPC: HeaderValue = HeaderValue::from_static("application/grpc");
-
-/// gRPC status codes the layer answers with.
-pub(crate) const INVALID_ARGUMENT: u8 = 3;
-pub(crate) const RESOURCE_EXHAUSTED: u8 = 8;
-pub(crate) const UNAVAILABLE: u8 = 14;
 
 /// Whether `headers` belong to a gRPC request (`application/grpc`, `application/grpc+proto`,
 /// `application/grpc-web`...). Read only when a request is refused.
@@ -37,15 +32,6 @@ pub(crate) fn is_grpc(headers: &HeaderMap) -> bool {
     headers
         .get(CONTENT_TYPE)
         .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"))
-}
-
-/// The gRPC status code of a refusal.
-pub(crate) fn code_of(kind: RejectionKind) -> u8 {
-    match kind {
-        RejectionKind::TooManyRequests => RESOURCE_EXHAUSTED,
-        RejectionKind::Unavailable => UNAVAILABLE,
-        RejectionKind::MissingKey(_) | RejectionKind::InvalidCost => INVALID_ARGUMENT,
-    }
 }
 
 /// The default gRPC refusal: trailers-only, status and message in the headers.
@@ -71,7 +57,7 @@ fn message(rejection: &Rejection<'_>) -> String {
     match (rejection.kind(), rejection.retry_after()) {
         (RejectionKind::TooManyRequests, Some(after)) => format!(
             "rate limit \"{limit}\" exceeded; retry in {} s",
-            crate::response::whole_seconds(after)
+            crate::fields::whole_seconds(after)
         ),
         (RejectionKind::TooManyRequests, None) => {
             format!("the call costs more than rate limit \"{limit}\" can ever admit")
@@ -109,7 +95,7 @@ fn percent_encode(message: &str) -> Vec<u8> {
 fn retry_info(headers: &mut HeaderMap, code: u8, message: &str, after: std::time::Duration) {
     use tonic_types::{ErrorDetails, StatusExt};
 
-    let delay = std::time::Duration::from_secs(crate::response::whole_seconds(after));
+    let delay = std::time::Duration::from_secs(crate::fields::whole_seconds(after));
     let status = tonic::Status::with_error_details(
         tonic::Code::from(i32::from(code)),
         message,

@@ -94,12 +94,15 @@ mod canary;
 mod decision;
 #[cfg(feature = "axum")]
 mod extract;
+mod fields;
 mod grpc;
 mod layer;
 mod limits_file;
 mod metrics;
 mod plan;
-mod response;
+mod problem;
+mod refusal_cache;
+mod rejection;
 
 /// The parts that know nothing of HTTP: quotas, algorithms, clocks, backends.
 pub use tollgate_core as core;
@@ -111,13 +114,17 @@ pub use decision::{
 };
 #[cfg(feature = "axum")]
 pub use extract::MissingDecision;
-pub use layer::{
-    AdminError, Limits, RateLimit, RateLimitLayer, RateLimitLayerBuilder, ReloadError, Reloader,
-    ResponseBody, ResponseFuture,
-};
-pub use limits_file::{LimitsFile, LimitsFileError};
+pub use layer::admin::AdminError;
+pub use layer::body::ResponseBody;
+pub use layer::future::ResponseFuture;
+pub use layer::layer::{RateLimitLayer, RateLimitLayerBuilder};
+pub use layer::limits::Limits;
+pub use layer::reload::{ReloadError, Reloader};
+pub use layer::service::RateLimit;
+pub use limits_file::error::LimitsFileError;
+pub use limits_file::LimitsFile;
 pub use plan::Plan;
-pub use response::{Rejection, RejectionKind};
+pub use rejection::{Rejection, RejectionKind};
 pub use tollgate_core::{
     Algorithm, FailurePolicy, FakeClock, Limit, MemoryBackend, MissingKeyPolicy, Quota, SystemClock,
 };

@@ -210,7 +210,7 @@ networks = ["10.0.0.0/24"]
 "#;
     layer
         .reloader()
-        .reload_toml_str(&LimitsFile::new(), text)
+        .reload(LimitsFile::new().parse(text).unwrap())
         .unwrap();
     let (status, body, _) = send(&mut svc, from("10.0.0.7", None, None)).await;
     assert_eq!((status, body.as_str()), (StatusCode::OK, "allowlisted"));

@@ -1,25 +1,14 @@
 //! Client IP keys: the socket peer, or a forwarded header when the peer is a trusted proxy.
 
-use std::net::{IpAddr, SocketAddr};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::net::IpAddr;
 use std::sync::Arc;
 
-use http::header::{HeaderMap, HeaderName};
 use tollgate_core::ConfigError;
 
+use super::forwarded::{cf_connecting_ip, x_forwarded_for, ForwardedHeader};
+use super::peer::{peer_ip, PeerFn};
 use super::proxies::{canonical, mask_v4, mask_v6, TrustedProxies};
 use super::{Identity, Key, KeyExtractor, MissingKey, RequestView};
-
-const CF_CONNECTING_IP: HeaderName = HeaderName::from_static("cf-connecting-ip");
-const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
-
-/// The longest textual IP address (`ffff:ffff:ffff:ffff:ffff:ffff:255.255.255.255`).
-const MAX_IP_TEXT: usize = 45;
-
-/// Bounds on the `X-Forwarded-For` walk: a real proxy chain is a handful of hops, so anything
-/// longer is an attempt to make every request expensive.
-const MAX_XFF_ENTRIES: usize = 32;
-const MAX_XFF_BYTES: usize = 4096;
 
 const DEFAULT_V4_PREFIX: u8 = 32;
 const DEFAULT_V6_PREFIX: u8 = 64;
@@ -50,7 +39,7 @@ const DEFAULT_V6_PREFIX: u8 = 64;
 ///    `MockConnectInfo<SocketAddr>` in tests;
 /// 2. tonic's `TcpConnectInfo` (feature `tonic`), which tonic's server always inserts, and
 ///    `TlsConnectInfo<TcpConnectInfo>` (feature `tonic-tls`) behind tonic's TLS;
-/// 3. a plain [`SocketAddr`], for any other server (a hyper service inserts it itself);
+/// 3. a plain [`SocketAddr`](std::net::SocketAddr), for any other server (a hyper service inserts it itself);
 /// 4. the function given to [`peer_fn`](Self::peer_fn).
 ///
 /// With none of them, every request gets [`MissingKey::NoPeerAddress`] (and the limit's
@@ -293,151 +282,10 @@ impl KeyExtractor for ClientIp {
     }
 }
 
-/// Which header names the client when the peer is a trusted proxy.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum ForwardedHeader {
-    /// `cf-connecting-ip`, set by Cloudflare to the one address that connected to it.
-    CfConnectingIp,
-    /// `X-Forwarded-For`, a list each proxy appends the address it saw to.
-    XForwardedFor,
-}
-
-impl ForwardedHeader {
-    /// The header's name, lowercase: `cf-connecting-ip` or `x-forwarded-for`.
-    pub fn as_str(&self) -> &'static str {
-        match self {
-            Self::CfConnectingIp => "cf-connecting-ip",
-            Self::XForwardedFor => "x-forwarded-for",
-        }
-    }
-}
-
-static WARNED_NO_PEER: AtomicBool = AtomicBool::new(false);
-
-fn peer_ip(req: &RequestView<'_>, custom: Option<&PeerFn>) -> Result<IpAddr, MissingKey> {
-    let extensions = req.extensions();
-    #[cfg(feature = "axum")]
-    {
-        use axum::extract::connect_info::{ConnectInfo, MockConnectInfo};
-        if let Some(ConnectInfo(addr)) = extensions.get::<ConnectInfo<SocketAddr>>() {
-            return Ok(addr.ip());
-        }
-        // `MockConnectInfo` stores itself rather than a `ConnectInfo`; axum's own extractor
-        // falls back to it the same way, so tests written for axum work unchanged.
-        if let Some(MockConnectInfo(addr)) = extensions.get::<MockConnectInfo<SocketAddr>>() {
-            return Ok(addr.ip());
-        }
-    }
-    #[cfg(feature = "tonic")]
-    {
-        use tonic::transport::server::TcpConnectInfo;
-        if let Some(addr) = extensions
-            .get::<TcpConnectInfo>()
-            .and_then(TcpConnectInfo::remote_addr)
-        {
-            return Ok(addr.ip());
-        }
-    }
-    #[cfg(feature = "tonic-tls")]
-    {
-        use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo};
-        if let Some(addr) = extensions
-            .get::<TlsConnectInfo<TcpConnectInfo>>()
-            .and_then(|info| info.get_ref().remote_addr())
-        {
-            return Ok(addr.ip());
-        }
-    }
-    if let Some(addr) = extensions.get::<SocketAddr>() {
-        return Ok(addr.ip());
-    }
-    if let Some(ip) = custom.and_then(|f| (f.0)(req)) {
-        return Ok(ip);
-    }
-    // Every request fails the same way until the server is fixed: say it once, not per request.
-    if !WARNED_NO_PEER.load(Ordering::Relaxed) && !WARNED_NO_PEER.swap(true, Ordering::Relaxed) {
-        tracing::error!(
-            "tollgate: ClientIp found no peer address in the request extensions, so no request \
-             can be keyed by IP: each gets its limit's missing-key policy (by default 400 \
-             \"the client address is unknown\"; logged once). With axum, serve the router \
-             with `into_make_service_with_connect_info::<SocketAddr>()` (or add \
-             `MockConnectInfo` in tests); with tonic, enable tollgate's `tonic` feature; with \
-             another server, put the peer's `SocketAddr` in the request extensions or give \
-             `ClientIp::peer_fn` a function that finds it."
-        );
-    }
-    Err(MissingKey::NoPeerAddress)
-}
-
-type FindPeer = dyn Fn(&RequestView<'_>) -> Option<IpAddr> + Send + Sync;
-
-/// A user-supplied source of the peer address.
-#[derive(Clone)]
-struct PeerFn(Arc<FindPeer>);
-
-impl std::fmt::Debug for PeerFn {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("PeerFn")
-    }
-}
-
-fn cf_connecting_ip(headers: &HeaderMap) -> Result<IpAddr, MissingKey> {
-    let mut values = headers.get_all(CF_CONNECTING_IP).into_iter();
-    let value = values.next().ok_or(MissingKey::Absent)?;
-    if values.next().is_some() {
-        return Err(MissingKey::Invalid);
-    }
-    parse_ip(value.as_bytes())
-}
-
-fn x_forwarded_for(headers: &HeaderMap, trusted: &TrustedProxies) -> Result<IpAddr, MissingKey> {
-    let values = headers.get_all(X_FORWARDED_FOR);
-    let mut count = 0;
-    let mut joined_len = 0;
-    for value in &values {
-        count += 1;
-        joined_len += value.len();
-    }
-    if count == 0 {
-        return Err(MissingKey::Absent);
-    }
-    // As if the values were joined with ",".
-    if joined_len + (count - 1) > MAX_XFF_BYTES {
-        return Err(MissingKey::Invalid);
-    }
-    let mut walked = 0;
-    let mut leftmost = None;
-    for value in values.iter().rev() {
-        for entry in value.as_bytes().rsplit(|&b| b == b',') {
-            walked += 1;
-            if walked > MAX_XFF_ENTRIES {
-                return Err(MissingKey::Invalid);
-            }
-            let ip = parse_ip(entry)?;
-            if !trusted.contains(ip) {
-                return Ok(ip);
-            }
-            leftmost = Some(ip);
-        }
-    }
-    // Every value yields at least one entry, so `leftmost` is set; `Invalid` is only a fallback.
-    leftmost.ok_or(MissingKey::Invalid)
-}
-
-fn parse_ip(raw: &[u8]) -> Result<IpAddr, MissingKey> {
-    let raw = raw.trim_ascii();
-    if raw.len() > MAX_IP_TEXT {
-        return Err(MissingKey::Invalid);
-    }
-    std::str::from_utf8(raw)
-        .ok()
-        .and_then(|text| text.parse().ok())
-        .ok_or(MissingKey::Invalid)
-}
-
 #[cfg(test)]
 mod tests {
+    use std::net::SocketAddr;
+
     use http::HeaderValue;
 
     use super::super::Repr;
@@ -722,18 +570,6 @@ mod tests {
                 bits: 129,
                 max: 128
             }
-        );
-    }
-
-    #[test]
-    fn forwarded_header_names() {
-        assert_eq!(
-            ForwardedHeader::CfConnectingIp.as_str(),
-            CF_CONNECTING_IP.as_str()
-        );
-        assert_eq!(
-            ForwardedHeader::XForwardedFor.as_str(),
-            X_FORWARDED_FOR.as_str()
         );
     }
 }

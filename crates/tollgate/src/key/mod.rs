@@ -21,12 +21,15 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use http::{Extensions, HeaderMap, Method, Uri};
 
+mod forwarded;
 mod ip;
+mod peer;
 mod principal;
 mod proxies;
 mod tenant;
 
-pub use ip::{ClientIp, ForwardedHeader};
+pub use forwarded::ForwardedHeader;
+pub use ip::ClientIp;
 pub use principal::{Principal, PrincipalId};
 pub use proxies::{Cidr, InvalidCidr, TrustedProxies};
 pub use tenant::Tenant;
@@ -68,16 +71,7 @@ impl<'r> Key<'r> {
     /// [`MissingKey::TooLong`] past [`MAX_KEY_LEN`] bytes.
     pub fn copied(bytes: &[u8]) -> Result<Key<'static>, MissingKey> {
         check_len(bytes.len())?;
-        if bytes.len() <= INLINE {
-            let mut buf = [0; INLINE];
-            buf[..bytes.len()].copy_from_slice(bytes);
-            Ok(Key(Repr::Inline {
-                len: bytes.len() as u8,
-                buf,
-            }))
-        } else {
-            Ok(Key(Repr::Owned(bytes.into())))
-        }
+        Ok(copy(bytes))
     }
 
     /// A key that owns `bytes`.
@@ -91,6 +85,16 @@ impl<'r> Key<'r> {
         Ok(Key(Repr::Owned(bytes.into_boxed_slice())))
     }
 
+    /// This key, owning its bytes: moved when it owns them already, else copied (inline
+    /// when short, without allocating).
+    pub(crate) fn into_owned(self) -> Key<'static> {
+        match self.0 {
+            Repr::Borrowed(bytes) => copy(bytes),
+            Repr::Inline { len, buf } => Key(Repr::Inline { len, buf }),
+            Repr::Owned(bytes) => Key(Repr::Owned(bytes)),
+        }
+    }
+
     /// The key's bytes.
     pub fn as_bytes(&self) -> &[u8] {
         match &self.0 {
@@ -98,6 +102,21 @@ impl<'r> Key<'r> {
             Repr::Inline { len, buf } => &buf[..usize::from(*len)],
             Repr::Owned(b) => b,
         }
+    }
+}
+
+/// A key that owns a copy of `bytes`, inline when short (`bytes` is at most `MAX_KEY_LEN`
+/// long, checked by the caller).
+fn copy(bytes: &[u8]) -> Key<'static> {
+    if bytes.len() <= INLINE {
+        let mut buf = [0; INLINE];
+        buf[..bytes.len()].copy_from_slice(bytes);
+        Key(Repr::Inline {
+            len: bytes.len() as u8,
+            buf,
+        })
+    } else {
+        Key(Repr::Owned(bytes.into()))
     }
 }
 

@@ -218,7 +218,7 @@ impl TrustedProxies {
     }
 
     /// Trusts the given networks.
-    pub fn from_cidrs<I: IntoIterator<Item = Cidr>>(cidrs: I) -> Self {
+    pub(crate) fn from_cidrs<I: IntoIterator<Item = Cidr>>(cidrs: I) -> Self {
         Self {
             cidrs: cidrs.into_iter().collect(),
         }

@@ -5,7 +5,7 @@ use std::fmt;
 
 use tollgate_core::{Backend, BackendError, Check, KeyState};
 
-use super::RateLimitLayer;
+use super::layer::RateLimitLayer;
 use crate::key::{Identity, IdentityError};
 
 /// Why [`RateLimitLayer::peek`] or [`RateLimitLayer::reset`] could not answer.

@@ -1,3 +1,5 @@
+//! [`ResponseFuture`]: a request's way from its backend call to the inner service's answer.
+
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -11,9 +13,12 @@ use tollgate_core::Backend;
 use tower_service::Service;
 
 use super::body::ResponseBody;
+use super::decide::Decided;
+use super::limits::LimitSet;
+use super::prepare::{Facts, KeptKeys};
 use super::settle::{Owed, SetSink, Settler};
 use super::slots::Slots;
-use super::{Decided, Plan, Shared};
+use super::state::Shared;
 use crate::cost::Settle;
 use crate::decision::Decision;
 
@@ -58,11 +63,13 @@ pin_project! {
     }
 }
 
+/// A request whose backend call is pending, with the service that will answer it.
 struct Checking<S, B: Backend, ReqBody> {
     check: B::Future,
     req: Request<ReqBody>,
     inner: S,
-    plan: Plan,
+    facts: Facts,
+    kept: KeptKeys,
     shared: Arc<Shared<B>>,
 }
 
@@ -75,7 +82,7 @@ where
         check: B::Future,
         req: Request<ReqBody>,
         inner: S,
-        plan: Plan,
+        (facts, kept): (Facts, KeptKeys),
         shared: Arc<Shared<B>>,
     ) -> Self {
         Self {
@@ -84,7 +91,8 @@ where
                     check,
                     req,
                     inner,
-                    plan,
+                    facts,
+                    kept,
                     shared,
                 })),
             },
@@ -98,12 +106,14 @@ where
         mut req: Request<ReqBody>,
         inner: &mut S,
         shared: Arc<Shared<B>>,
-        slot: u128,
+        checked: Option<(&Arc<LimitSet>, u128)>,
     ) -> Self {
         match decided {
-            Decided::Admit(decision, items, slot_set) => {
-                let slots =
-                    slot_set.and_then(|set| Slots::taken(&shared, set, &decision, &req, slot));
+            Decided::Admit(decision, owed, slots) => {
+                let slots = match (slots, checked) {
+                    (Some(taken), Some(checked)) => Some(Slots::hold(&shared, taken, checked)),
+                    _ => None,
+                };
                 // A copy stays for the response, unless the layer adds nothing to it.
                 let for_response = shared.adds_to_response(&decision).then(|| decision.clone());
                 // Under an outer `RateLimitLayer`, the handler sees both layers' limits.
@@ -113,15 +123,18 @@ where
                         req.extensions_mut().insert(both);
                     }
                 }
-                let mut owed = items.map(|(items, set)| {
-                    // The limits the request was checked under, even if a reload has replaced
-                    // them since.
-                    let sink: Arc<dyn Settler> = Arc::new(SetSink {
-                        shared: Arc::clone(&shared),
-                        set,
-                    });
-                    Box::new(Owed::new(sink, items))
-                });
+                let mut owed = match (owed, checked) {
+                    (Some(items), Some((set, _))) => {
+                        // The limits the request was checked under, even if a reload has
+                        // replaced them since.
+                        let sink: Arc<dyn Settler> = Arc::new(SetSink {
+                            shared: Arc::clone(&shared),
+                            set: Arc::clone(set),
+                        });
+                        Some(Box::new(Owed::new(sink, items)))
+                    }
+                    _ => None,
+                };
                 if let Some(owed) = owed.as_mut() {
                     match req.extensions().get::<Settle>() {
                         // Under an outer layer charged by the handler too: one handle for both.
@@ -173,20 +186,30 @@ where
                         panic!("{DONE}");
                     };
                     let result = ready!(Pin::new(&mut waiting.check).poll(cx));
-                    let Some(waiting) = checking.take() else {
+                    let Some(mut waiting) = checking.take() else {
                         panic!("{DONE}");
+                    };
+                    let decided = {
+                        let w = &mut *waiting;
+                        w.shared.decide(&result, &w.req, &w.facts, &mut w.kept)
                     };
                     let Checking {
                         req,
                         mut inner,
-                        plan,
+                        facts,
                         shared,
                         ..
                     } = *waiting;
-                    let decided = shared.decide(&result, &req, &plan);
-                    let slot = plan.slot();
-                    this.state
-                        .set(Self::decided(decided, req, &mut inner, shared, slot).state);
+                    this.state.set(
+                        Self::decided(
+                            decided,
+                            req,
+                            &mut inner,
+                            shared,
+                            Some((&facts.set, facts.slot)),
+                        )
+                        .state,
+                    );
                 }
                 StateProj::Calling {
                     call,

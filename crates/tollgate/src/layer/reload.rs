@@ -6,10 +6,12 @@ use std::sync::{Arc, PoisonError};
 
 use tollgate_core::{Backend, ConfigError};
 
-use super::{Limits, Shared};
-use crate::limits_file::{LimitsFile, LimitsFileError};
+use super::limits::Limits;
+use super::state::Shared;
+use crate::limits_file::error::LimitsFileError;
+use crate::limits_file::LimitsFile;
 
-/// Replaces the limits of a [`RateLimitLayer`](super::RateLimitLayer) (and of every clone of
+/// Replaces the limits of a [`RateLimitLayer`](crate::RateLimitLayer) (and of every clone of
 /// it and of its services) while it serves.
 ///
 /// - The swap is atomic and takes no lock on the request path: a request loads the limits once
@@ -72,7 +74,7 @@ impl<B: Backend> Reloader<B> {
     /// # Errors
     ///
     /// [`ReloadError::Config`] when the set could not build a layer (see
-    /// [`RateLimitLayerBuilder::build`](super::RateLimitLayerBuilder::build)); the old limits
+    /// [`RateLimitLayerBuilder::build`](crate::RateLimitLayerBuilder::build)); the old limits
     /// stay.
     pub fn reload(&self, limits: Limits) -> Result<(), ReloadError> {
         let ticket = self.ticket();
@@ -83,10 +85,13 @@ impl<B: Backend> Reloader<B> {
 
     /// Parses `text` with `file` and replaces the limits with it, or refuses it whole.
     ///
+    /// Deprecated: [`reload`](Self::reload) takes what [`LimitsFile::parse`] reads.
+    ///
     /// # Errors
     ///
     /// [`ReloadError::File`] for a file that does not parse (with its line and column) or
     /// describes limits that cannot be built; the old limits stay.
+    #[deprecated(note = "use `reloader.reload(file.parse(text)?)`")]
     pub fn reload_toml_str(&self, file: &LimitsFile, text: &str) -> Result<(), ReloadError> {
         let ticket = self.ticket();
         let result = file
@@ -100,10 +105,13 @@ impl<B: Backend> Reloader<B> {
     /// Reads the file at `path` with `file` and replaces the limits with it, or refuses it
     /// whole.
     ///
+    /// Deprecated: [`reload`](Self::reload) takes what [`LimitsFile::read`] reads.
+    ///
     /// # Errors
     ///
     /// As [`Reloader::reload_toml_str`], and [`ReloadError::File`] for a file that cannot be
     /// read.
+    #[deprecated(note = "use `reloader.reload(file.read(path)?)`")]
     pub fn reload_toml_file(
         &self,
         file: &LimitsFile,

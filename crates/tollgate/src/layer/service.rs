@@ -1,3 +1,6 @@
+//! [`RateLimit`], the service a [`RateLimitLayer`](crate::RateLimitLayer) wraps around
+//! another.
+
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -10,10 +13,12 @@ use tollgate_core::{Backend, MemoryBackend};
 use tower_service::Service;
 
 use super::body::ResponseBody;
+use super::decide::Decided;
 use super::future::ResponseFuture;
-use super::{Decided, Prepared, Shared};
+use super::prepare::{KeptKeys, Start};
+use super::state::Shared;
 
-/// The service a [`RateLimitLayer`](super::RateLimitLayer) wraps around `S`.
+/// The service a [`RateLimitLayer`](crate::RateLimitLayer) wraps around `S`.
 ///
 /// An answer that is ready at once (every in-memory answer, a Redis deny-cache hit) is taken in
 /// [`call`](Service::call) itself.
@@ -69,39 +74,40 @@ where
     fn call(&mut self, req: Request<ReqBody>) -> Self::Future {
         // The prepared check (its answer inline) is a few hundred bytes: it is answered in
         // place, and only a pending answer moves it, into the future.
-        let mut prepared = self.shared.prepare(&req);
-        if let Prepared::Check(check, plan) = &mut prepared {
+        let mut kept = KeptKeys::default();
+        let mut start = self.shared.prepare(&req, &mut kept);
+        if let Start::Ask(check, facts) = &mut start {
             // The in-memory backend, and a networked one's local deny cache, answer at once.
             // Then the request goes straight to the service that was polled ready: no clone of
             // it, and no trip of the request through the future.
             let answer = Pin::new(check).poll(&mut Context::from_waker(Waker::noop()));
             if let Poll::Ready(result) = &answer {
-                let decided = self.shared.decide(result, &req, plan);
-                let slot = plan.slot();
+                let decided = self.shared.decide(result, &req, facts, &mut kept);
                 return ResponseFuture::decided(
                     decided,
                     req,
                     &mut self.inner,
                     Arc::clone(&self.shared),
-                    slot,
+                    Some((&facts.set, facts.slot)),
                 );
             }
         }
-        match prepared {
+        match start {
             // Pending: polled again, with the task's waker, by the future. The service that
             // was polled ready is called later; a fresh clone takes its place.
-            Prepared::Check(check, plan) => {
+            Start::Ask(check, facts) => {
                 let clone = self.inner.clone();
                 let inner = std::mem::replace(&mut self.inner, clone);
-                ResponseFuture::checking(check, req, inner, plan, Arc::clone(&self.shared))
+                let shared = Arc::clone(&self.shared);
+                ResponseFuture::checking(check, req, inner, (facts, kept), shared)
             }
-            Prepared::Refuse(response) => ResponseFuture::refused(response),
-            Prepared::Admit(decision) => ResponseFuture::decided(
+            Start::Refuse(response) => ResponseFuture::refused(response),
+            Start::Admit(decision) => ResponseFuture::decided(
                 Decided::Admit(decision, None, None),
                 req,
                 &mut self.inner,
                 Arc::clone(&self.shared),
-                0,
+                None,
             ),
         }
     }

@@ -10,21 +10,30 @@ use std::sync::Arc;
 use http::Response;
 use tollgate_core::{Algorithm, Backend, Quota, Receipt, Settlement, MAX_CHECKS};
 
-use super::{LimitSet, Shared};
+use super::limits::LimitSet;
+use super::state::Shared;
 use crate::cost::{Charge, OnDrop, ResponseView, Settle};
 use crate::decision::Decision;
+use crate::key::Key;
 
-/// One metered limit's reservation.
-pub(crate) struct Item {
+/// What a settle needs of one metered limit's check: the units it reserved, where (its key,
+/// its receipt, the limiter that counted it) and under which quota.
+pub(crate) struct Reservation {
     /// The limit's index in the layer.
     pub(crate) entry: usize,
-    pub(crate) key: Box<[u8]>,
-    pub(crate) reserved: u32,
+    pub(crate) key: Key<'static>,
+    /// The units the check reserved.
+    pub(crate) units: u32,
     pub(crate) receipt: Receipt,
-    /// The quota the check was made under (the request's plan's, or the default).
+    /// The quota the check was made under (the request's plan's, or the fallback's share).
     pub(crate) quota: Quota,
     /// Counted by the local fallback limiter, not the backend.
     pub(crate) fallback: bool,
+}
+
+/// One metered limit's reservation, and what decides its actual cost.
+pub(crate) struct Item {
+    pub(crate) reservation: Reservation,
     pub(crate) by_handler: bool,
     pub(crate) on_drop: OnDrop,
     /// What the limit's `count_if` said of the response (`true` until it comes).
@@ -92,7 +101,7 @@ impl Owed {
     pub(crate) fn responded<T>(&mut self, response: &Response<T>) {
         let view = ResponseView::new(response);
         for item in &mut self.items {
-            item.counted = self.sink.counts(item.entry, &view);
+            item.counted = self.sink.counts(item.reservation.entry, &view);
         }
         self.charged = response.extensions().get::<Charge>().map(|c| c.0);
         self.responded = true;
@@ -121,7 +130,7 @@ impl Owed {
             || self
                 .items
                 .iter()
-                .all(|item| self.actual(item) == item.reserved)
+                .all(|item| self.actual(item) == item.reservation.units)
         {
             return decision;
         }
@@ -130,10 +139,10 @@ impl Owed {
             .iter()
             .enumerate()
             .map(
-                |(i, limit)| match self.items.iter().find(|item| item.entry == i) {
+                |(i, limit)| match self.items.iter().find(|item| item.reservation.entry == i) {
                     Some(item) => limit.clone().settled(
                         self.sink.algorithm(i),
-                        item.reserved,
+                        item.reservation.units,
                         self.actual(item),
                     ),
                     None => limit.clone(),
@@ -146,20 +155,20 @@ impl Owed {
         if !self.responded {
             return match item.on_drop {
                 OnDrop::Refund => 0,
-                OnDrop::Keep => item.reserved,
+                OnDrop::Keep => item.reservation.units,
             };
         }
         if !item.counted {
             return 0;
         }
         if !item.by_handler {
-            return item.reserved;
+            return item.reservation.units;
         }
         self.handle
             .as_ref()
             .and_then(Settle::charged)
             .or(self.charged)
-            .unwrap_or(item.reserved)
+            .unwrap_or(item.reservation.units)
     }
 }
 
@@ -173,7 +182,7 @@ impl Drop for Owed {
         if self.items[..n]
             .iter()
             .zip(&actual)
-            .any(|(item, &a)| a != item.reserved)
+            .any(|(item, &a)| a != item.reservation.units)
         {
             self.sink.settle(&self.items[..n], &actual[..n]);
         }
@@ -220,26 +229,27 @@ impl<B: Backend> Settler for SetSink<B> {
         let mut local = [empty; MAX_CHECKS];
         let (mut r, mut l) = (0, 0);
         for (item, &actual) in items.iter().zip(actual) {
-            let Some(entry) = self.set.limits.get(item.entry) else {
+            let held = &item.reservation;
+            let Some(entry) = self.set.limits.get(held.entry) else {
                 continue;
             };
-            if actual == item.reserved {
+            if actual == held.units {
                 continue;
             }
-            let limit = match (item.fallback, &entry.local) {
+            let limit = match (held.fallback, &entry.local) {
                 (false, _) => &entry.limit,
                 (true, Some(local)) => local,
                 (true, None) => continue,
             };
             let settlement = Settlement {
                 limit,
-                key: &item.key,
-                reserved: item.reserved,
+                key: held.key.as_bytes(),
+                reserved: held.units,
                 actual,
-                receipt: item.receipt,
-                quota: item.quota,
+                receipt: held.receipt,
+                quota: held.quota,
             };
-            if item.fallback {
+            if held.fallback {
                 local[l] = settlement;
                 l += 1;
             } else {

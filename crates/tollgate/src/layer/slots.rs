@@ -12,12 +12,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use http::Request;
-use tollgate_core::{Algorithm, Backend, Check, MAX_CHECKS};
+use tollgate_core::{Backend, Check, MAX_CHECKS};
 
-use super::{LimitSet, Shared};
-use crate::decision::{Decision, Outcome, Source};
-use crate::key::{Key, RequestView};
+use super::limits::LimitSet;
+use super::state::Shared;
+use crate::decision::Source;
+use crate::key::Key;
 
 /// A slot id unique among the requests in flight on every replica: 128 bits, the keyed hash
 /// of a per-process counter under two random keys drawn once per process. Replicas that
@@ -32,11 +32,15 @@ pub(crate) fn next_id() -> u128 {
     id.max(1)
 }
 
-/// What the slots are: the limits (by index in the layer) whose slots the request holds, the
-/// key of each, and where each was taken.
+/// The slots an admitted request took: the limits (by index in the layer) whose slots it
+/// holds, the key of each, and where each was taken.
+pub(crate) struct Taken {
+    pub(crate) items: Vec<(usize, Key<'static>, Source)>,
+}
+
+/// Taken slots, and the layer that gives them back.
 struct Held<B> {
     shared: Arc<Shared<B>>,
-    /// The limits the request was checked under (a reload may have replaced them since).
     set: Arc<LimitSet>,
     slot: u128,
     items: Vec<(usize, Key<'static>, Source)>,
@@ -76,34 +80,16 @@ pub(crate) struct Slots<B: Backend> {
 }
 
 impl<B: Backend> Slots<B> {
-    /// The slots `decision` says the request took, if any.
-    pub(crate) fn taken<T>(
+    /// Holds the slots `taken` under the request's slot id `slot` and the limits `set` it was
+    /// checked under (a reload may have replaced them since) until dropped, renewing them
+    /// while the backend's slots expire.
+    pub(crate) fn hold(
         shared: &Arc<Shared<B>>,
-        set: Arc<LimitSet>,
-        decision: &Decision,
-        req: &Request<T>,
-        slot: u128,
-    ) -> Option<Self> {
-        let view = RequestView::new(req);
-        let mut items = Vec::new();
-        for (i, (entry, d)) in set.limits.iter().zip(decision.limits()).enumerate() {
-            let took = entry.limit.algorithm() == Algorithm::Concurrency
-                && matches!(d.outcome(), Outcome::Allowed { .. });
-            if !took {
-                continue;
-            }
-            // The key the check used: extracted again (keys borrow from the request, and only
-            // a request with slots pays for an owned copy, inline for addresses and short
-            // tenants).
-            if let Ok(Some(key)) = super::decide::key_of(entry, &view) {
-                if let Ok(key) = Key::copied(key.as_bytes()) {
-                    items.push((i, key, d.source()));
-                }
-            }
-        }
-        if items.is_empty() {
-            return None;
-        }
+        taken: Taken,
+        (set, slot): (&Arc<LimitSet>, u128),
+    ) -> Self {
+        let Taken { items } = taken;
+        let set = Arc::clone(set);
         let held = Arc::new(Held {
             shared: Arc::clone(shared),
             set,
@@ -126,7 +112,7 @@ impl<B: Backend> Slots<B> {
             });
             Some(task.abort_handle())
         });
-        Some(Self { held, renewing })
+        Self { held, renewing }
     }
 }
 

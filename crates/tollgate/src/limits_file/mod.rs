@@ -9,10 +9,8 @@ use std::ops::Range;
 use std::path::Path;
 use std::str::FromStr;
 use std::sync::Arc;
-use std::time::Duration;
 
 use http::HeaderName;
-use serde::Deserialize;
 use tollgate_core::{Algorithm, ConfigError, Limit, MissingKeyPolicy, Quota, MAX_CHECKS};
 use toml::Spanned;
 
@@ -21,7 +19,17 @@ use crate::key::{
     Cidr, ClientIp, ForwardedHeader, Global, Identity, KeyExtractor, Principal, PrincipalId,
     Tenant, TrustedProxies,
 };
-use crate::layer::{Limits, RateLimitLayer};
+use crate::layer::limits::Limits;
+
+pub(crate) mod error;
+mod spec;
+
+use error::LimitsFileError;
+use error::{said, Mistake};
+use spec::{
+    parse_period, AllowSpec, FailureSpec, FileSpec, IpSpec, KeySpec, LimitSpec, QuotaField,
+    QuotaSpec, Trusted,
+};
 
 type MakeKey = Arc<dyn Fn() -> Box<dyn KeyExtractor> + Send + Sync>;
 
@@ -145,11 +153,8 @@ impl LimitsFile {
     /// As [`LimitsFile::parse`], or a file that cannot be read.
     pub fn read(&self, path: impl AsRef<Path>) -> Result<Limits, LimitsFileError> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|e| LimitsFileError {
-            message: format!("cannot read {}: {e}", path.display()),
-            line: 0,
-            column: 0,
-        })?;
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| LimitsFileError::whole(format!("cannot read {}: {e}", path.display())))?;
         self.parse(&text)
     }
 
@@ -380,286 +385,10 @@ fn ip_key(ip: &IpSpec) -> Result<ClientIp, String> {
     Ok(key)
 }
 
-impl RateLimitLayer {
-    /// A layer counting in memory with the limits of a TOML text (no principal bound; use
-    /// [`LimitsFile`] and [`RateLimitLayerBuilder::limits`](crate::RateLimitLayerBuilder::limits)
-    /// for principals or another backend).
-    ///
-    /// # Errors
-    ///
-    /// As [`LimitsFile::parse`].
-    pub fn from_toml_str(text: &str) -> Result<Self, LimitsFileError> {
-        let limits = LimitsFile::new().parse(text)?;
-        Ok(RateLimitLayer::builder().limits(limits).build()?)
-    }
-
-    /// As [`RateLimitLayer::from_toml_str`], reading the file at `path`.
-    ///
-    /// # Errors
-    ///
-    /// As [`LimitsFile::read`].
-    pub fn from_toml_file(path: impl AsRef<Path>) -> Result<Self, LimitsFileError> {
-        let limits = LimitsFile::new().read(path)?;
-        Ok(RateLimitLayer::builder().limits(limits).build()?)
-    }
-}
-
-/// A mistake in a file, where it is: what `parse` turns into a [`LimitsFileError`].
-struct Mistake {
-    span: Range<usize>,
-    message: String,
-}
-
-impl Mistake {
-    fn in_text(self, text: &str) -> LimitsFileError {
-        LimitsFileError::at(text, Some(self.span), &self.message)
-    }
-}
-
-/// A limits file that could not be read, parsed or built, with where.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LimitsFileError {
-    message: String,
-    line: usize,
-    column: usize,
-}
-
-impl LimitsFileError {
-    /// The line and column (from 1) of byte `at` of `text`.
-    fn position(text: &str, at: usize) -> (usize, usize) {
-        let mut at = at.min(text.len());
-        while !text.is_char_boundary(at) {
-            at -= 1;
-        }
-        let before = &text[..at];
-        let line = before.matches('\n').count() + 1;
-        // In characters, as editors count them.
-        let column = before[before.rfind('\n').map_or(0, |n| n + 1)..]
-            .chars()
-            .count()
-            + 1;
-        (line, column)
-    }
-
-    fn at(text: &str, span: Option<Range<usize>>, message: &str) -> Self {
-        let (line, column) = match span {
-            Some(span) => Self::position(text, span.start),
-            None => (0, 0),
-        };
-        Self {
-            message: message.trim_end().to_owned(),
-            line,
-            column,
-        }
-    }
-
-    /// The line of the mistake, counted from 1 (0 when it concerns the whole file).
-    pub fn line(&self) -> usize {
-        self.line
-    }
-
-    /// The column of the mistake, counted from 1 (0 when it concerns the whole file).
-    pub fn column(&self) -> usize {
-        self.column
-    }
-
-    /// What is wrong.
-    pub fn message(&self) -> &str {
-        &self.message
-    }
-}
-
-impl From<ConfigError> for LimitsFileError {
-    fn from(e: ConfigError) -> Self {
-        Self {
-            message: e.to_string(),
-            line: 0,
-            column: 0,
-        }
-    }
-}
-
-impl fmt::Display for LimitsFileError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if self.line == 0 {
-            write!(f, "limits file: {}", self.message)
-        } else {
-            write!(
-                f,
-                "limits file, line {} column {}: {}",
-                self.line, self.column, self.message
-            )
-        }
-    }
-}
-
-impl std::error::Error for LimitsFileError {}
-
-/// The parser's message, or what the field may be when it names one of this file's types.
-fn said(message: &str) -> String {
-    let expected = [
-        ("QuotaSpec", "a quota is a number, or { limit = N, burst = M }"),
-        ("KeySpec", "a key is \"global\", \"ip\", \"principal\", { ip = { ... } }, { header = \"...\" } or { principal = \"...\" }"),
-        ("FailureSpec", "a failure policy is \"open\", \"closed\" or { fallback = N }"),
-        ("Trusted", "trusted proxies are \"cloudflare\" or a list of CIDRs"),
-    ];
-    for (name, what) in expected {
-        if message.contains(&format!("untagged enum {name}")) {
-            return what.to_owned();
-        }
-    }
-    message.to_owned()
-}
-
-/// `1s`, `30s`, `1m`, `1h`, `1d`, `500ms`.
-fn parse_period(text: &str) -> Result<Duration, String> {
-    let split = text
-        .find(|c: char| !c.is_ascii_digit())
-        .unwrap_or(text.len());
-    let (n, unit) = text.split_at(split);
-    let n: u64 = n
-        .parse()
-        .map_err(|_| format!("period {text:?} must be a number and a unit (ms, s, m, h, d)"))?;
-    let unit_ms: u64 = match unit {
-        "ms" => 1,
-        "s" => 1_000,
-        "m" => 60_000,
-        "h" => 3_600_000,
-        "d" => 86_400_000,
-        _ => {
-            return Err(format!(
-                "period {text:?} must be a number and a unit (ms, s, m, h, d)"
-            ))
-        }
-    };
-    n.checked_mul(unit_ms)
-        .map(Duration::from_millis)
-        .ok_or_else(|| format!("period {text:?} is too long"))
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct FileSpec {
-    #[serde(default)]
-    limit: Vec<Spanned<LimitSpec>>,
-    #[serde(default)]
-    allowlist: Vec<Spanned<AllowSpec>>,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct AllowSpec {
-    key: Spanned<KeySpec>,
-    networks: Option<Vec<Spanned<String>>>,
-    values: Option<Vec<Spanned<String>>>,
-}
-
-// Every field that a mistake can be in is `Spanned`, so that the error points at it.
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct LimitSpec {
-    name: Spanned<String>,
-    algorithm: Option<Spanned<String>>,
-    period: Spanned<String>,
-    quota: Spanned<QuotaField>,
-    key: Spanned<KeySpec>,
-    cost: Option<Spanned<u32>>,
-    failure: Option<Spanned<FailureSpec>>,
-    missing_key: Option<Spanned<String>>,
-    #[serde(default)]
-    shadow: bool,
-}
-
-/// `quota = 5` (the default quota, no plans), or a table of plans with a `default`.
-enum QuotaField {
-    Default(u32),
-    Plans(BTreeMap<Spanned<String>, Spanned<QuotaSpec>>),
-}
-
-impl<'de> Deserialize<'de> for QuotaField {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct Visit;
-
-        impl<'de> serde::de::Visitor<'de> for Visit {
-            type Value = QuotaField;
-
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("a quota: a number, or a [limit.quota] table with a `default`")
-            }
-
-            fn visit_i64<E: serde::de::Error>(self, n: i64) -> Result<QuotaField, E> {
-                u32::try_from(n)
-                    .map(QuotaField::Default)
-                    .map_err(|_| E::invalid_value(serde::de::Unexpected::Signed(n), &self))
-            }
-
-            fn visit_u64<E: serde::de::Error>(self, n: u64) -> Result<QuotaField, E> {
-                u32::try_from(n)
-                    .map(QuotaField::Default)
-                    .map_err(|_| E::invalid_value(serde::de::Unexpected::Unsigned(n), &self))
-            }
-
-            fn visit_map<A: serde::de::MapAccess<'de>>(
-                self,
-                map: A,
-            ) -> Result<QuotaField, A::Error> {
-                BTreeMap::deserialize(serde::de::value::MapAccessDeserializer::new(map))
-                    .map(QuotaField::Plans)
-            }
-        }
-
-        d.deserialize_any(Visit)
-    }
-}
-
-#[derive(Clone, Deserialize)]
-#[serde(untagged)]
-enum QuotaSpec {
-    Limit(u32),
-    Burst { limit: u32, burst: Option<u32> },
-}
-
-#[derive(Deserialize)]
-#[serde(untagged)]
-enum FailureSpec {
-    Word(String),
-    Fallback { fallback: u32 },
-}
-
-#[derive(Deserialize)]
-#[serde(untagged)]
-enum KeySpec {
-    Word(String),
-    Principal {
-        principal: String,
-    },
-    Header {
-        header: String,
-        max_len: Option<usize>,
-    },
-    Ip {
-        ip: IpSpec,
-    },
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct IpSpec {
-    header: Option<String>,
-    trusted: Option<Trusted>,
-    ipv4_prefix: Option<u8>,
-    ipv6_prefix: Option<u8>,
-}
-
-#[derive(Deserialize)]
-#[serde(untagged)]
-enum Trusted {
-    Word(String),
-    Cidrs(Vec<String>),
-}
-
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
 
     fn error(text: &str) -> LimitsFileError {

@@ -1,0 +1,270 @@
+//! A request's facts, decided once: the limit set it is checked under, each limit's key,
+//! quota and cost, its slot id, and the backend call that asks about them.
+//!
+//! Every extractor runs here and nowhere else. A key borrows from the request while the
+//! checks are made; one that is needed after the check (to settle, to give a slot back, or for
+//! the local fallback limiter: [`Entry::keeps_key`]) is kept owned in the [`KeptKeys`] beside
+//! the [`Facts`], inline when short. The backend's future owns what it needs, so nothing
+//! borrows the request once the call has started.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::{Request, Response};
+use tollgate_core::{Backend, Check, MissingKeyPolicy, MAX_CHECKS};
+
+use super::limits::{Entry, LimitSet};
+use super::slots::next_id;
+use super::state::Shared;
+use crate::decision::{Decision, Outcome, Source};
+use crate::key::{Key, MissingKey, RequestView};
+use crate::metrics as obs;
+use crate::plan::Plan;
+
+/// The key of the one bucket shared by keyless requests ([`MissingKeyPolicy::SharedBucket`]).
+/// Extracted keys cannot take this value: IP keys start with a 4 or 6 byte, tenants are ASCII.
+const SHARED_BUCKET: &[u8] = b"\xffshared-bucket";
+
+/// What [`Shared::prepare`] decided of one request, read by its decision, its settle, its
+/// slots and its refusal.
+#[derive(Debug)]
+pub(crate) struct Facts {
+    /// The limits the request started with.
+    pub(crate) set: Arc<LimitSet>,
+    /// How many limits were checked (those with a key).
+    pub(crate) n: usize,
+    /// The index in the set of each checked limit, in the order of the checks.
+    pub(crate) limit_of: [usize; MAX_CHECKS],
+    /// Per limit, the index of the quota the request got ([`Limit::quota_of`]).
+    ///
+    /// [`Limit::quota_of`]: tollgate_core::Limit::quota_of
+    pub(crate) quota_of: [u8; MAX_CHECKS],
+    /// Per limit, the request's cost.
+    pub(crate) cost: [u32; MAX_CHECKS],
+    /// The request's concurrency slot id (0 when the layer has no concurrency limit).
+    pub(crate) slot: u128,
+    /// The request's `tollgate.check` span, open from the keys to the decision.
+    pub(crate) span: tracing::Span,
+}
+
+/// The keys of a request that are needed after its check ([`Entry::keeps_key`]), by limit.
+///
+/// Beside the [`Facts`] rather than in them, and made only when a limit keeps its key: most
+/// layers keep none, and their requests then neither fill nor move nor drop room for eight
+/// keys.
+#[derive(Debug, Default)]
+pub(crate) struct KeptKeys(Option<[Option<Key<'static>>; MAX_CHECKS]>);
+
+impl KeptKeys {
+    /// The kept key of the limit at `i`.
+    pub(crate) fn get(&self, i: usize) -> Option<&Key<'static>> {
+        self.0.as_ref()?[i].as_ref()
+    }
+
+    /// Takes the kept key of the limit at `i`.
+    pub(crate) fn take(&mut self, i: usize) -> Option<Key<'static>> {
+        self.0.as_mut()?[i].take()
+    }
+
+    fn put(&mut self, i: usize, key: Key<'static>) {
+        self.0.get_or_insert_with(Default::default)[i] = Some(key);
+    }
+}
+
+/// How a request starts.
+pub(crate) enum Start<F> {
+    /// The backend is asked (`F` is its answer) about the request's [`Facts`].
+    Ask(F, Facts),
+    /// Admitted without asking the backend (allowlisted).
+    Admit(Decision),
+    /// Refused before asking (a missing key, a cost that is none).
+    Refuse(Response<Bytes>),
+}
+
+/// One limit's key as extracted, and whether it is kept.
+#[derive(Default)]
+enum Extracted<'r> {
+    /// The limit is skipped (no key, and its policy skips).
+    #[default]
+    None,
+    /// Borrowed from the request, for the check only.
+    Borrowed(Key<'r>),
+    /// Kept in the [`Facts`] at the limit's index.
+    Kept,
+}
+
+impl<B: Backend> Shared<B> {
+    /// Decides the request's facts (its kept keys into `kept`) and starts the backend call;
+    /// or admits an allowlisted request, or refuses one without a key or a valid cost.
+    pub(crate) fn prepare<T>(&self, req: &Request<T>, kept: &mut KeptKeys) -> Start<B::Future> {
+        // Only a subscriber that wants debug spans gets one (`names` is built once, when the
+        // layer is). Otherwise the span is `none`: a disabled span still costs, on every
+        // request, what `tracing`'s `log` compatibility does when no subscriber is set (its
+        // fields formatted, each enter and exit checked against the `log` level).
+        let set = self.set.load_full();
+        let span = if tracing::level_enabled!(tracing::Level::DEBUG) {
+            tracing::debug_span!(
+                "tollgate.check",
+                limits = &*set.names,
+                outcome = tracing::field::Empty,
+                decision = tracing::field::Empty,
+            )
+        } else {
+            tracing::Span::none()
+        };
+        let view = RequestView::new(req);
+        if let Some(allowlist) = &set.allowlist {
+            if allowlist.matches(&view) {
+                return Start::Admit(allowlisted(&set, &span));
+            }
+        }
+        // The request's plan is looked up only when some limit has plans: its extension, or
+        // what the layer's plan function makes of the request.
+        let chosen;
+        let plan_name = match (set.plans, req.extensions().get::<Plan>()) {
+            (false, _) => None,
+            (true, Some(plan)) => Some(plan.as_str()),
+            (true, None) => {
+                chosen = self.plan_fn.as_ref().and_then(|f| f(&view));
+                chosen.as_ref().map(Plan::as_str)
+            }
+        };
+        let slot = if set.has_slots { next_id() } else { 0 };
+        let mut n = 0;
+        let mut limit_of = [0; MAX_CHECKS];
+        let mut quota_of = [0u8; MAX_CHECKS];
+        let mut cost = [0u32; MAX_CHECKS];
+        // One limit (most layers): no arrays of keys and checks to fill and drop.
+        let check = if let [entry] = &*set.limits {
+            let extracted = match extract(entry, &view, kept, 0) {
+                Ok(extracted) => extracted,
+                Err(missing) => {
+                    return Start::Refuse(self.refuse_keyless(entry, missing, req, &span))
+                }
+            };
+            let key = match &extracted {
+                Extracted::None => None,
+                Extracted::Borrowed(key) => Some(key.as_bytes()),
+                Extracted::Kept => kept.get(0).map(Key::as_bytes),
+            };
+            match key {
+                Some(key) => {
+                    let (check, quota) =
+                        match self.check_of(entry, key, plan_name, slot, (&view, req, &span)) {
+                            Ok(check) => check,
+                            Err(refusal) => return Start::Refuse(*refusal),
+                        };
+                    (quota_of[0], cost[0], n) = (quota, check.cost, 1);
+                    span.in_scope(|| self.backend.check(&[check]))
+                }
+                None => span.in_scope(|| self.backend.check(&[])),
+            }
+        } else {
+            let mut extracted: [Extracted<'_>; MAX_CHECKS] = Default::default();
+            for (i, entry) in set.limits.iter().enumerate() {
+                match extract(entry, &view, kept, i) {
+                    Ok(key) => extracted[i] = key,
+                    Err(missing) => {
+                        return Start::Refuse(self.refuse_keyless(entry, missing, req, &span))
+                    }
+                }
+            }
+            let mut checks = [Check::new(&set.limits[0].limit, b""); MAX_CHECKS];
+            for (i, entry) in set.limits.iter().enumerate() {
+                let key = match &extracted[i] {
+                    Extracted::None => continue,
+                    Extracted::Borrowed(key) => key.as_bytes(),
+                    Extracted::Kept => match kept.get(i) {
+                        Some(key) => key.as_bytes(),
+                        None => continue,
+                    },
+                };
+                let (check, quota) =
+                    match self.check_of(entry, key, plan_name, slot, (&view, req, &span)) {
+                        Ok(check) => check,
+                        Err(refusal) => return Start::Refuse(*refusal),
+                    };
+                (quota_of[i], cost[i]) = (quota, check.cost);
+                checks[n] = check;
+                limit_of[n] = i;
+                n += 1;
+            }
+            span.in_scope(|| self.backend.check(&checks[..n]))
+        };
+        let facts = Facts {
+            set,
+            n,
+            limit_of,
+            quota_of,
+            cost,
+            slot,
+            span,
+        };
+        Start::Ask(check, facts)
+    }
+
+    /// `entry`'s check of `key` under the request's plan (and the index of its quota), with
+    /// the request's cost for a metered limit; or the refusal of a cost that is not one.
+    fn check_of<'k, T>(
+        &self,
+        entry: &'k Entry,
+        key: &'k [u8],
+        plan_name: Option<&str>,
+        slot: u128,
+        (view, req, span): (&RequestView<'_>, &Request<T>, &tracing::Span),
+    ) -> Result<(Check<'k>, u8), Box<Response<Bytes>>> {
+        let (index, quota) = entry.limit.quota_of(plan_name);
+        let mut check = Check::new(&entry.limit, key)
+            .with_quota(*quota)
+            .with_slot(slot);
+        if let Some(of) = entry.metered.as_ref().and_then(|m| m.cost.as_ref()) {
+            match of(view) {
+                Ok(units) => check = check.with_cost(units),
+                Err(_) => return Err(Box::new(self.refuse_invalid_cost(entry, req, span))),
+            }
+        }
+        // A limit has at most `MAX_PLANS` plans.
+        Ok((check, u8::try_from(index).unwrap_or(0)))
+    }
+}
+
+/// `entry`'s key of the request, under its missing-key policy: kept in `kept` (owned, at
+/// `i`) when the entry keeps its key, else borrowed.
+#[inline]
+fn extract<'r>(
+    entry: &Entry,
+    view: &RequestView<'r>,
+    kept: &mut KeptKeys,
+    i: usize,
+) -> Result<Extracted<'r>, MissingKey> {
+    let key = match entry.key.extract(view) {
+        Ok(key) => key,
+        Err(missing) => match entry.limit.missing_key_policy() {
+            // A shadow limit never refuses a request, not even one without its key.
+            _ if entry.limit.is_shadow() => return Ok(Extracted::None),
+            MissingKeyPolicy::Skip => return Ok(Extracted::None),
+            MissingKeyPolicy::SharedBucket => Key::borrowed(SHARED_BUCKET)?,
+            _ => return Err(missing),
+        },
+    };
+    if entry.keeps_key {
+        kept.put(i, key.into_owned());
+        Ok(Extracted::Kept)
+    } else {
+        Ok(Extracted::Borrowed(key))
+    }
+}
+
+/// The decision of a request that `set`'s allowlist matched: every limit `Allowlisted`.
+fn allowlisted(set: &LimitSet, span: &tracing::Span) -> Decision {
+    let decision: Decision = set
+        .limits
+        .iter()
+        .map(|entry| entry.decision(Outcome::Allowlisted, Source::Backend, 0))
+        .collect();
+    for (entry, d) in set.limits.iter().zip(decision.limits()) {
+        entry.metrics.record(d, true);
+    }
+    obs::record_span(span, &decision);
+    decision
+}

@@ -1,0 +1,68 @@
+//! The state every clone of a layer and its services shares.
+
+use std::fmt;
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use bytes::Bytes;
+use http::Response;
+use tollgate_core::{Backend, Clock, MemoryBackend};
+
+use super::limits::LimitSet;
+use crate::fields::FieldOptions;
+use crate::key::RequestView;
+use crate::plan::Plan;
+use crate::refusal_cache::{Last, WrittenRefusal};
+use crate::rejection::Rejection;
+
+/// A custom responder of refusals.
+pub(crate) type Responder = Box<dyn Fn(&Rejection<'_>) -> Response<Bytes> + Send + Sync>;
+/// The plan of a request without a [`Plan`] extension.
+pub(crate) type PlanFn = Box<dyn Fn(&RequestView<'_>) -> Option<Plan> + Send + Sync>;
+
+/// The state every clone of a layer and its services shares.
+pub(crate) struct Shared<B> {
+    pub(crate) backend: B,
+    /// The limits now. A request loads them once (no lock) and keeps them to its decision,
+    /// so a reload never changes the limits of a request in flight.
+    pub(crate) set: ArcSwap<LimitSet>,
+    /// Serialises reloads (never taken by a request), and holds the ticket of the last one
+    /// applied.
+    pub(crate) reloads: Mutex<u64>,
+    /// Numbers reloads in the order they start.
+    pub(crate) reload_tickets: AtomicU64,
+    /// The plan of a request without a `Plan` extension.
+    pub(crate) plan_fn: Option<PlanFn>,
+    pub(crate) fallback: MemoryBackend<Arc<dyn Clock>>,
+    /// Which rate-limit header fields responses get.
+    pub(crate) fields: FieldOptions,
+    /// Whether admitted responses carry the [`Decision`](crate::Decision) (refusals always do).
+    pub(crate) decision_on_allowed: bool,
+    pub(crate) responder: Option<Responder>,
+    pub(crate) grpc_responder: Option<Responder>,
+    pub(crate) unavailable_retry_after: Duration,
+    /// The last default `429`'s body and header fields, for the refusals of a flood.
+    pub(crate) last_refusal: Last<WrittenRefusal>,
+}
+
+impl<B: Backend> fmt::Debug for Shared<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RateLimitLayer")
+            .field("backend", &self.backend.kind())
+            .field(
+                "limits",
+                &self
+                    .set
+                    .load()
+                    .limits
+                    .iter()
+                    .map(|e| &e.limit)
+                    .collect::<Vec<_>>(),
+            )
+            .field("fields", &self.fields)
+            .field("decision_on_allowed", &self.decision_on_allowed)
+            .finish()
+    }
+}

@@ -1,0 +1,155 @@
+//! The file's TOML, as serde reads it, and its periods.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::time::Duration;
+
+use serde::Deserialize;
+use toml::Spanned;
+
+/// `1s`, `30s`, `1m`, `1h`, `1d`, `500ms`.
+pub(super) fn parse_period(text: &str) -> Result<Duration, String> {
+    let split = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
+    let (n, unit) = text.split_at(split);
+    let n: u64 = n
+        .parse()
+        .map_err(|_| format!("period {text:?} must be a number and a unit (ms, s, m, h, d)"))?;
+    let unit_ms: u64 = match unit {
+        "ms" => 1,
+        "s" => 1_000,
+        "m" => 60_000,
+        "h" => 3_600_000,
+        "d" => 86_400_000,
+        _ => {
+            return Err(format!(
+                "period {text:?} must be a number and a unit (ms, s, m, h, d)"
+            ))
+        }
+    };
+    n.checked_mul(unit_ms)
+        .map(Duration::from_millis)
+        .ok_or_else(|| format!("period {text:?} is too long"))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct FileSpec {
+    #[serde(default)]
+    pub(super) limit: Vec<Spanned<LimitSpec>>,
+    #[serde(default)]
+    pub(super) allowlist: Vec<Spanned<AllowSpec>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct AllowSpec {
+    pub(super) key: Spanned<KeySpec>,
+    pub(super) networks: Option<Vec<Spanned<String>>>,
+    pub(super) values: Option<Vec<Spanned<String>>>,
+}
+
+// Every field that a mistake can be in is `Spanned`, so that the error points at it.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct LimitSpec {
+    pub(super) name: Spanned<String>,
+    pub(super) algorithm: Option<Spanned<String>>,
+    pub(super) period: Spanned<String>,
+    pub(super) quota: Spanned<QuotaField>,
+    pub(super) key: Spanned<KeySpec>,
+    pub(super) cost: Option<Spanned<u32>>,
+    pub(super) failure: Option<Spanned<FailureSpec>>,
+    pub(super) missing_key: Option<Spanned<String>>,
+    #[serde(default)]
+    pub(super) shadow: bool,
+}
+
+/// `quota = 5` (the default quota, no plans), or a table of plans with a `default`.
+pub(super) enum QuotaField {
+    Default(u32),
+    Plans(BTreeMap<Spanned<String>, Spanned<QuotaSpec>>),
+}
+
+impl<'de> Deserialize<'de> for QuotaField {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visit;
+
+        impl<'de> serde::de::Visitor<'de> for Visit {
+            type Value = QuotaField;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a quota: a number, or a [limit.quota] table with a `default`")
+            }
+
+            fn visit_i64<E: serde::de::Error>(self, n: i64) -> Result<QuotaField, E> {
+                u32::try_from(n)
+                    .map(QuotaField::Default)
+                    .map_err(|_| E::invalid_value(serde::de::Unexpected::Signed(n), &self))
+            }
+
+            fn visit_u64<E: serde::de::Error>(self, n: u64) -> Result<QuotaField, E> {
+                u32::try_from(n)
+                    .map(QuotaField::Default)
+                    .map_err(|_| E::invalid_value(serde::de::Unexpected::Unsigned(n), &self))
+            }
+
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                map: A,
+            ) -> Result<QuotaField, A::Error> {
+                BTreeMap::deserialize(serde::de::value::MapAccessDeserializer::new(map))
+                    .map(QuotaField::Plans)
+            }
+        }
+
+        d.deserialize_any(Visit)
+    }
+}
+
+#[derive(Clone, Deserialize)]
+#[serde(untagged)]
+pub(super) enum QuotaSpec {
+    Limit(u32),
+    Burst { limit: u32, burst: Option<u32> },
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+pub(super) enum FailureSpec {
+    Word(String),
+    Fallback { fallback: u32 },
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+pub(super) enum KeySpec {
+    Word(String),
+    Principal {
+        principal: String,
+    },
+    Header {
+        header: String,
+        max_len: Option<usize>,
+    },
+    Ip {
+        ip: IpSpec,
+    },
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct IpSpec {
+    pub(super) header: Option<String>,
+    pub(super) trusted: Option<Trusted>,
+    pub(super) ipv4_prefix: Option<u8>,
+    pub(super) ipv6_prefix: Option<u8>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+pub(super) enum Trusted {
+    Word(String),
+    Cidrs(Vec<String>),
+}
