@@ -24,7 +24,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
-use tollgate::core::{Backend, Check, FailurePolicy, KeyState, Limit, MissingKeyPolicy, Quota};
+use tollgate::core::{Admin, Check, FailurePolicy, KeyState, Limit, MissingKeyPolicy, Quota};
 use tollgate::key::{Identity, IdentityError};
 use tollgate::{Algorithm, Limits, LimitsFile};
 use tollgate_redis::{RedisBackend, DEFAULT_PREFIX};

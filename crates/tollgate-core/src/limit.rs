@@ -290,17 +290,6 @@ impl Limit {
         }
     }
 
-    /// Whether `other` counts the same way: same name, algorithm, quotas, plans and cost.
-    /// A reload keeps such a limit as it is; any other change of quota drops this process'
-    /// cached denials of it.
-    pub fn same_quotas(&self, other: &Limit) -> bool {
-        self.name == other.name
-            && self.algorithm == other.algorithm
-            && self.quota == other.quota
-            && self.cost == other.cost
-            && self.plans == other.plans
-    }
-
     /// Each request costs `cost` units of the quota instead of 1.
     ///
     /// # Errors

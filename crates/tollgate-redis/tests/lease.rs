@@ -8,7 +8,9 @@ mod support;
 
 use std::time::Duration;
 
-use tollgate_core::{Backend, Check, Lease, Limit, Micros, Quota, Status, Verdicts};
+use tollgate_core::{
+    Admin, Backend, Check, Lease, Lifecycle, Limit, Micros, Quota, Status, Verdicts,
+};
 use tollgate_redis::RedisBackend;
 use tollgate_testsupport::{RedisCluster, RedisServer};
 

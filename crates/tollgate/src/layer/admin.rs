@@ -89,8 +89,12 @@ impl<B: Backend> RateLimitLayer<B> {
         identity: impl Into<Identity>,
     ) -> Result<KeyState, AdminError> {
         let identity = identity.into();
-        let answer =
-            self.with_check(limit, plan, &identity, |backend, check| backend.peek(check))?;
+        let answer = self.with_check(limit, plan, &identity, |backend, check| {
+            match backend.admin() {
+                Some(admin) => admin.peek(check),
+                None => unsupported_now(backend.kind(), "peek"),
+            }
+        })?;
         answer.await.map_err(AdminError::Backend)
     }
 
@@ -114,7 +118,10 @@ impl<B: Backend> RateLimitLayer<B> {
     ) -> Result<(), AdminError> {
         let identity = identity.into();
         let answer = self.with_check(limit, None, &identity, |backend, check| {
-            backend.reset(check)
+            match backend.admin() {
+                Some(admin) => admin.reset(check),
+                None => unsupported_now(backend.kind(), "reset"),
+            }
         })?;
         answer.await.map_err(AdminError::Backend)
     }
@@ -149,4 +156,11 @@ impl<B: Backend> RateLimitLayer<B> {
         let check = Check::new(&entry.limit, key.as_bytes()).with_quota(quota);
         Ok(f(&self.shared.backend, &check))
     }
+}
+
+/// The answer of a backend that offers no [`Admin`](tollgate_core::Admin).
+fn unsupported_now<T: Send + 'static>(kind: &str, what: &str) -> tollgate_core::AdminFuture<T> {
+    Box::pin(std::future::ready(Err(tollgate_core::unsupported(
+        kind, what,
+    ))))
 }

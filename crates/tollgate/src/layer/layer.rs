@@ -105,13 +105,15 @@ impl<B> RateLimitLayer<B> {
 }
 
 impl<B: Backend> RateLimitLayer<B> {
-    /// Gives back what the backend holds of shared quotas ([`Backend::shutdown`]: the unused
+    /// Gives back what the backend holds of shared quotas ([`Lifecycle::shutdown`](tollgate_core::Lifecycle::shutdown): the unused
     /// units of leased slices), for a graceful shutdown: call it once the server has stopped
     /// taking requests. Requests checked afterwards are checked without leases. Resolves once
     /// the backend has answered (or could not be reached: the units then come back when
     /// their slices expire, see [`tollgate_core::Lease`]).
     pub async fn shutdown(&self) {
-        self.shared.backend.shutdown().await;
+        if let Some(lifecycle) = self.shared.backend.lifecycle() {
+            lifecycle.shutdown().await;
+        }
     }
 }
 

@@ -22,8 +22,8 @@ use crate::limits_file::LimitsFile;
 /// - State is the backend's, keyed by limit name and key: a limit whose name and algorithm
 ///   (and, for a fixed window, period) stay keeps what every key has used, under its new
 ///   quotas. Other limits start empty; the state of removed limits expires.
-/// - A limit whose quotas changed, or that was removed, has this process' cached denials
-///   dropped ([`Backend::forget_denials`]), so a raised quota is seen at once.
+/// - A limit whose quotas changed is seen at once: a cached denial (the Redis backend's deny
+///   cache) stands only under the quota it was made under.
 /// - Each attempt counts in `tollgate_config_reloads_total{result}` (`ok` or `error`).
 ///
 /// # Examples
@@ -147,13 +147,7 @@ impl<B: Backend> Reloader<B> {
             return Ok(());
         }
         *applied = ticket;
-        let old = self.shared.set.swap(Arc::clone(&new));
-        for entry in old.limits.iter() {
-            let kept = new.limits.iter().any(|e| e.limit.same_quotas(&entry.limit));
-            if !kept {
-                self.shared.backend.forget_denials(entry.limit.name());
-            }
-        }
+        self.shared.set.store(new);
         Ok(())
     }
 }

@@ -106,7 +106,9 @@ impl<B: Backend> Slots<B> {
                 loop {
                     ticks.tick().await;
                     held.with_checks(Source::Backend, |checks| {
-                        held.shared.backend.renew(checks);
+                        if let Some(slots) = held.shared.backend.slots() {
+                            slots.renew(checks);
+                        }
                     });
                 }
             });
@@ -119,7 +121,7 @@ impl<B: Backend> Slots<B> {
 /// How often slots are renewed: a third of the shortest slot lifetime among the request's
 /// backend slots, when the backend's slots expire.
 fn renew_every<B: Backend>(held: &Held<B>) -> Option<Duration> {
-    if !held.shared.backend.slots_expire() {
+    if !held.shared.backend.slots().is_some_and(|s| s.expire()) {
         return None;
     }
     held.items
@@ -136,7 +138,9 @@ impl<B: Backend> Drop for Slots<B> {
         }
         let held = &self.held;
         held.with_checks(Source::Backend, |checks| {
-            held.shared.backend.release(checks)
+            if let Some(slots) = held.shared.backend.slots() {
+                slots.release(checks);
+            }
         });
         held.with_checks(Source::Fallback, |checks| {
             held.shared.fallback.release_now(checks);
