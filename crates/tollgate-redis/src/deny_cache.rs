@@ -147,6 +147,9 @@ impl DenyCache {
             return Lookup::Miss;
         };
         if entry.quota != *quota {
+            // Made under another quota (a reload or another plan changed it since): it
+            // stands for nothing now.
+            shard.remove(digest);
             return Lookup::Miss;
         }
         // Only a key with a cached denial reads the clock.
@@ -446,7 +449,9 @@ mod tests {
         // is not answered by a denial made under the first: it asks Redis.
         let pro = Quota::per_minute(50).unwrap();
         assert_eq!(cache.lookup(&a, 1, &pro), Lookup::Miss);
-        assert!(cache.lookup(&a, 1, &q()).denial().is_some());
+        // ... and it is gone: the quota in use is another.
+        assert_eq!(cache.len(), 0);
+        assert_eq!(cache.lookup(&a, 1, &q()), Lookup::Miss);
     }
 
     #[tokio::test(start_paused = true)]
