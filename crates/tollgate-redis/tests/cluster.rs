@@ -9,7 +9,7 @@ use std::collections::HashSet;
 use std::time::Duration;
 
 use support::{admitted, check, check_at, concurrent_admissions, fixed, gcra, sliding};
-use tollgate_core::{Backend, Check, Limit, Quota, Status};
+use tollgate_core::{Admin, Backend, Check, Limit, Quota, Slots, Status};
 use tollgate_testsupport::redis;
 use tollgate_testsupport::{until, RedisCluster};
 
