@@ -239,7 +239,7 @@ impl RedisBackendBuilder {
 
     /// How long a denial is answered from the local deny cache before one request asks Redis
     /// again, however long the denial lasts (default [`DEFAULT_DENY_CACHE_TTL`], 1 s). It bounds
-    /// how long another replica's [`reset`](tollgate_core::Backend::reset), or a quota raised
+    /// how long another replica's [`reset`](tollgate_core::Admin::reset), or a quota raised
     /// there, goes unseen here; a denial refused locally still says when it truly ends. A flood
     /// on one key costs Redis about one call per `ttl` per replica.
     pub fn deny_cache_ttl(mut self, ttl: Duration) -> Self {

@@ -1,7 +1,7 @@
 //! Quota leases over any [`Backend`]: [`Leased`] takes a slice of a leased limit's quota from
 //! the backend it wraps in one check (the request's cost and more) and admits from it
 //! locally, and gives the unused units back with a refund ([`Backend::settle`]) when the slice
-//! ends and at [`Backend::shutdown`].
+//! ends and at [`Lifecycle::shutdown`].
 //!
 //! The rules (slice sizes, expiry, pace, what a replica holds) are [`Lease`], [`Sizing`] and
 //! [`Slice`]'s; this module keeps the slices of one replica and runs them against the inner
