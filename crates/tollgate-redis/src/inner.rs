@@ -76,7 +76,7 @@ impl Inner {
         ));
         let slots = Arc::new(Slots::new(Arc::clone(&transport), config.prefix.clone()));
         let time = match config.clock {
-            Some(clock) => Time::Fixed(clock),
+            Some(clock) => Time::Test(clock),
             None => Time::Server(Arc::clone(&transport)),
         };
         Self {
@@ -123,7 +123,7 @@ impl Backend for Inner {
     /// Checks and consumes a batch in one script call (one per hash slot in a cluster), at the
     /// server's time; at a test's, once the settles made before are answered.
     fn check(&self, checks: &[Check<'_>]) -> CheckFuture {
-        let now = self.time.fixed();
+        let now = self.time.call_time();
         let call = self.checks.dispatch(checks, now);
         if now.is_none() {
             return call;
@@ -136,7 +136,7 @@ impl Backend for Inner {
     }
 
     fn settle(&self, settlements: &[Settlement<'_>]) {
-        self.settles.later(settlements, self.time.fixed());
+        self.settles.later(settlements, self.time.call_time());
     }
 
     fn kind(&self) -> &'static str {

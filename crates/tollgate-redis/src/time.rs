@@ -14,15 +14,15 @@ pub(crate) enum Time {
     /// server read its own.
     Server(Arc<Transport>),
     /// A test's clock (`RedisBackendBuilder::clock`): every call is made at its time.
-    Fixed(FakeClock),
+    Test(FakeClock),
 }
 
 impl Time {
     /// The time to make a call at: `None` for the server's own.
-    pub(crate) fn fixed(&self) -> Option<Micros> {
+    pub(crate) fn call_time(&self) -> Option<Micros> {
         match self {
             Self::Server(_) => None,
-            Self::Fixed(clock) => Some(clock.now()),
+            Self::Test(clock) => Some(clock.now()),
         }
     }
 }
@@ -31,7 +31,7 @@ impl Clock for Time {
     fn now(&self) -> Micros {
         match self {
             Self::Server(transport) => transport.server_time(),
-            Self::Fixed(clock) => clock.now(),
+            Self::Test(clock) => clock.now(),
         }
     }
 }
