@@ -25,6 +25,13 @@ pub struct Check<'a> {
     /// whose slots expire (Redis) records, renews and releases it. 0 from [`Check::new`]; the
     /// in-memory backend only counts slots.
     pub slot: u128,
+    /// The request's own cost when `cost` is a quota lease's slice (the request's cost and
+    /// units for later requests, asked for by [`Leased`](crate::leased::Leased)), 0 otherwise.
+    /// `cost` stays what the backend takes; a backend that remembers denials (Redis' deny
+    /// cache) looks them up with this cost and learns none from the answer, which says
+    /// nothing of the request's own cost. A backend that ignores it errs only toward
+    /// limiting. 0 from [`Check::new`].
+    pub slice_of: u32,
 }
 
 impl<'a> Check<'a> {
@@ -37,6 +44,7 @@ impl<'a> Check<'a> {
             enforce: !limit.is_shadow(),
             quota: *limit.quota(),
             slot: 0,
+            slice_of: 0,
         }
     }
 

@@ -82,9 +82,10 @@ impl Verdicts {
         i < usize::from(self.len) && self.from_lease & (1 << i) != 0
     }
 
-    /// Marks the `i`-th check as admitted from a leased slice; ignored past the end.
+    /// Marks the `i`-th check as admitted from a leased slice; ignored past the end. Only
+    /// [`Leased`](crate::leased::Leased) answers from slices.
     #[inline]
-    pub fn set_from_lease(&mut self, i: usize) {
+    pub(crate) fn set_from_lease(&mut self, i: usize) {
         if i < usize::from(self.len) {
             self.from_lease |= 1 << i;
         }

@@ -1,141 +1,49 @@
-//! The backend: the components a call goes through, put together, and the public API.
+//! The public backend: the quota leases over the Redis layers below them, and the public API.
 //!
-//! [`RedisBackend`] holds the layers (see `docs/architecture.md`): the transport (connections,
-//! breaker, merged calls), and over it the checks (with the deny cache, the digests and the
-//! cluster's split), the concurrency slots, the settles, operators' calls and quota leases.
-//! Each is a component of its own; this file only hands each call to the one it is for.
+//! [`RedisBackend`] runs leased limits through `tollgate_core::leased::Leased`, timed by the
+//! server's clock, over [`Inner`] (see `inner`), which makes the calls; every other check goes
+//! to `Inner` as it is.
 
 use std::fmt;
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::time::Instant;
+use tollgate_core::leased::Leased;
 use tollgate_core::{
-    AdminFuture, Backend, BackendError, Check, KeyState, Lifecycle, Limit, Micros, Settlement,
-    MAX_CHECKS,
+    Admin, AdminFuture, Backend, BackendError, Check, KeyState, Lifecycle, Limit, Settlement, Slots,
 };
 
-use crate::admin::{Admin, OwnedCheck};
-use crate::checks::Checks;
-use crate::deny_cache::DenyCache;
 use crate::future::ResponseFuture;
+use crate::inner::{Config, Inner};
 use crate::keys;
-use crate::lease::Leases;
-use crate::settle::Settles;
-use crate::slots::Slots;
-use crate::transport::breaker::{BreakerConfig, CircuitState};
-use crate::transport::conn::Target;
-use crate::transport::{Transport, TransportConfig};
+use crate::time::Time;
+use crate::transport::breaker::CircuitState;
+use crate::transport::BACKEND;
 
-pub(crate) use crate::scripts::reply::NOT_CHECKED;
-pub(crate) use crate::transport::BACKEND;
-
-/// The Redis and Redis Cluster backend. Cheap to clone: clones share connections, breaker and
-/// deny cache.
+/// The Redis and Redis Cluster backend. Cheap to clone: clones share connections, breaker,
+/// deny cache and leased slices.
 ///
 /// See the [crate documentation](crate) for the semantics.
 #[derive(Clone)]
 pub struct RedisBackend {
-    pub(crate) inner: Arc<Inner>,
-}
-
-/// The components of one backend, shared by its clones.
-pub(crate) struct Inner {
-    prefix: String,
-    transport: Arc<Transport>,
-    checks: Arc<Checks>,
-    settles: Arc<Settles>,
-    admin: Admin,
-    /// Slices of leased quotas held here (see `lease`).
-    pub(crate) leases: Leases,
-}
-
-/// What a backend is made of, checked by the builder.
-pub(crate) struct Config {
-    pub(crate) prefix: String,
-    pub(crate) deadline: Duration,
-    pub(crate) target: Target,
-    pub(crate) connect_timeout: Duration,
-    pub(crate) breaker_threshold: u32,
-    pub(crate) breaker_open_for: Duration,
-    pub(crate) breaker_max_open_for: Duration,
-    pub(crate) deny_cache_capacity: usize,
-    pub(crate) deny_cache_ttl: Duration,
+    leased: Leased<Arc<Inner>, Time>,
 }
 
 impl RedisBackend {
     /// The backend `config` describes. No connection is made here.
     pub(crate) fn new(config: Config) -> Self {
-        let transport = Arc::new(Transport::new(TransportConfig {
-            prefix: config.prefix.clone(),
-            deadline: config.deadline,
-            target: config.target,
-            connect_timeout: config.connect_timeout,
-            breaker: BreakerConfig {
-                threshold: config.breaker_threshold,
-                open_for: config.breaker_open_for,
-                max_open_for: config.breaker_max_open_for.max(config.breaker_open_for),
-                // A probe whose caller gave up frees its place once its deadline has surely
-                // passed.
-                probe_timeout: config.deadline * 2,
-            },
-        }));
-        let deny = Arc::new(DenyCache::new(
-            config.deny_cache_capacity,
-            config.deadline,
-            config.deny_cache_ttl,
-        ));
-        let slots = Arc::new(Slots::new(Arc::clone(&transport), config.prefix.clone()));
-        let inner = Inner {
-            checks: Arc::new(Checks::new(
-                Arc::clone(&transport),
-                Arc::clone(&deny),
-                slots,
-            )),
-            settles: Arc::new(Settles::new(Arc::clone(&transport), deny)),
-            admin: Admin::new(Arc::clone(&transport), config.prefix.clone()),
-            prefix: config.prefix,
-            transport,
-            leases: Leases::default(),
-        };
+        let inner = Arc::new(Inner::new(config));
+        let time = inner.time().clone();
         Self {
-            inner: Arc::new(inner),
+            leased: Leased::new(inner, time),
         }
     }
 
-    /// Checks `checks` at `now` (a test's), or at the server's time, leases aside.
-    pub(crate) fn dispatch(&self, checks: &[Check<'_>], now: Option<Micros>) -> ResponseFuture {
-        self.dispatch_slices(checks, now, &[0; MAX_CHECKS])
-    }
-
-    /// As `dispatch`, with `slices[i]` units (when above 0) taken in Redis for the `i`-th
-    /// check instead of its cost: a quota lease's slice. The deny cache is asked with the
-    /// checks' own costs.
-    pub(crate) fn dispatch_slices(
-        &self,
-        checks: &[Check<'_>],
-        now: Option<Micros>,
-        slices: &[u32; MAX_CHECKS],
-    ) -> ResponseFuture {
-        self.inner.checks.dispatch(checks, now, slices)
-    }
-
-    /// Sends `settlements` in the background (see [`Backend::settle`]); the `i`-th GCRA refund
-    /// applies only while its key's TAT is `only_at[i]` (when given and above 0).
-    pub(crate) fn settle_later_at(&self, settlements: &[Settlement<'_>], only_at: &[Micros]) {
-        self.inner.settles.later(settlements, only_at);
-    }
-
-    /// As `settle_at`; the `i`-th GCRA refund applies only while its key's TAT is
-    /// `only_at[i]` (when given and above 0).
-    pub(crate) fn settle_guarded(
-        &self,
-        settlements: &[Settlement<'_>],
-        only_at: &[Micros],
-        now: Option<Micros>,
-    ) -> impl Future<Output = Result<(), BackendError>> + Send + 'static {
-        self.inner.settles.now_or_at(settlements, only_at, now)
+    fn inner(&self) -> &Arc<Inner> {
+        self.leased.inner()
     }
 
     /// Settles `settlements` at `now` (tests), or at the server's `TIME`; answers once Redis
@@ -153,28 +61,30 @@ impl RedisBackend {
     pub fn settle_at(
         &self,
         settlements: &[Settlement<'_>],
-        now: Option<Micros>,
+        now: Option<tollgate_core::Micros>,
     ) -> impl Future<Output = Result<(), BackendError>> + Send + 'static {
-        self.settle_guarded(settlements, &[], now)
+        self.inner().settles().now_or_at(settlements, now)
     }
 
-    /// Checks a batch at `now` (microseconds since the Unix epoch) instead of the Redis server's
-    /// `TIME`.
+    /// Checks a batch in Redis at `now` (microseconds since the Unix epoch) instead of the
+    /// Redis server's `TIME`, leases aside: a leased limit is checked at its cost, as if it
+    /// had no lease.
     ///
     /// **For tests only**: it lets a test replay exact figures (the shared vectors) without
     /// waiting for time to pass. Production code must use [`Backend::check`], so that every
     /// replica reads the same clock, the server's. Calls made this way neither read nor fill
-    /// the local deny cache, whose time is the local clock.
-    ///
-    /// Leased limits are leased at that time too: slices expire and are given back by it.
+    /// the local deny cache, whose time is the local clock. To run leases at a fixed time,
+    /// build the backend with [`RedisBackendBuilder::clock`](crate::RedisBackendBuilder::clock).
     ///
     /// Available with the `testing` feature.
     #[cfg(any(feature = "testing", doc))]
-    pub fn check_at(&self, checks: &[Check<'_>], now: Micros) -> ResponseFuture {
-        if checks.iter().any(|c| c.limit.lease().is_some()) {
-            return self.check_leased(checks, Some(now));
-        }
-        self.dispatch(checks, Some(now))
+    pub fn check_at(
+        &self,
+        checks: &[Check<'_>],
+        now: tollgate_core::Micros,
+    ) -> impl Future<Output = Result<tollgate_core::Verdicts, BackendError>> + Send + Unpin + 'static
+    {
+        self.inner().checks().dispatch(checks, Some(now))
     }
 
     /// The Redis key that holds `limit`'s state for `key`. All of them start with the base
@@ -183,7 +93,7 @@ impl RedisBackend {
     /// is the base, to which `:<window index>` is appended.
     pub fn key_for(&self, limit: &Limit, key: &[u8]) -> String {
         let digest = keys::digest(limit.name(), key);
-        let base = keys::base_key(&self.inner.prefix, limit.name(), &digest);
+        let base = keys::base_key(self.inner().prefix(), limit.name(), &digest);
         match limit.algorithm() {
             tollgate_core::Algorithm::Gcra => base + ":v2",
             tollgate_core::Algorithm::SlidingLog => base + ":log",
@@ -201,46 +111,28 @@ impl RedisBackend {
     /// As [`Backend::check`], except that it never reports `CircuitOpen`.
     pub async fn ping(&self) -> Result<Duration, BackendError> {
         let started = Instant::now();
-        self.inner.transport.ping().await?;
+        self.inner().transport().ping().await?;
         Ok(started.elapsed())
     }
 
     /// Where the circuit breaker stands.
     pub fn circuit_state(&self) -> CircuitState {
-        self.inner.transport.circuit_state()
+        self.inner().transport().circuit_state()
     }
 
     /// Entries in the local deny cache (expired ones included until they are dropped).
     pub fn deny_cache_len(&self) -> usize {
-        self.inner.checks.deny().len()
+        self.inner().checks().deny().len()
     }
 
     /// Whether this backend talks to a Redis Cluster.
     pub fn is_cluster(&self) -> bool {
-        self.inner.transport.is_cluster()
-    }
-}
-
-impl Inner {
-    /// The client's estimate of the server's `TIME` (see `transport::clock`).
-    pub(crate) fn server_time(&self) -> Micros {
-        self.transport.server_time()
+        self.inner().transport().is_cluster()
     }
 
-    /// Forgets `check`'s key: this replica's slice of it, the key in Redis, and this
-    /// replica's cached denial of it.
-    async fn reset(&self, check: OwnedCheck) -> Result<(), BackendError> {
-        if check.limit.algorithm() == tollgate_core::Algorithm::Concurrency {
-            return Err(tollgate_core::unsupported("redis", "reset"));
-        }
-        // This replica's slice of the key is dropped first, so that it admits nothing the
-        // reset state does not count; other replicas' slices end with their lifetime.
-        self.leases.forget(check.limit.name(), &check.key);
-        self.admin.reset(&check).await?;
-        self.checks
-            .deny()
-            .forget(&keys::digest(check.limit.name(), &check.key));
-        Ok(())
+    /// Units this backend holds in leased slices now (admitted by Redis, not yet used here).
+    pub fn leased_units(&self) -> u64 {
+        self.leased.leased_units()
     }
 }
 
@@ -256,29 +148,29 @@ impl Backend for RedisBackend {
     /// A check of a leased limit is answered from the slice this backend holds when it can
     /// (see [`tollgate_core::Lease`]): at once, without I/O.
     fn check(&self, checks: &[Check<'_>]) -> ResponseFuture {
-        if checks.iter().any(|c| c.limit.lease().is_some()) {
-            return self.check_leased(checks, None);
-        }
-        self.dispatch(checks, None)
+        ResponseFuture::new(self.leased.check(checks))
     }
 
     /// Sends the settlements from a task and returns at once: on a standalone server in one
     /// `SETTLE` call with every settle that waits for the call in flight to end (at once when
     /// none is), in a cluster in one call per hash slot. A failure is logged at debug level,
     /// and the reservations stay as they were. Outside a Tokio runtime nothing is sent.
+    ///
+    /// A GCRA settlement whose receipt has a mark applies only while the key's TAT is the
+    /// mark (see [`Receipt`](tollgate_core::Receipt)).
     fn settle(&self, settlements: &[Settlement<'_>]) {
-        self.settle_later_at(settlements, &[]);
+        self.leased.settle(settlements);
     }
 
     fn kind(&self) -> &'static str {
         BACKEND
     }
 
-    fn slots(&self) -> Option<&dyn tollgate_core::Slots> {
+    fn slots(&self) -> Option<&dyn Slots> {
         Some(self)
     }
 
-    fn admin(&self) -> Option<&dyn tollgate_core::Admin> {
+    fn admin(&self) -> Option<&dyn Admin> {
         Some(self)
     }
 
@@ -287,23 +179,15 @@ impl Backend for RedisBackend {
     }
 }
 
-impl tollgate_core::Slots for RedisBackend {
+impl Slots for RedisBackend {
     /// `ZREM`s each slot in the background (retried while Redis fails, until the slot would
     /// have expired anyway).
     fn release(&self, checks: &[Check<'_>]) {
-        let checker = &self.inner.checks;
-        let held = checker
-            .slots()
-            .of_checks(checks, |n, k| checker.digest(n, k));
-        checker.slots().release(held);
+        self.inner().release(checks);
     }
 
     fn renew(&self, checks: &[Check<'_>]) {
-        let checker = &self.inner.checks;
-        let held = checker
-            .slots()
-            .of_checks(checks, |n, k| checker.digest(n, k));
-        checker.slots().renew(held);
+        self.inner().renew(checks);
     }
 
     /// Slots expire one slot lifetime (the concurrency limit's period) after they were taken
@@ -313,46 +197,41 @@ impl tollgate_core::Slots for RedisBackend {
     }
 }
 
-impl tollgate_core::Admin for RedisBackend {
+impl Admin for RedisBackend {
     /// One `EVAL` that reads the key with the server's `TIME`; writes nothing.
     fn peek(&self, check: &Check<'_>) -> AdminFuture<KeyState> {
-        let inner = Arc::clone(&self.inner);
-        let check = OwnedCheck::of(check);
-        Box::pin(async move { inner.admin.peek(&check).await })
+        self.leased.peek(check)
     }
 
-    /// One `EVAL` that deletes the key's state (a fixed window's current and next window),
-    /// then drops this replica's cached denial of it. Other replicas' deny caches keep theirs
-    /// until it expires (at most the deny cache's TTL).
+    /// Drops this replica's leased slice of the key (it admits nothing the reset state does
+    /// not count; other replicas' slices end with their lifetime), then one `EVAL` deletes the
+    /// key's state (a fixed window's current and next window), then this replica's cached
+    /// denial of it is dropped. Other replicas' deny caches keep theirs until it expires (at
+    /// most the deny cache's TTL).
     fn reset(&self, check: &Check<'_>) -> AdminFuture<()> {
-        let inner = Arc::clone(&self.inner);
-        let check = OwnedCheck::of(check);
-        Box::pin(async move { inner.reset(check).await })
+        self.leased.reset(check)
     }
 }
 
 impl Lifecycle for RedisBackend {
     /// Gives back the unused units of every leased slice (one `SETTLE` refund each) and takes
     /// no more slices; resolves when Redis has answered, or could not.
-    fn shutdown(&self) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> {
-        let sent = self.shutdown_at(None);
-        Box::pin(async move {
-            if let Err(e) = sent.await {
-                tracing::debug!(backend = BACKEND, error = %e, "lease give-back at shutdown failed");
-            }
-        })
+    fn shutdown(&self) -> Pin<Box<dyn Future<Output = ()> + Send>> {
+        self.leased.shutdown()
     }
 }
 
 impl fmt::Debug for RedisBackend {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let transport = self.inner().transport();
         f.debug_struct("RedisBackend")
-            .field("prefix", &self.inner.prefix)
-            .field("deadline", &self.inner.transport.deadline())
+            .field("prefix", &self.inner().prefix())
+            .field("deadline", &transport.deadline())
             .field("cluster", &self.is_cluster())
-            .field("connection", &self.inner.transport)
+            .field("connection", transport)
             .field("circuit", &self.circuit_state())
             .field("deny_cache_len", &self.deny_cache_len())
+            .field("leased_units", &self.leased_units())
             .finish()
     }
 }
@@ -377,7 +256,7 @@ mod tests {
         for _ in 0..20 {
             backend.check(&[Check::new(&limit, b"k")]).await.unwrap();
             let (secs, micros): (u64, u64) = redis::cmd("TIME").query(&mut conn).unwrap();
-            let estimate = backend.inner.server_time();
+            let estimate = backend.inner().transport().server_time();
             assert!(
                 estimate >= secs * 1_000_000 + micros,
                 "{estimate} behind the server"
@@ -399,7 +278,7 @@ mod tests {
         server.reset_stats();
         // The client believes the server an hour behind: the windows it declares are not the
         // server's, which refuses the call, says its time, and the call is made again.
-        backend.inner.transport.clock().set_skew(-3_600_000_000);
+        backend.inner().transport().clock().set_skew(-3_600_000_000);
         assert_eq!(check().await.unwrap()[0].remaining, 8);
         assert_eq!(server.calls("evalsha"), 2);
         // The server's time is known again: one call.

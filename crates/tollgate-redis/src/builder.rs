@@ -3,8 +3,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::backend::{Config, RedisBackend};
+use tollgate_core::FakeClock;
+
+use crate::backend::RedisBackend;
 use crate::error::BuildError;
+use crate::inner::Config;
 use crate::keys;
 use crate::tls::{blot, is_tls_url, redact_url, secrets_of, TlsFiles};
 use crate::transport::conn::Target;
@@ -99,6 +102,8 @@ pub struct RedisBackendBuilder {
     deny_cache_capacity: usize,
     deny_cache_ttl: Duration,
     tls: TlsFiles,
+    /// A test's clock, for every call's time.
+    clock: Option<FakeClock>,
 }
 
 impl Default for RedisBackendBuilder {
@@ -114,6 +119,7 @@ impl Default for RedisBackendBuilder {
             deny_cache_capacity: DEFAULT_DENY_CACHE_CAPACITY,
             deny_cache_ttl: DEFAULT_DENY_CACHE_TTL,
             tls: TlsFiles::default(),
+            clock: None,
         }
     }
 }
@@ -238,6 +244,20 @@ impl RedisBackendBuilder {
     /// on one key costs Redis about one call per `ttl` per replica.
     pub fn deny_cache_ttl(mut self, ttl: Duration) -> Self {
         self.deny_cache_ttl = ttl;
+        self
+    }
+
+    /// Makes every call at `clock`'s time instead of the Redis server's `TIME`, and times
+    /// quota leases' slices by it: checks (without the deny cache, whose time is the local
+    /// clock), settles and give-backs. A check waits for the settles made before it to be
+    /// answered, so that a test's calls reach Redis in the order it made them.
+    ///
+    /// **For tests only**: it lets a test replay exact figures at times it sets, leases
+    /// included. Production code must let every replica read the same clock, the server's.
+    /// Available with the `testing` feature.
+    #[cfg(any(feature = "testing", doc))]
+    pub fn clock(mut self, clock: FakeClock) -> Self {
+        self.clock = Some(clock);
         self
     }
 
@@ -401,6 +421,7 @@ impl RedisBackendBuilder {
             breaker_max_open_for: self.breaker_max_open_for,
             deny_cache_capacity: self.deny_cache_capacity,
             deny_cache_ttl: self.deny_cache_ttl,
+            clock: self.clock,
         }))
     }
 }

@@ -188,6 +188,8 @@ impl Checks {
                         .extra
                         .saturating_add(1)
                         .saturating_mul(p.quota.period_micros()),
+                    // A GCRA receipt has no mark: one would guard its settle.
+                    Algorithm::Gcra => 0,
                     _ => answer.extra,
                 };
                 verdicts.set_receipt(

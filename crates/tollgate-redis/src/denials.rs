@@ -21,7 +21,9 @@ impl DenyCache {
         // the longest of their waits, and each refusing limit is reported as refusing.
         let mut hits = [None; MAX_CHECKS];
         for (i, c) in checks.iter().enumerate().filter(|(_, c)| c.enforce) {
-            match self.lookup(&digests[i], c.cost, &c.quota) {
+            // A lease's slice is looked up at the request's own cost.
+            let cost = if c.slice_of > 0 { c.slice_of } else { c.cost };
+            match self.lookup(&digests[i], cost, &c.quota) {
                 Lookup::Miss => {}
                 Lookup::Asks => asks[i] = true,
                 Lookup::Denied(verdict) => hits[i] = Some(verdict),

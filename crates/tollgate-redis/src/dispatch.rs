@@ -7,30 +7,29 @@ use tollgate_core::{
 };
 
 use crate::checks::Checks;
-use crate::future::ResponseFuture;
+use crate::future::CheckFuture;
 use crate::keys;
 use crate::scripts::check::EncodedCheck;
 use crate::transport::breaker::Permit;
 use crate::transport::merged::Merged;
 
 impl Checks {
-    /// Checks `checks` at `now` (a test's), or at the server's time; `slices[i]` units (when
-    /// above 0) are taken in Redis for the `i`-th check instead of its cost: a quota lease's
-    /// slice. The deny cache is asked with the checks' own costs.
+    /// Checks `checks` at `now` (a test's), or at the server's time. A quota lease's slice
+    /// ([`Check::slice_of`]) is taken whole; the deny cache is asked with the request's own
+    /// cost, and learns nothing from the slice's answer.
     pub(crate) fn dispatch(
         self: &Arc<Self>,
         checks: &[Check<'_>],
         now: Option<Micros>,
-        slices: &[u32; MAX_CHECKS],
-    ) -> ResponseFuture {
+    ) -> CheckFuture {
         if checks.len() > MAX_CHECKS {
-            return ResponseFuture::ready(Err(BackendError::new(
+            return CheckFuture::ready(Err(BackendError::new(
                 BackendErrorKind::Protocol,
                 format!("at most {MAX_CHECKS} checks per batch"),
             )));
         }
         if checks.is_empty() {
-            return ResponseFuture::ready(Ok(Verdicts::new()));
+            return CheckFuture::ready(Ok(Verdicts::new()));
         }
         let mut digests = [[0u8; keys::DIGEST_LEN]; MAX_CHECKS];
         for (d, c) in digests.iter_mut().zip(checks) {
@@ -39,24 +38,18 @@ impl Checks {
         let mut asks = [false; MAX_CHECKS];
         if now.is_none() {
             if let Some(verdicts) = self.deny().refuse(checks, &digests, &mut asks) {
-                return ResponseFuture::ready(Ok(verdicts));
+                return CheckFuture::ready(Ok(verdicts));
             }
         }
         let mut batch = Vec::with_capacity(checks.len());
-        for (((c, d), asks), &slice) in checks.iter().zip(&digests).zip(asks).zip(slices) {
+        for ((c, d), asks) in checks.iter().zip(&digests).zip(asks) {
             match EncodedCheck::new(c, *d) {
-                Ok(p) if slice > 0 => batch.push(EncodedCheck {
-                    asks,
-                    cost: slice,
-                    slice: true,
-                    ..p
-                }),
                 Ok(p) => batch.push(EncodedCheck { asks, ..p }),
-                Err(e) => return ResponseFuture::ready(Err(e)),
+                Err(e) => return CheckFuture::ready(Err(e)),
             }
         }
         let Some(permit) = self.transport().admit() else {
-            return ResponseFuture::ready(Err(BackendError::new(
+            return CheckFuture::ready(Err(BackendError::new(
                 BackendErrorKind::CircuitOpen,
                 "Redis failed recently; the circuit breaker is open",
             )));
@@ -66,7 +59,7 @@ impl Checks {
             // the slots held (see `slots::Releases`).
             let checks = Arc::clone(self);
             let until = tokio::time::Instant::now() + checks.transport().deadline();
-            return ResponseFuture::call(async move {
+            return CheckFuture::call(async move {
                 checks.slots().released(until).await;
                 send(&checks, batch, now, permit).await
             });
@@ -82,12 +75,12 @@ fn send(
     batch: Vec<EncodedCheck>,
     now: Option<Micros>,
     permit: Permit,
-) -> ResponseFuture {
+) -> CheckFuture {
     if now.is_none() && !checks.transport().is_cluster() {
         let started = checks.start(&batch, None);
         let deadline = started.at + checks.transport().deadline();
         let wait = Merged::new(batch, permit, deadline);
-        return ResponseFuture::merged(Arc::clone(checks), wait, started);
+        return CheckFuture::merged(Arc::clone(checks), wait, started);
     }
-    ResponseFuture::call(Arc::clone(checks).run(batch, now, permit))
+    CheckFuture::call(Arc::clone(checks).run(batch, now, permit))
 }

@@ -1,4 +1,5 @@
-//! The public future of a check.
+//! The futures of a check: the public one, through the quota leases, and the Redis
+//! layers' own below them.
 
 use std::fmt;
 use std::future::Future;
@@ -6,6 +7,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 
+use tollgate_core::leased::LeasedFuture;
 use tollgate_core::{BackendError, BackendErrorKind, Verdicts};
 
 use crate::checks::{Checks, Started};
@@ -15,10 +17,39 @@ type Boxed = Pin<Box<dyn Future<Output = Result<Verdicts, BackendError>> + Send 
 
 /// The answer of a [`RedisBackend`](crate::RedisBackend) to one batch.
 ///
-/// Ready at once for a deny-cache hit or an open circuit breaker; otherwise a call to Redis
-/// bounded by the deadline.
+/// Ready at once for a batch answered from leased slices, a deny-cache hit or an open circuit
+/// breaker; otherwise a call to Redis bounded by the deadline.
 #[must_use = "futures do nothing unless polled"]
 pub struct ResponseFuture {
+    leased: LeasedFuture<CheckFuture>,
+}
+
+impl ResponseFuture {
+    pub(crate) fn new(leased: LeasedFuture<CheckFuture>) -> Self {
+        Self { leased }
+    }
+}
+
+impl Future for ResponseFuture {
+    type Output = Result<Verdicts, BackendError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        Pin::new(&mut self.get_mut().leased).poll(cx)
+    }
+}
+
+impl fmt::Debug for ResponseFuture {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ResponseFuture")
+            .field("leased", &self.leased)
+            .finish()
+    }
+}
+
+/// The answer of the Redis layers below the leases to one batch: ready (a deny-cache hit, an
+/// open circuit breaker), a standalone server's merged call, or a call of its own.
+#[must_use = "futures do nothing unless polled"]
+pub(crate) struct CheckFuture {
     state: State,
 }
 
@@ -36,7 +67,7 @@ enum State {
     Call(Boxed),
 }
 
-impl ResponseFuture {
+impl CheckFuture {
     pub(crate) fn ready(result: Result<Verdicts, BackendError>) -> Self {
         Self {
             state: State::Ready(Some(result)),
@@ -67,11 +98,11 @@ impl ResponseFuture {
 fn polled_after_completion() -> BackendError {
     BackendError::new(
         BackendErrorKind::Protocol,
-        "ResponseFuture polled after completion",
+        "rate-limit check polled after completion",
     )
 }
 
-impl Future for ResponseFuture {
+impl Future for CheckFuture {
     type Output = Result<Verdicts, BackendError>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
@@ -98,13 +129,13 @@ impl Future for ResponseFuture {
     }
 }
 
-impl fmt::Debug for ResponseFuture {
+impl fmt::Debug for CheckFuture {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let state = match self.state {
             State::Ready(_) => "ready",
             State::Merged { .. } | State::Call(_) => "calling",
         };
-        f.debug_struct("ResponseFuture")
+        f.debug_struct("CheckFuture")
             .field("state", &state)
             .finish()
     }

@@ -216,18 +216,21 @@
 //!
 //! # Quota leases
 //!
-//! A limit with a [`Lease`](tollgate_core::Lease) is leased to each replica in slices: a check
-//! that finds no slice in hand asks Redis for the request's cost and a slice more, in the same
-//! all-or-nothing `CHECK`, and later checks of the key are admitted from the slice without a
-//! call (marked by [`Verdicts::from_lease`](tollgate_core::Verdicts::from_lease)). Redis counts
-//! every unit before it is admitted, so over-admission is 0 across replicas; the shortfall is
-//! at most the units held in slices. A slice in hand answers before the deny cache and while
-//! Redis is down; a slice's answer never fills the deny cache. Unused units go back with a
-//! `SETTLE` refund when a slice expires (its lifetime, its fixed window's end, or the pace of
-//! its GCRA TAT) and at [`Backend::shutdown`](tollgate_core::Backend::shutdown); a GCRA refund
-//! applies only while the key's TAT is still the one the take left (otherwise other slices,
-//! paced by TATs that count these units, could run ahead of the rate, and the units refill with
-//! the TAT instead). See `docs/leases.md` for the bound and the simulation that measures it.
+//! A limit with a [`Lease`](tollgate_core::Lease) is leased to each replica in slices (by
+//! [`Leased`](tollgate_core::leased::Leased) over the Redis calls, timed by the estimate of
+//! the server's clock): a check that finds no slice in hand asks Redis for the request's cost
+//! and a slice more, in the same all-or-nothing `CHECK`, and later checks of the key are
+//! admitted from the slice without a call (marked by
+//! [`Verdicts::from_lease`](tollgate_core::Verdicts::from_lease)). Redis counts every unit
+//! before it is admitted, so over-admission is 0 across replicas; the shortfall is at most the
+//! units held in slices. A slice in hand answers before the deny cache and while Redis is down;
+//! a slice's answer never fills the deny cache. Unused units go back with a `SETTLE` refund
+//! when a slice expires (its lifetime, its fixed window's end, or the pace of its GCRA TAT)
+//! and at [`Lifecycle::shutdown`](tollgate_core::Lifecycle::shutdown), which resolves once
+//! Redis has answered them; a GCRA refund applies only while the key's TAT is still the one the
+//! take left (otherwise other slices, paced by TATs that count these units, could run ahead of
+//! the rate, and the units refill with the TAT instead). See `docs/leases.md` for the bound and
+//! the simulation that measures it.
 //!
 //! # Metrics
 //!
@@ -247,11 +250,13 @@ mod dispatch;
 mod error;
 mod failure;
 mod future;
+mod inner;
 mod keys;
-mod lease;
+mod pending;
 mod scripts;
 mod settle;
 mod slots;
+mod time;
 mod tls;
 mod transport;
 

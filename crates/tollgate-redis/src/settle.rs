@@ -1,5 +1,6 @@
 //! Settles: the difference between what admitted checks reserved and what they should have
-//! cost, given back or consumed, in one `SETTLE` call (one per hash-slot group in a cluster).
+//! cost, given back or consumed, in one `SETTLE` call (one per hash-slot group in a cluster),
+//! each in flight until answered (see `pending`).
 
 use std::future::Future;
 use std::sync::{Arc, Mutex};
@@ -9,6 +10,7 @@ use tollgate_core::{BackendError, BackendErrorKind, Micros, Settlement};
 use crate::deny_cache::DenyCache;
 use crate::failure::unavailable;
 use crate::keys;
+use crate::pending::{Pending, Ticket};
 use crate::scripts::settle::{self, Settling};
 use crate::transport::breaker::Permit;
 use crate::transport::{Transport, BACKEND};
@@ -20,6 +22,8 @@ pub(crate) struct Settles {
     deny: Arc<DenyCache>,
     /// Settles waiting for the call in flight to end, sent together next (standalone Redis).
     queue: SettleQueue,
+    /// Settles sent in the background and not answered yet.
+    pending: Arc<Pending>,
 }
 
 /// Settlements waiting, at most; beyond, a settle is dropped (its reservation stays) rather
@@ -38,7 +42,8 @@ pub(crate) struct SettleQueue {
 
 #[derive(Default)]
 struct Waiting {
-    settles: Vec<Settling>,
+    /// Each with the ticket of the `Backend::settle` call that made it.
+    settles: Vec<(Settling, Arc<Ticket>)>,
     sending: bool,
 }
 
@@ -47,28 +52,31 @@ impl SettleQueue {
         self.queue.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Queues `settles`; says whether the caller must start the sending task, or gives them
-    /// back when too many wait.
-    fn push(&self, settles: Vec<Settling>) -> Result<bool, Vec<Settling>> {
+    /// Queues `settles`, in flight under `ticket` until sent; says whether the caller must
+    /// start the sending task, or gives them back when too many wait.
+    fn push(&self, settles: Vec<Settling>, ticket: Ticket) -> Result<bool, Vec<Settling>> {
         let mut q = self.lock();
         if q.settles.len() + settles.len() > MAX_WAITING {
             return Err(settles);
         }
-        q.settles.extend(settles);
+        let ticket = Arc::new(ticket);
+        q.settles
+            .extend(settles.into_iter().map(|s| (s, Arc::clone(&ticket))));
         let start = !q.sending;
         q.sending = true;
         Ok(start)
     }
 
-    /// The settles of the next call; empty when none wait, and then the task must stop.
-    fn next_call(&self) -> Vec<Settling> {
+    /// The settles of the next call, with their tickets; empty when none wait, and then the
+    /// task must stop.
+    fn next_call(&self) -> (Vec<Settling>, Vec<Arc<Ticket>>) {
         let mut q = self.lock();
         if q.settles.is_empty() {
             q.sending = false;
-            return Vec::new();
+            return (Vec::new(), Vec::new());
         }
         let n = q.settles.len().min(MAX_PER_CALL);
-        q.settles.drain(..n).collect()
+        q.settles.drain(..n).unzip()
     }
 }
 
@@ -101,24 +109,27 @@ impl Settles {
             transport,
             deny,
             queue: SettleQueue::default(),
+            pending: Arc::default(),
         }
     }
 
-    /// What [`Backend::settle`](tollgate_core::Backend::settle) does (see there); the `i`-th
-    /// GCRA refund applies only while its key's TAT is `only_at[i]` (when given and above 0).
-    pub(crate) fn later(self: &Arc<Self>, settlements: &[Settlement<'_>], only_at: &[Micros]) {
+    /// What [`Backend::settle`](tollgate_core::Backend::settle) does (see there), at `now` (a
+    /// test's clock) or at the server's time: in flight until answered.
+    pub(crate) fn later(self: &Arc<Self>, settlements: &[Settlement<'_>], now: Option<Micros>) {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             tracing::debug!(backend = BACKEND, "rate-limit settle outside a runtime");
             return;
         };
-        if self.transport.is_cluster() {
-            let call = self.now_or_at(settlements, only_at, None);
+        if self.transport.is_cluster() || now.is_some() {
+            let ticket = self.pending.open();
+            let call = self.now_or_at(settlements, now);
             runtime.spawn(async move {
                 let _ = call.await;
+                drop(ticket);
             });
             return;
         }
-        let settles = match settle::encode(settlements, only_at) {
+        let settles = match settle::encode(settlements) {
             Ok(settles) => settles,
             Err(e) => {
                 tracing::debug!(backend = BACKEND, error = %e, "rate-limit settle not sent");
@@ -133,7 +144,7 @@ impl Settles {
         // refused here, and again when the settle is answered (a check answered in between
         // may have foreseen it anew).
         self.forget_refunded(&settles);
-        match self.queue.push(settles) {
+        match self.queue.push(settles, self.pending.open()) {
             Err(settles) => dropped(&settles, "queue_full"),
             Ok(false) => {}
             Ok(true) => {
@@ -143,7 +154,8 @@ impl Settles {
                 };
                 runtime.spawn(async move {
                     loop {
-                        let batch = sending.settles.queue.next_call();
+                        // The tickets are dropped once the call is answered.
+                        let (batch, _tickets) = sending.settles.queue.next_call();
                         if batch.is_empty() {
                             return sending.finish();
                         }
@@ -161,17 +173,21 @@ impl Settles {
         }
     }
 
+    /// Resolves once every settle made before this call (through [`Settles::later`]) is
+    /// answered, or given up.
+    pub(crate) fn answered(&self) -> impl Future<Output = ()> + Send + 'static {
+        self.pending.answered()
+    }
+
     /// Settles `settlements` at `now` (tests), or at the server's `TIME`, and answers once
-    /// Redis has; the `i`-th GCRA refund applies only while its key's TAT is `only_at[i]`
-    /// (when given and above 0).
+    /// Redis has.
     pub(crate) fn now_or_at(
         self: &Arc<Self>,
         settlements: &[Settlement<'_>],
-        only_at: &[Micros],
         now: Option<Micros>,
     ) -> impl Future<Output = Result<(), BackendError>> + Send + 'static {
         let this = Arc::clone(self);
-        let encoded = settle::encode(settlements, only_at);
+        let encoded = settle::encode(settlements);
         async move {
             let batch = encoded?;
             if batch.is_empty() {

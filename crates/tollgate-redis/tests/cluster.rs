@@ -322,6 +322,44 @@ async fn a_leased_keys_refund_applies_only_while_its_tat_is_unmoved() {
     assert_eq!(after, before);
 }
 
+/// A leased key's units taken by a group that another group's refusal undoes come back when
+/// nothing checked the key in between: the refund requires the TAT the take left, which it
+/// still is (though the key's TAT was in the future before the take).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leased_keys_refund_applies_while_its_tat_is_unmoved() {
+    let cluster = RedisCluster::start(3);
+    let backend = support::cluster(cluster.urls())
+        .deny_cache_capacity(0)
+        .build()
+        .unwrap();
+    // One unit every 36 s: the bucket does not refill while the test runs.
+    let plain = Limit::gcra("hot", Quota::per_hour(100).unwrap()).unwrap();
+    let hot = plain
+        .clone()
+        .with_lease(tollgate_core::Lease::new(10).unwrap())
+        .unwrap();
+    let blocker = gcra("blocker", 1);
+    let key = key_on_two_nodes(&cluster, &backend, &hot, &blocker);
+    let other = support::cluster(cluster.urls())
+        .deny_cache_capacity(0)
+        .build()
+        .unwrap();
+    // The blocker's one unit is used, and the key's TAT is ahead of now.
+    assert!(check(&other, &[&blocker], &key).await[0].is_allowed());
+    assert!(check(&other, &[&plain], &key).await[0].is_allowed());
+    let remaining = |b: &tollgate_redis::RedisBackend| {
+        let (b, plain, key) = (b.clone(), plain.clone(), key.clone());
+        async move { b.peek(&Check::new(&plain, &key)).await.unwrap().remaining }
+    };
+    assert_eq!(remaining(&other).await, 99);
+    // [hot, blocker]: hot's group takes its unit and a slice, the blocker refuses, and hot's
+    // group is refunded.
+    let refused = check(&backend, &[&hot, &blocker], &key).await;
+    assert!(matches!(refused[1].status, Status::Denied { .. }));
+    assert_eq!(backend.leased_units(), 0);
+    assert_eq!(remaining(&other).await, 99);
+}
+
 /// A shadow concurrency limit whose group answers too late is reported not checked, so the
 /// request will not give its slot back: the backend does, once the late call has answered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

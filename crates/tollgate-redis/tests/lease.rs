@@ -9,7 +9,7 @@ mod support;
 use std::time::Duration;
 
 use tollgate_core::{
-    Admin, Backend, Check, Lease, Lifecycle, Limit, Micros, Quota, Status, Verdicts,
+    Admin, Backend, Check, FakeClock, Lease, Lifecycle, Limit, Micros, Quota, Status, Verdicts,
 };
 use tollgate_redis::RedisBackend;
 use tollgate_testsupport::{RedisCluster, RedisServer};
@@ -32,13 +32,36 @@ fn leased(limit: Limit, life: Duration) -> Limit {
     limit.with_lease(lease(life)).unwrap()
 }
 
-async fn at(backend: &RedisBackend, limits: &[&Limit], key: &[u8], now: Micros) -> Verdicts {
+/// A standalone backend whose calls and leases are at `clock`'s time.
+fn on_clock(url: &str, clock: &FakeClock) -> RedisBackend {
+    support::standalone(url)
+        .clock(clock.clone())
+        .build()
+        .unwrap()
+}
+
+/// Checks `limits` for `key` on `backend`, whose clock is `clock`, at `now`.
+async fn at(
+    clock: &FakeClock,
+    backend: &RedisBackend,
+    limits: &[&Limit],
+    key: &[u8],
+    now: Micros,
+) -> Verdicts {
     let checks: Vec<Check<'_>> = limits.iter().map(|l| Check::new(l, key)).collect();
-    backend.check_at(&checks, now).await.unwrap()
+    clock.set(now);
+    backend.check(&checks).await.unwrap()
+}
+
+/// `backend`'s shutdown at `now`, on its clock `clock`.
+async fn shutdown_at(clock: &FakeClock, backend: &RedisBackend, now: Micros) {
+    clock.set(now);
+    backend.shutdown().await;
 }
 
 /// Admissions of `n` checks of `limit` for `key` at `now`.
 async fn admitted_at(
+    clock: &FakeClock,
     backend: &RedisBackend,
     limit: &Limit,
     key: &[u8],
@@ -47,7 +70,7 @@ async fn admitted_at(
 ) -> usize {
     let mut count = 0;
     for _ in 0..n {
-        if at(backend, &[limit], key, now).await[0].is_allowed() {
+        if at(clock, backend, &[limit], key, now).await[0].is_allowed() {
             count += 1;
         }
     }
@@ -57,33 +80,34 @@ async fn admitted_at(
 #[tokio::test]
 async fn a_slice_is_counted_in_redis_first_and_then_admits_without_a_call() {
     let server = RedisServer::start();
-    let backend = support::standalone(&server.url()).build().unwrap();
+    let clock = FakeClock::new(T0);
+    let backend = on_clock(&server.url(), &clock);
     let limit = leased(
         Limit::gcra("hot", Quota::per_hour(10).unwrap()).unwrap(),
         Duration::from_secs(60),
     );
     let plain = Limit::gcra("hot", Quota::per_hour(10).unwrap()).unwrap();
     // Loads the script.
-    at(&backend, &[&plain], b"warm-up", T0).await;
+    at(&clock, &backend, &[&plain], b"warm-up", T0).await;
     server.reset_stats();
     // 4 units taken (10 / 2, at most 4): one admitted, 3 held, already counted in Redis.
-    let v = at(&backend, &[&limit], b"k", T0).await;
+    let v = at(&clock, &backend, &[&limit], b"k", T0).await;
     assert!(v[0].is_allowed());
     assert!(!v.from_lease(0));
     assert_eq!(backend.leased_units(), 3);
     assert_eq!(server.calls("evalsha"), 1);
-    let other = support::standalone(&server.url()).build().unwrap();
-    let v = at(&other, &[&plain], b"k", T0).await;
+    let other = on_clock(&server.url(), &clock);
+    let v = at(&clock, &other, &[&plain], b"k", T0).await;
     assert_eq!(v[0].remaining, 5, "Redis counts the whole slice");
     for _ in 0..3 {
-        let v = at(&backend, &[&limit], b"k", T0).await;
+        let v = at(&clock, &backend, &[&limit], b"k", T0).await;
         assert!(v[0].is_allowed());
         assert!(v.from_lease(0));
     }
     assert_eq!(server.calls("evalsha"), 2);
     assert_eq!(backend.leased_units(), 0);
     // 5 left: a smaller slice, then single checks near the limit, then refusals.
-    let rest = admitted_at(&backend, &limit, b"k", 10, T0).await;
+    let rest = admitted_at(&clock, &backend, &limit, b"k", 10, T0).await;
     assert_eq!(rest, 5);
     assert_eq!(backend.leased_units(), 0);
     // A slice of 3 (2 local), 2 single checks, 5 refusals.
@@ -200,20 +224,21 @@ async fn shut_down_gives_back(backend: impl Fn() -> RedisBackend) {
 #[tokio::test]
 async fn a_live_replica_gives_an_expired_slice_back() {
     let server = RedisServer::start();
-    let replica = support::standalone(&server.url()).build().unwrap();
+    let clock = FakeClock::new(T0);
+    let replica = on_clock(&server.url(), &clock);
     let limit = leased(
         Limit::gcra("expiring", Quota::per_hour(10).unwrap()).unwrap(),
         Duration::from_secs(1),
     );
     let plain = Limit::gcra("expiring", Quota::per_hour(10).unwrap()).unwrap();
-    assert!(at(&replica, &[&limit], b"idle", T0).await[0].is_allowed());
+    assert!(at(&clock, &replica, &[&limit], b"idle", T0).await[0].is_allowed());
     assert_eq!(replica.leased_units(), 3);
     // Two seconds later, a check of another key finds the idle key's slice expired.
-    assert!(at(&replica, &[&limit], b"busy", T0 + 2 * S).await[0].is_allowed());
+    assert!(at(&clock, &replica, &[&limit], b"busy", T0 + 2 * S).await[0].is_allowed());
     assert_eq!(replica.leased_units(), 3, "only the busy key's slice");
-    let other = support::standalone(&server.url()).build().unwrap();
+    let other = on_clock(&server.url(), &clock);
     assert_eq!(
-        admitted_at(&other, &plain, b"idle", 12, T0 + 2 * S).await,
+        admitted_at(&clock, &other, &plain, b"idle", 12, T0 + 2 * S).await,
         9
     );
 }
@@ -221,16 +246,24 @@ async fn a_live_replica_gives_an_expired_slice_back() {
 #[tokio::test]
 async fn a_killed_replicas_units_come_back_when_its_slice_expires() {
     let server = RedisServer::start();
-    killed_replica(|| support::standalone(&server.url()).build().unwrap()).await;
+    let clock = FakeClock::new(T0);
+    killed_replica(&clock, || on_clock(&server.url(), &clock)).await;
 }
 
 #[tokio::test]
 async fn on_a_cluster_a_killed_replicas_units_come_back_when_its_slice_expires() {
     let cluster = RedisCluster::start(3);
-    killed_replica(|| support::cluster(cluster.urls()).build().unwrap()).await;
+    let clock = FakeClock::new(T0);
+    killed_replica(&clock, || {
+        support::cluster(cluster.urls())
+            .clock(clock.clone())
+            .build()
+            .unwrap()
+    })
+    .await;
 }
 
-async fn killed_replica(backend: impl Fn() -> RedisBackend) {
+async fn killed_replica(clock: &FakeClock, backend: impl Fn() -> RedisBackend) {
     let other = backend();
     let day = Duration::from_secs(86_400);
     // A fixed window: the slice ends with its window, and so do its units.
@@ -240,11 +273,17 @@ async fn killed_replica(backend: impl Fn() -> RedisBackend) {
     );
     let plain = Limit::fixed_window("fw", Quota::per_minute(10).unwrap()).unwrap();
     let killed = backend();
-    assert!(at(&killed, &[&fixed], b"k", T0).await[0].is_allowed());
+    assert!(at(clock, &killed, &[&fixed], b"k", T0).await[0].is_allowed());
     assert_eq!(killed.leased_units(), 3);
     drop(killed);
-    assert_eq!(admitted_at(&other, &plain, b"k", 12, T0 + S).await, 6);
-    assert_eq!(admitted_at(&other, &plain, b"k", 12, T0 + 60 * S).await, 10);
+    assert_eq!(
+        admitted_at(clock, &other, &plain, b"k", 12, T0 + S).await,
+        6
+    );
+    assert_eq!(
+        admitted_at(clock, &other, &plain, b"k", 12, T0 + 60 * S).await,
+        10
+    );
     // GCRA (one unit per 6 s): the slice's 4 units are TAT taken at the take, so they refill
     // like admitted requests; 24 s later the bucket is whole.
     let gcra = leased(
@@ -253,73 +292,87 @@ async fn killed_replica(backend: impl Fn() -> RedisBackend) {
     );
     let plain = Limit::gcra("g", Quota::per_minute(10).unwrap()).unwrap();
     let killed = backend();
-    assert!(at(&killed, &[&gcra], b"k", T0).await[0].is_allowed());
+    assert!(at(clock, &killed, &[&gcra], b"k", T0).await[0].is_allowed());
     assert_eq!(killed.leased_units(), 3);
     drop(killed);
     assert_eq!(
-        at(&other, &[&plain], b"k", T0 + 18 * S).await[0].remaining,
+        at(clock, &other, &[&plain], b"k", T0 + 18 * S).await[0].remaining,
         8
     );
     assert_eq!(
-        admitted_at(&other, &plain, b"k", 12, T0 + 24 * S + 6 * S).await,
+        admitted_at(clock, &other, &plain, b"k", 12, T0 + 24 * S + 6 * S).await,
         10
     );
     // Given back at shutdown instead, the 3 units are there at once.
     let graceful = backend();
-    assert!(at(&graceful, &[&gcra], b"j", T0).await[0].is_allowed());
-    graceful.shutdown_at(Some(T0)).await.unwrap();
-    assert_eq!(admitted_at(&other, &plain, b"j", 12, T0).await, 9);
+    assert!(at(clock, &graceful, &[&gcra], b"j", T0).await[0].is_allowed());
+    shutdown_at(clock, &graceful, T0).await;
+    assert_eq!(admitted_at(clock, &other, &plain, b"j", 12, T0).await, 9);
 }
 
 #[tokio::test]
 async fn a_gcra_slice_is_not_given_back_once_another_check_moved_the_tat() {
     let server = RedisServer::start();
+    let clock = FakeClock::new(T0);
     let limit = leased(
         Limit::gcra("moved", Quota::per_hour(10).unwrap()).unwrap(),
         Duration::from_secs(3_600),
     );
     let plain = Limit::gcra("moved", Quota::per_hour(10).unwrap()).unwrap();
-    let holder = support::standalone(&server.url()).build().unwrap();
-    let other = support::standalone(&server.url()).build().unwrap();
-    assert!(at(&holder, &[&limit], b"k", T0).await[0].is_allowed());
+    let holder = on_clock(&server.url(), &clock);
+    let other = on_clock(&server.url(), &clock);
+    assert!(at(&clock, &holder, &[&limit], b"k", T0).await[0].is_allowed());
     assert_eq!(holder.leased_units(), 3);
     // Nothing moved the TAT: the 3 units go back.
-    holder.shutdown_at(Some(T0)).await.unwrap();
-    assert_eq!(at(&other, &[&plain], b"k", T0).await[0].remaining, 8);
+    shutdown_at(&clock, &holder, T0).await;
+    assert_eq!(
+        at(&clock, &other, &[&plain], b"k", T0).await[0].remaining,
+        8
+    );
     // Another take, then another replica's admission moves the TAT on: other replicas' slices
     // could be paced by it, so the units stay counted and refill with the TAT.
-    let holder = support::standalone(&server.url()).build().unwrap();
-    assert!(at(&holder, &[&limit], b"k", T0).await[0].is_allowed());
+    let holder = on_clock(&server.url(), &clock);
+    assert!(at(&clock, &holder, &[&limit], b"k", T0).await[0].is_allowed());
     assert_eq!(holder.leased_units(), 3);
-    assert_eq!(at(&other, &[&plain], b"k", T0).await[0].remaining, 3);
-    holder.shutdown_at(Some(T0)).await.unwrap();
-    assert_eq!(at(&other, &[&plain], b"k", T0).await[0].remaining, 2);
+    assert_eq!(
+        at(&clock, &other, &[&plain], b"k", T0).await[0].remaining,
+        3
+    );
+    shutdown_at(&clock, &holder, T0).await;
+    assert_eq!(
+        at(&clock, &other, &[&plain], b"k", T0).await[0].remaining,
+        2
+    );
 }
 
 #[tokio::test]
 async fn stacked_limits_stay_all_or_nothing_with_a_slice() {
     let server = RedisServer::start();
-    let backend = support::standalone(&server.url()).build().unwrap();
+    let clock = FakeClock::new(T0);
+    let backend = on_clock(&server.url(), &clock);
     let hot = leased(
         Limit::gcra("hot", Quota::per_hour(10).unwrap()).unwrap(),
         Duration::from_secs(3_600),
     );
     let strict = Limit::fixed_window("strict", Quota::per_hour(2).unwrap()).unwrap();
-    let first = at(&backend, &[&hot, &strict], b"k", T0).await;
+    let first = at(&clock, &backend, &[&hot, &strict], b"k", T0).await;
     assert!(first.iter().all(|v| v.is_allowed()));
     assert_eq!(backend.leased_units(), 3);
-    let second = at(&backend, &[&hot, &strict], b"k", T0).await;
+    let second = at(&clock, &backend, &[&hot, &strict], b"k", T0).await;
     assert!(second.iter().all(|v| v.is_allowed()));
     assert!(second.from_lease(0));
     assert_eq!(backend.leased_units(), 2);
     // The slice would admit, the other limit refuses: the unit goes back into the slice.
-    let third = at(&backend, &[&hot, &strict], b"k", T0).await;
+    let third = at(&clock, &backend, &[&hot, &strict], b"k", T0).await;
     assert!(third[0].is_allowed());
     assert!(matches!(third[1].status, Status::Denied { .. }));
     assert_eq!(backend.leased_units(), 2);
     // Redis counted the slice's 4 units and nothing for the refused request.
     let plain = Limit::gcra("hot", Quota::per_hour(10).unwrap()).unwrap();
-    assert_eq!(at(&backend, &[&plain], b"k", T0).await[0].remaining, 5);
+    assert_eq!(
+        at(&clock, &backend, &[&plain], b"k", T0).await[0].remaining,
+        5
+    );
 }
 
 #[tokio::test]
@@ -392,6 +445,7 @@ async fn a_trace_on_redis_matches_the_model() {
     use tollgate_testsupport::lease_model::{Answer, RedisModel, ReplicaModel};
 
     let server = RedisServer::start();
+    let clock = FakeClock::new(T0);
     let quota = Quota::new(20, Duration::from_secs(2)).unwrap();
     let lease = Lease::new(6)
         .unwrap()
@@ -407,14 +461,12 @@ async fn a_trace_on_redis_matches_the_model() {
     .enumerate()
     {
         let limit = limit.with_lease(lease).unwrap();
-        let replicas: Vec<RedisBackend> = (0..3)
-            .map(|_| support::standalone(&server.url()).build().unwrap())
-            .collect();
+        let replicas: Vec<RedisBackend> = (0..3).map(|_| on_clock(&server.url(), &clock)).collect();
         let mut redis = RedisModel::new(&limit);
         let mut models: Vec<ReplicaModel> = (0..3).map(|_| ReplicaModel::new(&limit)).collect();
         // Loads the scripts before counting calls.
         let warm = Limit::gcra("warm", quota).unwrap();
-        at(&replicas[0], &[&warm], b"w", T0).await;
+        at(&clock, &replicas[0], &[&warm], b"w", T0).await;
         replicas[0].settle_at(&[], Some(T0)).await.unwrap();
         let settle = tollgate_core::Settlement {
             limit: &warm,
@@ -434,10 +486,10 @@ async fn a_trace_on_redis_matches_the_model() {
             now += r % 120_000;
             let who = (r >> 32) as usize % 3;
             if n == 200 {
-                replicas[2].shutdown_at(Some(now)).await.unwrap();
+                shutdown_at(&clock, &replicas[2], now).await;
                 models[2].shutdown(&mut redis, now);
             }
-            let v = at(&replicas[who], &[&limit], b"key", now).await;
+            let v = at(&clock, &replicas[who], &[&limit], b"key", now).await;
             let got = Answer {
                 allowed: v[0].is_allowed(),
                 from_lease: v.from_lease(0),

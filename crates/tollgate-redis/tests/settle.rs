@@ -132,6 +132,25 @@ async fn scenarios(target: &Target) {
     let v = target.check(&gcra, b"shop", 1, at + 66 * S).await;
     assert_eq!((v[0].status, v[0].remaining), (Status::Allowed, 0));
 
+    // A guarded GCRA refund (a lease's give-back) applies only while the TAT is its mark: 4
+    // units at `at` leave the TAT at `at + 24 s`, one interval is 6 s.
+    let guarded = Limit::gcra("guarded", minute).unwrap();
+    let refund = |mark: Micros| Settlement {
+        limit: &guarded,
+        key: b"shop",
+        reserved: 3,
+        actual: 0,
+        receipt: tollgate_core::Receipt { at, mark },
+        quota: *guarded.quota(),
+    };
+    target.check(&guarded, b"shop", 4, at).await;
+    target.settle(refund(at + 24 * S + 1), at).await;
+    let v = target.check(&guarded, b"shop", 1, at).await;
+    assert_eq!(v[0].remaining, 5, "another TAT: nothing given back");
+    target.settle(refund(at + 30 * S), at).await;
+    let v = target.check(&guarded, b"shop", 1, at).await;
+    assert_eq!(v[0].remaining, 7, "the TAT the mark names: 3 given back");
+
     // A fixed window's debt ends with its window; a settle after it changes nothing.
     let window = Limit::fixed_window("debt-window", minute).unwrap();
     target.reserve_settle(&window, b"shop", 2, 15, at, at).await;

@@ -1,7 +1,7 @@
 //! Quota leases over any [`Backend`]: [`Leased`] takes a slice of a leased limit's quota from
 //! the backend it wraps in one check (the request's cost and more) and admits from it
 //! locally, and gives the unused units back with a refund ([`Backend::settle`]) when the slice
-//! ends and at [`Backend::shutdown`].
+//! ends and at [`Lifecycle::shutdown`].
 //!
 //! The rules (slice sizes, expiry, pace, what a replica holds) are [`Lease`], [`Sizing`] and
 //! [`Slice`]'s; this module keeps the slices of one replica and runs them against the inner
@@ -10,8 +10,8 @@
 //! - A leased check (enforced, of a cost, under its limit's default quota) is answered from
 //!   the slice in hand when it holds the cost, without asking the inner backend. Otherwise
 //!   the batch goes to the inner backend, and one leased check per key at a time asks for a
-//!   slice instead of its cost (a check of a larger cost); concurrent ones are checked as
-//!   they are.
+//!   slice instead of its cost (a check of a larger cost, whose [`Check::slice_of`] is the
+//!   request's own cost); concurrent ones are checked as they are.
 //! - A batch that mixes slices and the inner backend stays all-or-nothing: the local units
 //!   are taken first and put back when the inner backend refuses or fails, or when the
 //!   caller drops the answer's future first.

@@ -105,6 +105,7 @@ struct Owned {
     quota: Quota,
     enforce: bool,
     slot: u128,
+    slice_of: u32,
 }
 
 impl Owned {
@@ -116,6 +117,7 @@ impl Owned {
             quota: c.quota,
             enforce: c.enforce,
             slot: c.slot,
+            slice_of: c.slice_of,
         }
     }
 
@@ -127,6 +129,7 @@ impl Owned {
             quota: self.quota,
             enforce: self.enforce,
             slot: self.slot,
+            slice_of: self.slice_of,
         }
     }
 }
@@ -176,7 +179,12 @@ impl<B: Backend, C: Clock> Batch<B, C> {
                 .filter(|&i| self.sources[i] != Source::Local)
                 .collect();
             let asked = idx.iter().map(|&i| match self.sources[i] {
-                Source::Take(units) => self.owned[i].check().with_cost(units),
+                // The slice's units are taken; the request's own cost goes with them.
+                Source::Take(units) => Check {
+                    cost: units,
+                    slice_of: self.owned[i].cost,
+                    ..self.owned[i].check()
+                },
                 _ => self.owned[i].check(),
             });
             let sub: Vec<Check<'_>> = asked.collect();

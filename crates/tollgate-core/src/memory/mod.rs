@@ -107,7 +107,7 @@ impl<C: Clock> MemoryBackend<C> {
     }
 
     /// What a check of one unit of `check`'s limit and key would find now, consuming nothing
-    /// and adding no key: [`Admin::peek`], at once.
+    /// and adding no key: [`Admin::peek`](crate::Admin::peek), at once.
     pub fn peek_now(&self, check: &Check<'_>) -> KeyState {
         let inner = &*self.inner;
         let now = inner.clock.now();
@@ -124,7 +124,7 @@ impl<C: Clock> MemoryBackend<C> {
         KeyState::from_probe(&probe, verdict)
     }
 
-    /// Forgets `check`'s key: [`Admin::reset`], at once.
+    /// Forgets `check`'s key: [`Admin::reset`](crate::Admin::reset), at once.
     ///
     /// # Errors
     ///
@@ -150,7 +150,7 @@ impl<C: Clock> MemoryBackend<C> {
     }
 
     /// Gives back the concurrency slots that `checks` took (their other checks are ignored):
-    /// what [`Backend::release`] does, at once. A key whose last slot comes back is no longer
+    /// what [`Slots::release`](crate::Slots::release) does, at once. A key whose last slot comes back is no longer
     /// tracked.
     pub fn release_now(&self, checks: &[Check<'_>]) {
         let inner = &*self.inner;

@@ -90,11 +90,13 @@ pub(crate) struct EncodedCheck {
     /// Whether it is this check's turn to ask Redis about a key whose cached denial ran out
     /// (see `DenyCache::lookup`).
     pub(crate) asks: bool,
-    /// Whether `cost` is a quota lease's slice (the request's cost and more, see `lease`):
-    /// its answer says nothing of the request's own cost to the deny cache.
+    /// Whether `cost` is a quota lease's slice (the request's cost and more,
+    /// [`Check::slice_of`]): its answer says nothing of the request's own cost to the deny
+    /// cache.
     pub(crate) slice: bool,
     /// The limit is leased: a GCRA refund of this check applies only while the key's TAT is
-    /// still the one the check left (see `lease`: other replicas' slices are paced by it).
+    /// still the one the check left (other replicas' slices are paced by it: see
+    /// `tollgate_core::leased`).
     pub(crate) guarded: bool,
 }
 
@@ -135,7 +137,7 @@ impl EncodedCheck {
             slot: check.slot,
             busy_retry_after: check.limit.busy_retry_after_micros(),
             asks: false,
-            slice: false,
+            slice: check.slice_of > 0,
             guarded: check.limit.lease().is_some(),
         })
     }

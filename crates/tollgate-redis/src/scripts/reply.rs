@@ -23,6 +23,8 @@ pub(crate) const UNANSWERED: Answer = Answer {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Answer {
     pub(crate) verdict: Verdict,
+    /// What the algorithm read or wrote besides the verdict: a GCRA key's TAT as the check
+    /// read it (0: none), a fixed window's index, a sliding log's last sequence number.
     pub(crate) extra: u64,
     /// The server's time of the call that answered.
     pub(crate) at: Micros,
@@ -123,11 +125,12 @@ pub(crate) fn parse_replies(
             let status = next()?;
             let answer = match p.algorithm {
                 Algorithm::Gcra => {
-                    let tat = Some(next()?).filter(|&t| t != 0);
+                    let read = next()?;
+                    let tat = Some(read).filter(|&t| t != 0);
                     let (verdict, _) = algorithm::gcra(&p.quota, tat, now, p.cost);
                     Answer {
                         verdict,
-                        extra: 0,
+                        extra: read,
                         at: now,
                     }
                 }

@@ -1,6 +1,6 @@
 //! `settle.lua`: what admitted checks reserved, given back or charged to what they cost.
 
-use tollgate_core::{Algorithm, BackendError, Check, Micros, Settlement};
+use tollgate_core::{Algorithm, BackendError, Check, Settlement};
 
 use std::sync::LazyLock;
 
@@ -16,7 +16,8 @@ use crate::scripts::Script;
 /// a sliding log (`<base>:log`, `<base>:seq`). `ARGV[1]`: `now` or empty, as for `CHECK`.
 /// `ARGV[2 + 7 (i - 1) ..]`: per settlement: algorithm, refund, charge, then GCRA: interval,
 /// the most the TAT may run ahead of now, the TAT a refund requires (0: any; a lease's
-/// give-back applies only while the TAT is still the one its take left), 0; fixed window: the end of its window, 0, 0, 0;
+/// give-back applies only while the TAT is still the one its take left), 0; fixed window: the
+/// end of its window, 0, 0, 0;
 /// sliding log: the stamp of its units, their last sequence number, the period, the most
 /// units the log may hold. Refunds and charges are cut in the client so that every product
 /// here stays an exact integer.
@@ -40,9 +41,10 @@ pub(crate) struct Settling {
 }
 
 impl Settling {
-    /// `s` encoded; a GCRA refund with `only_at` above 0 applies only while the key's TAT is
-    /// exactly `only_at` (a lease's give-back: see `lease`).
-    pub(crate) fn new(s: &Settlement<'_>, only_at: Micros) -> Result<Option<Self>, BackendError> {
+    /// `s` encoded. A GCRA settle whose receipt has a mark is guarded: it applies only while
+    /// the key's TAT is exactly the mark (a lease's give-back, see
+    /// [`Receipt`](tollgate_core::Receipt)).
+    pub(crate) fn new(s: &Settlement<'_>) -> Result<Option<Self>, BackendError> {
         // A concurrency slot is one request: nothing to settle.
         if s.actual == s.reserved || s.limit.algorithm() == Algorithm::Concurrency {
             return Ok(None);
@@ -65,6 +67,7 @@ impl Settling {
                 let most = 2 * u64::from(quota.burst());
                 let interval = quota.emission_interval();
                 let cap = 2 * interval * u64::from(quota.burst());
+                let only_at = s.receipt.mark;
                 (
                     [Some(Suffix::Tat), None],
                     [
@@ -114,22 +117,14 @@ impl Settling {
     }
 }
 
-/// `settlements` encoded, those with nothing to settle left out; the `i`-th GCRA refund
-/// applies only while its key's TAT is `only_at[i]` (when given and above 0).
+/// `settlements` encoded, those with nothing to settle left out.
 ///
 /// # Errors
 ///
 /// As [`EncodedCheck::new`].
-pub(crate) fn encode(
-    settlements: &[Settlement<'_>],
-    only_at: &[Micros],
-) -> Result<Vec<Settling>, BackendError> {
+pub(crate) fn encode(settlements: &[Settlement<'_>]) -> Result<Vec<Settling>, BackendError> {
     settlements
         .iter()
-        .enumerate()
-        .filter_map(|(i, s)| {
-            let only_at = only_at.get(i).copied().unwrap_or(0);
-            Settling::new(s, only_at).transpose()
-        })
+        .filter_map(|s| Settling::new(s).transpose())
         .collect()
 }
