@@ -8,7 +8,8 @@
 //! Each seed draws a layer (a GCRA or fixed-window limit with or without a `pro` plan, metered
 //! with a refund on `500` or a charge by the handler or not at all, a concurrency limit
 //! stacked on it or not, an allowlisted key or not, a quota lease or not) and runs it on 2 to 4
-//! replicas: `RateLimitLayer`s of their own over one in-memory backend, one real
+//! replicas: `RateLimitLayer`s of their own over one in-memory backend (each through a
+//! `Leased` of its own when the limit is leased, as a Redis backend leases), one real
 //! `redis-server` (each replica its own `RedisBackend`), or one real 3-master Redis Cluster,
 //! which this program starts on loopback ports. Then it sends a seeded sequence of
 //! operations, one at a time, through the replicas' axum routers: requests (a key, a plan, a
@@ -51,6 +52,7 @@ use tollgate::cost::{Metered, Settle};
 use tollgate::key::{KeyExtractor, Tenant};
 use tollgate::{Allowlist, Decision, Limit, Limits, Outcome, Plan, Quota, RateLimitLayer};
 use tollgate_core::algorithm::{self, WindowState};
+use tollgate_core::leased::Leased;
 use tollgate_core::{
     Algorithm, Backend, Check, ConfigError, FakeClock, KeyState, Lease, MemoryBackend, Micros,
 };
@@ -114,7 +116,7 @@ struct Shape {
 }
 
 impl Shape {
-    fn draw(rng: &mut Rng, kind: Kind) -> Self {
+    fn draw(rng: &mut Rng) -> Self {
         let algorithm = rng.pick(&[Algorithm::Gcra, Algorithm::FixedWindow]);
         let low = 3 + rng.below(4) as u32;
         let defaults = [low, low + 1 + rng.below(3) as u32];
@@ -129,7 +131,7 @@ impl Shape {
         ]);
         let slots = rng.chance(40).then(|| 1 + rng.below(2) as u32);
         let allowlist = rng.chance(30);
-        let lease = (kind != Kind::Memory && rng.chance(25)).then(|| 2 + rng.below(3) as u32);
+        let lease = rng.chance(25).then(|| 2 + rng.below(3) as u32);
         // A charge may put a key in debt after other replicas took slices: the lease bound
         // counts admissions net of refunds only.
         if lease.is_some() && algorithm == Algorithm::FixedWindow {
@@ -200,8 +202,8 @@ impl Shape {
     }
 
     /// Whether the model predicts every answer: a lease admits fewer, by design.
-    fn exact(&self, kind: Kind) -> bool {
-        self.lease.is_none() || kind == Kind::Memory
+    fn exact(&self) -> bool {
+        self.lease.is_none()
     }
 }
 
@@ -213,8 +215,12 @@ struct KeyModel {
     window: Option<WindowState>,
     /// Slots held by responses still open.
     held: u32,
-    /// Units admitted (for the lease bound).
+    /// Units admitted, net of refunds (for the lease bound): in the current window (fixed
+    /// window), or as the level of a bucket of the largest quota that drains as the clock
+    /// steps (GCRA), in units of its emission interval.
     admitted: u64,
+    /// GCRA: the part of an emission interval the bucket has drained beyond `admitted`.
+    drained: Micros,
 }
 
 struct Model {
@@ -412,16 +418,16 @@ fn draw_ops(rng: &mut Rng, shape: &Shape, kind: Kind, replicas: usize, n: usize)
                 })
             }
             65..=79 => Op::Finish,
-            80..=85 if shape.exact(kind) => Op::Reset {
+            80..=85 if shape.exact() => Op::Reset {
                 replica: rng.below(replicas as u64) as usize,
                 key: rng.pick(&KEYS[..]),
             },
-            86..=90 if shape.exact(kind) => Op::Reload,
+            86..=90 if shape.exact() => Op::Reload,
             91..=96 if kind == Kind::Memory => {
                 let interval = DAY / u64::from(shape.defaults[0]);
                 Op::Step(rng.pick(&[interval / 2, interval, 3 * interval, DAY]))
             }
-            97..=99 if kind == Kind::Redis && shape.exact(kind) => Op::Restart,
+            97..=99 if kind == Kind::Redis && shape.exact() => Op::Restart,
             _ => Op::Finish,
         };
         ops.push(op);
@@ -585,7 +591,7 @@ impl<B: Backend> Run<'_, B> {
         let held = self.model.keys.get(r.key).map_or(0, |k| k.held);
         let slots_ok = self.shape.slots.is_none_or(|c| held < c);
         let expected = rate_ok && slots_ok;
-        if self.shape.exact(self.kind) {
+        if self.shape.exact() {
             if admitted != expected {
                 self.fail(format!(
                     "{r:?}: answered {status} ({labels}), the model says {}",
@@ -611,9 +617,10 @@ impl<B: Backend> Run<'_, B> {
         if counts_slot {
             entry.held += 1;
         }
-        if !self.shape.exact(self.kind) {
-            // A lease never admits more than the largest quota a request was checked under.
-            let most = u64::from(self.shape.pro.unwrap_or(0).max(self.shape.defaults[0]));
+        if !self.shape.exact() {
+            // A lease never admits more than the largest quota a request was checked under:
+            // per window, or beyond its bucket (GCRA).
+            let most = u64::from(self.most().burst());
             let admitted = self.model.keys[r.key].admitted;
             if admitted > most {
                 self.fail(format!("{r:?}: {admitted} units admitted, over {most}"));
@@ -717,7 +724,7 @@ impl<B: Backend> Run<'_, B> {
 
     /// Polls the first replica's `peek` until it says the model's remaining units of `key`.
     async fn expect_remaining(&mut self, key: &'static str, pro: bool, when: &str) {
-        if !self.shape.exact(self.kind) {
+        if !self.shape.exact() {
             return;
         }
         let limit = self.rate_limit();
@@ -783,6 +790,7 @@ impl<B: Backend> Run<'_, B> {
         entry.tat = None;
         entry.window = None;
         entry.admitted = 0;
+        entry.drained = 0;
         self.let_caches_expire().await;
     }
 
@@ -876,8 +884,35 @@ impl<B: Backend> Run<'_, B> {
         if let Some(clock) = &self.clock {
             self.tally.steps += 1;
             clock.advance(Duration::from_micros(by));
-            self.model.now += by;
+            let (then, now) = (self.model.now, self.model.now + by);
+            self.model.now = now;
+            // The lease bound's new start: a window turned, or the bucket drained.
+            let most = self.most();
+            let turned =
+                algorithm::window_index(&most, then) != algorithm::window_index(&most, now);
+            let interval = most.emission_interval();
+            for k in self.model.keys.values_mut() {
+                match self.shape.algorithm {
+                    Algorithm::FixedWindow if turned => k.admitted = 0,
+                    Algorithm::FixedWindow => {}
+                    _ => {
+                        let drained = k.drained + by;
+                        let units = drained / interval;
+                        k.drained = drained % interval;
+                        if units >= k.admitted {
+                            (k.admitted, k.drained) = (0, 0);
+                        } else {
+                            k.admitted -= units;
+                        }
+                    }
+                }
+            }
         }
+    }
+
+    /// The largest quota a request is checked under (a lease shape has no reloads).
+    fn most(&self) -> Quota {
+        Shape::quota(self.shape.pro.unwrap_or(0).max(self.shape.defaults[0]))
     }
 
     /// Every response ended: no slot is held, and every key has what the model says.
@@ -1010,7 +1045,7 @@ async fn sequence(
     verbose: bool,
 ) -> (Shape, Vec<String>, Tally) {
     let mut rng = Rng(seed);
-    let shape = Shape::draw(&mut rng, kind);
+    let shape = Shape::draw(&mut rng);
     let replicas = 2 + rng.below(3) as usize;
     let ops = draw_ops(&mut rng, &shape, kind, replicas, ops);
     if verbose {
@@ -1021,21 +1056,22 @@ async fn sequence(
         Kind::Memory => {
             let clock = FakeClock::new(now);
             let memory = Arc::new(MemoryBackend::builder().clock(clock.clone()).build());
-            match built(&shape, build(&shape, replicas, || Arc::clone(&memory))) {
-                Ok(Some(r)) => {
-                    drive(
-                        (shape.clone(), kind),
-                        r,
-                        Some(clock),
-                        now,
-                        servers,
-                        &ops,
-                        (verbose, None),
-                    )
-                    .await
+            let setup = (verbose, None);
+            let on = (shape.clone(), kind);
+            if shape.lease.is_some() {
+                // Each replica leases from the shared backend: core's `Leased`, as on Redis.
+                let leased = || Leased::new(Arc::clone(&memory), clock.clone());
+                match built(&shape, build(&shape, replicas, leased)) {
+                    Ok(Some(r)) => drive(on, r, Some(clock), now, servers, &ops, setup).await,
+                    Ok(None) => (Vec::new(), refused_at_build()),
+                    Err(e) => (vec![e], Tally::default()),
                 }
-                Ok(None) => (Vec::new(), refused_at_build()),
-                Err(e) => (vec![e], Tally::default()),
+            } else {
+                match built(&shape, build(&shape, replicas, || Arc::clone(&memory))) {
+                    Ok(Some(r)) => drive(on, r, Some(clock), now, servers, &ops, setup).await,
+                    Ok(None) => (Vec::new(), refused_at_build()),
+                    Err(e) => (vec![e], Tally::default()),
+                }
             }
         }
         Kind::Redis | Kind::Cluster => {

@@ -1,6 +1,7 @@
-//! The accuracy of quota leases, simulated: replicas that lease a hot key's quota, against a
-//! model of Redis' state (`tollgate_testsupport::lease_model`, which a test holds to a real
-//! Redis), with `tollgate_core`'s own slice sizing, expiry and give-back arithmetic.
+//! The accuracy of quota leases, simulated: replicas that lease a hot key's quota, each a
+//! `tollgate_core::leased::Leased` over one shared in-memory backend on a simulated clock
+//! (`tollgate_testsupport::leases`; a test holds the Redis backend's leases to the same
+//! answers).
 //!
 //! ```text
 //! cargo run --release -p tollgate-bench --bin lease-sim [-- --seed N]
@@ -18,7 +19,8 @@
 //! - **under**: admissions short of the same requests without leases, and its **bound**: the
 //!   units that slices took and no request used (given back, expired, or still held at the
 //!   end).
-//! - **calls/req**: Redis calls (checks and give-backs) per request.
+//! - **calls/req**: calls to the shared backend (checks and give-backs) per request: a Redis
+//!   backend makes one script call for each.
 //!
 //! The last line is `over-admission: 0 in K configurations` when no configuration admitted
 //! beyond its quota; otherwise the program exits with status 1.
@@ -27,8 +29,8 @@
 
 use std::time::Duration;
 
-use tollgate_core::{algorithm, Algorithm, Lease, Limit, Micros, Quota};
-use tollgate_testsupport::lease_model::{RedisModel, ReplicaModel};
+use tollgate_core::{algorithm, Algorithm, Check, FakeClock, Lease, Limit, Micros, Quota};
+use tollgate_testsupport::leases::{self, Replica};
 
 const S: Micros = 1_000_000;
 /// The start of a UTC day: windows start here.
@@ -117,21 +119,29 @@ fn requests(seed: u64, replicas: usize, traffic: Traffic, rate: f64) -> Vec<(Mic
     }
 }
 
-/// Admission times, admissions from slices, Redis calls, units taken into slices.
+/// Admission times, admissions from slices, calls to the shared backend, units taken into
+/// slices.
 fn run(limit: &Limit, reqs: &[(Micros, usize)], replicas: usize) -> (Vec<Micros>, u64, u64, u64) {
-    let mut redis = RedisModel::new(limit);
-    let mut models: Vec<ReplicaModel> = (0..replicas).map(|_| ReplicaModel::new(limit)).collect();
+    let clock = FakeClock::new(T0);
+    let memory = leases::memory(&clock);
+    let replicas: Vec<Replica> = (0..replicas)
+        .map(|_| leases::replica(&memory, &clock))
+        .collect();
     let mut admitted = Vec::new();
     let mut from_lease = 0;
     for &(now, who) in reqs {
-        let a = models[who].check(&mut redis, b"hot", 1, now);
-        if a.allowed {
+        clock.set(now);
+        let v = replicas[who]
+            .check_now(&[Check::new(limit, b"hot")])
+            .unwrap();
+        if v[0].is_allowed() {
             admitted.push(now);
-            from_lease += u64::from(a.from_lease);
+            from_lease += u64::from(v.from_lease(0));
         }
     }
-    let taken: u64 = models.iter().map(ReplicaModel::taken).sum();
-    (admitted, from_lease, redis.calls, taken)
+    let calls = replicas.iter().map(|r| r.inner().calls()).sum();
+    let taken = replicas.iter().map(|r| r.inner().sliced()).sum();
+    (admitted, from_lease, calls, taken)
 }
 
 /// Admissions beyond the quota.

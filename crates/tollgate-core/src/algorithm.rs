@@ -270,7 +270,7 @@ pub fn fixed_window_settle(
 
 /// The units a sliding log's charge of `actual - reserved` records when the log counts
 /// `alive` units: a log holds at most twice the quota's limit.
-pub fn sliding_log_charge(quota: &Quota, alive: u64, reserved: u32, actual: u32) -> u64 {
+pub(crate) fn sliding_log_charge(quota: &Quota, alive: u64, reserved: u32, actual: u32) -> u64 {
     let room = (2 * u64::from(quota.limit())).saturating_sub(alive);
     u64::from(actual.saturating_sub(reserved)).min(room)
 }

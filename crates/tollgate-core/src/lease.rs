@@ -1,11 +1,11 @@
 //! Quota leases: a replica takes a slice of a key's quota from a shared backend in one call and
 //! admits from it locally.
 //!
-//! This module holds what a backend and a model of one need to agree on, as pure functions and
-//! plain data: how large a slice is ([`Lease::take_for`]), when it expires ([`Lease::expiry`])
-//! and what a replica holds of it ([`Slice`]). [`Leased`](crate::leased::Leased) runs it over
-//! any backend (the in-memory one included), the Redis backend runs it against Redis, and the
-//! accuracy simulation (`lease-sim`) runs the very same code against a model of Redis' state.
+//! This module holds a lease's rules as pure functions and plain data: how large a slice is
+//! ([`Lease::take_for`]), when it expires, how a replica sizes its next one and what it holds
+//! of it. [`Leased`](crate::leased::Leased) runs them over any backend: the in-memory one, in
+//! tests and in the accuracy simulation (`lease-sim`), and Redis, whose backend is a `Leased`
+//! over its own.
 //!
 //! # What a lease keeps and what it gives up
 //!
@@ -16,7 +16,7 @@
 //! - **When.** A unit is admitted locally at most the lease's lifetime after Redis counted it.
 //!   A fixed window's slice expires with its window at the latest, so each unit is admitted in
 //!   the window that counted it: at most the limit per window, exactly. A GCRA slice is
-//!   [paced](Slice::paced) by the TAT its take left, so that the admissions of every replica,
+//!   *paced* by the TAT its take left, so that the admissions of every replica,
 //!   at the times they happen, conform to the quota's GCRA; and its give-back applies only
 //!   while the key's TAT is still that one (a later take's slice is paced by a TAT that counts
 //!   these units: taking them back under it could let it run ahead of the rate).
@@ -161,7 +161,7 @@ impl Lease {
 
     /// When a slice taken at `taken_at` (the backend's time) stops being used: its lifetime
     /// later, and for a fixed window never after its window's end.
-    pub fn expiry(&self, algorithm: Algorithm, quota: &Quota, taken_at: Micros) -> Micros {
+    pub(crate) fn expiry(&self, algorithm: Algorithm, quota: &Quota, taken_at: Micros) -> Micros {
         let end = taken_at.saturating_add(self.lifetime);
         match algorithm {
             Algorithm::FixedWindow => end.min(algorithm::window_end(quota, taken_at)),
@@ -173,7 +173,7 @@ impl Lease {
     /// when the backend answered with `reset` (microseconds until the quota is whole: for
     /// GCRA, the TAT after the take minus `taken_at`). It expires as
     /// [`expiry`](Self::expiry) says, and a GCRA slice is [paced](Slice::paced) by that TAT.
-    pub fn slice(
+    pub(crate) fn slice(
         &self,
         algorithm: Algorithm,
         quota: &Quota,
@@ -191,7 +191,7 @@ impl Lease {
     }
 
     /// Whether `algorithm` can be leased: GCRA and fixed windows.
-    pub fn supports(algorithm: Algorithm) -> bool {
+    pub(crate) fn supports(algorithm: Algorithm) -> bool {
         matches!(algorithm, Algorithm::Gcra | Algorithm::FixedWindow)
     }
 }
@@ -203,14 +203,14 @@ impl Lease {
 /// rate: see [`Slice::paced`]) then takes small ones instead of taking and giving back
 /// large ones.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Sizing {
+pub(crate) struct Sizing {
     shift: u8,
 }
 
 impl Sizing {
     /// The units to take for a request of `cost` when `remaining` were last seen left:
     /// [`Lease::take_for`], scaled down by what earlier slices came to.
-    pub fn units(&self, lease: &Lease, remaining: u64, cost: u32) -> u32 {
+    pub(crate) fn units(&self, lease: &Lease, remaining: u64, cost: u32) -> u32 {
         let share = lease.take_for(remaining, cost) >> self.shift;
         if share > cost {
             share
@@ -220,12 +220,12 @@ impl Sizing {
     }
 
     /// A slice ended with units left.
-    pub fn wasted(&mut self) {
+    pub(crate) fn wasted(&mut self) {
         self.shift = (self.shift + 1).min(16);
     }
 
     /// A slice was spent to its last unit.
-    pub fn spent(&mut self) {
+    pub(crate) fn spent(&mut self) {
         self.shift = self.shift.saturating_sub(1);
     }
 }
@@ -238,7 +238,7 @@ impl Sizing {
 /// refilled past them: the admissions would then run ahead of the quota's rate. A slice
 /// that falls behind its pace is dead, as if expired.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Slice {
+pub(crate) struct Slice {
     units: u32,
     expires: Micros,
     /// The backend's TAT after the take (GCRA), or 0: no pace.
@@ -249,7 +249,7 @@ pub struct Slice {
 
 impl Slice {
     /// A slice of `units` usable until `expires` (excluded).
-    pub fn new(units: u32, expires: Micros) -> Self {
+    pub(crate) fn new(units: u32, expires: Micros) -> Self {
         Self {
             units,
             expires,
@@ -260,25 +260,20 @@ impl Slice {
 
     /// This slice, used only while `now + units × interval <= horizon`: a GCRA slice whose
     /// take left the key's TAT at `horizon`, for a quota of emission interval `interval`.
-    pub fn paced(mut self, horizon: Micros, interval: Micros) -> Self {
+    pub(crate) fn paced(mut self, horizon: Micros, interval: Micros) -> Self {
         self.horizon = horizon;
         self.interval = interval;
         self
     }
 
     /// Units held.
-    pub fn units(&self) -> u32 {
+    pub(crate) fn units(&self) -> u32 {
         self.units
-    }
-
-    /// When the slice stops being used.
-    pub fn expires(&self) -> Micros {
-        self.expires
     }
 
     /// Whether the slice can still be used at `now`: before its expiry, and for a paced
     /// slice while its units fit before its horizon.
-    pub fn live(&self, now: Micros) -> bool {
+    pub(crate) fn live(&self, now: Micros) -> bool {
         now < self.expires
             && (self.interval == 0
                 || now.saturating_add(u64::from(self.units).saturating_mul(self.interval))
@@ -287,7 +282,7 @@ impl Slice {
 
     /// Takes `cost` units at `now`, if the slice is live and holds them.
     #[inline]
-    pub fn take(&mut self, cost: u32, now: Micros) -> bool {
+    pub(crate) fn take(&mut self, cost: u32, now: Micros) -> bool {
         if self.live(now) && self.units >= cost {
             self.units -= cost;
             true
@@ -298,7 +293,7 @@ impl Slice {
 
     /// Puts back `cost` units taken by [`take`](Self::take) for a request that another limit
     /// refused.
-    pub fn put_back(&mut self, cost: u32) {
+    pub(crate) fn put_back(&mut self, cost: u32) {
         self.units = self.units.saturating_add(cost);
     }
 
@@ -306,22 +301,22 @@ impl Slice {
     ///
     /// Returns the units of the earlier slice, which must go back (kept, they would live past
     /// their own expiry).
-    pub fn refill(&mut self, fresh: Slice) -> u32 {
+    pub(crate) fn refill(&mut self, fresh: Slice) -> u32 {
         std::mem::replace(self, fresh).units
     }
 
     /// The TAT the slice's take left in the backend (GCRA), or 0.
-    pub fn horizon(&self) -> Micros {
+    pub(crate) fn horizon(&self) -> Micros {
         self.horizon
     }
 
     /// Empties the slice: the units to give back.
-    pub fn drain(&mut self) -> u32 {
+    pub(crate) fn drain(&mut self) -> u32 {
         std::mem::take(&mut self.units)
     }
 
     /// The units to give back at `now`: all it holds once it has expired, none before.
-    pub fn expire(&mut self, now: Micros) -> u32 {
+    pub(crate) fn expire(&mut self, now: Micros) -> u32 {
         if self.live(now) {
             0
         } else {

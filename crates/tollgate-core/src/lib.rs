@@ -54,7 +54,7 @@ pub use check::{Check, Receipt, Settlement};
 pub use clock::{Clock, FakeClock, Micros};
 pub use counting::Algorithm;
 pub use error::ConfigError;
-pub use lease::{Lease, Sizing, Slice, MAX_SLICE};
+pub use lease::{Lease, MAX_SLICE};
 pub use limit::{
     FailurePolicy, Limit, MissingKeyPolicy, DEFAULT_BUSY_RETRY_AFTER, DEFAULT_SLOT_TTL,
 };

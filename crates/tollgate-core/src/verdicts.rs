@@ -136,7 +136,7 @@ impl Verdicts {
 
     /// The verdicts as a mutable slice.
     #[inline]
-    pub fn as_mut_slice(&mut self) -> &mut [Verdict] {
+    pub(crate) fn as_mut_slice(&mut self) -> &mut [Verdict] {
         self.parts_mut().0
     }
 

@@ -438,11 +438,12 @@ async fn sliding_logs_and_slots_cannot_be_leased() {
 }
 
 /// One sequential trace (three replicas, irregular times across expiries, window turns and
-/// refills, one replica shut down half-way) on a real Redis and on the model that the
-/// accuracy simulation runs: every answer and the number of calls must agree.
+/// refills, one replica shut down half-way) on a real Redis and through core's `Leased` over
+/// the in-memory backend, which the accuracy simulation runs: every answer, every replica's
+/// holdings and the number of calls agree.
 #[tokio::test]
-async fn a_trace_on_redis_matches_the_model() {
-    use tollgate_testsupport::lease_model::{Answer, RedisModel, ReplicaModel};
+async fn a_trace_on_redis_matches_leases_over_memory() {
+    use tollgate_testsupport::leases;
 
     let server = RedisServer::start();
     let clock = FakeClock::new(T0);
@@ -462,8 +463,9 @@ async fn a_trace_on_redis_matches_the_model() {
     {
         let limit = limit.with_lease(lease).unwrap();
         let replicas: Vec<RedisBackend> = (0..3).map(|_| on_clock(&server.url(), &clock)).collect();
-        let mut redis = RedisModel::new(&limit);
-        let mut models: Vec<ReplicaModel> = (0..3).map(|_| ReplicaModel::new(&limit)).collect();
+        let memory = leases::memory(&clock);
+        let models: Vec<leases::Replica> =
+            (0..3).map(|_| leases::replica(&memory, &clock)).collect();
         // Loads the scripts before counting calls.
         let warm = Limit::gcra("warm", quota).unwrap();
         at(&clock, &replicas[0], &[&warm], b"w", T0).await;
@@ -487,15 +489,16 @@ async fn a_trace_on_redis_matches_the_model() {
             let who = (r >> 32) as usize % 3;
             if n == 200 {
                 shutdown_at(&clock, &replicas[2], now).await;
-                models[2].shutdown(&mut redis, now);
+                clock.set(now);
+                models[2].shutdown().await;
             }
             let v = at(&clock, &replicas[who], &[&limit], b"key", now).await;
-            let got = Answer {
-                allowed: v[0].is_allowed(),
-                from_lease: v.from_lease(0),
-                remaining: v[0].remaining,
-            };
-            let want = models[who].check(&mut redis, b"key", 1, now);
+            let got = (v[0].is_allowed(), v.from_lease(0), v[0].remaining);
+            clock.set(now);
+            let v = models[who]
+                .check_now(&[Check::new(&limit, b"key")])
+                .unwrap();
+            let want = (v[0].is_allowed(), v.from_lease(0), v[0].remaining);
             assert_eq!(
                 got,
                 want,
@@ -503,11 +506,12 @@ async fn a_trace_on_redis_matches_the_model() {
                 limit.name(),
                 now - T0
             );
-            assert_eq!(replicas[who].leased_units(), models[who].held());
-            admitted += usize::from(got.allowed);
-            local += usize::from(got.from_lease);
+            assert_eq!(replicas[who].leased_units(), models[who].leased_units());
+            admitted += usize::from(got.0);
+            local += usize::from(got.1);
         }
-        assert_eq!(server.calls("evalsha"), redis.calls, "{}", limit.name());
+        let calls: u64 = models.iter().map(|m| m.inner().calls()).sum();
+        assert_eq!(server.calls("evalsha"), calls, "{}", limit.name());
         // The trace is worth something: slices were used, and the limit was reached.
         assert!(
             local >= 10 && admitted < 400,

@@ -40,7 +40,7 @@ use std::time::Duration;
 pub use redis;
 
 mod cluster;
-pub mod lease_model;
+pub mod leases;
 mod process;
 mod sentinel;
 mod server;

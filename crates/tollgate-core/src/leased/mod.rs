@@ -3,9 +3,9 @@
 //! locally, and gives the unused units back with a refund ([`Backend::settle`]) when the slice
 //! ends and at [`Lifecycle::shutdown`].
 //!
-//! The rules (slice sizes, expiry, pace, what a replica holds) are [`Lease`], [`Sizing`] and
-//! [`Slice`]'s; this module keeps the slices of one replica and runs them against the inner
-//! backend, which counts every slice's units before any of them is admitted:
+//! The rules (slice sizes, expiry, pace, what a replica holds) are [`Lease`]'s (see the
+//! [`lease`](crate::lease) module); this module keeps the slices of one replica and runs them
+//! against the inner backend, which counts every slice's units before any of them is admitted:
 //!
 //! - A leased check (enforced, of a cost, under its limit's default quota) is answered from
 //!   the slice in hand when it holds the cost, without asking the inner backend. Otherwise
@@ -28,8 +28,6 @@
 //! a slice's expiry and pace. Give both the same clock when the inner backend is in process.
 //!
 //! [`Lease`]: crate::Lease
-//! [`Sizing`]: crate::Sizing
-//! [`Slice`]: crate::Slice
 
 mod table;
 mod take;
