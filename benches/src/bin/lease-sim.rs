@@ -30,7 +30,7 @@
 use std::time::Duration;
 
 use tollgate_core::{algorithm, Algorithm, Check, FakeClock, Lease, Limit, Micros, Quota};
-use tollgate_testsupport::leases::{self, Replica};
+use tollgate_testsupport::leases::{self, splitmix, Replica};
 
 const S: Micros = 1_000_000;
 /// The start of a UTC day: windows start here.
@@ -56,14 +56,6 @@ struct Row {
     under: i64,
     bound: u64,
     calls: u64,
-}
-
-fn splitmix(state: &mut u64) -> u64 {
-    *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    let mut z = *state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
 }
 
 /// A uniform draw in [0, 1).

@@ -12,7 +12,7 @@ use tollgate_core::{
     Admin, Backend, BackendErrorKind, Check, FakeClock, Lease, Lifecycle, Limit, Micros, Quota,
     Settlement, Status, Verdicts,
 };
-use tollgate_testsupport::leases::{self, Memory, Replica};
+use tollgate_testsupport::leases::{self, splitmix, Memory, Replica};
 
 /// The start of a UTC day: windows of a minute or an hour start here.
 const T0: Micros = 1_728_000_000_000_000;
@@ -548,21 +548,7 @@ fn the_memory_backend_applies_a_guarded_gcra_refund_only_at_its_tat() {
 /// slice took either admitted from it, still held or unused, and every call counted.
 #[test]
 fn a_trace_never_admits_beyond_the_quota() {
-    let quota = Quota::new(20, Duration::from_secs(2)).unwrap();
-    let lease = Lease::new(6)
-        .unwrap()
-        .with_divisor(2)
-        .unwrap()
-        .with_lifetime(Duration::from_millis(300))
-        .unwrap();
-    for (i, plain) in [
-        Limit::gcra("trace-gcra", quota).unwrap(),
-        Limit::fixed_window("trace-fixed", quota).unwrap(),
-    ]
-    .into_iter()
-    .enumerate()
-    {
-        let limit = plain.clone().with_lease(lease).unwrap();
+    for (i, (plain, limit)) in leases::trace_limits().into_iter().enumerate() {
         let w = World::new();
         let replicas: Vec<Replica> = (0..3).map(|_| w.replica()).collect();
         // The quota itself, run on the admission times: what must admit each of them.
@@ -602,12 +588,4 @@ fn a_trace_never_admits_beyond_the_quota() {
             "{admitted} admitted, {local} from slices"
         );
     }
-}
-
-fn splitmix(state: &mut u64) -> u64 {
-    *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    let mut z = *state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
 }

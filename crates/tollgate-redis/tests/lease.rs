@@ -443,31 +443,17 @@ async fn sliding_logs_and_slots_cannot_be_leased() {
 /// holdings and the number of calls agree.
 #[tokio::test]
 async fn a_trace_on_redis_matches_leases_over_memory() {
-    use tollgate_testsupport::leases;
+    use tollgate_testsupport::leases::{self, splitmix};
 
     let server = RedisServer::start();
     let clock = FakeClock::new(T0);
-    let quota = Quota::new(20, Duration::from_secs(2)).unwrap();
-    let lease = Lease::new(6)
-        .unwrap()
-        .with_divisor(2)
-        .unwrap()
-        .with_lifetime(Duration::from_millis(300))
-        .unwrap();
-    for (i, limit) in [
-        Limit::gcra("trace-gcra", quota).unwrap(),
-        Limit::fixed_window("trace-fixed", quota).unwrap(),
-    ]
-    .into_iter()
-    .enumerate()
-    {
-        let limit = limit.with_lease(lease).unwrap();
+    for (i, (_, limit)) in leases::trace_limits().into_iter().enumerate() {
         let replicas: Vec<RedisBackend> = (0..3).map(|_| on_clock(&server.url(), &clock)).collect();
         let memory = leases::memory(&clock);
         let models: Vec<leases::Replica> =
             (0..3).map(|_| leases::replica(&memory, &clock)).collect();
         // Loads the scripts before counting calls.
-        let warm = Limit::gcra("warm", quota).unwrap();
+        let warm = Limit::gcra("warm", *limit.quota()).unwrap();
         at(&clock, &replicas[0], &[&warm], b"w", T0).await;
         replicas[0].settle_at(&[], Some(T0)).await.unwrap();
         let settle = tollgate_core::Settlement {
@@ -518,14 +504,6 @@ async fn a_trace_on_redis_matches_leases_over_memory() {
             "{admitted} admitted, {local} from slices"
         );
     }
-}
-
-fn splitmix(state: &mut u64) -> u64 {
-    *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    let mut z = *state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
 }
 
 #[tokio::test]

@@ -9,11 +9,12 @@
 use std::future::{ready, Ready};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use tollgate_core::leased::Leased;
 use tollgate_core::{
-    Admin, AdminFuture, Backend, BackendError, BackendErrorKind, Check, FakeClock, KeyState,
-    MemoryBackend, Settlement, Verdicts,
+    Admin, AdminFuture, Backend, BackendError, BackendErrorKind, Check, FakeClock, KeyState, Lease,
+    Limit, MemoryBackend, Quota, Settlement, Verdicts,
 };
 
 /// The backend every replica shares.
@@ -128,4 +129,32 @@ impl Admin for Link {
     fn reset(&self, check: &Check<'_>) -> AdminFuture<()> {
         Box::pin(ready(self.memory.reset_now(check)))
     }
+}
+
+/// The limits of the leases' trace tests, each as it is and leased: GCRA and a fixed window of
+/// 20 per 2 s, slices of at most 6 units and half of what remains, living 300 ms (so that a
+/// trace of a few hundred requests crosses expiries, window turns and refills).
+pub fn trace_limits() -> [(Limit, Limit); 2] {
+    let quota = Quota::new(20, Duration::from_secs(2)).expect("a valid quota");
+    let lease = Lease::new(6)
+        .and_then(|l| l.with_divisor(2))
+        .and_then(|l| l.with_lifetime(Duration::from_millis(300)))
+        .expect("a valid lease");
+    [
+        Limit::gcra("trace-gcra", quota).expect("a valid limit"),
+        Limit::fixed_window("trace-fixed", quota).expect("a valid limit"),
+    ]
+    .map(|plain| {
+        let leased = plain.clone().with_lease(lease).expect("a leasable limit");
+        (plain, leased)
+    })
+}
+
+/// The next number of a seeded SplitMix64 sequence: the traces' and the simulation's draws.
+pub fn splitmix(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
 }

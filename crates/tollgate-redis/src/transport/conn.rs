@@ -164,28 +164,28 @@ impl Connector {
         }
     }
 
+    /// A standalone connection's settings: the connect timeout, and no response timeout
+    /// (each call has its own deadline).
+    fn config(&self) -> AsyncConnectionConfig {
+        AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(self.connect_timeout))
+            .set_response_timeout(None)
+    }
+
     async fn connect(&self) {
         let attempt = async {
             match &self.target {
-                Target::Single(client) => {
-                    let config = AsyncConnectionConfig::new()
-                        .set_connection_timeout(Some(self.connect_timeout))
-                        .set_response_timeout(None);
-                    client
-                        .get_multiplexed_async_connection_with_config(&config)
-                        .await
-                        .map(Conn::Single)
-                }
+                Target::Single(client) => client
+                    .get_multiplexed_async_connection_with_config(&self.config())
+                    .await
+                    .map(Conn::Single),
                 Target::Cluster(client) => client.get_async_connection().await.map(Conn::Cluster),
                 Target::Sentinel(sentinel) => {
                     // Asks the sentinels for the master's address (they check that it says it
                     // is one), then connects to it like a standalone server.
                     let client = sentinel.lock().await.async_get_client().await?;
-                    let config = AsyncConnectionConfig::new()
-                        .set_connection_timeout(Some(self.connect_timeout))
-                        .set_response_timeout(None);
                     client
-                        .get_multiplexed_async_connection_with_config(&config)
+                        .get_multiplexed_async_connection_with_config(&self.config())
                         .await
                         .map(Conn::Single)
                 }
