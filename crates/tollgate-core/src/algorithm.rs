@@ -36,12 +36,51 @@ pub fn gcra(
     now: Micros,
     cost: u32,
 ) -> (Verdict, Option<Micros>) {
+    gcra_delayed(quota, tat, now, cost, 0)
+}
+
+/// GCRA whose tolerance is widened by `delay` microseconds: a request that would conform
+/// within `delay` is admitted, and its emission time reserved at once (the TAT moves exactly
+/// as for any admission). Its caller waits [`gcra_wait`] before serving it. With `delay` 0
+/// this is [`gcra`].
+///
+/// Admitted iff `new_tat − now ≤ burst × interval + delay`. The verdict is what the quota
+/// shows after the reservation: `reset` is `new_tat − now` (so beyond the burst's span by the
+/// wait), `remaining` is 0 for a request that waits. A refusal's `retry_after` is the time
+/// until the same request would be admitted with the same delay.
+///
+/// # Examples
+///
+/// ```
+/// use tollgate_core::{algorithm, Quota};
+///
+/// let q = Quota::per_minute(5)?.with_burst(1)?; // one every 12 s, no burst beyond one
+/// let (v, tat) = algorithm::gcra_delayed(&q, None, 0, 1, 30_000_000);
+/// assert_eq!((algorithm::gcra_wait(&q, &v), tat), (0, Some(12_000_000)));
+/// // The second and third wait 12 s and 24 s; the fourth would wait 36 s > 30 s.
+/// let (v, tat) = algorithm::gcra_delayed(&q, tat, 0, 1, 30_000_000);
+/// assert_eq!(algorithm::gcra_wait(&q, &v), 12_000_000);
+/// let (v, tat) = algorithm::gcra_delayed(&q, tat, 0, 1, 30_000_000);
+/// assert_eq!(algorithm::gcra_wait(&q, &v), 24_000_000);
+/// let (v, _) = algorithm::gcra_delayed(&q, tat, 0, 1, 30_000_000);
+/// assert_eq!(v.retry_after(), Some(std::time::Duration::from_secs(6)));
+/// # Ok::<(), tollgate_core::ConfigError>(())
+/// ```
+#[inline]
+pub fn gcra_delayed(
+    quota: &Quota,
+    tat: Option<Micros>,
+    now: Micros,
+    cost: u32,
+    delay: Micros,
+) -> (Verdict, Option<Micros>) {
     let interval = quota.emission_interval();
-    let tolerance = interval * u64::from(quota.burst());
+    let burst_span = interval * u64::from(quota.burst());
+    let tolerance = burst_span + delay;
     let base = tat.map_or(now, |t| t.max(now));
     if cost > quota.burst() {
         return (
-            too_costly(remaining_of(tolerance, base - now, interval), base - now),
+            too_costly(remaining_of(burst_span, base - now, interval), base - now),
             None,
         );
     }
@@ -51,17 +90,29 @@ pub fn gcra(
             status: Status::Denied {
                 retry_after: new_tat - tolerance - now,
             },
-            remaining: remaining_of(tolerance, base - now, interval),
+            remaining: remaining_of(burst_span, base - now, interval),
             reset: base - now,
         };
         return (verdict, None);
     }
     let verdict = Verdict {
         status: Status::Allowed,
-        remaining: remaining_of(tolerance, new_tat - now, interval),
+        remaining: remaining_of(burst_span, new_tat - now, interval),
         reset: new_tat - now,
     };
     (verdict, Some(new_tat))
+}
+
+/// How long a request that a GCRA check admitted under `quota` waits for its emission time:
+/// how far its reservation (`verdict.reset`, the TAT it left) lies beyond the burst's span,
+/// in microseconds. 0 for a request admitted without a delay, and for a refusal.
+#[inline]
+pub fn gcra_wait(quota: &Quota, verdict: &Verdict) -> Micros {
+    if !verdict.is_allowed() {
+        return 0;
+    }
+    let burst_span = quota.emission_interval() * u64::from(quota.burst());
+    verdict.reset.saturating_sub(burst_span)
 }
 
 /// A GCRA theoretical arrival time stored under the emission interval `from`, carried to a
