@@ -116,6 +116,11 @@ impl Owed {
         self.responded(&response);
     }
 
+    /// Drops these reservations without a settle: they stand as taken.
+    pub(crate) fn disarm(mut self) {
+        self.items.clear();
+    }
+
     /// Whether the actual cost may still be reported through the handle, while the body runs.
     pub(crate) fn waits_for_body(&self) -> bool {
         let reported =
