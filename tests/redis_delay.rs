@@ -80,7 +80,7 @@ fn assert_model(admitted: usize, waits: &[(u128, u128)]) {
 async fn a_server_admits_the_burst_and_the_delay_s_intervals_each_at_its_time() {
     let server = RedisServer::start();
     let backend = RedisBackend::builder()
-        .url(&server.url())
+        .url(server.url())
         .prefix("delay")
         .deadline(Duration::from_secs(5))
         .build()

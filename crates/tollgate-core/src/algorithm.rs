@@ -39,29 +39,27 @@ pub fn gcra(
     gcra_delayed(quota, tat, now, cost, 0)
 }
 
-/// GCRA whose tolerance is widened by `delay` microseconds: a request that would conform
-/// within `delay` is admitted, and its emission time reserved at once (the TAT moves exactly
-/// as for any admission). Its caller waits [`gcra_wait`] before serving it. With `delay` 0
-/// this is [`gcra`].
+/// GCRA with its tolerance widened by `delay` µs: a request that would conform within `delay`
+/// is admitted, its time reserved at once (the TAT moves as for any admission); its caller
+/// waits [`gcra_wait`] before serving it. With `delay` 0 this is [`gcra`].
 ///
-/// Admitted iff `new_tat − now ≤ burst × interval + delay`. The verdict is what the quota
-/// shows after the reservation: `reset` is `new_tat − now` (so beyond the burst's span by the
-/// wait), `remaining` is 0 for a request that waits. A refusal's `retry_after` is the time
-/// until the same request would be admitted with the same delay.
+/// Admitted iff `new_tat − now ≤ burst × interval + delay`. The verdict shows the quota after
+/// the reservation (`reset` is `new_tat − now`; `remaining` is 0 for a request that waits); a
+/// refusal's `retry_after` is the time until it would be admitted with the same delay.
 ///
 /// # Examples
 ///
 /// ```
 /// use tollgate_core::{algorithm, Quota};
 ///
-/// let q = Quota::per_minute(5)?.with_burst(1)?; // one every 12 s, no burst beyond one
-/// let (v, tat) = algorithm::gcra_delayed(&q, None, 0, 1, 30_000_000);
-/// assert_eq!((algorithm::gcra_wait(&q, &v), tat), (0, Some(12_000_000)));
-/// // The second and third wait 12 s and 24 s; the fourth would wait 36 s > 30 s.
-/// let (v, tat) = algorithm::gcra_delayed(&q, tat, 0, 1, 30_000_000);
-/// assert_eq!(algorithm::gcra_wait(&q, &v), 12_000_000);
-/// let (v, tat) = algorithm::gcra_delayed(&q, tat, 0, 1, 30_000_000);
-/// assert_eq!(algorithm::gcra_wait(&q, &v), 24_000_000);
+/// let q = Quota::per_minute(5)?.with_burst(1)?; // one every 12 s, a burst of one
+/// let (mut tat, mut waits) = (None, vec![]);
+/// for _ in 0..3 {
+///     let (v, next) = algorithm::gcra_delayed(&q, tat, 0, 1, 30_000_000);
+///     (tat, waits) = (next, [waits, vec![algorithm::gcra_wait(&q, &v)]].concat());
+/// }
+/// assert_eq!(waits, [0, 12_000_000, 24_000_000]);
+/// // The fourth would wait 36 s > 30 s: refused, until 6 s later.
 /// let (v, _) = algorithm::gcra_delayed(&q, tat, 0, 1, 30_000_000);
 /// assert_eq!(v.retry_after(), Some(std::time::Duration::from_secs(6)));
 /// # Ok::<(), tollgate_core::ConfigError>(())
@@ -103,9 +101,8 @@ pub fn gcra_delayed(
     (verdict, Some(new_tat))
 }
 
-/// How long a request that a GCRA check admitted under `quota` waits for its emission time:
-/// how far its reservation (`verdict.reset`, the TAT it left) lies beyond the burst's span,
-/// in microseconds. 0 for a request admitted without a delay, and for a refusal.
+/// How long (µs) a request a GCRA check admitted under `quota` waits for its time: how far its
+/// reservation (`verdict.reset`) lies beyond the burst's span; 0 without a wait or refused.
 #[inline]
 pub fn gcra_wait(quota: &Quota, verdict: &Verdict) -> Micros {
     if !verdict.is_allowed() {

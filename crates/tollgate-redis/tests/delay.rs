@@ -118,7 +118,7 @@ async fn the_deny_cache_answers_only_checks_under_the_delay_it_learned_from() {
     };
     let wait_s = |v: &Verdict| {
         assert!(v.is_allowed(), "{v:?}");
-        (algorithm::gcra_wait(plain.quota(), v) + 999_999) / 1_000_000
+        algorithm::gcra_wait(plain.quota(), v).div_ceil(1_000_000)
     };
     assert!(at(&plain).await.is_allowed());
     // Refused without a delay: the cache holds that denial...

@@ -99,14 +99,11 @@ impl<B: Backend> Shared<B> {
         // The places of the limits the request waits for are kept; the others go back.
         let places = facts.places.take();
         if admitted {
-            let wait = match decision.delayed() {
-                Some(wait) => Some(Wait {
-                    wait,
-                    places: places.and_then(|p| p.keep_waiting(&waits)),
-                    refund: refund(&decision, facts, kept, &receipts),
-                }),
-                None => None,
-            };
+            let wait = decision.delayed().map(|wait| Wait {
+                wait,
+                places: places.and_then(|p| p.keep_waiting(&waits)),
+                refund: refund(&decision, facts, kept, &receipts),
+            });
             let owed = if facts.set.settles {
                 owed(&decision, facts, kept, &receipts)
             } else {

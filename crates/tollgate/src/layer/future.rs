@@ -17,10 +17,10 @@ use super::body::ResponseBody;
 use super::decide::{Decided, Wait};
 use super::limits::LimitSet;
 use super::prepare::{Facts, KeptKeys};
-use super::settle::{Owed, SetSink, Settler};
+use super::settle::{Owed, Refund, SetSink, Settler};
 use super::slots::Slots;
 use super::state::Shared;
-use super::wait::{Places, Refund};
+use super::wait::Places;
 use crate::cost::Settle;
 use crate::decision::Decision;
 

@@ -194,6 +194,40 @@ impl Drop for Owed {
     }
 }
 
+/// What a waiting request owes: the refund of every unit it took, should it be dropped
+/// before its time, and its metered limits' reservations, which that refund settles too.
+pub(crate) struct Refund {
+    refund: Option<Owed>,
+    metered: Option<Box<Owed>>,
+}
+
+impl Refund {
+    pub(crate) fn new(refund: Option<Owed>, metered: Option<Box<Owed>>) -> Self {
+        Self { refund, metered }
+    }
+
+    /// The request's time has come: its units stay taken; what it owes its metered limits
+    /// goes on with it.
+    pub(crate) fn release(mut self) -> Option<Box<Owed>> {
+        if let Some(refund) = self.refund.take() {
+            refund.disarm();
+        }
+        self.metered.take()
+    }
+}
+
+impl Drop for Refund {
+    fn drop(&mut self) {
+        // Dropped while it waits: the refund gives back every unit, the metered limits' too,
+        // so their own settle (its drop policy) must not count them again.
+        if self.refund.is_some() {
+            if let Some(metered) = self.metered.take() {
+                metered.disarm();
+            }
+        }
+    }
+}
+
 /// Settles against the limit set a request was checked under.
 pub(crate) struct SetSink<B> {
     pub(crate) shared: Arc<Shared<B>>,
