@@ -185,8 +185,11 @@ impl LimitDecision {
     }
 
     /// Marks this as admitted `micros` ahead of its time by a delayed limit (none for 0).
+    #[inline]
     pub(crate) fn delayed_by(mut self, micros: u64) -> Self {
-        self.delayed = (micros > 0).then(|| Duration::from_micros(micros));
+        if micros > 0 {
+            self.delayed = Some(Duration::from_micros(micros));
+        }
         self
     }
 

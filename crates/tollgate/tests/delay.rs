@@ -67,8 +67,8 @@ fn req(id: usize, tenant: &str) -> Request<Full<Bytes>> {
 /// When each request reached the handler, by id, measured from `start`.
 type Started = Arc<Mutex<Vec<(usize, Duration)>>>;
 
-fn app(
-    layer: &RateLimitLayer<MemoryBackend<FakeClock>>,
+fn app<B: tollgate::core::Backend>(
+    layer: &RateLimitLayer<B>,
     start: Instant,
     started: Started,
 ) -> impl Service<Request<Full<Bytes>>, Response = Res, Error = Infallible, Future: Send> + Clone {

@@ -25,7 +25,12 @@ pub(crate) enum Decided {
     /// metered limits, and the concurrency slots it took (settled and given back against the
     /// limits it was checked under, even if a reload replaced them since); and its wait, if
     /// a delayed limit admitted it ahead of its time.
-    Admit(Decision, Option<Vec<Item>>, Option<Taken>, Option<Wait>),
+    Admit(
+        Decision,
+        Option<Vec<Item>>,
+        Option<Taken>,
+        Option<Box<Wait>>,
+    ),
     /// Refused, with its response.
     Refuse(Response<Bytes>),
 }
@@ -99,10 +104,19 @@ impl<B: Backend> Shared<B> {
         // The places of the limits the request waits for are kept; the others go back.
         let places = facts.places.take();
         if admitted {
-            let wait = decision.delayed().map(|wait| Wait {
-                wait,
-                places: places.and_then(|p| p.keep_waiting(&waits)),
-                refund: refund(&decision, facts, kept, &receipts),
+            // Only a layer with a delayed limit looks: the others pay for nothing.
+            let delayed = if facts.set.delays {
+                decision.delayed()
+            } else {
+                None
+            };
+            // Boxed: what every admitted request moves stays small.
+            let wait = delayed.map(|wait| {
+                Box::new(Wait {
+                    wait,
+                    places: places.and_then(|p| p.keep_waiting(&waits)),
+                    refund: refund(&decision, facts, kept, &receipts),
+                })
             });
             let owed = if facts.set.settles {
                 owed(&decision, facts, kept, &receipts)
@@ -202,7 +216,8 @@ fn refund(
     kept: &KeptKeys,
     receipts: &[Receipt; MAX_CHECKS],
 ) -> Vec<Item> {
-    let mut items = Vec::new();
+    // Sized for the limits: a waiter holds it as long as it waits.
+    let mut items = Vec::with_capacity(facts.n);
     for (i, (entry, d)) in facts.set.limits.iter().zip(decision.limits()).enumerate() {
         let took = matches!(d.outcome(), Outcome::Allowed { .. })
             && d.source() == Source::Backend

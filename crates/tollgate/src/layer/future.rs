@@ -200,12 +200,12 @@ where
                     }
                 }
                 let finish = for_response.map(|decision| (decision, Arc::clone(&shared)));
-                if let Some(Wait {
-                    wait,
-                    places,
-                    refund,
-                }) = wait
-                {
+                if let Some(wait) = wait {
+                    let Wait {
+                        wait,
+                        places,
+                        refund,
+                    } = *wait;
                     let refund = match checked {
                         Some((set, _)) if !refund.is_empty() => Some(Owed::new(sink(set), refund)),
                         _ => None,
@@ -377,5 +377,36 @@ where
 {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ResponseFuture").finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layer::settle::Item;
+    use http_body_util::Full;
+    use tollgate_core::MemoryBackend;
+
+    type Handler = tower::util::ServiceFn<
+        fn(Request<Full<Bytes>>) -> std::future::Ready<Result<Response<Full<Bytes>>, ()>>,
+    >;
+
+    /// What one waiting request of one delayed limit holds, in bytes, on a 64-bit target
+    /// (written in docs/benchmarks.md): the boxed state (the request's head and the service
+    /// included) and its timer, one place's entry, and the limit's refund; besides, its key's
+    /// bytes twice (the place's copy, and the refund's key, inline when short).
+    #[test]
+    fn a_waiter_holds_under_a_kilobyte() {
+        let state = std::mem::size_of::<Waiting<Handler, MemoryBackend, Full<Bytes>>>();
+        let sleep = std::mem::size_of::<Sleep>();
+        // One place: its entry in the request's `Places` (and the key's copy, beside the
+        // waiters' map's entry, which is per key).
+        let place = std::mem::size_of::<(usize, u64, Box<[u8]>)>();
+        // The refund of one limit: its `Item` and the settle sink's `Arc` (two counts, two
+        // pointers).
+        let refund = std::mem::size_of::<Item>() + 2 * 8 + 2 * 8;
+        let total = state + sleep + place + refund;
+        println!("waiter: state {state} + sleep {sleep} + place {place} + refund {refund} = {total} bytes, plus its key");
+        assert!(total < 1024, "{total}");
     }
 }

@@ -101,6 +101,8 @@ impl Places {
         if !self.waiters.enter(limit, key) {
             return false;
         }
+        // Most requests take one place: room for one, not the vector's default four.
+        self.held.reserve_exact(1);
         self.held.push((entry, limit.id(), key.into()));
         true
     }
