@@ -199,7 +199,6 @@ where
                         }
                     }
                 }
-                let finish = for_response.map(|decision| (decision, Arc::clone(&shared)));
                 if let Some(wait) = wait {
                     let Wait {
                         wait,
@@ -210,6 +209,7 @@ where
                         Some((set, _)) if !refund.is_empty() => Some(Owed::new(sink(set), refund)),
                         _ => None,
                     };
+                    let finish = for_response.map(|decision| (decision, shared));
                     return Self {
                         state: State::Waiting {
                             waiting: Some(Box::new(Waiting {
@@ -227,7 +227,7 @@ where
                 Self {
                     state: State::Calling {
                         call: inner.call(req),
-                        finish,
+                        finish: for_response.map(|decision| (decision, shared)),
                         owed,
                         slots,
                     },
