@@ -8,6 +8,8 @@
 
 #![allow(clippy::unwrap_used)]
 
+mod support;
+
 use std::convert::Infallible;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -308,6 +310,77 @@ async fn a_reload_changes_the_delay() {
         [200, 200, 429]
     );
     assert_eq!(starts(&started), secs(&[(0, 0), (0, 1), (1, 2)]));
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_delay_applies_under_the_plan_s_quota() {
+    // One a second by default, two a second for `pro`; burst 1, delay 1 s.
+    let limit = every("l", 1, 1, 1)
+        .plan("pro", Quota::per_second(2).unwrap().with_burst(1).unwrap())
+        .unwrap();
+    let layer = RateLimitLayer::builder()
+        .limit(limit, Tenant::header("x-tenant"))
+        .backend(memory())
+        .build()
+        .unwrap();
+    let started = Started::default();
+    let mut svc = app(&layer, Instant::now(), Arc::clone(&started));
+    let mut tasks = Vec::new();
+    for id in 0..4 {
+        let mut r = req(id, "pro");
+        r.extensions_mut().insert(tollgate::Plan::new("pro"));
+        tasks.push(tokio::spawn(svc.ready().await.unwrap().call(r)));
+    }
+    let mut status = Vec::new();
+    for t in tasks {
+        status.push(t.await.unwrap().unwrap().status().as_u16());
+    }
+    // At once, then 0.5 and 1 s beyond the burst; the fourth (1.5 s) is refused.
+    assert_eq!(status, [200, 200, 200, 429]);
+    let ms = |s: &[(usize, u64)]| -> Vec<(usize, Duration)> {
+        s.iter()
+            .map(|&(i, t)| (i, Duration::from_millis(t)))
+            .collect()
+    };
+    assert_eq!(starts(&started), ms(&[(0, 0), (1, 500), (2, 1_000)]));
+}
+
+#[tokio::test(start_paused = true)]
+async fn allowlisted_requests_and_a_failed_backend_never_wait() {
+    use std::num::NonZeroU32;
+    use tollgate::core::BackendErrorKind;
+    use tollgate::Allowlist;
+    // The backend fails: the fallback (its own share of the quota, checked without a delay)
+    // admits the first and refuses the next two at once; the allowlisted tenant passes.
+    let flaky = support::Flaky::new();
+    flaky.fail(Some(BackendErrorKind::Unavailable));
+    let limits = Limits::new()
+        .limit(
+            every("l", 1, 1, 5).fallback(NonZeroU32::new(1).unwrap()),
+            Tenant::header("x-tenant"),
+        )
+        .with_allowlist(
+            Allowlist::new()
+                .keys(Tenant::header("x-tenant"), ["vip"])
+                .unwrap(),
+        );
+    let layer = RateLimitLayer::builder()
+        .limits(limits)
+        .backend(flaky)
+        .build()
+        .unwrap();
+    let started = Started::default();
+    let mut svc = app(&layer, Instant::now(), Arc::clone(&started));
+    let status = |a: &[Res]| a.iter().map(|r| r.status().as_u16()).collect::<Vec<_>>();
+    let answers = concurrently(&mut svc, 3, "t").await;
+    assert_eq!(status(&answers), [200, 429, 429]);
+    assert_eq!(
+        answers[0].extensions().get::<Decision>().unwrap().delayed(),
+        None
+    );
+    let vip = concurrently(&mut svc, 3, "vip").await;
+    assert_eq!(status(&vip), [200, 200, 200]);
+    assert_eq!(starts(&started), secs(&[(0, 0), (0, 0), (1, 0), (2, 0)]));
 }
 
 #[test]
