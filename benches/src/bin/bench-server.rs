@@ -15,6 +15,8 @@
 //! | `tollgate-mem-allow-lean` | the same without the `RateLimit` fields on admitted responses |
 //! | `tollgate-mem-allow-minimal` | the same, and without the `Decision` on admitted responses |
 //! | `tollgate-mem-deny` | tollgate, in memory, 1 a day: all but the first request refused |
+//! | `tollgate-mem-delay` | as `tollgate-mem-allow`, the limit delayed up to 1 s: every request is checked with the delay and waits 0 |
+//! | `tollgate-mem-delay-wait` | tollgate, in memory, 500 a second per IP, burst 1, delayed up to 1 s: every request past the first waits for its time (at most 64 at once) |
 //! | `tollgate-mem-inflight` | as `tollgate-mem-allow`, plus a concurrency limit per IP nothing reaches |
 //! | `tollgate-redis-inflight` | as `tollgate-redis-allow`, plus a concurrency limit per IP nothing reaches |
 //! | `governor-allow` / `governor-deny` | tower_governor with the same two quotas |
@@ -105,6 +107,18 @@ fn per_ip_adding(quota: Quota, fields: bool, decision: bool) -> RateLimitLayer {
         .limit(Limit::gcra("per-ip", quota).unwrap(), ClientIp::peer())
         .headers_on_allowed(fields)
         .decision_on_allowed(decision)
+        .build()
+        .unwrap()
+}
+
+/// One GCRA limit per IP under `quota`, delayed up to a second.
+fn delayed(quota: Quota) -> RateLimitLayer {
+    let limit = Limit::gcra("per-ip", quota)
+        .unwrap()
+        .delay_up_to(Duration::from_secs(1))
+        .unwrap();
+    RateLimitLayer::builder()
+        .limit(limit, ClientIp::peer())
         .build()
         .unwrap()
 }
@@ -231,6 +245,10 @@ async fn app(args: &Args) -> Router {
         "tollgate-mem-settle" => app.layer(settled(tollgate::MemoryBackend::new())),
         "tollgate-redis-settle" => app.layer(settled(redis(&args.redis))),
         "tollgate-mem-deny" => app.layer(per_ip(Quota::per_day(1).unwrap())),
+        "tollgate-mem-delay" => app.layer(delayed(unreachable_quota())),
+        "tollgate-mem-delay-wait" => app.layer(delayed(
+            Quota::per_second(500).unwrap().with_burst(1).unwrap(),
+        )),
         "tollgate-mem-inflight" => app.layer(
             RateLimitLayer::builder()
                 .limit(

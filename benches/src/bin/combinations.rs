@@ -7,7 +7,8 @@
 //!
 //! Each seed draws a layer (a GCRA or fixed-window limit with or without a `pro` plan, metered
 //! with a refund on `500` or a charge by the handler or not at all, a concurrency limit
-//! stacked on it or not, an allowlisted key or not, a quota lease or not) and runs it on 2 to 4
+//! stacked on it or not, an allowlisted key or not, a quota lease or not, in memory a delay on a
+//! GCRA limit without a lease or not) and runs it on 2 to 4
 //! replicas: `RateLimitLayer`s of their own over one in-memory backend (each through a
 //! `Leased` of its own when the limit is leased, as a Redis backend leases), one real
 //! `redis-server` (each replica its own `RedisBackend`), or one real 3-master Redis Cluster,
@@ -24,7 +25,8 @@
 //! never counted, slots given back once. What it checks, per operation and at the end:
 //!
 //! - every request is admitted or refused exactly as the model says (with a lease: never more
-//!   units admitted than the quota; fewer is the documented under-admission);
+//!   units admitted than the quota; fewer is the documented under-admission); a delayed
+//!   limit's admission says it waited exactly the model's `algorithm::gcra_wait`;
 //! - after a settle, the key's remaining units are the model's (the settle is sent without
 //!   waiting: up to 200 looks, 5 ms apart);
 //! - an allowlisted request is marked so and counts nowhere; a request answered while Redis
@@ -113,6 +115,10 @@ struct Shape {
     slots: Option<u32>,
     allowlist: bool,
     lease: Option<u32>,
+    /// A GCRA limit's delay (`Limit::delay_up_to`), in microseconds: in memory only (on Redis
+    /// a wait of hours would run in real time), and not with a lease (whose bound counts
+    /// admissions within the burst).
+    delay: Option<Micros>,
 }
 
 impl Shape {
@@ -137,6 +143,9 @@ impl Shape {
         if lease.is_some() && algorithm == Algorithm::FixedWindow {
             settles = rng.pick(&[Settles::None, Settles::RefundOn500]);
         }
+        let interval = DAY / u64::from(defaults[0]);
+        let delay = (algorithm == Algorithm::Gcra && lease.is_none() && rng.chance(40))
+            .then(|| rng.pick(&[interval / 2, interval, 2 * interval + 1, DAY]));
         Self {
             algorithm,
             defaults,
@@ -145,6 +154,7 @@ impl Shape {
             slots,
             allowlist,
             lease,
+            delay,
         }
     }
 
@@ -164,6 +174,9 @@ impl Shape {
         }
         if let Some(max_slice) = self.lease {
             limit = limit.with_lease(Lease::new(max_slice)?)?;
+        }
+        if let Some(delay) = self.delay {
+            limit = limit.delay_up_to(Duration::from_micros(delay))?;
         }
         Ok(limit)
     }
@@ -233,24 +246,31 @@ impl Model {
         tat.map(|(t, from)| algorithm::gcra_carry(t, now, from, quota.emission_interval()))
     }
 
-    /// The verdict of `cost` units of `key` under `quota`, and what admitting it writes.
-    fn check(&self, algorithm: Algorithm, key: &str, quota: &Quota, cost: u32) -> (bool, KeyModel) {
+    /// The verdict of `cost` units of `key` under `quota` (GCRA: with `delay`), what admitting
+    /// it writes, and how long it waits (GCRA with a delay, µs).
+    fn check(
+        &self,
+        algorithm: Algorithm,
+        key: &str,
+        (quota, delay): (&Quota, Micros),
+        cost: u32,
+    ) -> (bool, KeyModel, Micros) {
         let mut state = self.keys.get(key).copied().unwrap_or_default();
         match algorithm {
             Algorithm::Gcra => {
                 let tat = Self::carried(state.tat, quota, self.now);
-                let (v, next) = algorithm::gcra(quota, tat, self.now, cost);
+                let (v, next) = algorithm::gcra_delayed(quota, tat, self.now, cost, delay);
                 if let Some(t) = next {
                     state.tat = Some((t, quota.emission_interval()));
                 }
-                (v.is_allowed(), state)
+                (v.is_allowed(), state, algorithm::gcra_wait(quota, &v))
             }
             _ => {
                 let (v, next) = algorithm::fixed_window(quota, state.window, self.now, cost);
                 if let Some(w) = next {
                     state.window = Some(w);
                 }
-                (v.is_allowed(), state)
+                (v.is_allowed(), state, 0)
             }
         }
     }
@@ -439,6 +459,8 @@ fn draw_ops(rng: &mut Rng, shape: &Shape, kind: Kind, replicas: usize, n: usize)
 #[derive(Default, Debug, Clone, Copy)]
 struct Tally {
     admitted: u64,
+    /// Admitted by a delayed limit ahead of their time (they waited).
+    delayed: u64,
     refused: u64,
     allowlisted: u64,
     bypassed: u64,
@@ -454,6 +476,7 @@ struct Tally {
 impl Tally {
     fn add(&mut self, o: &Tally) {
         self.admitted += o.admitted;
+        self.delayed += o.delayed;
         self.refused += o.refused;
         self.allowlisted += o.allowlisted;
         self.bypassed += o.bypassed;
@@ -539,12 +562,21 @@ impl<B: Backend> Run<'_, B> {
         if r.pro {
             req.extensions_mut().insert(Plan::new("pro"));
         }
+        // A delayed request waits in the layer for its time (hours of a per-day quota): Tokio's
+        // clock runs it at once while the backend's `FakeClock` stands still.
+        let delays = self.shape.delay.is_some();
+        if delays {
+            tokio::time::pause();
+        }
         let res = self.replicas[r.replica]
             .app
             .clone()
             .oneshot(req)
             .await
             .unwrap();
+        if delays {
+            tokio::time::resume();
+        }
         let decision = res.extensions().get::<Decision>().cloned();
         let status = res.status();
         let admitted = status != StatusCode::TOO_MANY_REQUESTS;
@@ -587,7 +619,10 @@ impl<B: Backend> Run<'_, B> {
 
         let limit = self.rate_limit();
         let quota = self.quota_of(r.pro);
-        let (rate_ok, next) = self.model.check(limit.algorithm(), r.key, &quota, cost);
+        let delay = self.shape.delay.unwrap_or(0);
+        let (rate_ok, next, wait) =
+            self.model
+                .check(limit.algorithm(), r.key, (&quota, delay), cost);
         let held = self.model.keys.get(r.key).map_or(0, |k| k.held);
         let slots_ok = self.shape.slots.is_none_or(|c| held < c);
         let expected = rate_ok && slots_ok;
@@ -607,6 +642,16 @@ impl<B: Backend> Run<'_, B> {
             return self.end(res, r, false).await;
         }
         self.tally.admitted += 1;
+        // A delayed admission waited exactly as far beyond the burst as its reservation lies.
+        let waited = decision.as_ref().and_then(Decision::delayed);
+        if waited != (wait > 0).then(|| Duration::from_micros(wait)) {
+            self.fail(format!(
+                "{r:?}: waited {waited:?} ({labels}), the model says {wait} µs"
+            ));
+        }
+        if wait > 0 {
+            self.tally.delayed += 1;
+        }
         // Admitted: the model counts it.
         let window_end = algorithm::window_end(&quota, self.model.now);
         let entry = self.model.keys.entry(r.key).or_default();
@@ -1045,7 +1090,10 @@ async fn sequence(
     verbose: bool,
 ) -> (Shape, Vec<String>, Tally) {
     let mut rng = Rng(seed);
-    let shape = Shape::draw(&mut rng);
+    let mut shape = Shape::draw(&mut rng);
+    if kind != Kind::Memory {
+        shape.delay = None;
+    }
     let replicas = 2 + rng.below(3) as usize;
     let ops = draw_ops(&mut rng, &shape, kind, replicas, ops);
     if verbose {

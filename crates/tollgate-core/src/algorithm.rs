@@ -36,12 +36,49 @@ pub fn gcra(
     now: Micros,
     cost: u32,
 ) -> (Verdict, Option<Micros>) {
+    gcra_delayed(quota, tat, now, cost, 0)
+}
+
+/// GCRA with its tolerance widened by `delay` µs: a request that would conform within `delay`
+/// is admitted, its time reserved at once (the TAT moves as for any admission); its caller
+/// waits [`gcra_wait`] before serving it. With `delay` 0 this is [`gcra`].
+///
+/// Admitted iff `new_tat − now ≤ burst × interval + delay`. The verdict shows the quota after
+/// the reservation (`reset` is `new_tat − now`; `remaining` is 0 for a request that waits); a
+/// refusal's `retry_after` is the time until it would be admitted with the same delay.
+///
+/// # Examples
+///
+/// ```
+/// use tollgate_core::{algorithm, Quota};
+///
+/// let q = Quota::per_minute(5)?.with_burst(1)?; // one every 12 s, a burst of one
+/// let (mut tat, mut waits) = (None, vec![]);
+/// for _ in 0..3 {
+///     let (v, next) = algorithm::gcra_delayed(&q, tat, 0, 1, 30_000_000);
+///     (tat, waits) = (next, [waits, vec![algorithm::gcra_wait(&q, &v)]].concat());
+/// }
+/// assert_eq!(waits, [0, 12_000_000, 24_000_000]);
+/// // The fourth would wait 36 s > 30 s: refused, until 6 s later.
+/// let (v, _) = algorithm::gcra_delayed(&q, tat, 0, 1, 30_000_000);
+/// assert_eq!(v.retry_after(), Some(std::time::Duration::from_secs(6)));
+/// # Ok::<(), tollgate_core::ConfigError>(())
+/// ```
+#[inline]
+pub fn gcra_delayed(
+    quota: &Quota,
+    tat: Option<Micros>,
+    now: Micros,
+    cost: u32,
+    delay: Micros,
+) -> (Verdict, Option<Micros>) {
     let interval = quota.emission_interval();
-    let tolerance = interval * u64::from(quota.burst());
+    let burst_span = interval * u64::from(quota.burst());
+    let tolerance = burst_span + delay;
     let base = tat.map_or(now, |t| t.max(now));
     if cost > quota.burst() {
         return (
-            too_costly(remaining_of(tolerance, base - now, interval), base - now),
+            too_costly(remaining_of(burst_span, base - now, interval), base - now),
             None,
         );
     }
@@ -51,17 +88,28 @@ pub fn gcra(
             status: Status::Denied {
                 retry_after: new_tat - tolerance - now,
             },
-            remaining: remaining_of(tolerance, base - now, interval),
+            remaining: remaining_of(burst_span, base - now, interval),
             reset: base - now,
         };
         return (verdict, None);
     }
     let verdict = Verdict {
         status: Status::Allowed,
-        remaining: remaining_of(tolerance, new_tat - now, interval),
+        remaining: remaining_of(burst_span, new_tat - now, interval),
         reset: new_tat - now,
     };
     (verdict, Some(new_tat))
+}
+
+/// How long (µs) a request a GCRA check admitted under `quota` waits for its time: how far its
+/// reservation (`verdict.reset`) lies beyond the burst's span; 0 without a wait or refused.
+#[inline]
+pub fn gcra_wait(quota: &Quota, verdict: &Verdict) -> Micros {
+    if !verdict.is_allowed() {
+        return 0;
+    }
+    let burst_span = quota.emission_interval() * u64::from(quota.burst());
+    verdict.reset.saturating_sub(burst_span)
 }
 
 /// A GCRA theoretical arrival time stored under the emission interval `from`, carried to a

@@ -26,3 +26,12 @@ pub const MAX_PLANS: usize = 255;
 /// entry is written, whatever the cost. For larger quotas, GCRA or a fixed window keep one
 /// number per key.
 pub const MAX_LOG_UNITS: u32 = 10_000;
+
+/// The most requests one key of a delayed limit may have waiting at once, unless the limit
+/// says otherwise ([`Limit::max_waiting`](crate::Limit::max_waiting)).
+pub const DEFAULT_MAX_WAITING: u32 = 64;
+
+/// The most requests that may wait for one delayed limit of one layer at once, over all its
+/// keys: a spray of keys cannot grow the waiters past it. A request that would wait beyond it
+/// is checked without the delay (admitted only if it need not wait, refused otherwise).
+pub const MAX_WAITERS_PER_LIMIT: u32 = 10_000;

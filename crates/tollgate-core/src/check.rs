@@ -32,6 +32,14 @@ pub struct Check<'a> {
     /// nothing of the request's own cost. A backend that ignores it errs only toward
     /// limiting. 0 from [`Check::new`].
     pub slice_of: u32,
+    /// How long, in microseconds, an admitted request of a GCRA limit may wait for its
+    /// emission time ([`Limit::delay_up_to`]): the check admits a request that would conform
+    /// within this delay and reserves its time at once
+    /// ([`algorithm::gcra_delayed`](crate::algorithm::gcra_delayed)); its caller waits
+    /// [`algorithm::gcra_wait`](crate::algorithm::gcra_wait) before serving it. Every backend
+    /// reads it; other algorithms ignore it. 0 from [`Check::new`]: the layer sets it
+    /// ([`Check::with_delay`]) only while the key has room for one more waiter.
+    pub delay: Micros,
 }
 
 impl<'a> Check<'a> {
@@ -45,7 +53,17 @@ impl<'a> Check<'a> {
             quota: *limit.quota(),
             slot: 0,
             slice_of: 0,
+            delay: 0,
         }
+    }
+
+    /// This check, admitted when it would conform within `delay` microseconds (see
+    /// [`Check::delay`]).
+    #[inline]
+    #[must_use]
+    pub fn with_delay(mut self, delay: Micros) -> Self {
+        self.delay = delay;
+        self
     }
 
     /// This check, holding slot `slot` of a concurrency limit.

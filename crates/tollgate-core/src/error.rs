@@ -75,6 +75,14 @@ pub enum ConfigError {
     /// the slices other replicas hold, paced by the TATs their takes left, and could let them
     /// admit more than the quota.
     LeaseWithSettle(String),
+    /// A delay ([`crate::Limit::delay_up_to`]) on an algorithm that has no exact one: a fixed
+    /// window or a sliding log cannot reserve a later time without a queue of the requests
+    /// that wait (their units are counted when they are admitted, not when they are served),
+    /// and a concurrency slot frees at no time anyone knows. Only GCRA reserves an emission
+    /// time.
+    DelayUnsupported(Algorithm),
+    /// A delay longer than [`crate::MAX_PERIOD`], or a bound of 0 waiting requests.
+    InvalidDelay(&'static str),
 }
 
 impl fmt::Display for ConfigError {
@@ -148,6 +156,13 @@ impl fmt::Display for ConfigError {
                  refund could let other replicas' slices admit more than the quota; lease it \
                  or settle it, not both (a fixed window can be both)"
             ),
+            Self::DelayUnsupported(algorithm) => write!(
+                f,
+                "a {} limit cannot delay requests: only GCRA reserves an emission time, \
+                 other algorithms would need a queue",
+                algorithm.as_str()
+            ),
+            Self::InvalidDelay(what) => write!(f, "invalid delay: {what}"),
         }
     }
 }

@@ -49,7 +49,10 @@ pub use backend::{
     unsupported, Admin, AdminFuture, Backend, BackendError, BackendErrorKind, KeyState, Lifecycle,
     Slots,
 };
-pub use bounds::{MAX_CHECKS, MAX_LOG_UNITS, MAX_NAME_LEN, MAX_PERIOD, MAX_PLANS};
+pub use bounds::{
+    DEFAULT_MAX_WAITING, MAX_CHECKS, MAX_LOG_UNITS, MAX_NAME_LEN, MAX_PERIOD, MAX_PLANS,
+    MAX_WAITERS_PER_LIMIT,
+};
 pub use check::{Check, Receipt, Settlement};
 pub use clock::{Clock, FakeClock, Micros};
 pub use counting::Algorithm;

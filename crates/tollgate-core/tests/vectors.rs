@@ -10,11 +10,13 @@ use tollgate_testsupport::vectors::{self, Algo, State, Vector};
 fn run(v: &Vector) -> Verdict {
     let q = v.quota();
     match (v.algo, &v.state) {
-        (Algo::Gcra, State::None) => algorithm::gcra(&q, None, v.now, v.cost).0,
-        (Algo::Gcra, State::Tat(t)) => algorithm::gcra(&q, Some(*t), v.now, v.cost).0,
+        (Algo::Gcra, State::None) => algorithm::gcra_delayed(&q, None, v.now, v.cost, v.delay).0,
+        (Algo::Gcra, State::Tat(t)) => {
+            algorithm::gcra_delayed(&q, Some(*t), v.now, v.cost, v.delay).0
+        }
         (Algo::Gcra, State::TatUnder { tat, interval }) => {
             let tat = algorithm::gcra_carry(*tat, v.now, *interval, q.emission_interval());
-            algorithm::gcra(&q, Some(tat), v.now, v.cost).0
+            algorithm::gcra_delayed(&q, Some(tat), v.now, v.cost, v.delay).0
         }
         (Algo::Fixed, State::None) => algorithm::fixed_window(&q, None, v.now, v.cost).0,
         (Algo::Fixed, State::Window { end, count }) => {
@@ -42,4 +44,21 @@ fn the_core_reproduces_every_vector() {
         })
         .collect();
     assert!(failures.is_empty(), "\n{}", failures.join("\n"));
+    assert!(all.iter().filter(|v| v.delay > 0).count() >= 10);
+}
+
+#[test]
+fn a_delay_of_zero_is_gcra_itself() {
+    for v in vectors::load().iter().filter(|v| v.algo == Algo::Gcra) {
+        let q = v.quota();
+        let tat = match v.state {
+            State::Tat(t) => Some(t),
+            _ => None,
+        };
+        assert_eq!(
+            algorithm::gcra(&q, tat, v.now, v.cost),
+            algorithm::gcra_delayed(&q, tat, v.now, v.cost, 0),
+            "{v}"
+        );
+    }
 }

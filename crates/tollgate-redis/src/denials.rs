@@ -23,7 +23,7 @@ impl DenyCache {
         for (i, c) in checks.iter().enumerate().filter(|(_, c)| c.enforce) {
             // A lease's slice is looked up at the request's own cost.
             let cost = if c.slice_of > 0 { c.slice_of } else { c.cost };
-            match self.lookup(&digests[i], cost, &c.quota) {
+            match self.lookup_delayed(&digests[i], cost, &c.quota, c.delay) {
                 Lookup::Miss => {}
                 Lookup::Asks => asks[i] = true,
                 Lookup::Denied(verdict) => hits[i] = Some(verdict),
@@ -55,7 +55,7 @@ impl DenyCache {
         let foreseen = if p.slice {
             None
         } else {
-            foreseen_denial(p.algorithm, &p.quota, p.cost, verdict)
+            foreseen_denial(p.algorithm, (&p.quota, p.delay), p.cost, verdict)
         };
         match foreseen {
             Some(denial) => {
@@ -64,7 +64,14 @@ impl DenyCache {
                     Algorithm::FixedWindow => Some(0),
                     _ => None,
                 };
-                self.insert(&p.digest, &p.name, &p.quota, p.cost, per_unit, &denial);
+                self.insert_delayed(
+                    &p.digest,
+                    &p.name,
+                    (&p.quota, p.delay),
+                    p.cost,
+                    per_unit,
+                    &denial,
+                );
             }
             // Only the request whose turn it was to ask ends the turn. An answer that tells
             // nothing of the room left (the check was not run, or can never pass) ends the
@@ -84,13 +91,14 @@ impl DenyCache {
 
 /// The denial the deny cache should hold after Redis answered `verdict` for one check.
 ///
-/// A denial stands until its `retry_after`. An admission that left less than the check's cost
+/// A denial stands until its `retry_after`, and only for checks under the same quota and
+/// delay (a delayed check may be admitted where one without a delay is refused). An admission that left less than the check's cost
 /// foretells one: under GCRA the next such request fits once the theoretical arrival time minus
 /// the tolerance is reached, in a fixed window once the window turns. A sliding log's next free
 /// unit depends on the whole log, so it foretells nothing. `None`: nothing to hold.
 fn foreseen_denial(
     algorithm: Algorithm,
-    quota: &tollgate_core::Quota,
+    (quota, delay): (&tollgate_core::Quota, tollgate_core::Micros),
     cost: u32,
     verdict: &Verdict,
 ) -> Option<Verdict> {
@@ -99,9 +107,10 @@ fn foreseen_denial(
         Status::Allowed if verdict.remaining < u64::from(cost) => match algorithm {
             Algorithm::Gcra => {
                 let interval = quota.emission_interval();
-                // reset = new TAT - now; the next admission needs TAT + cost × T - τ <= then.
+                // reset = new TAT - now; the next admission needs TAT + cost × T - τ <= then,
+                // where a delayed check's τ is the burst's span and its delay.
                 (verdict.reset + interval * u64::from(cost))
-                    .saturating_sub(interval * u64::from(quota.burst()))
+                    .saturating_sub(interval * u64::from(quota.burst()) + delay)
             }
             Algorithm::FixedWindow => verdict.reset,
             _ => return None,
@@ -140,13 +149,13 @@ mod tests {
         for cost in [1, 2] {
             let (last, next) =
                 last_admission_then_refusal(|tat| algorithm::gcra(&q, tat, 1_000_000, cost));
-            let foreseen = foreseen_denial(Algorithm::Gcra, &q, cost, &last).unwrap();
+            let foreseen = foreseen_denial(Algorithm::Gcra, (&q, 0), cost, &last).unwrap();
             assert_eq!(foreseen.status, next.status, "GCRA, cost {cost}");
         }
         let q = Quota::per_second(10).unwrap();
         let (last, next) =
             last_admission_then_refusal(|w| algorithm::fixed_window(&q, w, 1_250_000, 1));
-        let foreseen = foreseen_denial(Algorithm::FixedWindow, &q, 1, &last).unwrap();
+        let foreseen = foreseen_denial(Algorithm::FixedWindow, (&q, 0), 1, &last).unwrap();
         assert_eq!(foreseen.status, next.status, "fixed window");
     }
 
@@ -154,20 +163,23 @@ mod tests {
     fn room_left_or_a_sliding_log_foretells_nothing() {
         let q = Quota::per_second(10).unwrap();
         let (v, _) = algorithm::gcra(&q, None, 0, 1);
-        assert_eq!(foreseen_denial(Algorithm::Gcra, &q, 1, &v), None);
+        assert_eq!(foreseen_denial(Algorithm::Gcra, (&q, 0), 1, &v), None);
         let full = Verdict {
             status: Status::Allowed,
             remaining: 0,
             reset: 1_000_000,
         };
-        assert_eq!(foreseen_denial(Algorithm::SlidingLog, &q, 1, &full), None);
+        assert_eq!(
+            foreseen_denial(Algorithm::SlidingLog, (&q, 0), 1, &full),
+            None
+        );
         // A denial stands as Redis gave it.
         let denied = Verdict {
             status: Status::Denied { retry_after: 5 },
             ..full
         };
         assert_eq!(
-            foreseen_denial(Algorithm::SlidingLog, &q, 1, &denied),
+            foreseen_denial(Algorithm::SlidingLog, (&q, 0), 1, &denied),
             Some(denied)
         );
     }

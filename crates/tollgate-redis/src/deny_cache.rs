@@ -77,6 +77,9 @@ struct Entry {
     /// The quota the denial was made under: a request of the same key under another quota
     /// (another plan) asks Redis.
     quota: Quota,
+    /// The delay of the check that was denied (`Check::delay`): a denial under one delay
+    /// says nothing of a request under another, which is checked as under another quota.
+    delay: Micros,
     /// Until when requests are refused here without asking Redis: the denial's end, or its
     /// `ttl` if sooner.
     until: Instant,
@@ -138,7 +141,19 @@ impl DenyCache {
     /// The cached denial of `digest` for a request of `cost`, if one stands; or whether this
     /// request took the turn to ask Redis after a denial ran out (and must [`forget`](Self::forget) it
     /// when Redis admits it with room left).
+    #[cfg(test)]
     pub(crate) fn lookup(&self, digest: &KeyDigest, cost: u32, quota: &Quota) -> Lookup {
+        self.lookup_delayed(digest, cost, quota, 0)
+    }
+
+    /// [`lookup`](Self::lookup) for a check with a delay of `delay` microseconds.
+    pub(crate) fn lookup_delayed(
+        &self,
+        digest: &KeyDigest,
+        cost: u32,
+        quota: &Quota,
+        delay: Micros,
+    ) -> Lookup {
         if self.per_shard == 0 {
             return Lookup::Miss;
         }
@@ -146,7 +161,7 @@ impl DenyCache {
         let Some(entry) = shard.get_mut(digest) else {
             return Lookup::Miss;
         };
-        if entry.quota != *quota {
+        if entry.quota != *quota || entry.delay != delay {
             // Made under another quota (a reload or another plan changed it since): it
             // stands for nothing now.
             shard.remove(digest);
@@ -186,11 +201,25 @@ impl DenyCache {
 
     /// Remembers that Redis denied `digest`, a key of limit `limit`, for a request of `cost`
     /// with `verdict`.
+    #[cfg(test)]
     pub(crate) fn insert(
         &self,
         digest: &KeyDigest,
         limit: &Arc<str>,
         quota: &Quota,
+        cost: u32,
+        per_unit: Option<Micros>,
+        verdict: &Verdict,
+    ) {
+        self.insert_delayed(digest, limit, (quota, 0), cost, per_unit, verdict);
+    }
+
+    /// [`insert`](Self::insert) for a check with a delay (its quota and delay).
+    pub(crate) fn insert_delayed(
+        &self,
+        digest: &KeyDigest,
+        limit: &Arc<str>,
+        (quota, delay): (&Quota, Micros),
         cost: u32,
         per_unit: Option<Micros>,
         verdict: &Verdict,
@@ -206,6 +235,7 @@ impl DenyCache {
         let mut entry = Entry {
             hits: Counter::noop(),
             quota: *quota,
+            delay,
             until: denied_until.min(now + self.ttl),
             denied_until,
             reset_at: now + Duration::from_micros(verdict.reset),

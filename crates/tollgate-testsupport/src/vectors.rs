@@ -72,6 +72,8 @@ pub struct Vector {
     pub period_us: u64,
     /// GCRA's burst (`None` for the other algorithms).
     pub burst: Option<u32>,
+    /// A GCRA check's delay in microseconds (`Check::delay`; 0 when the line gives none).
+    pub delay: u64,
     /// The state before the check.
     pub state: State,
     /// The time of the check.
@@ -187,9 +189,12 @@ fn parse_line(line: usize, text: &str) -> Result<Vector, String> {
         "sliding" => Algo::Sliding,
         other => return Err(format!("unknown algorithm {other:?}")),
     };
-    let burst = match (algo, burst) {
-        (Algo::Gcra, b) => Some(num(b, "burst")?),
-        (_, "-") => None,
+    let (burst, delay) = match (algo, burst) {
+        (Algo::Gcra, b) => match b.split_once('+') {
+            Some((b, d)) => (Some(num(b, "burst")?), num(d, "delay")?),
+            None => (Some(num(b, "burst")?), 0),
+        },
+        (_, "-") => (None, 0),
         (_, b) => return Err(format!("burst {b:?} on an algorithm without one")),
     };
     let state = match (algo, state) {
@@ -228,6 +233,7 @@ fn parse_line(line: usize, text: &str) -> Result<Vector, String> {
         limit: num(limit, "limit")?,
         period_us: num(period, "period")?,
         burst,
+        delay,
         state,
         now: num(now, "now")?,
         cost: num(cost, "cost")?,

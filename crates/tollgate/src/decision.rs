@@ -159,6 +159,8 @@ pub struct LimitDecision {
     shadow: bool,
     concurrent: bool,
     from_lease: bool,
+    /// How long the request waits for this limit's reserved time (a delayed limit).
+    delayed: Option<Duration>,
 }
 
 impl LimitDecision {
@@ -178,7 +180,27 @@ impl LimitDecision {
             shadow,
             concurrent: false,
             from_lease: false,
+            delayed: None,
         }
+    }
+
+    /// Marks this as admitted `micros` ahead of its time by a delayed limit (none for 0).
+    #[inline]
+    pub(crate) fn delayed_by(mut self, micros: u64) -> Self {
+        if micros > 0 {
+            self.delayed = Some(Duration::from_micros(micros));
+        }
+        self
+    }
+
+    /// How long this limit's admission lies ahead of the time the quota reserved for it: a
+    /// limit with a delay ([`Limit::delay_up_to`](tollgate_core::Limit::delay_up_to)) admitted
+    /// the request beyond its burst, and the layer waits this long before the service is
+    /// called (a shadow limit only reports it). `None` for a request admitted at once, and for
+    /// every other outcome. The outcome's `remaining` and `reset` show the quota after the
+    /// reservation (`remaining` is then 0).
+    pub fn delayed(&self) -> Option<Duration> {
+        self.delayed
     }
 
     /// This part after a settle from `reserved` to `actual` units: what an admitted limit
@@ -270,7 +292,8 @@ impl LimitDecision {
         !self.shadow && !self.outcome.admits()
     }
 
-    /// A fixed label for this limit's own outcome: `allowed`, `denied`, `shadow_denied`,
+    /// A fixed label for this limit's own outcome: `allowed`, `delayed` (admitted to wait
+    /// for its time: [`delayed`](Self::delayed)), `denied`, `shadow_denied`,
     /// `bypassed`, `fallback` (admitted by the fallback limiter), `skipped` or `allowlisted`. The `outcome`
     /// label of `tollgate_decisions_total` can differ: `unavailable` for a fail-closed
     /// refusal, and `skipped` at the limits that did not refuse a refused request.
@@ -279,6 +302,7 @@ impl LimitDecision {
             (Outcome::Denied { .. }, _, true) => "shadow_denied",
             (Outcome::Denied { .. }, _, false) => "denied",
             (Outcome::Allowed { .. }, Source::Fallback, _) => "fallback",
+            (Outcome::Allowed { .. }, Source::Backend, _) if self.delayed.is_some() => "delayed",
             (Outcome::Allowed { .. }, Source::Backend, _) => "allowed",
             (Outcome::Bypassed { .. }, _, _) => "bypassed",
             (Outcome::Skipped { .. }, _, _) => "skipped",
@@ -404,6 +428,17 @@ impl Decision {
             && limits
                 .iter()
                 .all(|l| matches!(l.outcome, Outcome::Allowlisted))
+    }
+
+    /// How long the request waits before the service is called: the longest
+    /// [`LimitDecision::delayed`] of its enforced limits (stacked delayed limits wait for the
+    /// latest of their times). `None` when it was served at once.
+    pub fn delayed(&self) -> Option<Duration> {
+        self.limits()
+            .iter()
+            .filter(|l| !l.shadow)
+            .filter_map(LimitDecision::delayed)
+            .max()
     }
 
     /// Whether any limit let the request through uncounted because its backend failed.

@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use metrics::Counter;
+use metrics::{Counter, Histogram};
 
 use crate::decision::{BypassReason, Decision, DenyReason, LimitDecision, Outcome, Source};
 
@@ -28,6 +28,7 @@ use crate::decision::{BypassReason, Decision, DenyReason, LimitDecision, Outcome
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Label {
     Allowed,
+    Delayed,
     Denied,
     ShadowDenied,
     Bypassed,
@@ -40,8 +41,9 @@ pub(crate) enum Label {
 }
 
 impl Label {
-    const ALL: [Self; 10] = [
+    const ALL: [Self; 11] = [
         Self::Allowed,
+        Self::Delayed,
         Self::Denied,
         Self::ShadowDenied,
         Self::Bypassed,
@@ -56,6 +58,7 @@ impl Label {
     pub(crate) fn as_str(self) -> &'static str {
         match self {
             Self::Allowed => "allowed",
+            Self::Delayed => "delayed",
             Self::Denied => "denied",
             Self::ShadowDenied => "shadow_denied",
             Self::Bypassed => "bypassed",
@@ -80,6 +83,10 @@ impl Label {
             // Refused by another limit: nothing was consumed or let through here.
             _ if !admitted => Self::Skipped,
             Outcome::Allowed { .. } if decision.source() == Source::Fallback => Self::Fallback,
+            // A shadow limit delays nobody: its admission is counted as one.
+            Outcome::Allowed { .. } if decision.delayed().is_some() && !decision.is_shadow() => {
+                Self::Delayed
+            }
             Outcome::Allowed { .. } => Self::Allowed,
             Outcome::Bypassed { .. } => Self::Bypassed,
             Outcome::Skipped { .. } => Self::Skipped,
@@ -129,6 +136,8 @@ struct Handles {
     capacity: Counter,
     /// Admissions answered from a leased slice held by this process.
     leased: Counter,
+    /// How long delayed requests wait for this limit, in seconds.
+    delay: Histogram,
 }
 
 impl LimitMetrics {
@@ -153,6 +162,7 @@ impl LimitMetrics {
                 }),
                 capacity: metrics::counter!("tollgate_capacity_refusals_total", "limit" => limit()),
                 leased: metrics::counter!("tollgate_lease_admissions_total", "limit" => limit()),
+                delay: metrics::histogram!("tollgate_delay_seconds", "limit" => limit()),
             }
         })
     }
@@ -164,6 +174,11 @@ impl LimitMetrics {
         handles.decisions[label.index()].increment(1);
         if label == Label::Allowed && decision.is_from_lease() {
             handles.leased.increment(1);
+        }
+        if label == Label::Delayed {
+            if let Some(wait) = decision.delayed() {
+                handles.delay.record(wait.as_secs_f64());
+            }
         }
         match decision.outcome() {
             Outcome::Bypassed { reason } if label == Label::Bypassed => {

@@ -593,3 +593,37 @@ async fn an_invalid_cost_is_counted_as_such() {
     assert_eq!(s.decisions("tokens", "invalid_cost"), 1);
     assert_eq!(s.decisions("tokens", "missing_key"), 0);
 }
+
+#[tokio::test(start_paused = true)]
+async fn delayed_admissions_are_counted_as_delayed_with_their_waits() {
+    use tollgate::FakeClock;
+    let metrics = Recorder::install();
+    let backend = MemoryBackend::builder()
+        .clock(FakeClock::new(1_700_000_000_000_000))
+        .build();
+    // One a second, burst 1, delay 2 s: at once, then waits of 1 and 2 s, then refused.
+    let delayed = Limit::gcra("wait", Quota::per_second(1).unwrap())
+        .unwrap()
+        .delay_up_to(Duration::from_secs(2))
+        .unwrap();
+    let layer = RateLimitLayer::builder()
+        .limit(delayed, Global)
+        .backend(backend)
+        .build()
+        .unwrap();
+    let mut svc = app(layer);
+    let mut status = Vec::new();
+    for _ in 0..4 {
+        status.push(send(&mut svc, from([1, 1, 1, 1])).await.as_u16());
+    }
+    assert_eq!(status, [200, 200, 200, 429]);
+    let s = metrics.snapshot();
+    assert_eq!(s.decisions("wait", "allowed"), 1);
+    assert_eq!(s.decisions("wait", "delayed"), 2);
+    assert_eq!(s.decisions("wait", "denied"), 1);
+    let waits = (
+        "tollgate_delay_seconds".to_owned(),
+        vec![("limit".to_owned(), "wait".to_owned())],
+    );
+    assert_eq!(s.histograms.get(&waits), Some(&2));
+}

@@ -201,11 +201,17 @@ fn full(algorithm: Algorithm, quota: &Quota) -> u64 {
 }
 
 /// `c`'s lease, if it may be answered from a slice: an enforced check of a cost, under its
-/// limit's default quota (a plan's quota is checked as without a lease).
+/// limit's default quota (a plan's quota is checked as without a lease), without a delay (a
+/// delayed check reserves a time beyond the burst, which no slice holds: it goes to the inner
+/// backend as it is).
 pub(super) fn leasable<'a>(c: &Check<'a>) -> Option<&'a Lease> {
     let lease = c.limit.lease()?;
-    (c.enforce && c.cost > 0 && Lease::supports(c.limit.algorithm()) && c.quota == *c.limit.quota())
-        .then_some(lease)
+    (c.enforce
+        && c.cost > 0
+        && c.delay == 0
+        && Lease::supports(c.limit.algorithm())
+        && c.quota == *c.limit.quota())
+    .then_some(lease)
 }
 
 impl Table {

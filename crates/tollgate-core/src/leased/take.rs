@@ -106,6 +106,7 @@ struct Owned {
     enforce: bool,
     slot: u128,
     slice_of: u32,
+    delay: Micros,
 }
 
 impl Owned {
@@ -118,6 +119,7 @@ impl Owned {
             enforce: c.enforce,
             slot: c.slot,
             slice_of: c.slice_of,
+            delay: c.delay,
         }
     }
 
@@ -130,6 +132,7 @@ impl Owned {
             enforce: self.enforce,
             slot: self.slot,
             slice_of: self.slice_of,
+            delay: self.delay,
         }
     }
 }

@@ -130,3 +130,37 @@ fn plans_are_checked_like_the_default_quota() {
     assert_eq!(share.quota_of(Some("pro")).1.limit(), 10);
     assert_eq!(share.quota().limit(), 1);
 }
+
+#[test]
+fn only_gcra_can_delay_and_the_bounds_are_checked() {
+    let q = Quota::per_minute(10).unwrap();
+    let two = Duration::from_secs(2);
+    assert_eq!(
+        Limit::fixed_window("w", q).unwrap().delay_up_to(two).err(),
+        Some(ConfigError::DelayUnsupported(Algorithm::FixedWindow))
+    );
+    assert_eq!(
+        Limit::sliding_log("s", q).unwrap().delay_up_to(two).err(),
+        Some(ConfigError::DelayUnsupported(Algorithm::SlidingLog))
+    );
+    assert_eq!(
+        Limit::concurrency("c", 4).unwrap().delay_up_to(two).err(),
+        Some(ConfigError::DelayUnsupported(Algorithm::Concurrency))
+    );
+    let gcra = Limit::gcra("g", q).unwrap();
+    assert_eq!((gcra.delay_micros(), gcra.waiting_bound()), (0, 64));
+    let delayed = gcra.clone().delay_up_to(two).unwrap();
+    assert_eq!(delayed.delay_micros(), 2_000_000);
+    assert!(matches!(
+        gcra.clone()
+            .delay_up_to(MAX_PERIOD + Duration::from_secs(1)),
+        Err(ConfigError::InvalidDelay(_))
+    ));
+    assert!(matches!(
+        gcra.clone().max_waiting(0),
+        Err(ConfigError::InvalidDelay(_))
+    ));
+    assert_eq!(gcra.max_waiting(3).unwrap().waiting_bound(), 3);
+    // A check carries no delay unless the caller gives it one.
+    assert_eq!(crate::Check::new(&delayed, b"k").delay, 0);
+}

@@ -152,7 +152,8 @@ impl<C> Inner<C> {
         let tat = &record.tat;
         let mut current = tat.load(Ordering::Relaxed);
         loop {
-            let (verdict, next) = algorithm::gcra(quota, Some(current), now, check.cost);
+            let (verdict, next) =
+                algorithm::gcra_delayed(quota, Some(current), now, check.cost, check.delay);
             let Some(next) = next else {
                 return Some(verdict);
             };
@@ -231,7 +232,13 @@ impl<C> Inner<C> {
         // GCRA and fixed window read and write a tracked key's state through one lookup.
         match check.limit.algorithm() {
             Algorithm::Gcra => self.step(&mut shard.gcra, room, fp, |state| {
-                let (v, next) = algorithm::gcra(quota, carried(state, quota, now), now, check.cost);
+                let (v, next) = algorithm::gcra_delayed(
+                    quota,
+                    carried(state, quota, now),
+                    now,
+                    check.cost,
+                    check.delay,
+                );
                 (v, next.map(|tat| (tat, quota.emission_interval())))
             }),
             Algorithm::FixedWindow => self.step(&mut shard.windows, room, fp, |state| {

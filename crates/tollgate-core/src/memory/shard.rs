@@ -134,7 +134,7 @@ impl Shard {
         match check.limit.algorithm() {
             Algorithm::Gcra => {
                 let tat = carried(self.gcra.get_mut(fp).map(Record::get), quota, now);
-                let (v, next) = algorithm::gcra(quota, tat, now, check.cost);
+                let (v, next) = algorithm::gcra_delayed(quota, tat, now, check.cost, check.delay);
                 (v, next.map_or(Pending::None, Pending::Tat), tat.is_none())
             }
             Algorithm::FixedWindow => {

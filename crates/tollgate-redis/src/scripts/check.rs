@@ -34,7 +34,8 @@ use crate::scripts::{slot_id, Script};
 ///
 /// `ARGV[2]`: the number `L` of distinct limits in the call, then 4 arguments per limit:
 /// algorithm (1 GCRA, 2 fixed window, 3 sliding log) and three parameters (GCRA: emission
-/// interval, tolerance, burst; fixed window: period, limit, the index of the client's current
+/// interval, tolerance (the burst's span, and the check's delay: see
+/// `tollgate_core::algorithm::gcra_delayed`), burst; fixed window: period, limit, the index of the client's current
 /// window; sliding log: period, limit, 0). If the window that holds `now` is neither the
 /// client's current one nor the next, the script writes nothing and answers the error
 /// `TOLLGATE_WINDOW <now>`; the client then declares the windows of that `now` and calls again.
@@ -98,6 +99,9 @@ pub(crate) struct EncodedCheck {
     /// still the one the check left (other replicas' slices are paced by it: see
     /// `tollgate_core::leased`).
     pub(crate) guarded: bool,
+    /// A GCRA check's delay ([`Check::delay`]), in microseconds: its tolerance, as the script
+    /// gets it, is the burst's span and this.
+    pub(crate) delay: Micros,
 }
 
 impl EncodedCheck {
@@ -113,7 +117,10 @@ impl EncodedCheck {
             Algorithm::Gcra => {
                 let interval = quota.emission_interval();
                 let burst = u64::from(quota.burst());
-                (1, [interval, interval.saturating_mul(burst), burst])
+                // A delay widens the tolerance: the script compares with it and nothing else,
+                // so a delayed check needs no argument of its own.
+                let tolerance = interval.saturating_mul(burst).saturating_add(check.delay);
+                (1, [interval, tolerance, burst])
             }
             Algorithm::FixedWindow => (2, [quota.period_micros(), u64::from(quota.limit()), 0]),
             Algorithm::SlidingLog => (3, [quota.period_micros(), u64::from(quota.limit()), 0]),
@@ -139,6 +146,10 @@ impl EncodedCheck {
             asks: false,
             slice: check.slice_of > 0,
             guarded: check.limit.lease().is_some(),
+            delay: match algorithm {
+                Algorithm::Gcra => check.delay,
+                _ => 0,
+            },
         })
     }
 

@@ -46,7 +46,7 @@ pub(crate) fn args(p: &EncodedCheck, now: Micros, answer: &Answer) -> [u64; 4] {
             // (0: any; a TAT no key holds, should the check not have admitted).
             let read = (answer.extra > 0).then_some(answer.extra);
             let left = match p.guarded {
-                true => algorithm::gcra(&p.quota, read, now, p.cost)
+                true => algorithm::gcra_delayed(&p.quota, read, now, p.cost, p.delay)
                     .1
                     .unwrap_or(u64::MAX),
                 false => 0,

@@ -127,7 +127,7 @@ pub(crate) fn parse_replies(
                 Algorithm::Gcra => {
                     let read = next()?;
                     let tat = Some(read).filter(|&t| t != 0);
-                    let (verdict, _) = algorithm::gcra(&p.quota, tat, now, p.cost);
+                    let (verdict, _) = algorithm::gcra_delayed(&p.quota, tat, now, p.cost, p.delay);
                     Answer {
                         verdict,
                         extra: read,

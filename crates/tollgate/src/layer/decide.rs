@@ -3,14 +3,19 @@
 
 use bytes::Bytes;
 use http::{Request, Response};
+use std::time::Duration;
+
 use tollgate_core::{
-    Algorithm, Backend, BackendError, BackendErrorKind, Receipt, Verdicts, MAX_CHECKS,
+    algorithm, Algorithm, Backend, BackendError, BackendErrorKind, Micros, Receipt, Verdicts,
+    MAX_CHECKS,
 };
 
 use super::prepare::{Facts, KeptKeys};
 use super::settle::{Item, Reservation};
 use super::slots::Taken;
 use super::state::Shared;
+use super::wait::Places;
+use crate::cost::OnDrop;
 use crate::decision::{Decision, Outcome, SkipReason, Source};
 use crate::metrics as obs;
 
@@ -18,10 +23,27 @@ use crate::metrics as obs;
 pub(crate) enum Decided {
     /// Admitted: the request goes on to the inner service with its decision, what it owes its
     /// metered limits, and the concurrency slots it took (settled and given back against the
-    /// limits it was checked under, even if a reload replaced them since).
-    Admit(Decision, Option<Vec<Item>>, Option<Taken>),
+    /// limits it was checked under, even if a reload replaced them since); and its wait, if
+    /// a delayed limit admitted it ahead of its time.
+    Admit(
+        Decision,
+        Option<Vec<Item>>,
+        Option<Taken>,
+        Option<Box<Wait>>,
+    ),
     /// Refused, with its response.
     Refuse(Response<Bytes>),
+}
+
+/// What a request admitted ahead of its time holds while it waits.
+pub(crate) struct Wait {
+    /// How long it waits (the latest of its delayed limits' times).
+    pub(crate) wait: Duration,
+    /// Its places among the waiters of the limits it waits for.
+    pub(crate) places: Option<Places>,
+    /// What it gives back if it is dropped while it waits: every unit it took (settled with
+    /// an actual cost of 0).
+    pub(crate) refund: Vec<Item>,
 }
 
 impl<B: Backend> Shared<B> {
@@ -33,19 +55,24 @@ impl<B: Backend> Shared<B> {
         &self,
         result: &Result<Verdicts, BackendError>,
         req: &Request<T>,
-        facts: &Facts,
+        facts: &mut Facts,
         kept: &mut KeptKeys,
     ) -> Decided {
         // Warnings about bypasses and capacity are logged inside the request's span.
         let _entered = facts.span.enter();
         // Where each limit's units went, in the layer's order, for a settle.
         let mut receipts = [Receipt::default(); MAX_CHECKS];
+        // Per limit, how long its admission lies ahead of its time (delayed limits only).
+        let mut waits = [0; MAX_CHECKS];
         let decision = match result {
             Ok(verdicts) if verdicts.len() == facts.n => {
-                if facts.set.settles {
+                if facts.set.settles || facts.set.delays {
                     for (j, &i) in facts.limit_of[..facts.n].iter().enumerate() {
                         receipts[i] = verdicts.receipt(j);
                     }
+                }
+                if facts.set.delays {
+                    waits = waits_of(verdicts, facts);
                 }
                 // One limit, checked (most layers): its verdict is the decision.
                 if let ([entry], [verdict]) = (&*facts.set.limits, &verdicts[..]) {
@@ -53,10 +80,11 @@ impl<B: Backend> Shared<B> {
                     Decision::one(
                         entry
                             .decision(outcome, Source::Backend, facts.quota_of[0])
-                            .leased(verdicts.from_lease(0)),
+                            .leased(verdicts.from_lease(0))
+                            .delayed_by(waits[0]),
                     )
                 } else {
-                    decision_of(verdicts, facts)
+                    decision_of(verdicts, facts, &waits)
                 }
             }
             Ok(verdicts) => {
@@ -73,7 +101,23 @@ impl<B: Backend> Shared<B> {
             entry.metrics.record(d, admitted);
         }
         obs::record_span(&facts.span, &decision);
+        // The places of the limits the request waits for are kept; the others go back.
+        let places = facts.places.take();
         if admitted {
+            // Only a layer with a delayed limit looks: the others pay for nothing.
+            let delayed = if facts.set.delays {
+                decision.delayed()
+            } else {
+                None
+            };
+            // Boxed: what every admitted request moves stays small.
+            let wait = delayed.map(|wait| {
+                Box::new(Wait {
+                    wait,
+                    places: places.and_then(|p| p.keep_waiting(&waits)),
+                    refund: refund(&decision, facts, kept, &receipts),
+                })
+            });
             let owed = if facts.set.settles {
                 owed(&decision, facts, kept, &receipts)
             } else {
@@ -84,7 +128,7 @@ impl<B: Backend> Shared<B> {
             } else {
                 None
             };
-            return Decided::Admit(decision, owed, slots);
+            return Decided::Admit(decision, owed, slots, wait);
         }
         Decided::Refuse(self.refuse_decision(decision, req, &facts.set))
     }
@@ -143,9 +187,65 @@ fn owed(
     (set.charged_by_handler || !items.is_empty()).then_some(items)
 }
 
+/// Per limit (in the layer's order), how far ahead of its time a delayed limit admitted the
+/// request: how far its reservation lies beyond the burst of the quota it was checked under.
+fn waits_of(verdicts: &Verdicts, facts: &Facts) -> [Micros; MAX_CHECKS] {
+    let mut waits = [0; MAX_CHECKS];
+    let checked = || verdicts.iter().zip(&facts.limit_of[..facts.n]);
+    // A refused request waits for nothing (its admitted limits consumed nothing).
+    if checked().any(|(v, &i)| !v.is_allowed() && !facts.set.limits[i].limit.is_shadow()) {
+        return waits;
+    }
+    for (verdict, &i) in checked() {
+        let limit = &facts.set.limits[i].limit;
+        if limit.delay_micros() > 0 && limit.algorithm() == Algorithm::Gcra {
+            let quota = limit.quota_at(usize::from(facts.quota_of[i]));
+            waits[i] = algorithm::gcra_wait(quota, verdict);
+        }
+    }
+    waits
+}
+
+/// What a request that waits gives back if it is dropped before its time: the units every
+/// limit took from the backend (a concurrency limit's slot goes back with its guard). A
+/// leased limit's are kept: a refund could let other replicas' slices admit more than the
+/// quota (as `ConfigError::LeaseWithSettle` says of settles).
+fn refund(
+    decision: &Decision,
+    facts: &Facts,
+    kept: &KeptKeys,
+    receipts: &[Receipt; MAX_CHECKS],
+) -> Vec<Item> {
+    // Sized for the limits: a waiter holds it as long as it waits.
+    let mut items = Vec::with_capacity(facts.n);
+    for (i, (entry, d)) in facts.set.limits.iter().zip(decision.limits()).enumerate() {
+        let took = matches!(d.outcome(), Outcome::Allowed { .. })
+            && d.source() == Source::Backend
+            && entry.limit.algorithm() != Algorithm::Concurrency
+            && entry.limit.lease().is_none();
+        let Some(key) = kept.get(i).filter(|_| took) else {
+            continue;
+        };
+        items.push(Item {
+            reservation: Reservation {
+                entry: i,
+                key: key.clone(),
+                units: facts.cost[i],
+                receipt: receipts[i],
+                quota: *entry.limit.quota_at(usize::from(facts.quota_of[i])),
+                fallback: false,
+            },
+            by_handler: false,
+            on_drop: OnDrop::Refund,
+            counted: true,
+        });
+    }
+    items
+}
+
 /// The decision of every verdict: each limit's outcome is its verdict, or a skip for a
 /// limit that had no key, in the layer's order.
-fn decision_of(verdicts: &Verdicts, facts: &Facts) -> Decision {
+fn decision_of(verdicts: &Verdicts, facts: &Facts, waits: &[Micros; MAX_CHECKS]) -> Decision {
     let mut checked = facts.limit_of[..facts.n].iter().zip(verdicts.iter());
     let mut next = checked.next();
     let mut j = 0;
@@ -169,6 +269,7 @@ fn decision_of(verdicts: &Verdicts, facts: &Facts) -> Decision {
             entry
                 .decision(outcome, Source::Backend, facts.quota_of[i])
                 .leased(leased)
+                .delayed_by(waits[i])
         })
         .collect()
 }

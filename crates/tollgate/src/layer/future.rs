@@ -9,16 +9,18 @@ use bytes::Bytes;
 use http::{Request, Response};
 use http_body::Body;
 use pin_project_lite::pin_project;
+use tokio::time::{Instant, Sleep};
 use tollgate_core::Backend;
 use tower_service::Service;
 
 use super::body::ResponseBody;
-use super::decide::Decided;
+use super::decide::{Decided, Wait};
 use super::limits::LimitSet;
 use super::prepare::{Facts, KeptKeys};
-use super::settle::{Owed, SetSink, Settler};
+use super::settle::{Owed, Refund, SetSink, Settler};
 use super::slots::Slots;
 use super::state::Shared;
+use super::wait::Places;
 use crate::cost::Settle;
 use crate::decision::Decision;
 
@@ -47,6 +49,11 @@ pin_project! {
         Checking {
             checking: Option<Box<Checking<S, B, ReqBody>>>,
         },
+        // Admitted ahead of its time by a delayed limit: waits for it before the inner service
+        // is called. Boxed: only such requests pay for the room.
+        Waiting {
+            waiting: Option<Box<Waiting<S, B, ReqBody>>>,
+        },
         Calling {
             #[pin]
             call: S::Future,
@@ -71,6 +78,52 @@ struct Checking<S, B: Backend, ReqBody> {
     facts: Facts,
     kept: KeptKeys,
     shared: Arc<Shared<B>>,
+}
+
+/// A request admitted ahead of its time, with everything its call needs once the time comes.
+struct Waiting<S, B: Backend, ReqBody> {
+    sleep: Pin<Box<Sleep>>,
+    req: Request<ReqBody>,
+    inner: S,
+    finish: Option<(Decision, Arc<Shared<B>>)>,
+    /// Gives the request's units back if it is dropped while it waits; what it owes its
+    /// metered limits when its time comes.
+    owed: Refund,
+    slots: Option<Slots<B>>,
+    /// Its places among the waiters: given back when the wait ends or is dropped.
+    places: Option<Places>,
+}
+
+/// The inner service that answers an admitted request: the one the layer's service holds
+/// (polled ready; a clone takes its place when the request must wait for it), or one that
+/// the future owns already.
+pub(crate) enum Svc<'a, S> {
+    /// The service's own, and how to clone it.
+    Ready(&'a mut S, fn(&S) -> S),
+    /// Owned by the future.
+    Owned(S),
+}
+
+impl<S> Svc<'_, S> {
+    fn call<R>(self, req: R) -> S::Future
+    where
+        S: Service<R>,
+    {
+        match self {
+            Self::Ready(inner, _) => inner.call(req),
+            Self::Owned(mut inner) => inner.call(req),
+        }
+    }
+
+    fn owned(self) -> S {
+        match self {
+            Self::Ready(inner, clone) => {
+                let fresh = clone(inner);
+                std::mem::replace(inner, fresh)
+            }
+            Self::Owned(inner) => inner,
+        }
+    }
 }
 
 impl<S, B, ReqBody> ResponseFuture<S, B, ReqBody>
@@ -104,12 +157,12 @@ where
     pub(crate) fn decided(
         decided: Decided,
         mut req: Request<ReqBody>,
-        inner: &mut S,
+        inner: Svc<'_, S>,
         shared: Arc<Shared<B>>,
         checked: Option<(&Arc<LimitSet>, u128)>,
     ) -> Self {
         match decided {
-            Decided::Admit(decision, owed, slots) => {
+            Decided::Admit(decision, owed, slots, wait) => {
                 let slots = match (slots, checked) {
                     (Some(taken), Some(checked)) => Some(Slots::hold(&shared, taken, checked)),
                     _ => None,
@@ -123,16 +176,16 @@ where
                         req.extensions_mut().insert(both);
                     }
                 }
+                // The limits the request was checked under, even if a reload has replaced them
+                // since.
+                let sink = |set: &Arc<LimitSet>| -> Arc<dyn Settler> {
+                    Arc::new(SetSink {
+                        shared: Arc::clone(&shared),
+                        set: Arc::clone(set),
+                    })
+                };
                 let mut owed = match (owed, checked) {
-                    (Some(items), Some((set, _))) => {
-                        // The limits the request was checked under, even if a reload has
-                        // replaced them since.
-                        let sink: Arc<dyn Settler> = Arc::new(SetSink {
-                            shared: Arc::clone(&shared),
-                            set: Arc::clone(set),
-                        });
-                        Some(Box::new(Owed::new(sink, items)))
-                    }
+                    (Some(items), Some((set, _))) => Some(Box::new(Owed::new(sink(set), items))),
                     _ => None,
                 };
                 if let Some(owed) = owed.as_mut() {
@@ -145,6 +198,31 @@ where
                             }
                         }
                     }
+                }
+                if let Some(wait) = wait {
+                    let Wait {
+                        wait,
+                        places,
+                        refund,
+                    } = *wait;
+                    let refund = match checked {
+                        Some((set, _)) if !refund.is_empty() => Some(Owed::new(sink(set), refund)),
+                        _ => None,
+                    };
+                    let finish = for_response.map(|decision| (decision, shared));
+                    return Self {
+                        state: State::Waiting {
+                            waiting: Some(Box::new(Waiting {
+                                sleep: Box::pin(tokio::time::sleep_until(Instant::now() + wait)),
+                                req,
+                                inner: inner.owned(),
+                                finish,
+                                owed: Refund::new(refund, owed),
+                                slots,
+                                places,
+                            })),
+                        },
+                    };
                 }
                 Self {
                     state: State::Calling {
@@ -191,11 +269,11 @@ where
                     };
                     let decided = {
                         let w = &mut *waiting;
-                        w.shared.decide(&result, &w.req, &w.facts, &mut w.kept)
+                        w.shared.decide(&result, &w.req, &mut w.facts, &mut w.kept)
                     };
                     let Checking {
                         req,
-                        mut inner,
+                        inner,
                         facts,
                         shared,
                         ..
@@ -204,12 +282,39 @@ where
                         Self::decided(
                             decided,
                             req,
-                            &mut inner,
+                            Svc::Owned(inner),
                             shared,
                             Some((&facts.set, facts.slot)),
                         )
                         .state,
                     );
+                }
+                StateProj::Waiting { waiting } => {
+                    let Some(w) = waiting.as_mut() else {
+                        panic!("{DONE}");
+                    };
+                    ready!(w.sleep.as_mut().poll(cx));
+                    let Some(w) = waiting.take() else {
+                        panic!("{DONE}");
+                    };
+                    let Waiting {
+                        req,
+                        mut inner,
+                        finish,
+                        owed,
+                        slots,
+                        places,
+                        ..
+                    } = *w;
+                    // Its time has come: the units stay taken, and its places go back.
+                    let owed = owed.release();
+                    drop(places);
+                    this.state.set(State::Calling {
+                        call: inner.call(req),
+                        finish,
+                        owed,
+                        slots,
+                    });
                 }
                 StateProj::Calling {
                     call,
@@ -272,5 +377,36 @@ where
 {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ResponseFuture").finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layer::settle::Item;
+    use http_body_util::Full;
+    use tollgate_core::MemoryBackend;
+
+    type Handler = tower::util::ServiceFn<
+        fn(Request<Full<Bytes>>) -> std::future::Ready<Result<Response<Full<Bytes>>, ()>>,
+    >;
+
+    /// What one waiting request of one delayed limit holds, in bytes, on a 64-bit target
+    /// (written in docs/benchmarks.md): the boxed state (the request's head and the service
+    /// included) and its timer, one place's entry, and the limit's refund; besides, its key's
+    /// bytes twice (the place's copy, and the refund's key, inline when short).
+    #[test]
+    fn a_waiter_holds_under_a_kilobyte() {
+        let state = std::mem::size_of::<Waiting<Handler, MemoryBackend, Full<Bytes>>>();
+        let sleep = std::mem::size_of::<Sleep>();
+        // One place: its entry in the request's `Places` (and the key's copy, beside the
+        // waiters' map's entry, which is per key).
+        let place = std::mem::size_of::<(usize, u64, Box<[u8]>)>();
+        // The refund of one limit: its `Item` and the settle sink's `Arc` (two counts, two
+        // pointers).
+        let refund = std::mem::size_of::<Item>() + 2 * 8 + 2 * 8;
+        let total = state + sleep + place + refund;
+        println!("waiter: state {state} + sleep {sleep} + place {place} + refund {refund} = {total} bytes, plus its key");
+        assert!(total < 1024, "{total}");
     }
 }

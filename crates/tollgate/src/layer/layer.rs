@@ -356,6 +356,7 @@ impl<B: Backend> RateLimitLayerBuilder<B> {
                 grpc_responder: self.grpc_responder,
                 unavailable_retry_after: self.unavailable_retry_after,
                 last_refusal: Last::default(),
+                waiters: Arc::default(),
             }),
         })
     }

@@ -145,13 +145,16 @@ impl Limits {
         let settles = limits
             .iter()
             .any(|(_, _, m)| m.as_ref().is_some_and(Metered::settles));
+        // A request that waits gives its units back if it is dropped: every limit keeps its
+        // key for that refund.
+        let delays = limits.iter().any(|(l, _, _)| l.delay_micros() > 0);
         let charged_by_handler = limits
             .iter()
             .any(|(_, _, m)| m.as_ref().is_some_and(|m| m.by_handler));
         let limits = limits
             .into_iter()
             .map(|(limit, key, metered)| Entry {
-                keeps_key: keeps_key(&limit, metered.as_ref()),
+                keeps_key: delays || keeps_key(&limit, metered.as_ref()),
                 local: match limit.failure_policy() {
                     FailurePolicy::Fallback { replicas } => Some(limit.local_share(replicas)),
                     _ => None,
@@ -172,6 +175,7 @@ impl Limits {
             settles,
             charged_by_handler,
             has_slots,
+            delays,
         })
     }
 }
@@ -200,6 +204,8 @@ pub(crate) struct LimitSet {
     pub(crate) charged_by_handler: bool,
     /// Whether any limit is a concurrency limit (its requests then draw a slot id).
     pub(crate) has_slots: bool,
+    /// Whether any limit has a delay (its requests may then wait for their time).
+    pub(crate) delays: bool,
 }
 
 impl fmt::Debug for LimitSet {

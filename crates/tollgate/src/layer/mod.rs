@@ -14,6 +14,9 @@
 //! 3. `respond.rs`: the admitted response gets the decision and the `RateLimit` fields;
 //!    `settle.rs` and `slots.rs` settle what it owes and give back its slots when it is done.
 //!
+//! A request admitted by a delayed limit beyond its burst waits in `future.rs` for the time
+//! its check reserved before the inner service is called; `wait.rs` bounds the waiters.
+//!
 //! [`MissingKeyPolicy`]: tollgate_core::MissingKeyPolicy
 //! [`FailurePolicy`]: tollgate_core::FailurePolicy
 
@@ -34,3 +37,4 @@ pub(crate) mod service;
 mod settle;
 mod slots;
 mod state;
+mod wait;

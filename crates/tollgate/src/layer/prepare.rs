@@ -16,6 +16,7 @@ use tollgate_core::{Backend, Check, MissingKeyPolicy, MAX_CHECKS};
 use super::limits::{Entry, LimitSet};
 use super::slots::next_id;
 use super::state::Shared;
+use super::wait::Places;
 use crate::decision::{Decision, Outcome, Source};
 use crate::key::{Key, MissingKey, RequestView};
 use crate::metrics as obs;
@@ -45,6 +46,10 @@ pub(crate) struct Facts {
     pub(crate) slot: u128,
     /// The request's `tollgate.check` span, open from the keys to the decision.
     pub(crate) span: tracing::Span,
+    /// The places the request took among delayed limits' waiters, so that it was checked
+    /// with their delays (only in a set with a delayed limit): given back by the decision
+    /// unless the request waits.
+    pub(crate) places: Option<Places>,
 }
 
 /// The keys of a request that are needed after its check ([`Entry::keeps_key`]), by limit.
@@ -130,6 +135,8 @@ impl<B: Backend> Shared<B> {
             }
         };
         let slot = if set.has_slots { next_id() } else { 0 };
+        // Given back if the request is refused before its check.
+        let mut places = set.delays.then(|| Places::new(&self.waiters));
         let mut n = 0;
         let mut limit_of = [0; MAX_CHECKS];
         let mut quota_of = [0u8; MAX_CHECKS];
@@ -154,6 +161,7 @@ impl<B: Backend> Shared<B> {
                             Ok(check) => check,
                             Err(refusal) => return Start::Refuse(*refusal),
                         };
+                    let check = delayed(check, 0, places.as_mut());
                     (quota_of[0], cost[0], n) = (quota, check.cost, 1);
                     span.in_scope(|| self.backend.check(&[check]))
                 }
@@ -185,7 +193,7 @@ impl<B: Backend> Shared<B> {
                         Err(refusal) => return Start::Refuse(*refusal),
                     };
                 (quota_of[i], cost[i]) = (quota, check.cost);
-                checks[n] = check;
+                checks[n] = delayed(check, i, places.as_mut());
                 limit_of[n] = i;
                 n += 1;
             }
@@ -199,6 +207,7 @@ impl<B: Backend> Shared<B> {
             cost,
             slot,
             span,
+            places: places.filter(|p| !p.is_empty()),
         };
         Start::Ask(check, facts)
     }
@@ -225,6 +234,24 @@ impl<B: Backend> Shared<B> {
         }
         // A limit has at most `MAX_PLANS` plans.
         Ok((check, u8::try_from(index).unwrap_or(0)))
+    }
+}
+
+/// `check` with its limit's delay (the limit at `i` of the layer): a shadow limit's always
+/// (it reports what its delay would do, and nobody waits for it), an enforced limit's only
+/// when the request takes a place among the key's waiters (checked without it otherwise).
+#[inline]
+fn delayed<'k>(check: Check<'k>, i: usize, places: Option<&mut Places>) -> Check<'k> {
+    let delay = check.limit.delay_micros();
+    match places {
+        Some(places) if delay > 0 => {
+            if check.limit.is_shadow() || places.enter(i, check.limit, check.key) {
+                check.with_delay(delay)
+            } else {
+                check
+            }
+        }
+        _ => check,
     }
 }
 

@@ -14,7 +14,7 @@ use tower_service::Service;
 
 use super::body::ResponseBody;
 use super::decide::Decided;
-use super::future::ResponseFuture;
+use super::future::{ResponseFuture, Svc};
 use super::prepare::{KeptKeys, Start};
 use super::state::Shared;
 
@@ -86,7 +86,7 @@ where
                 return ResponseFuture::decided(
                     decided,
                     req,
-                    &mut self.inner,
+                    Svc::Ready(&mut self.inner, S::clone),
                     Arc::clone(&self.shared),
                     Some((&facts.set, facts.slot)),
                 );
@@ -103,9 +103,9 @@ where
             }
             Start::Refuse(response) => ResponseFuture::refused(response),
             Start::Admit(decision) => ResponseFuture::decided(
-                Decided::Admit(decision, None, None),
+                Decided::Admit(decision, None, None, None),
                 req,
-                &mut self.inner,
+                Svc::Ready(&mut self.inner, S::clone),
                 Arc::clone(&self.shared),
                 None,
             ),

@@ -116,6 +116,11 @@ impl Owed {
         self.responded(&response);
     }
 
+    /// Drops these reservations without a settle: they stand as taken.
+    pub(crate) fn disarm(mut self) {
+        self.items.clear();
+    }
+
     /// Whether the actual cost may still be reported through the handle, while the body runs.
     pub(crate) fn waits_for_body(&self) -> bool {
         let reported =
@@ -185,6 +190,40 @@ impl Drop for Owed {
             .any(|(item, &a)| a != item.reservation.units)
         {
             self.sink.settle(&self.items[..n], &actual[..n]);
+        }
+    }
+}
+
+/// What a waiting request owes: the refund of every unit it took, should it be dropped
+/// before its time, and its metered limits' reservations, which that refund settles too.
+pub(crate) struct Refund {
+    refund: Option<Owed>,
+    metered: Option<Box<Owed>>,
+}
+
+impl Refund {
+    pub(crate) fn new(refund: Option<Owed>, metered: Option<Box<Owed>>) -> Self {
+        Self { refund, metered }
+    }
+
+    /// The request's time has come: its units stay taken; what it owes its metered limits
+    /// goes on with it.
+    pub(crate) fn release(mut self) -> Option<Box<Owed>> {
+        if let Some(refund) = self.refund.take() {
+            refund.disarm();
+        }
+        self.metered.take()
+    }
+}
+
+impl Drop for Refund {
+    fn drop(&mut self) {
+        // Dropped while it waits: the refund gives back every unit, the metered limits' too,
+        // so their own settle (its drop policy) must not count them again.
+        if self.refund.is_some() {
+            if let Some(metered) = self.metered.take() {
+                metered.disarm();
+            }
         }
     }
 }

@@ -11,6 +11,7 @@ use http::Response;
 use tollgate_core::{Backend, Clock, MemoryBackend};
 
 use super::limits::LimitSet;
+use super::wait::Waiters;
 use crate::fields::FieldOptions;
 use crate::key::RequestView;
 use crate::plan::Plan;
@@ -45,6 +46,8 @@ pub(crate) struct Shared<B> {
     pub(crate) unavailable_retry_after: Duration,
     /// The last default `429`'s body and header fields, for the refusals of a flood.
     pub(crate) last_refusal: Last<WrittenRefusal>,
+    /// The requests that wait for delayed limits, counted per limit and key.
+    pub(crate) waiters: Arc<Waiters>,
 }
 
 impl<B: Backend> fmt::Debug for Shared<B> {
