@@ -159,8 +159,9 @@ pub struct LimitDecision {
     shadow: bool,
     concurrent: bool,
     from_lease: bool,
-    /// How long the request waits for this limit's reserved time (a delayed limit).
-    delayed: Option<Duration>,
+    /// How long the request waits for this limit's reserved time (a delayed limit), in
+    /// microseconds; 0 when it does not wait.
+    delayed: u64,
 }
 
 impl LimitDecision {
@@ -180,16 +181,14 @@ impl LimitDecision {
             shadow,
             concurrent: false,
             from_lease: false,
-            delayed: None,
+            delayed: 0,
         }
     }
 
     /// Marks this as admitted `micros` ahead of its time by a delayed limit (none for 0).
     #[inline]
     pub(crate) fn delayed_by(mut self, micros: u64) -> Self {
-        if micros > 0 {
-            self.delayed = Some(Duration::from_micros(micros));
-        }
+        self.delayed = micros;
         self
     }
 
@@ -200,7 +199,7 @@ impl LimitDecision {
     /// every other outcome. The outcome's `remaining` and `reset` show the quota after the
     /// reservation (`remaining` is then 0).
     pub fn delayed(&self) -> Option<Duration> {
-        self.delayed
+        (self.delayed > 0).then(|| Duration::from_micros(self.delayed))
     }
 
     /// This part after a settle from `reserved` to `actual` units: what an admitted limit
@@ -302,7 +301,7 @@ impl LimitDecision {
             (Outcome::Denied { .. }, _, true) => "shadow_denied",
             (Outcome::Denied { .. }, _, false) => "denied",
             (Outcome::Allowed { .. }, Source::Fallback, _) => "fallback",
-            (Outcome::Allowed { .. }, Source::Backend, _) if self.delayed.is_some() => "delayed",
+            (Outcome::Allowed { .. }, Source::Backend, _) if self.delayed > 0 => "delayed",
             (Outcome::Allowed { .. }, Source::Backend, _) => "allowed",
             (Outcome::Bypassed { .. }, _, _) => "bypassed",
             (Outcome::Skipped { .. }, _, _) => "skipped",
