@@ -11,7 +11,7 @@ use axum::http::{Request, StatusCode};
 use axum::{routing::get, Router};
 use tollgate::key::Tenant;
 use tollgate::{Decision, Limit, Quota, RateLimitLayer};
-use tollgate_redis::RedisBackend;
+use tollgate_redis::{RedisBackend, RedisBackendBuilder};
 use tollgate_testsupport::{RedisCluster, RedisServer};
 use tower::ServiceExt;
 
@@ -34,6 +34,16 @@ fn app(backend: RedisBackend) -> Router {
 /// Ten requests at once: how many were admitted, and the waits of the admitted (in ms,
 /// ascending) with how long each took to be answered.
 async fn ten_at_once(app: &Router) -> (usize, Vec<(u128, u128)>) {
+    // Connected and the scripts loaded first (another key), so that the ten are checked
+    // within the slack, however slow the machine's first call.
+    let warm = Request::get("/")
+        .header("x-key", "warm")
+        .body(Body::empty())
+        .unwrap();
+    assert_eq!(
+        app.clone().oneshot(warm).await.unwrap().status(),
+        StatusCode::OK
+    );
     let start = Instant::now();
     let tasks: Vec<_> = (0..10)
         .map(|_| {
@@ -76,11 +86,9 @@ fn assert_model(admitted: usize, waits: &[(u128, u128)]) {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_server_admits_the_burst_and_the_delay_s_intervals_each_at_its_time() {
-    let server = RedisServer::start();
-    let backend = RedisBackend::builder()
-        .url(server.url())
+/// The ten at once through a layer over `builder`'s backend, against the model.
+async fn ten_against_the_model(builder: RedisBackendBuilder) {
+    let backend = builder
         .prefix("delay")
         .deadline(Duration::from_secs(5))
         .build()
@@ -90,14 +98,13 @@ async fn a_server_admits_the_burst_and_the_delay_s_intervals_each_at_its_time() 
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_admits_the_burst_and_the_delay_s_intervals_each_at_its_time() {
+    let server = RedisServer::start();
+    ten_against_the_model(RedisBackend::builder().url(server.url())).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cluster_admits_the_burst_and_the_delay_s_intervals_each_at_its_time() {
     let cluster = RedisCluster::start(3);
-    let backend = RedisBackend::builder()
-        .cluster(cluster.urls())
-        .prefix("delay")
-        .deadline(Duration::from_secs(5))
-        .build()
-        .unwrap();
-    let (admitted, waits) = ten_at_once(&app(backend)).await;
-    assert_model(admitted, &waits);
+    ten_against_the_model(RedisBackend::builder().cluster(cluster.urls())).await;
 }
