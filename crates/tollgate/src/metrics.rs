@@ -123,6 +123,8 @@ const WARN_EVERY: Duration = Duration::from_secs(10);
 
 pub(crate) struct LimitMetrics {
     name: Arc<str>,
+    /// Whether the quota's whole is its burst (GCRA) rather than its limit.
+    gcra: bool,
     handles: OnceLock<Handles>,
     // Separate budgets: a flood of capacity refusals must not hide the first bypass warning,
     // and each warning's count must be of its own kind.
@@ -138,12 +140,16 @@ struct Handles {
     leased: Counter,
     /// How long delayed requests wait for this limit, in seconds.
     delay: Histogram,
+    /// Admissions that left at most the layer's near-limit share of the quota.
+    near: Counter,
 }
 
 impl LimitMetrics {
-    pub(crate) fn new(name: Arc<str>) -> Self {
+    /// The metrics of the limit `name`; `gcra` when its quota's whole is its burst.
+    pub(crate) fn new(name: Arc<str>, gcra: bool) -> Self {
         Self {
             name,
+            gcra,
             handles: OnceLock::new(),
             bypass_warn: Throttle::new(),
             capacity_warn: Throttle::new(),
@@ -163,15 +169,31 @@ impl LimitMetrics {
                 capacity: metrics::counter!("tollgate_capacity_refusals_total", "limit" => limit()),
                 leased: metrics::counter!("tollgate_lease_admissions_total", "limit" => limit()),
                 delay: metrics::histogram!("tollgate_delay_seconds", "limit" => limit()),
+                near: metrics::counter!("tollgate_near_limit_total", "limit" => limit()),
             }
         })
     }
 
-    /// Counts one limit's part of a request that was `admitted` (or refused) as a whole.
-    pub(crate) fn record(&self, decision: &LimitDecision, admitted: bool) {
+    /// Counts one limit's part of a request that was `admitted` (or refused) as a whole; an
+    /// admission that left at most `near_percent` % of the quota (its burst under GCRA) also
+    /// counts as near the limit.
+    pub(crate) fn record(&self, decision: &LimitDecision, admitted: bool, near_percent: u8) {
         let handles = self.handles();
         let label = Label::of(decision, admitted);
         handles.decisions[label.index()].increment(1);
+        if let (Label::Allowed | Label::Delayed, Outcome::Allowed { remaining, .. }) =
+            (label, decision.outcome())
+        {
+            let quota = decision.quota();
+            let whole = if self.gcra {
+                quota.burst()
+            } else {
+                quota.limit()
+            };
+            if u128::from(*remaining) * 100 <= u128::from(whole) * u128::from(near_percent) {
+                handles.near.increment(1);
+            }
+        }
         if label == Label::Allowed && decision.is_from_lease() {
             handles.leased.increment(1);
         }

@@ -627,3 +627,49 @@ async fn delayed_admissions_are_counted_as_delayed_with_their_waits() {
     );
     assert_eq!(s.histograms.get(&waits), Some(&2));
 }
+
+#[tokio::test]
+async fn admissions_that_leave_at_most_the_near_share_are_counted_near_the_limit() {
+    let metrics = Recorder::install();
+    // The default share, 20 %: of a burst of 10, the admissions that leave 2, 1 and 0.
+    let layer = RateLimitLayer::builder()
+        .limit(limit("near-gcra", 10), Global)
+        .build()
+        .unwrap();
+    let mut svc = app(layer);
+    for _ in 0..12 {
+        send(&mut svc, from([10, 0, 0, 1])).await;
+    }
+    // A GCRA quota's whole is its burst: 100 a minute with a burst of 10 is near at 2 left.
+    let bursty = Limit::gcra(
+        "near-burst",
+        Quota::per_minute(100).unwrap().with_burst(10).unwrap(),
+    )
+    .unwrap();
+    // At 50 %, of a fixed window of 10: the admissions that leave 5 to 0.
+    let window = Limit::fixed_window("near-window", Quota::per_minute(10).unwrap()).unwrap();
+    let layer = RateLimitLayer::builder()
+        .limit(bursty, Tenant::header("x-a"))
+        .limit(window, Tenant::header("x-b"))
+        .near_limit_percent(50)
+        .build()
+        .unwrap();
+    let mut svc = app(layer);
+    for _ in 0..10 {
+        let mut req = from([10, 0, 0, 2]);
+        req.headers_mut().insert("x-a", "a".parse().unwrap());
+        req.headers_mut().insert("x-b", "b".parse().unwrap());
+        assert_eq!(send(&mut svc, req).await, StatusCode::OK);
+    }
+    let s = metrics.snapshot();
+    let near = |limit| s.counter("tollgate_near_limit_total", &[("limit", limit)]);
+    assert_eq!(s.decisions("near-gcra", "allowed"), 10);
+    assert_eq!(s.decisions("near-gcra", "denied"), 2);
+    assert_eq!(
+        near("near-gcra"),
+        Some(3),
+        "refusals are not near the limit"
+    );
+    assert_eq!(near("near-burst"), Some(6));
+    assert_eq!(near("near-window"), Some(6));
+}

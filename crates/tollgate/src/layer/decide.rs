@@ -98,7 +98,7 @@ impl<B: Backend> Shared<B> {
         };
         let admitted = decision.is_admitted();
         for (entry, d) in facts.set.limits.iter().zip(decision.limits()) {
-            entry.metrics.record(d, admitted);
+            entry.metrics.record(d, admitted, self.near_limit);
         }
         obs::record_span(&facts.span, &decision);
         // The places of the limits the request waits for are kept; the others go back.

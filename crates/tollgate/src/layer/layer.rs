@@ -72,6 +72,7 @@ impl RateLimitLayer<MemoryBackend> {
             plan_fn: None,
             fields: FieldOptions::default(),
             decision_on_allowed: true,
+            near_limit: 20,
             responder: None,
             grpc_responder: None,
             fallback_clock: Arc::new(SystemClock::new()),
@@ -166,6 +167,7 @@ pub struct RateLimitLayerBuilder<B> {
     plan_fn: Option<PlanFn>,
     fields: FieldOptions,
     decision_on_allowed: bool,
+    near_limit: u8,
     responder: Option<Responder>,
     grpc_responder: Option<Responder>,
     fallback_clock: Arc<dyn Clock>,
@@ -253,6 +255,7 @@ impl<B: Backend> RateLimitLayerBuilder<B> {
             plan_fn: self.plan_fn,
             fields: self.fields,
             decision_on_allowed: self.decision_on_allowed,
+            near_limit: self.near_limit,
             responder: self.responder,
             grpc_responder: self.grpc_responder,
             fallback_clock: self.fallback_clock,
@@ -278,6 +281,16 @@ impl<B: Backend> RateLimitLayerBuilder<B> {
     /// allocations per admitted request; `docs/benchmarks.md` has the figures).
     pub fn decision_on_allowed(mut self, on: bool) -> Self {
         self.decision_on_allowed = on;
+        self
+    }
+
+    /// The share of a quota, in percent, at or below which an admitted request's remaining
+    /// units count it in `tollgate_near_limit_total{limit}` (default 20: an admission that left
+    /// at most a fifth of the quota, of its burst under GCRA). A warning before the hard
+    /// limit; 0 counts the admissions that left nothing, 100 every admission (larger values
+    /// count as 100).
+    pub fn near_limit_percent(mut self, percent: u8) -> Self {
+        self.near_limit = percent.min(100);
         self
     }
 
@@ -357,6 +370,7 @@ impl<B: Backend> RateLimitLayerBuilder<B> {
                 unavailable_retry_after: self.unavailable_retry_after,
                 last_refusal: Last::default(),
                 waiters: Arc::default(),
+                near_limit: self.near_limit,
             }),
         })
     }

@@ -159,7 +159,10 @@ impl Limits {
                     FailurePolicy::Fallback { replicas } => Some(limit.local_share(replicas)),
                     _ => None,
                 },
-                metrics: LimitMetrics::new(Arc::clone(limit.name_arc())),
+                metrics: LimitMetrics::new(
+                    Arc::clone(limit.name_arc()),
+                    limit.algorithm() == Algorithm::Gcra,
+                ),
                 source: crate::key::source_for_people(&key.describe()).into(),
                 limit,
                 key,

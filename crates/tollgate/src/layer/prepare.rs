@@ -290,7 +290,8 @@ fn allowlisted(set: &LimitSet, span: &tracing::Span) -> Decision {
         .map(|entry| entry.decision(Outcome::Allowlisted, Source::Backend, 0))
         .collect();
     for (entry, d) in set.limits.iter().zip(decision.limits()) {
-        entry.metrics.record(d, true);
+        // Allowlisted: never near the limit.
+        entry.metrics.record(d, true, 0);
     }
     obs::record_span(span, &decision);
     decision

@@ -48,6 +48,9 @@ pub(crate) struct Shared<B> {
     pub(crate) last_refusal: Last<WrittenRefusal>,
     /// The requests that wait for delayed limits, counted per limit and key.
     pub(crate) waiters: Arc<Waiters>,
+    /// The share of a quota, in percent, at or below which an admission's remaining units
+    /// count in `tollgate_near_limit_total`.
+    pub(crate) near_limit: u8,
 }
 
 impl<B: Backend> fmt::Debug for Shared<B> {
