@@ -152,7 +152,9 @@ impl Bucket {
             Ok(())
         } else {
             let nanos = (short - allowed).div_ceil(self.rate);
-            Err(Duration::from_nanos(u64::try_from(nanos).unwrap_or(u64::MAX)))
+            Err(Duration::from_nanos(
+                u64::try_from(nanos).unwrap_or(u64::MAX),
+            ))
         }
     }
 }
@@ -206,11 +208,14 @@ async fn provider_chat(State(p): State<Provider>) -> Response {
         Err(poisoned) => poisoned.into_inner().take(Instant::now()),
     };
     match taken {
-        Ok(()) => (
-            [(CONTENT_TYPE, JSON)],
-            r#"{"reply":"Your order is on its way.","model":"fake-1"}"#,
-        )
-            .into_response(),
+        Ok(()) => {
+            tracing::debug!("provider: call taken");
+            (
+                [(CONTENT_TYPE, JSON)],
+                r#"{"reply":"Your order is on its way.","model":"fake-1"}"#,
+            )
+                .into_response()
+        }
         Err(wait) => {
             p.refused.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(?wait, "provider: over the rate, 429");
@@ -324,6 +329,10 @@ async fn app() -> Result<(), Box<dyn Error>> {
         {
             tracing::warn!("Redis failed: the call was counted in this replica's share");
         }
+        tracing::debug!(
+            waited = ?req.extensions().get::<Decision>().and_then(Decision::delayed),
+            "app: call sent"
+        );
         client.request(req)
     });
     let state = App {

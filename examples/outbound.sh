@@ -82,6 +82,8 @@ ok=1
 [ "$stats" = '{"requests":60,"refused":0}' ] || { echo "FAIL: the provider's stats" >&2; ok=0; }
 python3 -c "import sys; sys.exit(0 if 4.5 <= $elapsed <= 9 else 1)" \
     || { echo "FAIL: not between 4.5 and 9 seconds" >&2; ok=0; }
-if [ "$ok" = 1 ] && [ -z "${OUTBOUND_LOGS:-}" ]; then echo "contract: OK"; exit 0; fi
+# OUTBOUND_LOGS=<dir> keeps every process's log there.
+if [ -n "${OUTBOUND_LOGS:-}" ]; then mkdir -p "$OUTBOUND_LOGS" && cp "$work"/*.log "$OUTBOUND_LOGS"/; fi
+if [ "$ok" = 1 ]; then echo "contract: OK"; exit 0; fi
 for log in "$work"/*.log; do echo "--- $log" >&2; tail -n 20 "$log" >&2; done
 exit 1

@@ -46,7 +46,9 @@ fn layer() -> RateLimitLayer<MemoryBackend<FakeClock>> {
         .limit(
             limit,
             key_fn(|req: &RequestView<'_>| {
-                req.uri().authority().map(|a| a.as_str().as_bytes().to_vec())
+                req.uri()
+                    .authority()
+                    .map(|a| a.as_str().as_bytes().to_vec())
             }),
         )
         .backend(backend)
