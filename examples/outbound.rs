@@ -11,7 +11,7 @@
 //!   excluded) and its `429`s.
 //! - `outbound app`: a server on 127.0.0.1:`PORT` (default 3000) whose `POST /api/chat`
 //!   calls the provider at `PROVIDER_URL` (default `http://127.0.0.1:9000`) with the body it
-//!   got. The call goes through a GCRA limit of `PROVIDER_RPS` a second (a burst of as many),
+//!   got. The call goes through a GCRA limit of `PROVIDER_RPS` a second (its burst below),
 //!   counted in Redis at `REDIS_URL` (default `redis://127.0.0.1:6379`; a `rediss://` URL
 //!   trusts the CA in `REDIS_CA_CERT` when it is set), keyed by the upstream's host: every
 //!   replica pointed at that Redis shares the quota. A call beyond the quota waits for its
