@@ -6,8 +6,8 @@ use http::{Request, Response};
 use std::time::Duration;
 
 use tollgate_core::{
-    algorithm, Algorithm, Backend, BackendError, BackendErrorKind, Micros, Receipt, Verdicts,
-    MAX_CHECKS,
+    algorithm, Algorithm, Backend, BackendError, BackendErrorKind, Limit, Micros, Receipt,
+    Verdicts, MAX_CHECKS,
 };
 
 use super::prepare::{Facts, KeptKeys};
@@ -17,6 +17,7 @@ use super::state::Shared;
 use super::wait::Places;
 use crate::cost::OnDrop;
 use crate::decision::{Decision, Outcome, SkipReason, Source};
+use crate::key::Key;
 use crate::metrics as obs;
 
 /// What follows a request's decision.
@@ -161,21 +162,13 @@ fn owed(
             continue;
         };
         let fallback = d.source() == Source::Fallback;
-        // The quota the check was made under: the request's plan's, in the limiter that
-        // counted it.
+        // Counted by the limiter that answered: the local one for a fallback admission.
         let counted_by = match (&entry.local, fallback) {
             (Some(local), true) => local,
             _ => &entry.limit,
         };
         items.push(Item {
-            reservation: Reservation {
-                entry: i,
-                key,
-                units: facts.cost[i],
-                receipt: receipts[i],
-                quota: *counted_by.quota_at(usize::from(facts.quota_of[i])),
-                fallback,
-            },
+            reservation: reservation(facts, i, key, receipts, counted_by, fallback),
             by_handler: metered.by_handler,
             on_drop: metered.on_drop,
             counted: true,
@@ -185,6 +178,26 @@ fn owed(
     // one whose reservation nothing counts (a bypass, a missing key): the handler that
     // takes it must find it.
     (set.charged_by_handler || !items.is_empty()).then_some(items)
+}
+
+/// Where limit `i`'s units of the request went, to settle them later under the quota the check
+/// was made under: the request's plan's, in `counted_by`, the limiter that counted them.
+fn reservation(
+    facts: &Facts,
+    i: usize,
+    key: Key<'static>,
+    receipts: &[Receipt; MAX_CHECKS],
+    counted_by: &Limit,
+    fallback: bool,
+) -> Reservation {
+    Reservation {
+        entry: i,
+        key,
+        units: facts.cost[i],
+        receipt: receipts[i],
+        quota: *counted_by.quota_at(usize::from(facts.quota_of[i])),
+        fallback,
+    }
 }
 
 /// Per limit (in the layer's order), how far ahead of its time a delayed limit admitted the
@@ -198,7 +211,8 @@ fn waits_of(verdicts: &Verdicts, facts: &Facts) -> [Micros; MAX_CHECKS] {
     }
     for (verdict, &i) in checked() {
         let limit = &facts.set.limits[i].limit;
-        if limit.delay_micros() > 0 && limit.algorithm() == Algorithm::Gcra {
+        // Only a GCRA limit has a delay (`Limit::delay_up_to` refuses the others).
+        if limit.delay_micros() > 0 {
             let quota = limit.quota_at(usize::from(facts.quota_of[i]));
             waits[i] = algorithm::gcra_wait(quota, verdict);
         }
@@ -227,14 +241,7 @@ fn refund(
             continue;
         };
         items.push(Item {
-            reservation: Reservation {
-                entry: i,
-                key: key.clone(),
-                units: facts.cost[i],
-                receipt: receipts[i],
-                quota: *entry.limit.quota_at(usize::from(facts.quota_of[i])),
-                fallback: false,
-            },
+            reservation: reservation(facts, i, key.clone(), receipts, &entry.limit, false),
             by_handler: false,
             on_drop: OnDrop::Refund,
             counted: true,
