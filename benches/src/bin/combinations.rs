@@ -1104,22 +1104,16 @@ async fn sequence(
         Kind::Memory => {
             let clock = FakeClock::new(now);
             let memory = Arc::new(MemoryBackend::builder().clock(clock.clone()).build());
+            let on = (&shape, kind, replicas);
+            let time = (Some(clock.clone()), now);
             let setup = (verbose, None);
-            let on = (shape.clone(), kind);
             if shape.lease.is_some() {
                 // Each replica leases from the shared backend: core's `Leased`, as on Redis.
                 let leased = || Leased::new(Arc::clone(&memory), clock.clone());
-                match built(&shape, build(&shape, replicas, leased)) {
-                    Ok(Some(r)) => drive(on, r, Some(clock), now, servers, &ops, setup).await,
-                    Ok(None) => (Vec::new(), refused_at_build()),
-                    Err(e) => (vec![e], Tally::default()),
-                }
+                build_and_drive(on, leased, time, servers, &ops, setup).await
             } else {
-                match built(&shape, build(&shape, replicas, || Arc::clone(&memory))) {
-                    Ok(Some(r)) => drive(on, r, Some(clock), now, servers, &ops, setup).await,
-                    Ok(None) => (Vec::new(), refused_at_build()),
-                    Err(e) => (vec![e], Tally::default()),
-                }
+                let shared = || Arc::clone(&memory);
+                build_and_drive(on, shared, time, servers, &ops, setup).await
             }
         }
         Kind::Redis | Kind::Cluster => {
@@ -1142,18 +1136,29 @@ async fn sequence(
                 .build()
                 .unwrap()
             };
-            let raw = raw_count(&shape, backend(), &urls, kind);
-            match built(&shape, build(&shape, replicas, backend)) {
-                Ok(Some(r)) => {
-                    let setup = (verbose, raw);
-                    drive((shape.clone(), kind), r, None, now, servers, &ops, setup).await
-                }
-                Ok(None) => (Vec::new(), refused_at_build()),
-                Err(e) => (vec![e], Tally::default()),
-            }
+            let setup = (verbose, raw_count(&shape, backend(), &urls, kind));
+            let on = (&shape, kind, replicas);
+            build_and_drive(on, backend, (None, now), servers, &ops, setup).await
         }
     };
     (shape, violations.0, violations.1)
+}
+
+/// Builds `shape` on `replicas` replicas of `backend` and drives `ops` through them (or
+/// checks that the build was refused as it must be).
+async fn build_and_drive<B: Backend>(
+    (shape, kind, replicas): (&Shape, Kind, usize),
+    backend: impl Fn() -> B,
+    (clock, now): (Option<FakeClock>, Micros),
+    servers: &mut Servers,
+    ops: &[Op],
+    setup: (bool, Option<RawCount>),
+) -> (Vec<String>, Tally) {
+    match built(shape, build(shape, replicas, backend)) {
+        Ok(Some(r)) => drive((shape.clone(), kind), r, clock, now, servers, ops, setup).await,
+        Ok(None) => (Vec::new(), refused_at_build()),
+        Err(e) => (vec![e], Tally::default()),
+    }
 }
 
 fn refused_at_build() -> Tally {
