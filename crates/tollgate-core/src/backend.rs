@@ -109,6 +109,29 @@ pub trait Admin: Send + Sync {
     /// are not reset (they are requests still in flight, given back when they end): that
     /// answers [`BackendErrorKind::Unsupported`].
     fn reset(&self, check: &Check<'_>) -> AdminFuture<()>;
+
+    /// Refuses `check`'s key under its limit for `duration`, on every replica that shares
+    /// this backend ([`Status::Denylisted`], whatever the request's cost or quota), until the
+    /// deny ends or [`undeny`](Self::undeny) lifts it. A reset leaves a deny in place. A
+    /// replica that answers the key without asking the backend (a deny cache, a leased slice)
+    /// refuses it once that answer runs out. The default answers
+    /// [`BackendErrorKind::Unsupported`].
+    fn deny(&self, check: &Check<'_>, duration: Duration) -> AdminFuture<()> {
+        let _ = (check, duration);
+        Box::pin(std::future::ready(Err(BackendError::new(
+            BackendErrorKind::Unsupported,
+            "this backend cannot deny keys",
+        ))))
+    }
+
+    /// Lifts a deny of `check`'s key (nothing if it has none).
+    fn undeny(&self, check: &Check<'_>) -> AdminFuture<()> {
+        let _ = check;
+        Box::pin(std::future::ready(Err(BackendError::new(
+            BackendErrorKind::Unsupported,
+            "this backend cannot deny keys",
+        ))))
+    }
 }
 
 /// What a backend does at a graceful shutdown. A backend that holds something of a shared

@@ -83,6 +83,13 @@ pub enum ConfigError {
     DelayUnsupported(Algorithm),
     /// A delay longer than [`crate::MAX_PERIOD`], or a bound of 0 waiting requests.
     InvalidDelay(&'static str),
+    /// A penalty ([`crate::Limit::penalty`]) on a limit that cannot have one: a concurrency
+    /// limit (a busy key is not misbehaving: its slots free as its requests end) or a leased
+    /// one (a replica answers from its slice, where no refusal would be counted).
+    PenaltyUnsupported(&'static str),
+    /// A penalty of zero refusals, a zero or too long window or block, or a longest block
+    /// shorter than the first.
+    InvalidPenalty(&'static str),
 }
 
 impl fmt::Display for ConfigError {
@@ -163,6 +170,8 @@ impl fmt::Display for ConfigError {
                 algorithm.as_str()
             ),
             Self::InvalidDelay(what) => write!(f, "invalid delay: {what}"),
+            Self::PenaltyUnsupported(why) => write!(f, "this limit cannot have a penalty: {why}"),
+            Self::InvalidPenalty(what) => write!(f, "invalid penalty: {what}"),
         }
     }
 }

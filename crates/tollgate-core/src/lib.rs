@@ -38,6 +38,7 @@ pub mod lease;
 pub mod leased;
 mod limit;
 mod memory;
+mod penalty;
 mod quota;
 mod sip;
 mod system_clock;
@@ -62,6 +63,7 @@ pub use limit::{
     FailurePolicy, Limit, MissingKeyPolicy, DEFAULT_BUSY_RETRY_AFTER, DEFAULT_SLOT_TTL,
 };
 pub use memory::{MemoryBackend, MemoryBackendBuilder, MemoryStats};
+pub use penalty::Penalty;
 pub use quota::Quota;
 pub use system_clock::SystemClock;
 pub use verdict::{Status, Verdict};

@@ -7,6 +7,7 @@ use crate::clock::Micros;
 use crate::counting::Algorithm;
 use crate::error::ConfigError;
 use crate::lease::Lease;
+use crate::penalty::Penalty;
 use crate::quota::Quota;
 
 /// The most a GCRA limit's rate may exceed its quota through the rounding of its emission
@@ -81,6 +82,8 @@ pub struct Limit {
     delay: Micros,
     /// The most requests one key may have waiting at once.
     max_waiting: u32,
+    /// A block after repeated refusals (see [`Penalty`]).
+    penalty: Option<Penalty>,
 }
 
 /// How long a concurrency slot lives in a backend whose slots expire, unless renewed.
@@ -121,6 +124,7 @@ impl Limit {
             lease: None,
             delay: 0,
             max_waiting: DEFAULT_MAX_WAITING,
+            penalty: None,
         })
     }
 
@@ -405,6 +409,11 @@ impl Limit {
         if !Lease::supports(self.algorithm) {
             return Err(ConfigError::LeaseUnsupported(self.algorithm));
         }
+        if self.penalty.is_some() {
+            return Err(ConfigError::PenaltyUnsupported(
+                "a leased limit answers from its slice, where no refusal is counted",
+            ));
+        }
         self.lease = Some(lease);
         Ok(self)
     }
@@ -561,5 +570,6 @@ fn name_id(name: &str) -> u64 {
     })
 }
 
+mod sanctions;
 #[cfg(test)]
 mod tests;

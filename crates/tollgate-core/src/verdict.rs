@@ -20,6 +20,18 @@ pub enum Status {
     /// Not evaluated: another check of the batch was refused before this one was looked at
     /// (for example from a local deny cache). Nothing was consumed.
     NotChecked,
+    /// The key is in the penalty box ([`Penalty`](crate::Penalty)): refused until its
+    /// block ends, whatever the request's cost. Nothing was consumed.
+    Blocked {
+        /// Microseconds until the block ends.
+        retry_after: Micros,
+    },
+    /// The key is denied by hand ([`Admin::deny`](crate::Admin::deny)) until the deny ends
+    /// or is lifted. Nothing was consumed.
+    Denylisted {
+        /// Microseconds until the deny ends.
+        retry_after: Micros,
+    },
     /// The in-memory backend is tracking as many keys as it may and this key is new.
     AtCapacity {
         /// Microseconds until space is likely to have been reclaimed.
@@ -54,9 +66,10 @@ impl Verdict {
     /// Time until the request could be admitted, if it was refused and can ever be.
     pub fn retry_after(&self) -> Option<Duration> {
         match self.status {
-            Status::Denied { retry_after } | Status::AtCapacity { retry_after } => {
-                Some(Duration::from_micros(retry_after))
-            }
+            Status::Denied { retry_after }
+            | Status::AtCapacity { retry_after }
+            | Status::Blocked { retry_after }
+            | Status::Denylisted { retry_after } => Some(Duration::from_micros(retry_after)),
             Status::Allowed | Status::CostTooHigh | Status::NotChecked => None,
         }
     }

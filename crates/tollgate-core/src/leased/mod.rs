@@ -277,6 +277,25 @@ impl<B: Backend, C: Clock> Admin for Leased<B, C> {
             None => Box::pin(std::future::ready(Err(unsupported(self.kind(), "reset")))),
         }
     }
+
+    /// Drops this replica's slice of the key (as [`reset`](Self::reset) does: its next
+    /// request asks the inner backend, which refuses it), then denies the key there.
+    fn deny(&self, check: &Check<'_>, duration: std::time::Duration) -> AdminFuture<()> {
+        if let Some(e) = self.shared.lock().get_mut(check.limit.name(), check.key) {
+            e.slice.drain();
+        }
+        match self.shared.backend.admin() {
+            Some(admin) => admin.deny(check, duration),
+            None => Box::pin(std::future::ready(Err(unsupported(self.kind(), "deny")))),
+        }
+    }
+
+    fn undeny(&self, check: &Check<'_>) -> AdminFuture<()> {
+        match self.shared.backend.admin() {
+            Some(admin) => admin.undeny(check),
+            None => Box::pin(std::future::ready(Err(unsupported(self.kind(), "undeny")))),
+        }
+    }
 }
 
 impl<B: Backend, C: Clock> Lifecycle for Leased<B, C> {

@@ -126,6 +126,9 @@ impl<C> Inner<C> {
                 }
                 let v = &mut verdicts.as_mut_slice()[i];
                 *v = algorithm::unconsumed(check.limit.algorithm(), &check.quota, *v, check.cost);
+                if let Some(shard) = guards[lock_of(i)].as_mut() {
+                    self.count_refusal(shard, check, fps[i], now, v);
+                }
             }
         }
         verdicts
@@ -141,6 +144,10 @@ impl<C> Inner<C> {
             .read()
             .unwrap_or_else(PoisonError::into_inner);
         if now >= guard.next_sweep.load(Ordering::Relaxed) {
+            return None;
+        }
+        if !guard.sanctions.is_empty() && guard.sanctions.contains_key(&fp) {
+            // Sanctions are read and counted under the write lock.
             return None;
         }
         let record = guard.gcra.get(&fp)?;
@@ -203,7 +210,10 @@ impl<C> Inner<C> {
         let fp = self.fingerprint(check);
         let s = fp.shard(mask);
         let shared = match check.limit.algorithm() {
-            Algorithm::Gcra => self.gcra_shared(s, fp, check, now),
+            Algorithm::Gcra if check.limit.penalty_box().is_none() => {
+                self.gcra_shared(s, fp, check, now)
+            }
+            Algorithm::Gcra => None,
             Algorithm::FixedWindow | Algorithm::SlidingLog | Algorithm::Concurrency => None,
         };
         let verdict = match shared {
@@ -228,9 +238,12 @@ impl<C> Inner<C> {
         let mut guard = self.lock(s, now, sweeps);
         let shard = &mut *guard;
         let quota = &check.quota;
+        if let Some(refused) = shard.standing(&fp, now) {
+            return refused;
+        }
         let room = shard.len() < self.places.shard_cap;
         // GCRA and fixed window read and write a tracked key's state through one lookup.
-        match check.limit.algorithm() {
+        let mut verdict = match check.limit.algorithm() {
             Algorithm::Gcra => self.step(&mut shard.gcra, room, fp, |state| {
                 let (v, next) = algorithm::gcra_delayed(
                     quota,
@@ -254,6 +267,8 @@ impl<C> Inner<C> {
                 }
                 verdict
             }
-        }
+        };
+        self.count_refusal(shard, check, fp, now, &mut verdict);
+        verdict
     }
 }

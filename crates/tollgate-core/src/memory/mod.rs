@@ -32,6 +32,7 @@
 use std::collections::hash_map::Entry;
 use std::future::{ready, Ready};
 use std::sync::{Arc, PoisonError};
+use std::time::Duration;
 
 use crate::backend::{
     unsupported, Admin, AdminFuture, Backend, BackendError, BackendErrorKind, KeyState, Slots,
@@ -47,6 +48,7 @@ mod batch;
 mod builder;
 mod fingerprint;
 mod inner;
+mod sanctions;
 mod settle;
 mod shard;
 #[cfg(test)]
@@ -132,6 +134,7 @@ impl<C: Clock> MemoryBackend<C> {
     /// still in flight.
     pub fn reset_now(&self, check: &Check<'_>) -> Result<(), BackendError> {
         let inner = &*self.inner;
+        inner.sanction(check, false, |s, _| s.lift());
         let fp = inner.fingerprint(check);
         let mask = inner.shards.len() - 1;
         let mut shard = inner.shards[fp.shard(mask)]
@@ -147,6 +150,26 @@ impl<C: Clock> MemoryBackend<C> {
             inner.places.free(1);
         }
         Ok(())
+    }
+
+    /// Denies `check`'s key for `duration`: [`Admin::deny`](crate::Admin::deny), at once.
+    ///
+    /// # Errors
+    ///
+    /// [`BackendErrorKind::Overloaded`] when the key has no state and every place under the
+    /// key cap is taken.
+    pub fn deny_now(&self, check: &Check<'_>, duration: Duration) -> Result<(), BackendError> {
+        let micros = u64::try_from(duration.as_micros()).unwrap_or(u64::MAX);
+        if self.inner.sanction(check, true, |s, now| {
+            s.denied_until = now.saturating_add(micros)
+        }) {
+            Ok(())
+        } else {
+            Err(BackendError::new(
+                BackendErrorKind::Overloaded,
+                "the memory backend tracks as many keys as it may",
+            ))
+        }
     }
 
     /// Gives back the concurrency slots that `checks` took (their other checks are ignored):
@@ -222,6 +245,15 @@ impl<C: Clock> Admin for MemoryBackend<C> {
 
     fn reset(&self, check: &Check<'_>) -> AdminFuture<()> {
         Box::pin(ready(self.reset_now(check)))
+    }
+
+    fn deny(&self, check: &Check<'_>, duration: Duration) -> AdminFuture<()> {
+        Box::pin(ready(self.deny_now(check, duration)))
+    }
+
+    fn undeny(&self, check: &Check<'_>) -> AdminFuture<()> {
+        self.inner.sanction(check, false, |s, _| s.denied_until = 0);
+        Box::pin(ready(Ok(())))
     }
 }
 

@@ -10,6 +10,7 @@ use crate::check::Check;
 use crate::clock::Micros;
 use crate::counting::Algorithm;
 use crate::memory::fingerprint::{Fp, FpMap};
+use crate::penalty::Sanction;
 use crate::quota::Quota;
 use crate::verdict::Verdict;
 
@@ -31,6 +32,9 @@ pub(super) struct Shard {
     pub(super) logs: FpMap<Log>,
     /// Concurrency slots held per key; an entry lives while its count is above 0.
     pub(super) inflight: FpMap<u32>,
+    /// Keys with sanctions (refusals counted toward a block, a block, a deny), whatever
+    /// their algorithm.
+    pub(super) sanctions: FpMap<Sanction>,
     pub(super) next_sweep: AtomicU64,
 }
 
@@ -108,7 +112,11 @@ pub(super) fn store<S: Record>(map: &mut FpMap<S>, fp: Fp, state: S::State) {
 impl Shard {
     #[inline]
     pub(super) fn len(&self) -> usize {
-        self.gcra.len() + self.windows.len() + self.logs.len() + self.inflight.len()
+        self.gcra.len()
+            + self.windows.len()
+            + self.logs.len()
+            + self.inflight.len()
+            + self.sanctions.len()
     }
 
     /// Drops every entry whose state equals a fresh key's; returns how many.
@@ -118,6 +126,7 @@ impl Shard {
         self.windows.retain(|_, w| w.window_end > now);
         self.logs
             .retain(|_, log| log.entries.back().is_some_and(|&t| t + log.period > now));
+        self.sanctions.retain(|_, s| s.live(now));
         before - self.len()
     }
 
@@ -130,6 +139,9 @@ impl Shard {
         fp: &Fp,
         now: Micros,
     ) -> (Verdict, Pending, bool) {
+        if let Some(refused) = self.standing(fp, now) {
+            return (refused, Pending::None, false);
+        }
         let quota = &check.quota;
         match check.limit.algorithm() {
             Algorithm::Gcra => {
@@ -167,6 +179,25 @@ impl Shard {
                 )
             }
         }
+    }
+
+    /// The refusal a block or a deny of `fp` makes at `now`, if one stands.
+    #[inline(always)]
+    pub(super) fn standing(&self, fp: &Fp, now: Micros) -> Option<Verdict> {
+        if self.sanctions.is_empty() {
+            return None;
+        }
+        let status = self.sanctions.get(fp)?.standing(now)?;
+        let reset = match status {
+            crate::verdict::Status::Blocked { retry_after }
+            | crate::verdict::Status::Denylisted { retry_after } => retry_after,
+            _ => 0,
+        };
+        Some(Verdict {
+            status,
+            remaining: 0,
+            reset,
+        })
     }
 
     #[inline(always)]
