@@ -12,7 +12,7 @@ use redis::Value;
 use tollgate_core::{Algorithm, BackendError, BackendErrorKind, Check, KeyState, Limit, Quota};
 
 use crate::failure::map_error;
-use crate::keys::{self, BaseKey};
+use crate::keys::{self, BaseKey, Suffix};
 use crate::scripts::admin;
 use crate::transport::{Transport, WINDOW_ERROR};
 
@@ -50,12 +50,40 @@ impl Admin {
         admin::key_state(&check.limit, &check.key, &check.quota, &reply)
     }
 
-    /// Deletes `check`'s key in Redis (a fixed window's current and next window).
+    /// Deletes `check`'s key in Redis (a fixed window's current and next window), then lifts
+    /// its block (a deny stays).
     pub(crate) async fn reset(&self, check: &OwnedCheck) -> Result<(), BackendError> {
         if check.limit.algorithm() == Algorithm::Concurrency {
             return Err(tollgate_core::unsupported("redis", "reset"));
         }
-        self.call("reset", check).await.map(|_| ())
+        self.call("reset", check).await?;
+        self.sanction(check, "lift", 0).await
+    }
+
+    /// One `EVAL` of `sanction.lua`: `op` (`lift`, `deny` for `micros`, `undeny`) on
+    /// `check`'s key's sanctions.
+    pub(crate) async fn sanction(
+        &self,
+        check: &OwnedCheck,
+        op: &str,
+        micros: u64,
+    ) -> Result<(), BackendError> {
+        let digest = keys::digest(check.limit.name(), &check.key);
+        let key = BaseKey::new(&self.prefix, check.limit.name(), &digest).with(Suffix::Sanction);
+        let mut cmd = redis::cmd("EVAL");
+        cmd.arg(admin::SANCTION)
+            .arg(1)
+            .arg(key.as_bytes())
+            .arg(op)
+            .arg(micros);
+        self.transport
+            .within_deadline(
+                async { Ok(self.transport.query_raw(&cmd).await) },
+                &format!("to {op}"),
+            )
+            .await?
+            .map(|_| ())
+            .map_err(map_error)
     }
 
     /// One `EVAL` of `op`, made once more for the server's time if its fixed window was not

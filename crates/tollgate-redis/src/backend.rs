@@ -211,6 +211,20 @@ impl Admin for RedisBackend {
     fn reset(&self, check: &Check<'_>) -> AdminFuture<()> {
         self.leased.reset(check)
     }
+
+    /// Drops this replica's leased slice of the key, then one `EVAL` sets the deny in the
+    /// key's sanctions (`<base>:pb`), which every replica's next `CHECK` of the key reads.
+    /// Replicas that answer the key from their deny cache or a slice refuse it once that
+    /// answer runs out (the cache's TTL, the lease's lifetime).
+    fn deny(&self, check: &Check<'_>, duration: std::time::Duration) -> AdminFuture<()> {
+        self.leased.deny(check, duration)
+    }
+
+    /// One `EVAL` lifts the deny, then this replica's cached refusal is dropped; other
+    /// replicas' end within the deny cache's TTL.
+    fn undeny(&self, check: &Check<'_>) -> AdminFuture<()> {
+        self.leased.undeny(check)
+    }
 }
 
 impl Lifecycle for RedisBackend {

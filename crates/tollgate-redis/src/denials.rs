@@ -52,7 +52,14 @@ impl DenyCache {
         if !p.enforce || p.algorithm == Algorithm::Concurrency {
             return;
         }
-        let foreseen = if p.slice {
+        let sanctioned = matches!(
+            verdict.status,
+            Status::Blocked { .. } | Status::Denylisted { .. }
+        );
+        let foreseen = if sanctioned {
+            Some(*verdict)
+        } else if p.slice || p.penalty[0] > 0 {
+            // A limit with a penalty counts every refusal in Redis: its denials are not held.
             None
         } else {
             foreseen_denial(p.algorithm, (&p.quota, p.delay), p.cost, verdict)

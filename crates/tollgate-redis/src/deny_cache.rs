@@ -92,6 +92,8 @@ struct Entry {
     /// 0 in a fixed window; `None` when it depends on more than the cost (a sliding log), and a
     /// costlier request then asks Redis.
     per_unit: Option<Micros>,
+    /// A block or a deny (whatever the quota, delay and cost), not the quota's denial.
+    sanction: Option<Sanction>,
     /// A request is asking Redis (until `until`).
     asking: bool,
     /// Requests refused here while it did.
@@ -104,6 +106,22 @@ impl Entry {
         self.until = Instant::now();
         self.asking = false;
         self.held = 0;
+    }
+}
+
+/// What refuses a key whatever the request: a penalty's block, or a deny by hand.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Sanction {
+    Blocked,
+    Denylisted,
+}
+
+impl Sanction {
+    fn status(self, retry_after: Micros) -> Status {
+        match self {
+            Self::Blocked => Status::Blocked { retry_after },
+            Self::Denylisted => Status::Denylisted { retry_after },
+        }
     }
 }
 
@@ -161,6 +179,22 @@ impl DenyCache {
         let Some(entry) = shard.get_mut(digest) else {
             return Lookup::Miss;
         };
+        if let Some(sanction) = entry.sanction {
+            // A block or a deny stands for every request of the key until `until`; then
+            // Redis is asked again (a reset or an undeny elsewhere shows there).
+            let now = Instant::now();
+            if entry.until <= now {
+                shard.remove(digest);
+                return Lookup::Miss;
+            }
+            entry.hits.increment(1);
+            let left = micros_until(entry.denied_until, now);
+            return Lookup::Denied(Verdict {
+                status: sanction.status(left),
+                remaining: 0,
+                reset: left,
+            });
+        }
         if entry.quota != *quota || entry.delay != delay {
             // Made under another quota (a reload or another plan changed it since): it
             // stands for nothing now.
@@ -224,8 +258,11 @@ impl DenyCache {
         per_unit: Option<Micros>,
         verdict: &Verdict,
     ) {
-        let Status::Denied { retry_after } = verdict.status else {
-            return;
+        let (retry_after, sanction) = match verdict.status {
+            Status::Denied { retry_after } => (retry_after, None),
+            Status::Blocked { retry_after } => (retry_after, Some(Sanction::Blocked)),
+            Status::Denylisted { retry_after } => (retry_after, Some(Sanction::Denylisted)),
+            _ => return,
         };
         if self.per_shard == 0 || retry_after == 0 {
             return;
@@ -242,14 +279,15 @@ impl DenyCache {
             remaining: verdict.remaining,
             cost,
             per_unit,
+            sanction,
             asking: false,
             held: 0,
         };
         let mut shard = self.shard(digest);
         if let Some(old) = shard.get_mut(digest) {
-            // Keep the denial that covers the most requests: the lowest cost (an answer always
-            // ends the turn its request held).
-            if entry.cost <= old.cost || old.until <= now + self.turn {
+            // Keep the denial that covers the most requests: a block or a deny, else the
+            // lowest cost (an answer always ends the turn its request held).
+            if sanction.is_some() || entry.cost <= old.cost || old.until <= now + self.turn {
                 entry.hits = old.hits.clone();
                 *old = entry;
             }

@@ -197,6 +197,27 @@ impl tollgate_core::Admin for Inner {
             Ok::<(), BackendError>(())
         })
     }
+
+    /// Denies the key in Redis; this replica's cache holds the deny from its next check.
+    fn deny(&self, check: &Check<'_>, duration: std::time::Duration) -> AdminFuture<()> {
+        let admin = Arc::clone(&self.admin);
+        let check = OwnedCheck::of(check);
+        let micros = u64::try_from(duration.as_micros()).unwrap_or(u64::MAX);
+        Box::pin(async move { admin.sanction(&check, "deny", micros).await })
+    }
+
+    /// Lifts the key's deny in Redis, then this replica's cached refusal of it.
+    fn undeny(&self, check: &Check<'_>) -> AdminFuture<()> {
+        let (admin, checks) = (Arc::clone(&self.admin), Arc::clone(&self.checks));
+        let check = OwnedCheck::of(check);
+        Box::pin(async move {
+            admin.sanction(&check, "undeny", 0).await?;
+            checks
+                .deny()
+                .forget(&keys::digest(check.limit.name(), &check.key));
+            Ok::<(), BackendError>(())
+        })
+    }
 }
 
 impl Lifecycle for Inner {

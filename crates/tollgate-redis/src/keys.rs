@@ -67,6 +67,9 @@ pub(crate) enum Suffix {
     Seq,
     /// `:slots`: a concurrency limit's slots in flight (a sorted set of slot ids by deadline).
     Slots,
+    /// `:pb`: the key's sanctions (refusals toward a penalty, a block, a deny), as
+    /// `<refusals>:<window end>:<blocked until>:<strikes>:<strikes until>:<denied until>`.
+    Sanction,
 }
 
 /// `n` in decimal at the end of `digits`; returns where it starts.
@@ -122,6 +125,7 @@ impl BaseKey {
             Suffix::Log => self.push(b":log"),
             Suffix::Seq => self.push(b":seq"),
             Suffix::Slots => self.push(b":slots"),
+            Suffix::Sanction => self.push(b":pb"),
         }
         self
     }

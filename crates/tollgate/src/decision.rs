@@ -17,6 +17,9 @@ pub enum DenyReason {
     BackendUnavailable,
     /// A concurrency limit: the key has as many requests in flight as the limit allows.
     InFlight,
+    /// The key is in the limit's penalty box ([`Penalty`](tollgate_core::Penalty)) until the
+    /// refusal's `retry_after`, after refusals enough: every request is refused until then.
+    Blocked,
 }
 
 /// Why a limit let a request through without counting it.
@@ -123,6 +126,7 @@ impl Outcome {
             Status::Denied { .. } => DenyReason::OverLimit,
             Status::CostTooHigh => DenyReason::CostTooHigh,
             Status::AtCapacity { .. } => DenyReason::AtCapacity,
+            Status::Blocked { .. } => DenyReason::Blocked,
             _ => DenyReason::OverLimit,
         };
         Self::Denied {

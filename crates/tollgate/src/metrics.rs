@@ -30,6 +30,7 @@ pub(crate) enum Label {
     Allowed,
     Delayed,
     Denied,
+    Blocked,
     ShadowDenied,
     Bypassed,
     Fallback,
@@ -41,10 +42,11 @@ pub(crate) enum Label {
 }
 
 impl Label {
-    const ALL: [Self; 11] = [
+    const ALL: [Self; 12] = [
         Self::Allowed,
         Self::Delayed,
         Self::Denied,
+        Self::Blocked,
         Self::ShadowDenied,
         Self::Bypassed,
         Self::Fallback,
@@ -60,6 +62,7 @@ impl Label {
             Self::Allowed => "allowed",
             Self::Delayed => "delayed",
             Self::Denied => "denied",
+            Self::Blocked => "blocked",
             Self::ShadowDenied => "shadow_denied",
             Self::Bypassed => "bypassed",
             Self::Fallback => "fallback",
@@ -79,6 +82,10 @@ impl Label {
                 reason: DenyReason::BackendUnavailable,
                 ..
             } => Self::Unavailable,
+            Outcome::Denied {
+                reason: DenyReason::Blocked,
+                ..
+            } => Self::Blocked,
             Outcome::Denied { .. } => Self::Denied,
             // Refused by another limit: nothing was consumed or let through here.
             _ if !admitted => Self::Skipped,

@@ -18,6 +18,11 @@ use crate::keys::{BaseKey, Suffix};
 /// answers the error `TOLLGATE_WINDOW <now>`.
 pub(crate) const ADMIN: &str = include_str!("admin.lua");
 
+/// `KEYS[1]`: a key's sanctions (`<base>:pb`). `ARGV`: `lift` (a reset's: the block, the
+/// refusals and the strikes go, a deny stays), `deny` and its length in microseconds, or
+/// `undeny`. Answers the server's time.
+pub(crate) const SANCTION: &str = include_str!("sanction.lua");
+
 /// The `EVAL` of `op` (`peek` or `reset`) on `limit`'s key under `base`, whose fixed windows
 /// are declared for the server's time `server_now` (the client's estimate).
 ///

@@ -17,6 +17,9 @@ local a = 3
 for l = 1, tonumber(ARGV[2]) do
   local algo, p1, p2, p3 = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]),
     tonumber(ARGV[a + 3])
+  -- The penalty: refusals, window, first block, longest block (0 refusals: none).
+  local penalty = {tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5]), tonumber(ARGV[a + 6]),
+    tonumber(ARGV[a + 7])}
   if algo == 2 then
     -- The client declared the keys of its current window (index p3) and the next; before
     -- anything is written, the window that holds now must be one of them.
@@ -26,8 +29,46 @@ for l = 1, tonumber(ARGV[2]) do
     end
     p3 = shift
   end
-  limits[l] = {algo, p1, p2, p3}
-  a = a + 4
+  limits[l] = {algo, p1, p2, p3, penalty}
+  a = a + 8
+end
+-- Each key's sanctions (tollgate_core's `Sanction`), read once per call: refusals, the
+-- window's end, the block's end, strikes, until when they are remembered, the deny's end.
+local sanctions = {}
+local function sanction_of(key)
+  local sc = sanctions[key]
+  if sc == nil then
+    sc = {0, 0, 0, 0, 0, 0}
+    -- Not declared: while its slot moves, the node may not serve it (an error, read as none).
+    local v = redis.pcall('GET', key)
+    if type(v) == 'string' then
+      local n = 0
+      for x in string.gmatch(v, '%d+') do
+        n = n + 1
+        sc[n] = tonumber(x)
+      end
+    end
+    sanctions[key] = sc
+  end
+  return sc
+end
+-- Counts a refusal toward `p` (Sanction::refused) and writes the sanctions; the block's
+-- length if it starts one.
+local function refused(key, sc, p)
+  local block
+  if sc[2] <= now then sc[1], sc[2] = 0, now + p[2] end
+  sc[1] = sc[1] + 1
+  if sc[1] >= p[1] then
+    local strikes = 0
+    if sc[5] > now then strikes = sc[4] + 1 end
+    block = p[3] * 2 ^ strikes
+    if block > p[4] then block = p[4] end
+    sc[1], sc[2], sc[3], sc[4], sc[5] = 0, 0, now + block, strikes, now + block + p[4]
+  end
+  local last = math.max(sc[2], sc[3], sc[5], sc[6])
+  redis.pcall('SET', key, fmt(sc[1]) .. ':' .. fmt(sc[2]) .. ':' .. fmt(sc[3]) .. ':' ..
+    fmt(sc[4]) .. ':' .. fmt(sc[5]) .. ':' .. fmt(sc[6]), 'PX', ttl_ms(last - now))
+  return block
 end
 -- The requests: sizes, check numbers and key numbers, decoded in one call.
 local packed = ARGV[a]
@@ -81,8 +122,29 @@ while i <= figures do
       slot = fmt(fig[i]) .. '-' .. fmt(fig[i + 1]) .. '-' .. fmt(fig[i + 2])
       i = i + 3
     end
+    -- The key's sanctions live at `<base>:pb`, in the slot of its algorithm's keys but not
+    -- declared: during a slot's migration a call that declares a key missing on the node
+    -- is refused (TRYAGAIN), and most keys have no sanctions. While the slot moves, the node
+    -- that serves the call after an ASK cannot read them, and the call goes on without them.
+    -- A deny, then a block, refuses it
+    -- (status 4, 3) whatever its cost, and the figure after the status (a sliding log's
+    -- reset and retry) is the time to its end.
+    local skey = string.match(key, '^(.*):[^:]*$') .. ':pb'
+    local sc = sanction_of(skey)
+    local at = o
+    if sc[6] > now or sc[3] > now then
+      local left = sc[3] - now
+      status = 3
+      if sc[6] > now then status, left = 4, sc[6] - now end
+      if algo == 3 then
+        out[o + 1], out[o + 2], out[o + 3], out[o + 4], out[o + 5] = status, 0, left, left, 0
+        o = o + 5
+      else
+        out[o + 1], out[o + 2] = status, left
+        o = o + 2
+      end
 
-    if algo == 1 then
+    elseif algo == 1 then
       local interval, burst, tolerance = p1, p3, p2
       local tat = state[key]
       if tat == nil then
@@ -168,6 +230,14 @@ while i <= figures do
       return redis.error_reply('tollgate: unknown algorithm ' .. tostring(algo))
     end
 
+    local penalty = limit[5]
+    if status == 1 and enforce and penalty[1] > 0 then
+      local block = refused(skey, sc, penalty)
+      if block then
+        out[at + 1] = 3
+        if algo == 3 then out[at + 3], out[at + 4] = block, block else out[at + 2] = block end
+      end
+    end
     if status ~= 0 and enforce then admits = false end
   end
 

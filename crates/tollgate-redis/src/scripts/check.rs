@@ -24,7 +24,10 @@ use crate::scripts::{slot_id, Script};
 /// of a script: a GCRA TAT and its emission interval at `<base>:v2`; a fixed window's count at
 /// `<base>:<window index>`, declared for the client's current window and the next one (the
 /// window that holds the server's `TIME` is not known until the script runs); a sliding log at
-/// `<base>:log`, followed by its sequence counter at `<base>:seq`. All share the base key's
+/// `<base>:log`, followed by its sequence counter at `<base>:seq`. The script also reads
+/// (and, counting a penalty's refusal, writes) the key's sanctions at `<base>:pb`, named from
+/// its first key and not declared: most keys have none, and a call that declares a key
+/// missing on a node whose slot is migrating is refused (`TRYAGAIN`). All share the base key's
 /// hash tag, so the same cluster hash slot. No two algorithms share a key: a limit whose algorithm changes
 /// under the same name (old and new replicas side by side during a deploy) never finds a key
 /// of the wrong type, which would fail the whole call.
@@ -32,11 +35,12 @@ use crate::scripts::{slot_id, Script};
 /// `ARGV[1]`: `now` in microseconds, or empty to read the server's `TIME`. The override exists
 /// for tests (`RedisBackend::check_at`) only.
 ///
-/// `ARGV[2]`: the number `L` of distinct limits in the call, then 4 arguments per limit:
-/// algorithm (1 GCRA, 2 fixed window, 3 sliding log) and three parameters (GCRA: emission
+/// `ARGV[2]`: the number `L` of distinct limits in the call, then 8 arguments per limit:
+/// algorithm (1 GCRA, 2 fixed window, 3 sliding log, 4 concurrency), three parameters (GCRA: emission
 /// interval, tolerance (the burst's span, and the check's delay: see
 /// `tollgate_core::algorithm::gcra_delayed`), burst; fixed window: period, limit, the index of the client's current
-/// window; sliding log: period, limit, 0). If the window that holds `now` is neither the
+/// window; sliding log: period, limit, 0) and the limit's penalty (refusals, window, first
+/// and longest block; zeros for none). If the window that holds `now` is neither the
 /// client's current one nor the next, the script writes nothing and answers the error
 /// `TOLLGATE_WINDOW <now>`; the client then declares the windows of that `now` and calls again.
 ///
@@ -48,7 +52,9 @@ use crate::scripts::{slot_id, Script};
 /// library's `strtod`, while `struct.unpack` decodes the whole string in one call.
 ///
 /// Reply: one string of little-endian doubles (all integers below 2^53): `now`, then per
-/// request `committed` and per check its `status` (0 allowed, 1 denied, 2 cost too high) and:
+/// request `committed` and per check its `status` (0 allowed, 1 denied, 2 cost too high,
+/// 3 blocked, 4 denied by hand: then the next figure, a sliding log's reset and retry, is the
+/// time to the block's or deny's end) and:
 /// - GCRA: the TAT the check read (0 for none), carried to the check's emission interval
 ///   when it was written under another ([`algorithm::gcra_carry`]);
 /// - fixed window: the count the check read in the window that holds `now`;
@@ -102,6 +108,8 @@ pub(crate) struct EncodedCheck {
     /// A GCRA check's delay ([`Check::delay`]), in microseconds: its tolerance, as the script
     /// gets it, is the burst's span and this.
     pub(crate) delay: Micros,
+    /// The limit's penalty ([`tollgate_core::Penalty::figures`]), zeros for none.
+    pub(crate) penalty: [u64; 4],
 }
 
 impl EncodedCheck {
@@ -150,17 +158,20 @@ impl EncodedCheck {
                 Algorithm::Gcra => check.delay,
                 _ => 0,
             },
+            penalty: check.limit.penalty_box().map_or([0; 4], |p| p.figures()),
         })
     }
 
     /// The arguments of this check's limit in a `CHECK` call whose fixed windows are named
     /// for `window_now`.
-    pub(crate) fn limit_args(&self, window_now: Micros) -> [u64; 4] {
+    pub(crate) fn limit_args(&self, window_now: Micros) -> [u64; 8] {
         let [p1, p2, p3] = self.params;
-        match self.code {
-            2 => [2, p1, p2, algorithm::window_index(&self.quota, window_now)],
-            code => [u64::from(code), p1, p2, p3],
-        }
+        let p3 = match self.code {
+            2 => algorithm::window_index(&self.quota, window_now),
+            _ => p3,
+        };
+        let [after, within, block, max] = self.penalty;
+        [u64::from(self.code), p1, p2, p3, after, within, block, max]
     }
 
     /// The one argument of this check in a `CHECK` call, given the index of its limit there.
@@ -173,7 +184,7 @@ impl EncodedCheck {
 /// What one `CHECK` call sends for the batches of several requests (see [`CHECK`]).
 pub(crate) struct CheckArgs<'p> {
     /// Each distinct limit's parameters, once.
-    pub(crate) limits: Vec<[u64; 4]>,
+    pub(crate) limits: Vec<[u64; 8]>,
     /// The call's `KEYS`: a check of each distinct (limit, identity), once, and the suffix of
     /// each of its keys.
     pub(crate) keys: Vec<(&'p EncodedCheck, Suffix)>,
@@ -206,7 +217,7 @@ impl<'p> CheckArgs<'p> {
             })
             .collect();
         // Each check refers to its limit by index.
-        let mut limits: Vec<[u64; 4]> = Vec::new();
+        let mut limits: Vec<[u64; 8]> = Vec::new();
         for c in &mut all {
             let args = c.p.limit_args(window_now);
             c.limit = match limits.iter().position(|l| *l == args) {
@@ -315,7 +326,7 @@ mod tests {
         // Two days and a bit after the epoch: the window of day 2.
         let args = CheckArgs::new(&[&first, &second, &third], 2 * 86_400_000_000 + 7).unwrap();
         assert_eq!(args.limits.len(), 2);
-        assert!(args.limits.contains(&[2, 86_400_000_000, 9, 2]));
+        assert!(args.limits.contains(&[2, 86_400_000_000, 9, 2, 0, 0, 0, 0]));
         // (ip, a); (day, a) in windows 2 and 3; (ip, b).
         let suffixes: Vec<Suffix> = args.keys.iter().map(|(_, s)| *s).collect();
         assert_eq!(args.keys.len(), 4);

@@ -123,6 +123,10 @@ pub(crate) fn parse_replies(
         let mut answers = Vec::with_capacity(batch.len());
         for p in batch.iter() {
             let status = next()?;
+            if let Some(answer) = sanctioned(status, p.algorithm, &mut next, now)? {
+                answers.push(answer);
+                continue;
+            }
             let answer = match p.algorithm {
                 Algorithm::Gcra => {
                     let read = next()?;
@@ -193,6 +197,40 @@ pub(crate) fn parse_replies(
         });
     }
     Ok(replies)
+}
+
+/// A block's or a deny's answer (statuses 3 and 4), whose figures say only the time to its
+/// end; `None` for any other status, whose figures are not yet read.
+fn sanctioned(
+    status: u64,
+    algorithm: Algorithm,
+    next: &mut impl FnMut() -> Result<u64, BackendError>,
+    now: Micros,
+) -> Result<Option<Answer>, BackendError> {
+    if status != 3 && status != 4 {
+        return Ok(None);
+    }
+    let left = match algorithm {
+        Algorithm::Gcra | Algorithm::FixedWindow | Algorithm::Concurrency => next()?,
+        _ => {
+            let [_, _, retry_after, _] = [next()?, next()?, next()?, next()?];
+            retry_after
+        }
+    };
+    let status = if status == 3 {
+        Status::Blocked { retry_after: left }
+    } else {
+        Status::Denylisted { retry_after: left }
+    };
+    Ok(Some(Answer {
+        verdict: Verdict {
+            status,
+            remaining: 0,
+            reset: left,
+        },
+        extra: 0,
+        at: now,
+    }))
 }
 
 /// A status as the script writes it.
@@ -291,7 +329,22 @@ mod tests {
         // Allowed, with the bucket full for the next 60 s.
         assert!(parse_reply(&packed(&[NOW, 1., 0., NOW + 60e6]), &batch).is_err());
         let log = [prepared(Algorithm::SlidingLog, 1)];
-        assert!(parse_reply(&packed(&[NOW, 1., 3., 0., 0., 0., 0.]), &log).is_err());
+        assert!(parse_reply(&packed(&[NOW, 1., 5., 0., 0., 0., 0.]), &log).is_err());
+        // Blocked and denied by hand: the figure after the status is the time to the end.
+        let blocked = parse_reply(&packed(&[NOW, 0., 3., 0., 0., 7e6, 0.]), &log).unwrap();
+        assert_eq!(
+            blocked.answers[0].verdict.status,
+            Status::Blocked {
+                retry_after: 7_000_000
+            }
+        );
+        let denied = parse_reply(&packed(&[NOW, 0., 4., 9e6]), &batch).unwrap();
+        assert_eq!(
+            denied.answers[0].verdict.status,
+            Status::Denylisted {
+                retry_after: 9_000_000
+            }
+        );
     }
 
     #[test]

@@ -399,7 +399,7 @@ impl std::fmt::Debug for Transport {
 }
 
 /// The arguments of a `CHECK` call of `args`: `EVALSHA`, the digest, the number of keys, the
-/// keys, `now`, the number of limits, 4 figures per limit, the packed checks.
+/// keys, `now`, the number of limits, 8 figures per limit, the packed checks.
 fn check_len(args: &CheckArgs<'_>) -> usize {
-    3 + args.keys.len() + 1 + 1 + 4 * args.limits.len() + 1
+    3 + args.keys.len() + 1 + 1 + 8 * args.limits.len() + 1
 }

@@ -1,0 +1,35 @@
+-- An operator's change to one key's sanctions (see check.lua): `lift` (a reset: the block,
+-- the refusals and the strikes go, a deny stays), `deny` for ARGV[2] microseconds, or
+-- `undeny`. KEYS[1]: the key's `:pb`. Answers the server's time.
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local function fmt(x) return string.format('%d', x) end
+local key, op = KEYS[1], ARGV[1]
+local sc = {0, 0, 0, 0, 0, 0}
+local v = redis.call('GET', key)
+if v then
+  local n = 0
+  for x in string.gmatch(v, '%d+') do
+    n = n + 1
+    sc[n] = tonumber(x)
+  end
+end
+if op == 'lift' then
+  sc = {0, 0, 0, 0, 0, sc[6]}
+elseif op == 'deny' then
+  sc[6] = now + tonumber(ARGV[2])
+elseif op == 'undeny' then
+  sc[6] = 0
+else
+  return redis.error_reply('tollgate: unknown sanction ' .. tostring(op))
+end
+local last = math.max(sc[2], sc[3], sc[5], sc[6])
+if last <= now then
+  redis.call('DEL', key)
+else
+  local ms = math.floor((last - now + 999) / 1000)
+  if ms < 1 then ms = 1 end
+  redis.call('SET', key, fmt(sc[1]) .. ':' .. fmt(sc[2]) .. ':' .. fmt(sc[3]) .. ':' ..
+    fmt(sc[4]) .. ':' .. fmt(sc[5]) .. ':' .. fmt(sc[6]), 'PX', fmt(ms))
+end
+return fmt(now)

@@ -1,0 +1,197 @@
+//! The penalty box and denies on a real Redis server and a real 3-master cluster: a block
+//! starts at exactly the n-th refusal, holds on every replica, costs no call per blocked
+//! request after the first on each replica, escalates, and a reset lifts it; a deny reaches
+//! a second replica and an undeny lifts it.
+
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use std::time::Duration;
+
+use tollgate_core::{Admin, Backend, Check, Limit, Penalty, Quota, Status};
+use tollgate_redis::RedisBackend;
+use tollgate_testsupport::{RedisCluster, RedisServer};
+
+const NOW: u64 = 1_700_000_000_000_000;
+const S: u64 = 1_000_000;
+
+/// 5 a minute; 3 refusals within a minute block for 10 minutes.
+fn login() -> Limit {
+    Limit::gcra("login", Quota::per_minute(5).unwrap())
+        .unwrap()
+        .penalty(
+            Penalty::after(3)
+                .within(Duration::from_secs(60))
+                .block_for(Duration::from_secs(600)),
+        )
+        .unwrap()
+}
+
+/// Lets the deny cache's TTL (1 s) pass on tokio's clock, not the wall clock (the cache's
+/// clock); Redis' own time moves on as it does.
+async fn past_the_cache_ttl() {
+    tokio::time::pause();
+    tokio::time::advance(Duration::from_millis(1_100)).await;
+    tokio::time::resume();
+}
+
+async fn at(backend: &RedisBackend, limit: &Limit, key: &[u8], now: u64) -> Status {
+    backend
+        .check_at(&[Check::new(limit, key)], now)
+        .await
+        .unwrap()[0]
+        .status
+}
+
+/// The block's figures at fixed times (`check_at`, which the deny cache does not learn from).
+async fn blocks_at_the_third_refusal(backend: &RedisBackend) {
+    let limit = login();
+    for i in 0..5 {
+        assert_eq!(at(backend, &limit, b"ip", NOW + i).await, Status::Allowed);
+    }
+    for i in 0..2 {
+        assert!(matches!(
+            at(backend, &limit, b"ip", NOW + 10 + i).await,
+            Status::Denied { .. }
+        ));
+    }
+    assert_eq!(
+        at(backend, &limit, b"ip", NOW + 20).await,
+        Status::Blocked {
+            retry_after: 600 * S
+        }
+    );
+    // Two minutes on, the quota is whole again, but the block stands.
+    assert_eq!(
+        at(backend, &limit, b"ip", NOW + 20 + 120 * S).await,
+        Status::Blocked {
+            retry_after: 480 * S
+        }
+    );
+    assert_eq!(
+        at(backend, &limit, b"ip", NOW + 20 + 600 * S).await,
+        Status::Allowed
+    );
+}
+
+#[tokio::test]
+async fn a_server_blocks_at_exactly_the_nth_refusal() {
+    let server = RedisServer::start();
+    let backend = support::standalone(&server.url()).build().unwrap();
+    blocks_at_the_third_refusal(&backend).await;
+}
+
+#[tokio::test]
+async fn a_cluster_blocks_at_exactly_the_nth_refusal() {
+    let cluster = RedisCluster::start(3);
+    let backend = support::cluster(cluster.urls()).build().unwrap();
+    blocks_at_the_third_refusal(&backend).await;
+}
+
+#[tokio::test]
+async fn escalation_doubles_the_block_on_a_sliding_log_and_a_fixed_window() {
+    let server = RedisServer::start();
+    let backend = support::standalone(&server.url()).build().unwrap();
+    let p = Penalty::after(1)
+        .block_for(Duration::from_secs(10))
+        .escalating_up_to(Duration::from_secs(25));
+    for limit in [
+        Limit::sliding_log("log", Quota::per_hour(1).unwrap()).unwrap(),
+        Limit::fixed_window("win", Quota::per_hour(1).unwrap()).unwrap(),
+    ] {
+        let limit = limit.penalty(p).unwrap();
+        let mut now = NOW;
+        assert_eq!(at(&backend, &limit, b"k", now).await, Status::Allowed);
+        let mut blocks = Vec::new();
+        for _ in 0..3 {
+            let Status::Blocked { retry_after } = at(&backend, &limit, b"k", now).await else {
+                panic!("{}: the refusal blocks", limit.name());
+            };
+            blocks.push(retry_after / S);
+            now += retry_after;
+        }
+        assert_eq!(blocks, [10, 20, 25], "{}", limit.name());
+    }
+}
+
+/// Two replicas at the server's time: the block holds on both, each pays one call for its
+/// first blocked request and none for the next ones (its deny cache answers them, for up to
+/// its TTL at a time), and a reset on one lifts the block for both (the other asks again
+/// once its cache's TTL ends).
+#[tokio::test]
+async fn a_block_holds_on_every_replica_for_one_call_each_and_a_reset_lifts_it() {
+    let server = RedisServer::start();
+    let a = support::standalone(&server.url()).build().unwrap();
+    let b = support::standalone(&server.url()).build().unwrap();
+    let limit = login();
+    let check = |backend: &RedisBackend| {
+        let f = backend.check(&[Check::new(&limit, b"ip")]);
+        async move { f.await.unwrap()[0].status }
+    };
+    for _ in 0..5 {
+        assert_eq!(check(&a).await, Status::Allowed);
+    }
+    // Every refusal reaches Redis (a limit with a penalty keeps no plain denial in its deny
+    // cache), so the third starts the block.
+    for _ in 0..2 {
+        assert!(matches!(check(&a).await, Status::Denied { .. }));
+    }
+    assert_eq!(
+        check(&a).await,
+        Status::Blocked {
+            retry_after: 600 * S
+        }
+    );
+    let calls = server.calls("evalsha");
+    for _ in 0..10 {
+        assert!(matches!(check(&a).await, Status::Blocked { .. }));
+    }
+    assert_eq!(
+        server.calls("evalsha"),
+        calls,
+        "A's blocked requests cost no call"
+    );
+    for _ in 0..10 {
+        assert!(matches!(check(&b).await, Status::Blocked { .. }));
+    }
+    assert_eq!(
+        server.calls("evalsha"),
+        calls + 1,
+        "B pays one call, for its first"
+    );
+
+    a.reset(&Check::new(&limit, b"ip")).await.unwrap();
+    assert_eq!(check(&a).await, Status::Allowed);
+    past_the_cache_ttl().await;
+    assert_eq!(check(&b).await, Status::Allowed);
+}
+
+#[tokio::test]
+async fn a_deny_reaches_a_second_replica_and_an_undeny_lifts_it() {
+    let cluster = RedisCluster::start(3);
+    let a = support::cluster(cluster.urls()).build().unwrap();
+    let b = support::cluster(cluster.urls()).build().unwrap();
+    let limit = Limit::gcra("api", Quota::per_minute(100).unwrap()).unwrap();
+    let check = |backend: &RedisBackend| {
+        let f = backend.check(&[Check::new(&limit, b"tenant-9")]);
+        async move { f.await.unwrap()[0].status }
+    };
+    assert_eq!(check(&b).await, Status::Allowed);
+    a.deny(&Check::new(&limit, b"tenant-9"), Duration::from_secs(3600))
+        .await
+        .unwrap();
+    let Status::Denylisted { retry_after } = check(&b).await else {
+        panic!("B refuses the denied key at its next check");
+    };
+    assert!(retry_after > 3599 * S && retry_after <= 3600 * S);
+    // A reset leaves the deny; nothing was consumed meanwhile.
+    a.reset(&Check::new(&limit, b"tenant-9")).await.unwrap();
+    past_the_cache_ttl().await;
+    assert!(matches!(check(&b).await, Status::Denylisted { .. }));
+    a.undeny(&Check::new(&limit, b"tenant-9")).await.unwrap();
+    assert_eq!(check(&a).await, Status::Allowed);
+    // B's cache held the deny; it asks again after the cache's TTL.
+    past_the_cache_ttl().await;
+    assert_eq!(check(&b).await, Status::Allowed);
+}
