@@ -1,5 +1,8 @@
-//! The layer's refusals: a request without a key or a valid cost, and a refused decision,
-//! answered by the default problem+json or gRPC response or the user's responder.
+//! The layer's refusals: a request without a key or a valid cost, a denylisted one, and a
+//! refused decision, answered by the default problem+json or gRPC response or the user's
+//! responder.
+
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Request, Response};
@@ -8,9 +11,10 @@ use tollgate_core::Backend;
 use super::limits::{Entry, LimitSet};
 use super::respond::{policy_for, put_decision};
 use super::state::Shared;
-use crate::decision::Decision;
+use crate::decision::{Decision, Outcome, Source};
 use crate::fields::{self, Fields};
 use crate::key::MissingKey;
+use crate::metrics as obs;
 use crate::rejection::{refusal_of, Rejection, RejectionKind};
 use crate::{grpc, problem, refusal_cache};
 
@@ -50,8 +54,32 @@ impl<B: Backend> Shared<B> {
         )
     }
 
+    /// The refusal of a request that a deny list matched before any check: every limit of
+    /// `set` says `Denylisted` (and counts it), `403` with `Retry-After` only when the deny
+    /// ends (`retry_after`; a static deny has no end).
+    pub(crate) fn refuse_denylisted<T>(
+        &self,
+        set: &LimitSet,
+        req: &Request<T>,
+        span: &tracing::Span,
+        retry_after: Option<Duration>,
+    ) -> Response<Bytes> {
+        let outcome = Outcome::Denylisted { retry_after };
+        let decision: Decision = set
+            .limits
+            .iter()
+            .map(|entry| entry.decision(outcome, Source::Backend, 0))
+            .collect();
+        for (entry, d) in set.limits.iter().zip(decision.limits()) {
+            entry.metrics.record(d, false, 0);
+        }
+        obs::record_span(span, &decision);
+        self.refuse_decision(decision, req, set)
+    }
+
     /// The refusal of a request that `decision` refused under `set`'s limits: it carries the
-    /// decision and the rate-limit fields, which say when to come back.
+    /// decision and the rate-limit fields, which say when to come back (a deny has none: it
+    /// says nothing of a quota).
     pub(crate) fn refuse_decision<T>(
         &self,
         decision: Decision,
@@ -62,7 +90,10 @@ impl<B: Backend> Shared<B> {
             .unwrap_or((RejectionKind::TooManyRequests, set.limits[0].limit.name()));
         let rejection = Rejection::new(kind, limit, decision.retry_after(), Some(&decision))
             .grpc(grpc::is_grpc(req.headers()));
-        let mut response = self.refuse_with_fields(&rejection, &decision, set);
+        let mut response = match kind {
+            RejectionKind::Denylisted => self.refuse(&rejection),
+            _ => self.refuse_with_fields(&rejection, &decision, set),
+        };
         put_decision(&mut response, decision);
         response
     }
