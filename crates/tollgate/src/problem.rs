@@ -82,9 +82,13 @@ pub(crate) fn problem_body(rejection: &Rejection<'_>) -> Bytes {
             b"",
             b"",
         ],
-        (RejectionKind::Denylisted, None) => {
-            [b"The request is refused by a deny list.", b"", b"", b"", b""]
-        }
+        (RejectionKind::Denylisted, None) => [
+            b"The request is refused by a deny list.",
+            b"",
+            b"",
+            b"",
+            b"",
+        ],
     };
     let head: [&[u8]; 5] = [
         b"{\"type\":\"about:blank\",\"title\":\"",

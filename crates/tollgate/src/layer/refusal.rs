@@ -137,3 +137,100 @@ impl<B: Backend> Shared<B> {
         response
     }
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use http::header::{CONTENT_TYPE, RETRY_AFTER};
+    use http::StatusCode;
+    use tollgate_core::{Limit, Quota};
+
+    use super::*;
+    use crate::decision::DenyReason;
+    use crate::key::{ClientIp, Global};
+    use crate::RateLimitLayer;
+
+    fn layer() -> RateLimitLayer {
+        RateLimitLayer::builder()
+            .limit(
+                Limit::gcra("per-ip", Quota::per_minute(5).unwrap()).unwrap(),
+                ClientIp::peer(),
+            )
+            .limit(
+                Limit::gcra("everyone", Quota::per_minute(50).unwrap()).unwrap(),
+                Global,
+            )
+            .build()
+            .unwrap()
+    }
+
+    fn body(response: &Response<Bytes>) -> &str {
+        std::str::from_utf8(response.body()).unwrap()
+    }
+
+    /// A deny that ends (a deny made at run time) sends `Retry-After`, rounded up; one
+    /// without an end sends none.
+    #[test]
+    fn a_deny_sends_retry_after_only_when_it_ends() {
+        let layer = layer();
+        let set = layer.shared.set.load_full();
+        let req = Request::new(());
+        let span = tracing::Span::none();
+        let after = Some(Duration::from_millis(89_100));
+        let response = layer.shared.refuse_denylisted(&set, &req, &span, after);
+        assert_eq!(response.status(), StatusCode::FORBIDDEN);
+        assert_eq!(response.headers()[RETRY_AFTER], "90");
+        assert_eq!(response.headers()[CONTENT_TYPE], "application/problem+json");
+        assert!(body(&response)
+            .ends_with(r#""detail":"The request is refused by a deny list; retry in 90 s."}"#));
+        let decision = response.extensions().get::<Decision>().unwrap();
+        assert_eq!(decision.retry_after(), after);
+        assert_eq!(decision.limits().len(), 2);
+
+        let response = layer.shared.refuse_denylisted(&set, &req, &span, None);
+        assert_eq!(response.status(), StatusCode::FORBIDDEN);
+        assert!(!response.headers().contains_key(RETRY_AFTER));
+        assert_eq!(response.headers().len(), 1, "{:?}", response.headers());
+    }
+
+    /// A decision that one limit refuses by a deny (as a backend's deny would) and another
+    /// for its quota is refused as a deny: 403, the deny's end, no rate-limit fields.
+    #[test]
+    fn a_deny_in_a_decision_comes_before_a_used_up_quota() {
+        let layer = layer();
+        let set = layer.shared.set.load_full();
+        let denied = Outcome::Denied {
+            retry_after: Some(Duration::from_secs(5)),
+            remaining: 0,
+            reset: Duration::from_secs(60),
+            reason: DenyReason::OverLimit,
+        };
+        let deny = |retry_after| Outcome::Denylisted { retry_after };
+        let cases = [
+            (deny(Some(Duration::from_secs(600))), Some("600")),
+            // No end: waiting for the other limit would not help.
+            (deny(None), None),
+        ];
+        for (outcome, retry_after) in cases {
+            let decision: Decision = [
+                set.limits[0].decision(denied, Source::Backend, 0),
+                set.limits[1].decision(outcome, Source::Backend, 0),
+            ]
+            .into_iter()
+            .collect();
+            let response = layer
+                .shared
+                .refuse_decision(decision, &Request::new(()), &set);
+            assert_eq!(response.status(), StatusCode::FORBIDDEN, "{outcome:?}");
+            assert_eq!(
+                response
+                    .headers()
+                    .get(RETRY_AFTER)
+                    .map(|v| v.to_str().unwrap()),
+                retry_after
+            );
+            assert!(!response.headers().contains_key("ratelimit"));
+            assert!(!response.headers().contains_key("ratelimit-policy"));
+        }
+    }
+}

@@ -25,13 +25,13 @@ use crate::layer::limits::Limits;
 pub(crate) mod error;
 mod spec;
 
+use crate::rules::Rules;
 use error::LimitsFileError;
 use error::{said, Mistake};
 use spec::{
-    parse_period, FailureSpec, FileSpec, IpSpec, KeySpec, LimitSpec, ListSpec,
-    QuotaField, QuotaSpec, Trusted,
+    parse_period, FailureSpec, FileSpec, IpSpec, KeySpec, LimitSpec, ListSpec, QuotaField,
+    QuotaSpec, Trusted,
 };
-use crate::rules::Rules;
 
 type MakeKey = Arc<dyn Fn() -> Box<dyn KeyExtractor> + Send + Sync>;
 
