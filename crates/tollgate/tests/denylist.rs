@@ -6,56 +6,20 @@
 
 mod support;
 
-use std::convert::Infallible;
-use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
 use axum::body::Body;
-use axum::extract::ConnectInfo;
 use bytes::Bytes;
 use http::{Request, Response, StatusCode};
+use support::clients::{app, from, Svc};
 use support::{Flaky, Recorder};
-use tollgate::core::Backend;
 use tollgate::key::{ClientIp, Tenant};
 use tollgate::{
     Allowlist, Decision, Denylist, Limit, Limits, LimitsFile, Outcome, Quota, RateLimitLayer,
 };
 use tollgate_redis::RedisBackend;
 use tollgate_testsupport::RedisServer;
-use tower::{service_fn, Layer, Service, ServiceExt};
-
-type Svc = tower::util::BoxCloneService<Request<Body>, Response<Body>, Infallible>;
-
-/// The handler answers `allowlisted` or `counted`, from the Decision it reads.
-fn app<B: Backend>(layer: &RateLimitLayer<B>) -> Svc {
-    let handler = service_fn(|req: Request<Body>| async move {
-        let d = req.extensions().get::<Decision>().cloned().unwrap();
-        let body = if d.is_allowlisted() {
-            "allowlisted"
-        } else {
-            "counted"
-        };
-        Ok::<_, Infallible>(Response::new(Body::from(body)))
-    });
-    tower::util::BoxCloneService::new(
-        layer
-            .clone()
-            .layer(handler)
-            .map_response(|r| r.map(Body::new)),
-    )
-}
-
-fn from(ip: &str, shop: Option<&str>) -> Request<Body> {
-    let mut req = Request::get("/").body(Body::empty()).unwrap();
-    let ip: IpAddr = ip.parse().unwrap();
-    req.extensions_mut()
-        .insert(ConnectInfo(SocketAddr::new(ip, 4000)));
-    if let Some(shop) = shop {
-        req.headers_mut()
-            .insert("x-shop-domain", shop.parse().unwrap());
-    }
-    req
-}
+use tower::{Service, ServiceExt};
 
 /// What a response says: its status, its body, and its headers and Decision.
 struct Answer {
@@ -135,7 +99,7 @@ async fn a_denylisted_address_gets_403_and_its_key_is_never_counted() {
     ];
     for _ in 0..10 {
         for ip in denied {
-            assert_denied(&send(&mut svc, from(ip, None)).await, &["per-ip"]);
+            assert_denied(&send(&mut svc, from(ip, None, None)).await, &["per-ip"]);
         }
     }
     for ip in denied {
@@ -146,7 +110,7 @@ async fn a_denylisted_address_gets_403_and_its_key_is_never_counted() {
     for ip in ["198.51.101.7", "2001:db8:bad:2::99"] {
         let mut statuses = Vec::new();
         for _ in 0..5 {
-            statuses.push(send(&mut svc, from(ip, None)).await.status);
+            statuses.push(send(&mut svc, from(ip, None, None)).await.status);
         }
         let admitted = statuses.iter().filter(|s| **s == StatusCode::OK).count();
         let refused = statuses
@@ -171,11 +135,11 @@ async fn a_denylisted_request_makes_no_backend_call() {
         .unwrap();
     let mut svc = app(&layer);
     for _ in 0..20 {
-        let a = send(&mut svc, from("198.51.100.7", Some("a.example"))).await;
+        let a = send(&mut svc, from("198.51.100.7", Some("a.example"), None)).await;
         assert_denied(&a, &["per-ip", "per-shop"]);
     }
     assert_eq!(backend.calls(), 0);
-    let a = send(&mut svc, from("192.0.2.1", Some("a.example"))).await;
+    let a = send(&mut svc, from("192.0.2.1", Some("a.example"), None)).await;
     assert_eq!((a.status, a.body.as_str()), (StatusCode::OK, "counted"));
     assert_eq!(backend.calls(), 1);
 }
@@ -199,7 +163,7 @@ async fn a_denylisted_request_writes_nothing_to_redis() {
     let mut svc = app(&layer);
     for _ in 0..10 {
         assert_denied(
-            &send(&mut svc, from("198.51.100.7", None)).await,
+            &send(&mut svc, from("198.51.100.7", None, None)).await,
             &["per-ip"],
         );
     }
@@ -213,7 +177,7 @@ async fn a_denylisted_request_writes_nothing_to_redis() {
         3
     );
     assert_eq!(
-        send(&mut svc, from("192.0.2.1", None)).await.status,
+        send(&mut svc, from("192.0.2.1", None, None)).await.status,
         StatusCode::OK
     );
     assert_eq!(server.dbsize(), 1);
@@ -234,7 +198,7 @@ async fn a_denylisted_tenant_is_refused_from_any_address() {
         .unwrap();
     let mut svc = app(&layer);
     for ip in ["192.0.2.1", "192.0.2.2", "2001:db8::1"] {
-        let a = send(&mut svc, from(ip, Some("spam.EXAMPLE"))).await;
+        let a = send(&mut svc, from(ip, Some("spam.EXAMPLE"), None)).await;
         assert_denied(&a, &["per-shop"]);
     }
     assert_eq!(
@@ -248,7 +212,7 @@ async fn a_denylisted_tenant_is_refused_from_any_address() {
     let mut statuses = Vec::new();
     for _ in 0..3 {
         statuses.push(
-            send(&mut svc, from("192.0.2.1", Some("shop.example")))
+            send(&mut svc, from("192.0.2.1", Some("shop.example"), None))
                 .await
                 .status,
         );
@@ -277,10 +241,10 @@ async fn the_allowlist_wins_over_the_denylist() {
         .unwrap();
     let mut svc = app(&layer);
     for _ in 0..5 {
-        let a = send(&mut svc, from("198.51.100.9", None)).await;
+        let a = send(&mut svc, from("198.51.100.9", None, None)).await;
         assert_eq!((a.status, a.body.as_str()), (StatusCode::OK, "allowlisted"));
         assert_denied(
-            &send(&mut svc, from("198.51.100.7", None)).await,
+            &send(&mut svc, from("198.51.100.7", None, None)).await,
             &["per-ip"],
         );
     }
@@ -295,7 +259,10 @@ async fn a_reload_adds_then_removes_an_entry() {
     let layer = RateLimitLayer::builder().limits(limits()).build().unwrap();
     let mut svc = app(&layer);
     let ip = "198.51.100.7";
-    assert_eq!(send(&mut svc, from(ip, None)).await.status, StatusCode::OK);
+    assert_eq!(
+        send(&mut svc, from(ip, None, None)).await.status,
+        StatusCode::OK
+    );
     assert_eq!(layer.peek("per-ip", ip).await.unwrap().remaining, 1);
 
     layer
@@ -303,15 +270,15 @@ async fn a_reload_adds_then_removes_an_entry() {
         .reload(limits().with_denylist(deny_networks()))
         .unwrap();
     for _ in 0..5 {
-        assert_denied(&send(&mut svc, from(ip, None)).await, &["per-ip"]);
+        assert_denied(&send(&mut svc, from(ip, None, None)).await, &["per-ip"]);
     }
     // Refused without being counted: still the one unit left.
     assert_eq!(layer.peek("per-ip", ip).await.unwrap().remaining, 1);
 
     layer.reloader().reload(limits()).unwrap();
     let statuses = [
-        send(&mut svc, from(ip, None)).await.status,
-        send(&mut svc, from(ip, None)).await.status,
+        send(&mut svc, from(ip, None, None)).await.status,
+        send(&mut svc, from(ip, None, None)).await.status,
     ];
     assert_eq!(statuses, [StatusCode::OK, StatusCode::TOO_MANY_REQUESTS]);
 }
@@ -326,7 +293,7 @@ async fn a_denylisted_grpc_call_gets_permission_denied() {
         .build()
         .unwrap();
     let mut svc = app(&layer);
-    let mut req = from("2001:db8:bad:1::5", None);
+    let mut req = from("2001:db8:bad:1::5", None, None);
     req.headers_mut()
         .insert("content-type", "application/grpc".parse().unwrap());
     let a = send(&mut svc, req).await;
@@ -368,7 +335,7 @@ async fn a_custom_responder_sees_the_deny() {
         .build()
         .unwrap();
     let mut svc = app(&layer);
-    let a = send(&mut svc, from("198.51.100.1", None)).await;
+    let a = send(&mut svc, from("198.51.100.1", None, None)).await;
     assert_eq!(a.status, StatusCode::FORBIDDEN);
     assert_eq!(a.body, "Denylisted 403 None 7");
     assert!(!a.headers.contains_key("retry-after"));
@@ -389,13 +356,13 @@ async fn a_deny_refuses_under_a_shadow_limit_too() {
         .build()
         .unwrap();
     let mut svc = app(&layer);
-    let a = send(&mut svc, from("198.51.100.1", None)).await;
+    let a = send(&mut svc, from("198.51.100.1", None, None)).await;
     assert_denied(&a, &["per-ip"]);
     assert!(a.decision.unwrap().limits()[0].is_shadow());
     // The shadow limit lets its over-limit requests through.
     for _ in 0..3 {
         assert_eq!(
-            send(&mut svc, from("192.0.2.1", None)).await.status,
+            send(&mut svc, from("192.0.2.1", None, None)).await.status,
             StatusCode::OK
         );
     }
@@ -415,7 +382,7 @@ async fn denylisted_requests_are_counted_as_denylisted_and_nothing_else() {
     let mut svc = app(&layer);
     const N: u64 = 7;
     for _ in 0..N {
-        let a = send(&mut svc, from("198.51.100.77", Some("a.example"))).await;
+        let a = send(&mut svc, from("198.51.100.77", Some("a.example"), None)).await;
         assert_eq!(a.status, StatusCode::FORBIDDEN);
     }
     let snap = metrics.snapshot();
@@ -467,12 +434,12 @@ values = ["spam.example", "scam.example"]
     let layer = RateLimitLayer::builder().limits(limits).build().unwrap();
     let mut svc = app(&layer);
     assert_denied(
-        &send(&mut svc, from("2001:db8:bad:1::1", None)).await,
+        &send(&mut svc, from("2001:db8:bad:1::1", None, None)).await,
         &["per-ip"],
     );
-    let a = send(&mut svc, from("192.0.2.1", Some("Scam.Example"))).await;
+    let a = send(&mut svc, from("192.0.2.1", Some("Scam.Example"), None)).await;
     assert_denied(&a, &["per-ip"]);
-    let a = send(&mut svc, from("192.0.2.1", Some("shop.example"))).await;
+    let a = send(&mut svc, from("192.0.2.1", Some("shop.example"), None)).await;
     assert_eq!((a.status, a.body.as_str()), (StatusCode::OK, "counted"));
 
     // A file without `[[denylist]]` has none: reloaded, the tenant is counted.
@@ -480,7 +447,7 @@ values = ["spam.example", "scam.example"]
         .reloader()
         .reload(LimitsFile::new().parse(LIMIT).unwrap())
         .unwrap();
-    let a = send(&mut svc, from("192.0.2.1", Some("scam.example"))).await;
+    let a = send(&mut svc, from("192.0.2.1", Some("scam.example"), None)).await;
     assert_eq!((a.status, a.body.as_str()), (StatusCode::OK, "counted"));
 }
 
