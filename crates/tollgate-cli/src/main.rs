@@ -7,7 +7,8 @@
 //! ```
 //!
 //! `check` exits 0 and prints the effective limits as a table (name, algorithm, quota per
-//! plan, key, cost, missing-key policy, failure policy, shadow) and the allowlist; a broken
+//! plan, key, cost, missing-key policy, failure policy, shadow), the allowlist and the
+//! denylist; a broken
 //! file makes it print the error, with its line and column, and exit 1. Principals need no
 //! Rust type here: every principal name the file uses is taken as a string id.
 //!
@@ -77,7 +78,8 @@ enum Command {
     /// Reads a limits file as the layer would and prints the effective limits.
     ///
     /// Prints each limit's name, algorithm, quota per plan, key, cost per request,
-    /// missing-key policy, failure policy and shadow flag, then the allowlist. Every
+    /// missing-key policy, failure policy and shadow flag, then the allowlist and the
+    /// denylist. Every
     /// principal name the file uses is taken as a string id. A broken file prints the error
     /// with its line and column, and exits 1.
     #[command(after_help = footer(false))]
@@ -188,10 +190,19 @@ fn check(file: &Path) -> ExitCode {
             .collect();
         println!("{}", line.join("  ").trim_end());
     }
-    let rules = limits.allowlist().describe();
-    if !rules.is_empty() {
+    let lists = [
+        (
+            "allowlist (admitted, counted by no limit)",
+            limits.allowlist().describe(),
+        ),
+        (
+            "denylist (refused with 403 unless allowlisted, counted by no limit)",
+            limits.denylist().describe(),
+        ),
+    ];
+    for (title, rules) in lists.into_iter().filter(|(_, r)| !r.is_empty()) {
         println!();
-        println!("allowlist (admitted, counted by no limit):");
+        println!("{title}:");
         for rule in rules {
             println!("  {rule}");
         }

@@ -49,6 +49,14 @@ networks = ["10.0.0.0/8", "2001:db8::/32"]
 [[allowlist]]
 key = "principal"
 values = ["ops-bot"]
+
+[[denylist]]
+key = "ip"
+networks = ["198.51.100.0/24", "2001:db8:bad::/48"]
+
+[[denylist]]
+key = { header = "x-shop-domain" }
+values = ["spam.example"]
 "#;
 
 /// A file of its own for each test, in the system's temporary directory, removed when the
@@ -115,6 +123,10 @@ per-shop   sliding_log   default 100/1h                 header x-shop-domain    
 allowlist (admitted, counted by no limit):
   networks 10.0.0.0/8, 2001:db8::/32
   keys ops-bot
+
+denylist (refused with 403 unless allowlisted, counted by no limit):
+  networks 198.51.100.0/24, 2001:db8:bad::/48
+  keys spam.example
 
 {}: ok, 3 limits
 ",

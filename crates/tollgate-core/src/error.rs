@@ -65,6 +65,9 @@ pub enum ConfigError {
     /// An allowlist entry that no request could match: a name its key extractor refuses
     /// (an address that does not parse, a tenant with characters tenants cannot have).
     InvalidAllowlistEntry(String),
+    /// A denylist entry that no request could match, as for
+    /// [`InvalidAllowlistEntry`](Self::InvalidAllowlistEntry).
+    InvalidDenylistEntry(String),
     /// A lease whose parameters are out of range (what is wrong is said).
     InvalidLease(&'static str),
     /// A lease on an algorithm that cannot be leased (a sliding log, a concurrency limit):
@@ -150,6 +153,10 @@ impl fmt::Display for ConfigError {
             Self::InvalidAllowlistEntry(entry) => write!(
                 f,
                 "allowlist entry {entry:?} is not a key that any request could have"
+            ),
+            Self::InvalidDenylistEntry(entry) => write!(
+                f,
+                "denylist entry {entry:?} is not a key that any request could have"
             ),
             Self::InvalidLease(why) => write!(f, "invalid lease: {why}"),
             Self::LeaseUnsupported(algorithm) => write!(

@@ -1,11 +1,11 @@
 //! Clients that a layer admits without counting them: trusted networks, principals, tenants.
 
-use std::collections::HashSet;
 use std::fmt;
 
 use tollgate_core::ConfigError;
 
 use crate::key::{Cidr, ClientIp, Identity, KeyExtractor, RequestView};
+use crate::rules::Rules;
 
 /// Requests that no limit of a layer counts: from a network (by client address), or whose key
 /// for an extractor is one of a set (a principal, a tenant).
@@ -14,7 +14,8 @@ use crate::key::{Cidr, ClientIp, Identity, KeyExtractor, RequestView};
 /// the [`Decision`](crate::Decision) says [`Outcome::Allowlisted`](crate::Outcome::Allowlisted)
 /// for every limit (and `tollgate_decisions_total` counts `outcome="allowlisted"`), and the
 /// response carries no `RateLimit` fields. Rules are tried in order; a request that has no
-/// key for a rule (no address, no tenant header) simply does not match it.
+/// key for a rule (no address, no tenant header) simply does not match it. The allowlist wins
+/// over the [`Denylist`](crate::Denylist): a request that both match is admitted.
 ///
 /// The allowlist belongs to the layer's limits: [`Limits::allowlist`](crate::Limits::allowlist)
 /// or [`RateLimitLayerBuilder::allowlist`](crate::RateLimitLayerBuilder::allowlist), the
@@ -40,19 +41,7 @@ use crate::key::{Cidr, ClientIp, Identity, KeyExtractor, RequestView};
 /// ```
 #[derive(Default)]
 pub struct Allowlist {
-    rules: Vec<Rule>,
-}
-
-enum Rule {
-    Networks {
-        ip: ClientIp,
-        networks: Vec<Cidr>,
-    },
-    Keys {
-        key: Box<dyn KeyExtractor>,
-        keys: HashSet<Box<[u8]>>,
-        names: Vec<String>,
-    },
+    rules: Rules,
 }
 
 impl Allowlist {
@@ -64,10 +53,7 @@ impl Allowlist {
     /// Admits requests whose client address, as `ip` finds it (the socket peer, or a trusted
     /// proxy's header), is in one of `networks`.
     pub fn networks(mut self, ip: ClientIp, networks: impl IntoIterator<Item = Cidr>) -> Self {
-        let networks: Vec<Cidr> = networks.into_iter().collect();
-        if !networks.is_empty() {
-            self.rules.push(Rule::Networks { ip, networks });
-        }
+        self.rules.networks(ip, networks);
         self
     }
 
@@ -88,24 +74,15 @@ impl Allowlist {
         K: KeyExtractor,
         I: Into<Identity>,
     {
-        let mut keys = HashSet::new();
-        let mut names = Vec::new();
-        for identity in identities {
-            let identity = identity.into();
-            let bytes = key
-                .key_of(&identity)
-                .map_err(|_| ConfigError::InvalidAllowlistEntry(identity.to_string()))?;
-            keys.insert(Box::from(bytes.as_bytes()));
-            names.push(identity.to_string());
-        }
-        if !keys.is_empty() {
-            self.rules.push(Rule::Keys {
-                key: Box::new(key),
-                keys,
-                names,
-            });
-        }
+        self.rules
+            .keys(key, identities)
+            .map_err(ConfigError::InvalidAllowlistEntry)?;
         Ok(self)
+    }
+
+    /// The list of `rules` (read from a limits file).
+    pub(crate) fn from_rules(rules: Rules) -> Self {
+        Self { rules }
     }
 
     /// Appends `other`'s rules to this one's.
@@ -121,28 +98,12 @@ impl Allowlist {
 
     /// Whether `req` matches a rule.
     pub(crate) fn matches(&self, req: &RequestView<'_>) -> bool {
-        self.rules.iter().any(|rule| match rule {
-            Rule::Networks { ip, networks } => ip
-                .client_ip(req)
-                .is_ok_and(|addr| networks.iter().any(|n| n.contains(addr))),
-            Rule::Keys { key, keys, .. } => {
-                key.extract(req).is_ok_and(|k| keys.contains(k.as_bytes()))
-            }
-        })
+        self.rules.matches(req)
     }
 
     /// The rules, for people: one line each (`networks 10.0.0.0/8, ...` or `keys ops-bot`).
     pub fn describe(&self) -> Vec<String> {
-        self.rules
-            .iter()
-            .map(|rule| match rule {
-                Rule::Networks { networks, .. } => {
-                    let list: Vec<String> = networks.iter().map(ToString::to_string).collect();
-                    format!("networks {}", list.join(", "))
-                }
-                Rule::Keys { names, .. } => format!("keys {}", names.join(", ")),
-            })
-            .collect()
+        self.rules.describe()
     }
 }
 

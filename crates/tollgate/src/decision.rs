@@ -109,6 +109,14 @@ pub enum Outcome {
     /// Admitted without being counted: the request matched the layer's
     /// [`Allowlist`](crate::Allowlist).
     Allowlisted,
+    /// Refused without being counted: the request matched the layer's
+    /// [`Denylist`](crate::Denylist) (on every limit), or a deny list of the backend's for this
+    /// limit's key. Refuses even under a shadow limit: a deny is an operator's, not a limit's.
+    Denylisted {
+        /// When the deny ends; `None` for one without an end (every static deny), which
+        /// sends no `Retry-After`.
+        retry_after: Option<Duration>,
+    },
 }
 
 impl Outcome {
@@ -139,7 +147,7 @@ impl Outcome {
 
     /// Whether this outcome lets the request through.
     pub fn admits(&self) -> bool {
-        !matches!(self, Self::Denied { .. })
+        !matches!(self, Self::Denied { .. } | Self::Denylisted { .. })
     }
 }
 
@@ -290,14 +298,17 @@ impl LimitDecision {
         self.shadow
     }
 
-    /// Whether this limit refuses the request (a shadow limit never does).
+    /// Whether this limit refuses the request (a shadow limit never does, except for a
+    /// deny: [`Outcome::Denylisted`]).
     pub fn refuses(&self) -> bool {
-        !self.shadow && !self.outcome.admits()
+        !self.outcome.admits()
+            && (!self.shadow || matches!(self.outcome, Outcome::Denylisted { .. }))
     }
 
     /// A fixed label for this limit's own outcome: `allowed`, `delayed` (admitted to wait
     /// for its time: [`delayed`](Self::delayed)), `denied`, `shadow_denied`,
-    /// `bypassed`, `fallback` (admitted by the fallback limiter), `skipped` or `allowlisted`. The `outcome`
+    /// `bypassed`, `fallback` (admitted by the fallback limiter), `skipped`, `allowlisted` or
+    /// `denylisted`. The `outcome`
     /// label of `tollgate_decisions_total` can differ: `unavailable` for a fail-closed
     /// refusal, and `skipped` at the limits that did not refuse a refused request.
     pub fn label(&self) -> &'static str {
@@ -310,6 +321,7 @@ impl LimitDecision {
             (Outcome::Bypassed { .. }, _, _) => "bypassed",
             (Outcome::Skipped { .. }, _, _) => "skipped",
             (Outcome::Allowlisted, _, _) => "allowlisted",
+            (Outcome::Denylisted { .. }, _, _) => "denylisted",
         }
     }
 }
@@ -433,6 +445,14 @@ impl Decision {
                 .all(|l| matches!(l.outcome, Outcome::Allowlisted))
     }
 
+    /// Whether a deny list refused the request: the layer's [`Denylist`](crate::Denylist)
+    /// (then every limit says [`Outcome::Denylisted`]) or the backend's for a limit's key.
+    pub fn is_denylisted(&self) -> bool {
+        self.limits()
+            .iter()
+            .any(|l| matches!(l.outcome, Outcome::Denylisted { .. }))
+    }
+
     /// How long the request waits before the service is called: the longest
     /// [`LimitDecision::delayed`] of its enforced limits (stacked delayed limits wait for the
     /// latest of their times). `None` when it was served at once.
@@ -462,16 +482,20 @@ impl Decision {
             .min()
     }
 
-    /// The longest wait among the limits that refuse the request.
+    /// The longest wait among the limits that refuse the request; `None` when a deny
+    /// without an end refuses it ([`Outcome::Denylisted`]).
     pub fn retry_after(&self) -> Option<Duration> {
-        self.limits()
-            .iter()
-            .filter(|l| l.refuses())
-            .filter_map(|l| match l.outcome {
-                Outcome::Denied { retry_after, .. } => retry_after,
-                _ => None,
-            })
-            .max()
+        let mut longest = None;
+        for limit in self.limits().iter().filter(|l| l.refuses()) {
+            match limit.outcome {
+                Outcome::Denylisted { retry_after: None } => return None,
+                Outcome::Denied { retry_after, .. } | Outcome::Denylisted { retry_after } => {
+                    longest = longest.max(retry_after);
+                }
+                _ => {}
+            }
+        }
+        longest
     }
 }
 

@@ -134,9 +134,11 @@ impl<'a> Fields<'a> {
                         };
                         (remaining, seconds)
                     }
-                    Outcome::Bypassed { .. } | Outcome::Skipped { .. } | Outcome::Allowlisted => {
-                        return None
-                    }
+                    // Nothing counted, or a deny, which says nothing of a quota.
+                    Outcome::Bypassed { .. }
+                    | Outcome::Skipped { .. }
+                    | Outcome::Allowlisted
+                    | Outcome::Denylisted { .. } => return None,
                 };
                 // No `t` for a concurrency limit that admitted: nothing about it resets with
                 // time.

@@ -10,6 +10,7 @@
 //! | a limit is used up, or the cost can never be admitted | 8 `RESOURCE_EXHAUSTED` |
 //! | a fail-closed limit's backend failed | 14 `UNAVAILABLE` |
 //! | a missing or invalid key under the reject policy | 3 `INVALID_ARGUMENT` |
+//! | a deny list matched the call | 7 `PERMISSION_DENIED` |
 //!
 //! The retry delay, when there is one, is in a `retry-after` metadata entry (whole seconds,
 //! rounded up, as the HTTP header) and, with the `tonic` feature, in a `google.rpc.RetryInfo`
@@ -72,6 +73,11 @@ fn message(rejection: &Rejection<'_>) -> String {
         (RejectionKind::InvalidCost, _) => {
             format!("the call's cost for rate limit \"{limit}\" is not a whole number of units")
         }
+        (RejectionKind::Denylisted, Some(after)) => format!(
+            "the call is refused by a deny list; retry in {} s",
+            crate::fields::whole_seconds(after)
+        ),
+        (RejectionKind::Denylisted, None) => "the call is refused by a deny list".to_owned(),
     }
 }
 
@@ -171,6 +177,21 @@ mod tests {
                 ),
                 "3",
                 "the rate-limit key is missing (rate limit \"shop\")",
+            ),
+            (
+                Rejection::new(RejectionKind::Denylisted, "per-ip", None, None),
+                "7",
+                "the call is refused by a deny list",
+            ),
+            (
+                Rejection::new(
+                    RejectionKind::Denylisted,
+                    "per-ip",
+                    Some(Duration::from_millis(89_100)),
+                    None,
+                ),
+                "7",
+                "the call is refused by a deny list; retry in 90 s",
             ),
         ];
         for (rejection, code, message) in cases {

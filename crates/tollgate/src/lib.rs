@@ -92,6 +92,7 @@ pub mod cost;
 mod allowlist;
 mod canary;
 mod decision;
+mod denylist;
 #[cfg(feature = "axum")]
 mod extract;
 mod fields;
@@ -103,6 +104,7 @@ mod plan;
 mod problem;
 mod refusal_cache;
 mod rejection;
+mod rules;
 
 /// The parts that know nothing of HTTP: quotas, algorithms, clocks, backends.
 pub use tollgate_core as core;
@@ -112,6 +114,7 @@ pub use canary::{Canary, CanaryHandle, CanaryStatus, CANARY_LIMIT};
 pub use decision::{
     BypassReason, Decision, DenyReason, LimitDecision, Outcome, SkipReason, Source,
 };
+pub use denylist::Denylist;
 #[cfg(feature = "axum")]
 pub use extract::MissingDecision;
 pub use layer::admin::AdminError;

@@ -39,6 +39,7 @@ pub(crate) enum Label {
     InvalidCost,
     Unavailable,
     Allowlisted,
+    Denylisted,
 }
 
 impl Label {
@@ -55,6 +56,7 @@ impl Label {
         Self::InvalidCost,
         Self::Unavailable,
         Self::Allowlisted,
+        Self::Denylisted,
     ];
 
     pub(crate) fn as_str(self) -> &'static str {
@@ -71,6 +73,7 @@ impl Label {
             Self::InvalidCost => "invalid_cost",
             Self::Unavailable => "unavailable",
             Self::Allowlisted => "allowlisted",
+            Self::Denylisted => "denylisted",
         }
     }
 
@@ -87,6 +90,7 @@ impl Label {
                 ..
             } => Self::Blocked,
             Outcome::Denied { .. } => Self::Denied,
+            Outcome::Denylisted { .. } => Self::Denylisted,
             // Refused by another limit: nothing was consumed or let through here.
             _ if !admitted => Self::Skipped,
             Outcome::Allowed { .. } if decision.source() == Source::Fallback => Self::Fallback,
@@ -269,7 +273,8 @@ impl std::fmt::Debug for LimitMetrics {
 
 /// Fills the `outcome` and `decision` fields of a request's `tollgate.check` span.
 ///
-/// `outcome` is the request's: `denied` (429) or `unavailable` (503) when refused, else the most
+/// `outcome` is the request's: `denylisted` (403), `denied` (429) or `unavailable` (503) when
+/// refused, else the most
 /// telling of its limits' labels (`bypassed`, `fallback`, `shadow_denied`, `allowed`, `skipped`).
 /// `decision` lists `name=label` per limit. Nothing is computed when no subscriber listens.
 pub(crate) fn record_span(span: &tracing::Span, decision: &Decision) {
@@ -284,7 +289,9 @@ pub(crate) fn record_span(span: &tracing::Span, decision: &Decision) {
             .any(|d| Label::of(d, admitted) == want)
     };
     let outcome = if !admitted {
-        if has(Label::Unavailable) {
+        if has(Label::Denylisted) {
+            Label::Denylisted
+        } else if has(Label::Unavailable) {
             Label::Unavailable
         } else {
             Label::Denied
@@ -392,6 +399,7 @@ mod tests {
         let bypassed = Outcome::Bypassed {
             reason: BypassReason::Timeout,
         };
+        let denylisted = Outcome::Denylisted { retry_after: None };
         let b = Source::Backend;
         let cases = [
             (allowed, b, false, true, Label::Allowed),
@@ -434,6 +442,18 @@ mod tests {
                 true,
                 false,
                 Label::ShadowDenied,
+            ),
+            // A deny refuses under a shadow limit too, with or without an end.
+            (denylisted, b, false, false, Label::Denylisted),
+            (denylisted, b, true, false, Label::Denylisted),
+            (
+                Outcome::Denylisted {
+                    retry_after: Some(Duration::from_secs(60)),
+                },
+                b,
+                false,
+                false,
+                Label::Denylisted,
             ),
         ];
         for (outcome, source, shadow, admitted, want) in cases {

@@ -74,6 +74,21 @@ pub(crate) fn problem_body(rejection: &Rejection<'_>) -> Bytes {
             b"",
             b"",
         ],
+        // No limit named: a static deny is the layer's, not one limit's.
+        (RejectionKind::Denylisted, Some(after)) => [
+            b"The request is refused by a deny list; retry in ",
+            digits(whole_seconds(after), &mut seconds),
+            b" s.",
+            b"",
+            b"",
+        ],
+        (RejectionKind::Denylisted, None) => [
+            b"The request is refused by a deny list.",
+            b"",
+            b"",
+            b"",
+            b"",
+        ],
     };
     let head: [&[u8]; 5] = [
         b"{\"type\":\"about:blank\",\"title\":\"",
@@ -133,5 +148,20 @@ mod tests {
             default_response(&r).status(),
             StatusCode::SERVICE_UNAVAILABLE
         );
+        let r = Rejection::new(RejectionKind::Denylisted, "per-ip", None, None);
+        assert_eq!(
+            body(&r),
+            r#"{"type":"about:blank","title":"Forbidden","status":403,"detail":"The request is refused by a deny list."}"#
+        );
+        assert_eq!(default_response(&r).status(), StatusCode::FORBIDDEN);
+        let r = Rejection::new(
+            RejectionKind::Denylisted,
+            "per-ip",
+            Some(Duration::from_millis(89_100)),
+            None,
+        );
+        assert!(body(&r).ends_with(
+            r#""status":403,"detail":"The request is refused by a deny list; retry in 90 s."}"#
+        ));
     }
 }

@@ -9,6 +9,7 @@ use crate::key::MissingKey;
 
 /// gRPC status codes the layer answers with.
 const INVALID_ARGUMENT: u8 = 3;
+const PERMISSION_DENIED: u8 = 7;
 const RESOURCE_EXHAUSTED: u8 = 8;
 const UNAVAILABLE: u8 = 14;
 
@@ -25,6 +26,10 @@ pub enum RejectionKind {
     /// A limit reads its cost from the request, and the request's is not a whole number of
     /// units (absent, not a number, negative, or above `u32::MAX`): `400 Bad Request`.
     InvalidCost,
+    /// The request matched a deny list (the layer's [`Denylist`](crate::Denylist), or the
+    /// backend's for a limit's key): `403 Forbidden`, with `Retry-After` only when the deny
+    /// has an end.
+    Denylisted,
 }
 
 /// A refused request, as handed to a custom responder.
@@ -80,10 +85,11 @@ impl<'a> Rejection<'a> {
 
     /// The gRPC status code a gRPC refusal carries: 8 (`RESOURCE_EXHAUSTED`) for a used-up
     /// limit, 14 (`UNAVAILABLE`) for a fail-closed limit whose backend failed, 3
-    /// (`INVALID_ARGUMENT`) for a missing key.
+    /// (`INVALID_ARGUMENT`) for a missing key, 7 (`PERMISSION_DENIED`) for a deny list.
     pub fn grpc_code(&self) -> u8 {
         match self.kind {
             RejectionKind::TooManyRequests => RESOURCE_EXHAUSTED,
+            RejectionKind::Denylisted => PERMISSION_DENIED,
             RejectionKind::Unavailable => UNAVAILABLE,
             RejectionKind::MissingKey(_) | RejectionKind::InvalidCost => INVALID_ARGUMENT,
         }
@@ -98,6 +104,7 @@ impl<'a> Rejection<'a> {
     pub fn status(&self) -> StatusCode {
         match self.kind {
             RejectionKind::TooManyRequests => StatusCode::TOO_MANY_REQUESTS,
+            RejectionKind::Denylisted => StatusCode::FORBIDDEN,
             RejectionKind::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
             RejectionKind::MissingKey(_) | RejectionKind::InvalidCost => StatusCode::BAD_REQUEST,
         }
@@ -119,10 +126,15 @@ impl<'a> Rejection<'a> {
     }
 }
 
-/// The kind of refusal a refused decision calls for, and the limit behind it.
+/// The kind of refusal a refused decision calls for, and the limit behind it. A deny comes
+/// first: waiting does not lift it as it lifts a used-up quota or an outage.
 pub(crate) fn refusal_of(decision: &Decision) -> Option<(RejectionKind, &str)> {
+    let refusing = || decision.limits().iter().filter(|l| l.refuses());
+    if let Some(limit) = refusing().find(|l| matches!(l.outcome(), Outcome::Denylisted { .. })) {
+        return Some((RejectionKind::Denylisted, limit.name()));
+    }
     let mut first = None;
-    for limit in decision.limits().iter().filter(|l| l.refuses()) {
+    for limit in refusing() {
         if let Outcome::Denied {
             reason: DenyReason::BackendUnavailable,
             ..

@@ -3,13 +3,14 @@
 
 #![allow(clippy::unwrap_used)]
 
-use std::convert::Infallible;
-use std::net::{IpAddr, SocketAddr};
+mod support;
+
+use std::net::IpAddr;
 use std::time::Duration;
 
 use axum::body::Body;
-use axum::extract::ConnectInfo;
-use http::{Request, Response, StatusCode};
+use http::{Request, StatusCode};
+use support::clients::{app, from, Svc};
 use tollgate::core::{Backend, BackendErrorKind, KeyState};
 use tollgate::key::{ClientIp, MissingKey, Principal, Tenant};
 use tollgate::{
@@ -17,43 +18,7 @@ use tollgate::{
 };
 use tollgate_redis::RedisBackend;
 use tollgate_testsupport::{RedisCluster, RedisServer};
-use tower::{service_fn, Layer, Service, ServiceExt};
-
-type Svc = tower::util::BoxCloneService<Request<Body>, Response<Body>, Infallible>;
-
-/// The handler answers `allowlisted` or `counted`, from the Decision it reads.
-fn app<B: Backend>(layer: &RateLimitLayer<B>) -> Svc {
-    let handler = service_fn(|req: Request<Body>| async move {
-        let d = req.extensions().get::<Decision>().cloned().unwrap();
-        let body = if d.is_allowlisted() {
-            "allowlisted"
-        } else {
-            "counted"
-        };
-        Ok::<_, Infallible>(Response::new(Body::from(body)))
-    });
-    tower::util::BoxCloneService::new(
-        layer
-            .clone()
-            .layer(handler)
-            .map_response(|r| r.map(Body::new)),
-    )
-}
-
-fn from(ip: &str, shop: Option<&str>, user: Option<&str>) -> Request<Body> {
-    let mut req = Request::get("/").body(Body::empty()).unwrap();
-    let ip: IpAddr = ip.parse().unwrap();
-    req.extensions_mut()
-        .insert(ConnectInfo(SocketAddr::new(ip, 4000)));
-    if let Some(shop) = shop {
-        req.headers_mut()
-            .insert("x-shop-domain", shop.parse().unwrap());
-    }
-    if let Some(user) = user {
-        req.extensions_mut().insert(user.to_owned());
-    }
-    req
-}
+use tower::{Service, ServiceExt};
 
 /// The status, the handler's body, and whether the response has a `RateLimit` field.
 async fn send(svc: &mut Svc, req: Request<Body>) -> (StatusCode, String, bool) {

@@ -18,6 +18,7 @@ use super::service::RateLimit;
 use super::state::{PlanFn, Responder, Shared};
 use crate::allowlist::Allowlist;
 use crate::cost::Metered;
+use crate::denylist::Denylist;
 use crate::fields::FieldOptions;
 use crate::key::{KeyExtractor, RequestView};
 use crate::limits_file::error::LimitsFileError;
@@ -234,7 +235,7 @@ impl<B: Backend> RateLimitLayerBuilder<B> {
     }
 
     /// Adds every limit of `limits` (for example from a [`LimitsFile`]),
-    /// and its allowlist.
+    /// and its allowlist and denylist.
     pub fn limits(mut self, limits: Limits) -> Self {
         self.limits.extend(limits);
         self
@@ -244,6 +245,13 @@ impl<B: Backend> RateLimitLayerBuilder<B> {
     /// [`Allowlist`]). Adds to the rules already given.
     pub fn allowlist(mut self, allowlist: Allowlist) -> Self {
         self.limits.add_allowlist(allowlist);
+        self
+    }
+
+    /// Refuses the requests that `denylist` matches with `403 Forbidden`, without counting
+    /// them (see [`Denylist`]); the allowlist wins over it. Adds to the rules already given.
+    pub fn denylist(mut self, denylist: Denylist) -> Self {
+        self.limits.add_denylist(denylist);
         self
     }
 

@@ -11,6 +11,7 @@ use crate::allowlist::Allowlist;
 use crate::canary::CANARY_LIMIT;
 use crate::cost::Metered;
 use crate::decision::{DenyReason, LimitDecision, Outcome, Source};
+use crate::denylist::Denylist;
 use crate::fields;
 use crate::key::KeyExtractor;
 use crate::metrics::LimitMetrics;
@@ -23,6 +24,7 @@ use crate::metrics::LimitMetrics;
 pub struct Limits {
     entries: Vec<(Limit, Box<dyn KeyExtractor>, Option<Metered>)>,
     allowlist: Allowlist,
+    denylist: Denylist,
 }
 
 impl Limits {
@@ -47,10 +49,11 @@ impl Limits {
         self.entries.push((limit, key, Some(metered)));
     }
 
-    /// Adds every limit of `other`, and its allowlist.
+    /// Adds every limit of `other`, and its allowlist and denylist.
     pub(crate) fn extend(&mut self, other: Limits) {
         self.entries.extend(other.entries);
         self.add_allowlist(other.allowlist);
+        self.add_denylist(other.denylist);
     }
 
     /// These limits with `allowlist`'s rules added to their allowlist (see [`Allowlist`]).
@@ -68,6 +71,23 @@ impl Limits {
     /// The requests these limits admit without counting.
     pub fn allowlist(&self) -> &Allowlist {
         &self.allowlist
+    }
+
+    /// These limits with `denylist`'s rules added to their denylist (see [`Denylist`]).
+    pub fn with_denylist(mut self, denylist: Denylist) -> Self {
+        self.add_denylist(denylist);
+        self
+    }
+
+    /// Adds `denylist`'s rules to these limits' denylist.
+    pub(crate) fn add_denylist(&mut self, denylist: Denylist) {
+        let own = std::mem::take(&mut self.denylist);
+        self.denylist = own.extend(denylist);
+    }
+
+    /// The requests these limits refuse outright.
+    pub fn denylist(&self) -> &Denylist {
+        &self.denylist
     }
 
     /// The limit named `name` and the extractor of its keys.
@@ -126,6 +146,7 @@ impl Limits {
     pub(crate) fn compile(self) -> Result<LimitSet, ConfigError> {
         self.check()?;
         let allowlist = (!self.allowlist.is_empty()).then_some(self.allowlist);
+        let denylist = (!self.denylist.is_empty()).then_some(self.denylist);
         let limits = self.entries;
         let policy = fields::policy_value(
             limits
@@ -172,6 +193,7 @@ impl Limits {
         Ok(LimitSet {
             limits,
             allowlist,
+            denylist,
             policy,
             names,
             plans,
@@ -194,6 +216,8 @@ pub(crate) struct LimitSet {
     pub(crate) limits: Box<[Entry]>,
     /// The requests admitted without counting; `None` when there is no rule.
     pub(crate) allowlist: Option<Allowlist>,
+    /// The requests refused outright (unless allowlisted); `None` when there is no rule.
+    pub(crate) denylist: Option<Denylist>,
     /// `RateLimit-Policy` of a request that gets every limit's default quota.
     pub(crate) policy: Option<HeaderValue>,
     /// The limits' names, comma-separated, for the check span.

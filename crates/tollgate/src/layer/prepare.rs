@@ -82,7 +82,7 @@ pub(crate) enum Start<F> {
     Ask(F, Facts),
     /// Admitted without asking the backend (allowlisted).
     Admit(Decision),
-    /// Refused before asking (a missing key, a cost that is none).
+    /// Refused before asking (denylisted, a missing key, a cost that is none).
     Refuse(Response<Bytes>),
 }
 
@@ -100,7 +100,8 @@ enum Extracted<'r> {
 
 impl<B: Backend> Shared<B> {
     /// Decides the request's facts (its kept keys into `kept`) and starts the backend call;
-    /// or admits an allowlisted request, or refuses one without a key or a valid cost.
+    /// or admits an allowlisted request, or refuses a denylisted one (the allowlist wins) or
+    /// one without a key or a valid cost.
     pub(crate) fn prepare<T>(&self, req: &Request<T>, kept: &mut KeptKeys) -> Start<B::Future> {
         // Only a subscriber that wants debug spans gets one (`names` is built once, when the
         // layer is). Otherwise the span is `none`: a disabled span still costs, on every
@@ -121,6 +122,11 @@ impl<B: Backend> Shared<B> {
         if let Some(allowlist) = &set.allowlist {
             if allowlist.matches(&view) {
                 return Start::Admit(allowlisted(&set, &span));
+            }
+        }
+        if let Some(denylist) = &set.denylist {
+            if denylist.matches(&view) {
+                return Start::Refuse(self.refuse_denylisted(&set, req, &span, None));
             }
         }
         // The request's plan is looked up only when some limit has plans: its extension, or

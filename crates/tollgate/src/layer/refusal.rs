@@ -1,5 +1,8 @@
-//! The layer's refusals: a request without a key or a valid cost, and a refused decision,
-//! answered by the default problem+json or gRPC response or the user's responder.
+//! The layer's refusals: a request without a key or a valid cost, a denylisted one, and a
+//! refused decision, answered by the default problem+json or gRPC response or the user's
+//! responder.
+
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Request, Response};
@@ -8,9 +11,10 @@ use tollgate_core::Backend;
 use super::limits::{Entry, LimitSet};
 use super::respond::{policy_for, put_decision};
 use super::state::Shared;
-use crate::decision::Decision;
+use crate::decision::{Decision, Outcome, Source};
 use crate::fields::{self, Fields};
 use crate::key::MissingKey;
+use crate::metrics as obs;
 use crate::rejection::{refusal_of, Rejection, RejectionKind};
 use crate::{grpc, problem, refusal_cache};
 
@@ -50,8 +54,32 @@ impl<B: Backend> Shared<B> {
         )
     }
 
+    /// The refusal of a request that a deny list matched before any check: every limit of
+    /// `set` says `Denylisted` (and counts it), `403` with `Retry-After` only when the deny
+    /// ends (`retry_after`; a static deny has no end).
+    pub(crate) fn refuse_denylisted<T>(
+        &self,
+        set: &LimitSet,
+        req: &Request<T>,
+        span: &tracing::Span,
+        retry_after: Option<Duration>,
+    ) -> Response<Bytes> {
+        let outcome = Outcome::Denylisted { retry_after };
+        let decision: Decision = set
+            .limits
+            .iter()
+            .map(|entry| entry.decision(outcome, Source::Backend, 0))
+            .collect();
+        for (entry, d) in set.limits.iter().zip(decision.limits()) {
+            entry.metrics.record(d, false, 0);
+        }
+        obs::record_span(span, &decision);
+        self.refuse_decision(decision, req, set)
+    }
+
     /// The refusal of a request that `decision` refused under `set`'s limits: it carries the
-    /// decision and the rate-limit fields, which say when to come back.
+    /// decision and the rate-limit fields, which say when to come back (a deny has none: it
+    /// says nothing of a quota).
     pub(crate) fn refuse_decision<T>(
         &self,
         decision: Decision,
@@ -62,7 +90,10 @@ impl<B: Backend> Shared<B> {
             .unwrap_or((RejectionKind::TooManyRequests, set.limits[0].limit.name()));
         let rejection = Rejection::new(kind, limit, decision.retry_after(), Some(&decision))
             .grpc(grpc::is_grpc(req.headers()));
-        let mut response = self.refuse_with_fields(&rejection, &decision, set);
+        let mut response = match kind {
+            RejectionKind::Denylisted => self.refuse(&rejection),
+            _ => self.refuse_with_fields(&rejection, &decision, set),
+        };
         put_decision(&mut response, decision);
         response
     }
@@ -104,5 +135,102 @@ impl<B: Backend> Shared<B> {
         let mut response = self.refuse(rejection);
         fields::write_headers(response.headers_mut(), &fields, policy, self.fields);
         response
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use http::header::{CONTENT_TYPE, RETRY_AFTER};
+    use http::StatusCode;
+    use tollgate_core::{Limit, Quota};
+
+    use super::*;
+    use crate::decision::DenyReason;
+    use crate::key::{ClientIp, Global};
+    use crate::RateLimitLayer;
+
+    fn layer() -> RateLimitLayer {
+        RateLimitLayer::builder()
+            .limit(
+                Limit::gcra("per-ip", Quota::per_minute(5).unwrap()).unwrap(),
+                ClientIp::peer(),
+            )
+            .limit(
+                Limit::gcra("everyone", Quota::per_minute(50).unwrap()).unwrap(),
+                Global,
+            )
+            .build()
+            .unwrap()
+    }
+
+    fn body(response: &Response<Bytes>) -> &str {
+        std::str::from_utf8(response.body()).unwrap()
+    }
+
+    /// A deny that ends (a deny made at run time) sends `Retry-After`, rounded up; one
+    /// without an end sends none.
+    #[test]
+    fn a_deny_sends_retry_after_only_when_it_ends() {
+        let layer = layer();
+        let set = layer.shared.set.load_full();
+        let req = Request::new(());
+        let span = tracing::Span::none();
+        let after = Some(Duration::from_millis(89_100));
+        let response = layer.shared.refuse_denylisted(&set, &req, &span, after);
+        assert_eq!(response.status(), StatusCode::FORBIDDEN);
+        assert_eq!(response.headers()[RETRY_AFTER], "90");
+        assert_eq!(response.headers()[CONTENT_TYPE], "application/problem+json");
+        assert!(body(&response)
+            .ends_with(r#""detail":"The request is refused by a deny list; retry in 90 s."}"#));
+        let decision = response.extensions().get::<Decision>().unwrap();
+        assert_eq!(decision.retry_after(), after);
+        assert_eq!(decision.limits().len(), 2);
+
+        let response = layer.shared.refuse_denylisted(&set, &req, &span, None);
+        assert_eq!(response.status(), StatusCode::FORBIDDEN);
+        assert!(!response.headers().contains_key(RETRY_AFTER));
+        assert_eq!(response.headers().len(), 1, "{:?}", response.headers());
+    }
+
+    /// A decision that one limit refuses by a deny (as a backend's deny would) and another
+    /// for its quota is refused as a deny: 403, the deny's end, no rate-limit fields.
+    #[test]
+    fn a_deny_in_a_decision_comes_before_a_used_up_quota() {
+        let layer = layer();
+        let set = layer.shared.set.load_full();
+        let denied = Outcome::Denied {
+            retry_after: Some(Duration::from_secs(5)),
+            remaining: 0,
+            reset: Duration::from_secs(60),
+            reason: DenyReason::OverLimit,
+        };
+        let deny = |retry_after| Outcome::Denylisted { retry_after };
+        let cases = [
+            (deny(Some(Duration::from_secs(600))), Some("600")),
+            // No end: waiting for the other limit would not help.
+            (deny(None), None),
+        ];
+        for (outcome, retry_after) in cases {
+            let decision: Decision = [
+                set.limits[0].decision(denied, Source::Backend, 0),
+                set.limits[1].decision(outcome, Source::Backend, 0),
+            ]
+            .into_iter()
+            .collect();
+            let response = layer
+                .shared
+                .refuse_decision(decision, &Request::new(()), &set);
+            assert_eq!(response.status(), StatusCode::FORBIDDEN, "{outcome:?}");
+            assert_eq!(
+                response
+                    .headers()
+                    .get(RETRY_AFTER)
+                    .map(|v| v.to_str().unwrap()),
+                retry_after
+            );
+            assert!(!response.headers().contains_key("ratelimit"));
+            assert!(!response.headers().contains_key("ratelimit-policy"));
+        }
     }
 }

@@ -15,6 +15,7 @@ use tollgate_core::{Algorithm, ConfigError, Limit, MissingKeyPolicy, Quota, MAX_
 use toml::Spanned;
 
 use crate::allowlist::Allowlist;
+use crate::denylist::Denylist;
 use crate::key::{
     Cidr, ClientIp, ForwardedHeader, Global, Identity, KeyExtractor, Principal, PrincipalId,
     Tenant, TrustedProxies,
@@ -24,14 +25,46 @@ use crate::layer::limits::Limits;
 pub(crate) mod error;
 mod spec;
 
+use crate::rules::Rules;
 use error::LimitsFileError;
 use error::{said, Mistake};
 use spec::{
-    parse_period, AllowSpec, FailureSpec, FileSpec, IpSpec, KeySpec, LimitSpec, QuotaField,
+    parse_period, FailureSpec, FileSpec, IpSpec, KeySpec, LimitSpec, ListSpec, QuotaField,
     QuotaSpec, Trusted,
 };
 
 type MakeKey = Arc<dyn Fn() -> Box<dyn KeyExtractor> + Send + Sync>;
+
+/// Which list a table fills: `[[allowlist]]` or `[[denylist]]`, read alike.
+#[derive(Clone, Copy)]
+enum List {
+    Allow,
+    Deny,
+}
+
+impl List {
+    fn word(self) -> &'static str {
+        match self {
+            Self::Allow => "allowlist",
+            Self::Deny => "denylist",
+        }
+    }
+
+    fn a(self) -> &'static str {
+        match self {
+            Self::Allow => "an allowlist",
+            Self::Deny => "a denylist",
+        }
+    }
+
+    /// The error of an entry that no request could have.
+    fn entry_error(self, entry: String) -> ConfigError {
+        match self {
+            Self::Allow => ConfigError::InvalidAllowlistEntry(entry),
+            Self::Deny => ConfigError::InvalidDenylistEntry(entry),
+        }
+    }
+}
 
 /// Reads limits from TOML: the loader, with the Rust types the file's principals are bound to.
 ///
@@ -136,8 +169,12 @@ impl LimitsFile {
             return Err(LimitsFileError::at(text, None, "the file has no [[limit]]"));
         }
         for spec in &file.allowlist {
-            let allow = self.allowlist(spec).map_err(|m| m.in_text(text))?;
-            limits.add_allowlist(allow);
+            let rules = self.rules(spec, List::Allow).map_err(|m| m.in_text(text))?;
+            limits.add_allowlist(Allowlist::from_rules(rules));
+        }
+        for spec in &file.denylist {
+            let rules = self.rules(spec, List::Deny).map_err(|m| m.in_text(text))?;
+            limits.add_denylist(Denylist::from_rules(rules));
         }
         // What only the whole set can say (duplicate names, too many limits).
         limits
@@ -261,16 +298,17 @@ impl LimitsFile {
         Ok((limit, key))
     }
 
-    /// One `[[allowlist]]` table: a key and the networks (for an `ip` key) or the names it
-    /// admits.
-    fn allowlist(&self, table: &Spanned<AllowSpec>) -> Result<Allowlist, Mistake> {
+    /// One `[[allowlist]]` or `[[denylist]]` table (`list` says which): a key and the
+    /// networks (for an `ip` key) or the names it matches.
+    fn rules(&self, table: &Spanned<ListSpec>, list: List) -> Result<Rules, Mistake> {
         let spec = table.get_ref();
+        let word = list.word();
         let at = |span: Range<usize>, message: String| Mistake { span, message };
-        let mut allow = Allowlist::new();
+        let mut rules = Rules::default();
         if spec.networks.is_none() && spec.values.is_none() {
             return Err(at(
                 table.span(),
-                "an allowlist needs `networks` (for an ip key) or `values`".into(),
+                format!("{} needs `networks` (for an ip key) or `values`", list.a()),
             ));
         }
         if let Some(networks) = &spec.networks {
@@ -280,7 +318,7 @@ impl LimitsFile {
                 _ => {
                     return Err(at(
                         spec.key.span(),
-                        "allowlist `networks` need an ip key".into(),
+                        format!("{word} `networks` need an ip key"),
                     ))
                 }
             };
@@ -289,30 +327,27 @@ impl LimitsFile {
                 .map(|n| {
                     n.get_ref()
                         .parse::<Cidr>()
-                        .map_err(|e| at(n.span(), format!("allowlist: {e}")))
+                        .map_err(|e| at(n.span(), format!("{word}: {e}")))
                 })
                 .collect::<Result<Vec<_>, _>>()?;
-            allow = allow.networks(ip, cidrs);
+            rules.networks(ip, cidrs);
         }
         if let Some(values) = &spec.values {
             let key = self
                 .key(spec.key.get_ref())
-                .map_err(|e| at(spec.key.span(), format!("allowlist: {e}")))?;
-            allow = allow
+                .map_err(|e| at(spec.key.span(), format!("{word}: {e}")))?;
+            rules
                 .keys(key, values.iter().map(Spanned::get_ref))
-                .map_err(|e| {
+                .map_err(|entry| {
                     // At the value refused, which the error names as an identity.
-                    let refused = match &e {
-                        ConfigError::InvalidAllowlistEntry(entry) => values
-                            .iter()
-                            .find(|v| Identity::from(v.get_ref()).to_string() == *entry),
-                        _ => None,
-                    };
+                    let refused = values
+                        .iter()
+                        .find(|v| Identity::from(v.get_ref()).to_string() == entry);
                     let span = refused.map_or(table.span(), Spanned::span);
-                    at(span, format!("allowlist: {e}"))
+                    at(span, format!("{word}: {}", list.entry_error(entry)))
                 })?;
         }
-        Ok(allow)
+        Ok(rules)
     }
 
     fn key(&self, spec: &KeySpec) -> Result<Box<dyn KeyExtractor>, String> {

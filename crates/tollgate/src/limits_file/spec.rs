@@ -39,12 +39,15 @@ pub(super) struct FileSpec {
     #[serde(default)]
     pub(super) limit: Vec<Spanned<LimitSpec>>,
     #[serde(default)]
-    pub(super) allowlist: Vec<Spanned<AllowSpec>>,
+    pub(super) allowlist: Vec<Spanned<ListSpec>>,
+    #[serde(default)]
+    pub(super) denylist: Vec<Spanned<ListSpec>>,
 }
 
+/// One `[[allowlist]]` or `[[denylist]]` table.
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
-pub(super) struct AllowSpec {
+pub(super) struct ListSpec {
     pub(super) key: Spanned<KeySpec>,
     pub(super) networks: Option<Vec<Spanned<String>>>,
     pub(super) values: Option<Vec<Spanned<String>>>,

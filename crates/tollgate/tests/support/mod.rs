@@ -1,5 +1,6 @@
-//! Shared helpers of the metrics and canary tests: a per-test metrics recorder, a tracing
-//! collector, and backends that fail on demand (to test how failures are mapped, not limiting).
+//! Shared helpers of the tests: a per-test metrics recorder, a tracing collector, backends
+//! that fail on demand (to test how failures are mapped, not limiting), and clients
+//! ([`clients`]).
 
 #![allow(dead_code, clippy::unwrap_used, unreachable_pub)]
 
@@ -12,6 +13,8 @@ use metrics::{Counter, Gauge, Histogram, Key, KeyName, Metadata, SharedString, U
 use metrics_util::registry::{AtomicStorage, Registry};
 use tollgate::core::{Backend, BackendError, BackendErrorKind, Check, Verdicts};
 use tollgate::MemoryBackend;
+
+pub mod clients;
 
 /// One metric series: its name and its labels, sorted.
 pub type Series = (String, Vec<(String, String)>);
