@@ -135,6 +135,11 @@ impl Outcome {
             Status::CostTooHigh => DenyReason::CostTooHigh,
             Status::AtCapacity { .. } => DenyReason::AtCapacity,
             Status::Blocked { .. } => DenyReason::Blocked,
+            Status::Denylisted { retry_after } => {
+                return Self::Denylisted {
+                    retry_after: Some(Duration::from_micros(retry_after)),
+                }
+            }
             _ => DenyReason::OverLimit,
         };
         Self::Denied {

@@ -129,5 +129,6 @@ pub use limits_file::LimitsFile;
 pub use plan::Plan;
 pub use rejection::{Rejection, RejectionKind};
 pub use tollgate_core::{
-    Algorithm, FailurePolicy, FakeClock, Limit, MemoryBackend, MissingKeyPolicy, Quota, SystemClock,
+    Algorithm, FailurePolicy, FakeClock, Limit, MemoryBackend, MissingKeyPolicy, Penalty, Quota,
+    SystemClock,
 };

@@ -43,7 +43,7 @@ pub(crate) enum Label {
 }
 
 impl Label {
-    const ALL: [Self; 12] = [
+    const ALL: [Self; 13] = [
         Self::Allowed,
         Self::Delayed,
         Self::Denied,
@@ -291,6 +291,8 @@ pub(crate) fn record_span(span: &tracing::Span, decision: &Decision) {
     let outcome = if !admitted {
         if has(Label::Denylisted) {
             Label::Denylisted
+        } else if has(Label::Blocked) {
+            Label::Blocked
         } else if has(Label::Unavailable) {
             Label::Unavailable
         } else {

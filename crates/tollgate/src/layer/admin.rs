@@ -2,6 +2,7 @@
 //! forgotten (`reset`), named as requests name it.
 
 use std::fmt;
+use std::time::Duration;
 
 use tollgate_core::{Backend, BackendError, Check, KeyState};
 
@@ -101,7 +102,8 @@ impl<B: Backend> RateLimitLayer<B> {
     /// Forgets what `identity` has used under the limit named `limit` (after a false
     /// positive, say): its next request finds the whole quota. The backend's state of the key
     /// is removed, and so is this replica's cached denial of it (a Redis backend's deny
-    /// cache; other replicas' expire on their own, within the cache's lease).
+    /// cache; other replicas' expire on their own, within the cache's lease). A block of the
+    /// limit's [penalty box](tollgate_core::Penalty) is lifted; a [`deny`](Self::deny) is not.
     ///
     /// A concurrency limit cannot be reset: its slots are requests still in flight, given back
     /// as they end.
@@ -121,6 +123,70 @@ impl<B: Backend> RateLimitLayer<B> {
             match backend.admin() {
                 Some(admin) => admin.reset(check),
                 None => unsupported_now(backend.kind(), "reset"),
+            }
+        })?;
+        answer.await.map_err(AdminError::Backend)
+    }
+
+    /// Refuses `identity` under the limit named `limit` for `duration`, on every replica
+    /// that shares the backend: `403` ([`Outcome::Denylisted`](crate::Outcome::Denylisted),
+    /// counted as `outcome="denylisted"`) with a `Retry-After` to the deny's end, whatever the
+    /// request's cost or plan, and nothing consumed. A replica whose deny cache or leased
+    /// slice answers the key refuses it once that answer runs out (the cache's TTL, 1 s by
+    /// default; the lease's lifetime). A [`reset`](Self::reset) leaves a deny in place; the
+    /// layer's allowlist still wins over it. The static [`Denylist`](crate::Denylist) is the
+    /// layer's own; this one lives in the backend.
+    ///
+    /// ```
+    /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+    /// use std::time::Duration;
+    /// use tollgate::{key::ClientIp, Limit, Quota, RateLimitLayer};
+    ///
+    /// let layer = RateLimitLayer::builder()
+    ///     .limit(Limit::gcra("per-ip", Quota::per_minute(60)?)?, ClientIp::peer())
+    ///     .build()?;
+    /// layer.deny("per-ip", "203.0.113.9", Duration::from_secs(3600)).await?;
+    /// layer.undeny("per-ip", "203.0.113.9").await?;
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// As [`peek`](Self::peek); `AdminError::Backend` with
+    /// [`BackendErrorKind::Unsupported`](tollgate_core::BackendErrorKind::Unsupported) for a
+    /// backend that keeps no denies.
+    pub async fn deny(
+        &self,
+        limit: &str,
+        identity: impl Into<Identity>,
+        duration: Duration,
+    ) -> Result<(), AdminError> {
+        let identity = identity.into();
+        let answer = self.with_check(limit, None, &identity, |backend, check| {
+            match backend.admin() {
+                Some(admin) => admin.deny(check, duration),
+                None => unsupported_now(backend.kind(), "deny"),
+            }
+        })?;
+        answer.await.map_err(AdminError::Backend)
+    }
+
+    /// Lifts a [`deny`](Self::deny) of `identity` under the limit named `limit` (nothing if
+    /// there is none): at once on this replica, within the deny cache's TTL on the others.
+    ///
+    /// # Errors
+    ///
+    /// As [`deny`](Self::deny).
+    pub async fn undeny(
+        &self,
+        limit: &str,
+        identity: impl Into<Identity>,
+    ) -> Result<(), AdminError> {
+        let identity = identity.into();
+        let answer = self.with_check(limit, None, &identity, |backend, check| {
+            match backend.admin() {
+                Some(admin) => admin.undeny(check),
+                None => unsupported_now(backend.kind(), "undeny"),
             }
         })?;
         answer.await.map_err(AdminError::Backend)
