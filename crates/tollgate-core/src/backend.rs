@@ -10,6 +10,7 @@ use crate::algorithm;
 use crate::check::{Check, Settlement};
 use crate::counting::Algorithm;
 use crate::quota::Quota;
+use crate::reports::Reports;
 use crate::verdict::{Status, Verdict};
 use crate::verdicts::Verdicts;
 
@@ -69,6 +70,13 @@ pub trait Backend: Send + Sync + 'static {
     /// What this backend does at a graceful shutdown ([`Lifecycle`]), if anything. The
     /// default, `None`, is right for a backend that holds nothing of a shared quota.
     fn lifecycle(&self) -> Option<&dyn Lifecycle> {
+        None
+    }
+
+    /// The reports of refused identities ([`Reports`]), if this backend keeps them. The
+    /// default, `None`, makes the layer's `top_refused` answer
+    /// [`BackendErrorKind::Unsupported`].
+    fn reports(&self) -> Option<&dyn Reports> {
         None
     }
 }
@@ -145,6 +153,10 @@ impl<B: Backend> Backend for std::sync::Arc<B> {
 
     fn lifecycle(&self) -> Option<&dyn Lifecycle> {
         (**self).lifecycle()
+    }
+
+    fn reports(&self) -> Option<&dyn Reports> {
+        (**self).reports()
     }
 }
 

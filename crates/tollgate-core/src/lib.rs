@@ -39,8 +39,10 @@ pub mod leased;
 mod limit;
 mod memory;
 mod quota;
+pub mod reports;
 mod sip;
 mod system_clock;
+pub mod topk;
 mod tsc;
 mod verdict;
 mod verdicts;
@@ -63,6 +65,7 @@ pub use limit::{
 };
 pub use memory::{MemoryBackend, MemoryBackendBuilder, MemoryStats};
 pub use quota::Quota;
+pub use reports::{Refused, Reports};
 pub use system_clock::SystemClock;
 pub use verdict::{Status, Verdict};
 pub use verdicts::Verdicts;
