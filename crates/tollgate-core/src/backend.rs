@@ -8,9 +8,10 @@ use std::time::Duration;
 
 use crate::algorithm;
 use crate::check::{Check, Settlement};
+use crate::clock::Micros;
 use crate::counting::Algorithm;
 use crate::quota::Quota;
-use crate::reports::Reports;
+use crate::reports::Refused;
 use crate::verdict::{Status, Verdict};
 use crate::verdicts::Verdicts;
 
@@ -126,6 +127,25 @@ pub trait Lifecycle: Send + Sync {
     /// once the backend has them back (or could not be reached). Checks made after it are
     /// checked without leases.
     fn shutdown(&self) -> Pin<Box<dyn Future<Output = ()> + Send + 'static>>;
+}
+
+/// A backend's reports of refused identities. A backend that keeps them returns itself from
+/// [`Backend::reports`].
+pub trait Reports: Send + Sync {
+    /// Adds `refused` (one replica's counters since its last merge) to `limit`'s report for
+    /// the bucket of `now`, which keeps the `keep` largest identities. A networked backend's
+    /// future does the I/O: the caller may spawn it and not wait.
+    fn merge(
+        &self,
+        limit: &str,
+        keep: usize,
+        refused: Vec<Refused>,
+        now: Micros,
+    ) -> AdminFuture<()>;
+
+    /// The `n` most-refused identities of `limit` in the bucket of `now` and the one before,
+    /// most refused first.
+    fn top(&self, limit: &str, n: usize, now: Micros) -> AdminFuture<Vec<Refused>>;
 }
 
 impl<B: Backend> Backend for std::sync::Arc<B> {

@@ -49,7 +49,7 @@ mod verdicts;
 
 pub use backend::{
     unsupported, Admin, AdminFuture, Backend, BackendError, BackendErrorKind, KeyState, Lifecycle,
-    Slots,
+    Reports, Slots,
 };
 pub use bounds::{
     DEFAULT_MAX_WAITING, MAX_CHECKS, MAX_LOG_UNITS, MAX_NAME_LEN, MAX_PERIOD, MAX_PLANS,
@@ -65,7 +65,7 @@ pub use limit::{
 };
 pub use memory::{MemoryBackend, MemoryBackendBuilder, MemoryStats};
 pub use quota::Quota;
-pub use reports::{Refused, Reports};
+pub use reports::Refused;
 pub use system_clock::SystemClock;
 pub use verdict::{Status, Verdict};
 pub use verdicts::Verdicts;

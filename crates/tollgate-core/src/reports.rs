@@ -4,14 +4,13 @@
 //!
 //! A replica counts its refusals in a local summary of `k` counters (no backend call) and, at
 //! most once per [`REPORT_TICK`], hands the counters it gathered to its backend's [`Reports`],
-//! which adds them to the limit's summary of the current bucket, bounded to `2k` identities. A
+//! ([`Reports`](crate::Reports)), which adds them to the limit's summary of the current bucket, bounded to `2k` identities. A
 //! read merges the current and the previous bucket, so it covers between one and two buckets.
 
 use std::collections::HashMap;
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
-use crate::backend::AdminFuture;
 use crate::clock::Micros;
 use crate::topk::{sort_counters, Counter, SpaceSaving};
 
@@ -71,25 +70,6 @@ impl From<Counter<String>> for Refused {
     fn from(c: Counter<String>) -> Self {
         Self::new(c.key, c.count, c.error, c.first_seen, c.last_seen)
     }
-}
-
-/// A backend's reports of refused identities. A backend that keeps them returns itself from
-/// [`Backend::reports`](crate::Backend::reports).
-pub trait Reports: Send + Sync {
-    /// Adds `refused` (one replica's counters since its last merge) to `limit`'s report for
-    /// the bucket of `now`, which keeps the `keep` largest identities. A networked backend's
-    /// future does the I/O: the caller may spawn it and not wait.
-    fn merge(
-        &self,
-        limit: &str,
-        keep: usize,
-        refused: Vec<Refused>,
-        now: Micros,
-    ) -> AdminFuture<()>;
-
-    /// The `n` most-refused identities of `limit` in the bucket of `now` and the one before,
-    /// most refused first.
-    fn top(&self, limit: &str, n: usize, now: Micros) -> AdminFuture<Vec<Refused>>;
 }
 
 /// The index of the bucket of `now`.

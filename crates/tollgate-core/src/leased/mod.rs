@@ -255,7 +255,7 @@ impl<B: Backend, C: Clock> Backend for Leased<B, C> {
     }
 
     /// The inner backend's: leases change nothing of who is refused.
-    fn reports(&self) -> Option<&dyn crate::reports::Reports> {
+    fn reports(&self) -> Option<&dyn crate::backend::Reports> {
         self.inner().reports()
     }
 }

@@ -34,14 +34,15 @@ use std::future::{ready, Ready};
 use std::sync::{Arc, PoisonError};
 
 use crate::backend::{
-    unsupported, Admin, AdminFuture, Backend, BackendError, BackendErrorKind, KeyState, Slots,
+    unsupported, Admin, AdminFuture, Backend, BackendError, BackendErrorKind, KeyState, Reports,
+    Slots,
 };
 use crate::bounds::MAX_CHECKS;
 use crate::check::{Check, Settlement};
 use crate::clock::Clock;
 use crate::clock::Micros;
 use crate::counting::Algorithm;
-use crate::reports::{Refused, Reports};
+use crate::reports::Refused;
 use crate::system_clock::SystemClock;
 use crate::verdicts::Verdicts;
 
