@@ -5,14 +5,13 @@
 
 use std::convert::Infallible;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Body;
 use axum::extract::ConnectInfo;
 use http::{Request, Response, StatusCode};
-use tollgate::core::{Backend, FakeClock, MemoryBackend};
-use tollgate::key::{ClientIp, Principal};
+use tollgate::core::{Backend, Clock, FakeClock, MemoryBackend};
+use tollgate::key::ClientIp;
 use tollgate::{AdminError, Limit, Quota, RateLimitLayer, Refused};
 use tollgate_redis::RedisBackend;
 use tollgate_testsupport::{RedisCluster, RedisServer};
@@ -164,4 +163,123 @@ async fn k_zero_counts_no_refusal() {
     send(&mut svc, ip).await;
     assert_eq!(send(&mut svc, ip).await, StatusCode::TOO_MANY_REQUESTS);
     assert!(layer.top_refused("per-ip", 10).await.unwrap().is_empty());
+}
+
+/// In memory, a limit's counters reach the backend's report with the first refusal a tick
+/// (1 s) after the last hand-over, and not before.
+#[tokio::test]
+async fn counters_are_handed_to_the_backend_once_per_tick() {
+    let clock = FakeClock::new(T0);
+    let layer = RateLimitLayer::builder()
+        .backend(MemoryBackend::builder().clock(clock.clone()).build())
+        .fallback_clock(clock.clone())
+        .limit(per_ip(), ClientIp::peer())
+        .build()
+        .unwrap();
+    let mut svc = app(&layer);
+    let ip: IpAddr = "192.0.2.1".parse().unwrap();
+    let in_backend = || {
+        let reports = layer.backend().reports().unwrap();
+        let top = reports.top("per-ip", 10, clock.now());
+        async move { top.await.unwrap() }
+    };
+    send(&mut svc, ip).await;
+    send(&mut svc, ip).await;
+    clock.advance(Duration::from_millis(999));
+    send(&mut svc, ip).await;
+    assert!(in_backend().await.is_empty());
+    clock.advance(Duration::from_millis(1));
+    send(&mut svc, ip).await;
+    let top = in_backend().await;
+    assert_eq!(
+        top,
+        vec![Refused::new("192.0.2.1", 3, 0, T0, T0 + 1_000_000)]
+    );
+}
+
+fn redis(url: &str, prefix: &str) -> RedisBackend {
+    RedisBackend::builder()
+        .url(url)
+        .prefix(prefix)
+        .deadline(Duration::from_secs(5))
+        .build()
+        .unwrap()
+}
+
+fn cluster(urls: Vec<String>, prefix: &str) -> RedisBackend {
+    RedisBackend::builder()
+        .cluster(urls)
+        .prefix(prefix)
+        .deadline(Duration::from_secs(5))
+        .build()
+        .unwrap()
+}
+
+/// Two replicas on one Redis: each hands its counters when asked, and either reads both
+/// merged, over the current and the previous bucket, bounded to 2k identities per bucket.
+async fn two_replicas_merge(a: RedisBackend, b: RedisBackend) {
+    let clock = FakeClock::new(T0);
+    let replica = |backend: RedisBackend| {
+        RateLimitLayer::builder()
+            .backend(backend)
+            .fallback_clock(clock.clone())
+            .limit(per_ip(), ClientIp::peer())
+            .top_refused_k(3)
+            .build()
+            .unwrap()
+    };
+    let (a, b) = (replica(a), replica(b));
+    let (mut svc_a, mut svc_b) = (app(&a), app(&b));
+    let ip = |last: u8| IpAddr::V4(Ipv4Addr::new(198, 51, 100, last));
+    // Each address's first request is admitted, wherever it lands: the quota is shared.
+    let mut refused = 0;
+    for (on_a, last, times) in [(true, 1, 4), (false, 1, 2), (true, 2, 2), (false, 3, 5)] {
+        let svc = if on_a { &mut svc_a } else { &mut svc_b };
+        for _ in 0..times {
+            if send(svc, ip(last)).await == StatusCode::TOO_MANY_REQUESTS {
+                refused += 1;
+            }
+        }
+    }
+    assert_eq!(refused, 10);
+    // B hands its counters as it reads; A then reads both replicas' merged.
+    assert_eq!(b.top_refused("per-ip", 10).await.unwrap().len(), 2);
+    let top = a.top_refused("per-ip", 10).await.unwrap();
+    assert_eq!(
+        top,
+        vec![
+            Refused::new("198.51.100.1", 5, 0, T0, T0),
+            Refused::new("198.51.100.3", 4, 0, T0, T0),
+            Refused::new("198.51.100.2", 1, 0, T0, T0),
+        ]
+    );
+    // A bucket later the report still holds them; two buckets later it is empty.
+    clock.advance(Duration::from_secs(60));
+    assert_eq!(a.top_refused("per-ip", 1).await.unwrap(), top[..1]);
+    clock.advance(Duration::from_secs(60));
+    assert!(a.top_refused("per-ip", 10).await.unwrap().is_empty());
+    // 2k = 6 identities at most per bucket, whatever the replicas hand over.
+    for last in 10..20 {
+        send(&mut svc_a, ip(last)).await;
+        send(&mut svc_a, ip(last)).await;
+        send(&mut svc_b, ip(last)).await;
+        b.top_refused("per-ip", 10).await.unwrap();
+    }
+    assert_eq!(a.top_refused("per-ip", 100).await.unwrap().len(), 6);
+}
+
+#[tokio::test]
+async fn two_replicas_on_one_server_merge_their_refusals() {
+    let server = RedisServer::start();
+    two_replicas_merge(redis(&server.url(), "top"), redis(&server.url(), "top")).await;
+}
+
+#[tokio::test]
+async fn two_replicas_on_a_cluster_merge_their_refusals() {
+    let cluster_ = RedisCluster::start(3);
+    two_replicas_merge(
+        cluster(cluster_.urls(), "top"),
+        cluster(cluster_.urls(), "top"),
+    )
+    .await;
 }
