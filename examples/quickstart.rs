@@ -11,23 +11,27 @@
 //! `reset_ms`, `retry_after_ms`), consuming nothing; `DELETE` on the same path resets it
 //! (204). The identity is what requests are counted as: here a client address (an IPv6
 //! address stands for its /64). 404 for an unknown limit, 400 for an identity that is not
-//! an address.
+//! an address. `GET /admin/top/{limit}?n=10` answers the identities the limit refused most
+//! over the last one to two minutes as JSON (`identity`, `count`, `error`, `first_seen_us`,
+//! `last_seen_us`), most refused first.
 //!
 //! ```text
 //! for i in 1 2 3 4 5 6; do curl -si localhost:3000/ | grep -iE '^(HTTP|retry-after|ratelimit:)|left'; done
 //! curl -s localhost:3000/metrics | grep tollgate_decisions_total
 //! curl -s -H "authorization: Bearer $ADMIN_TOKEN" localhost:3000/admin/limits/per-ip/127.0.0.1
 //! curl -s -X DELETE -H "authorization: Bearer $ADMIN_TOKEN" localhost:3000/admin/limits/per-ip/127.0.0.1
+//! curl -s -H "authorization: Bearer $ADMIN_TOKEN" 'localhost:3000/admin/top/per-ip?n=10'
 //! ```
 
 mod support;
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::extract::{Path, State};
+use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::{routing::get, Json, Router};
@@ -69,17 +73,18 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
     if token.is_none() {
         tracing::info!("ADMIN_TOKEN is not set: the /admin routes answer 403");
     }
-    let admin = Admin {
+    let admin = Arc::new(Admin {
         limits: limits.clone(),
         token,
-    };
+    });
     let app = Router::new()
         .route("/", get(hello).route_layer(limits))
         .route("/metrics", get(move || async move { prometheus.render() }))
         .route(
             "/admin/limits/{limit}/{identity}",
-            get(peek).delete(reset).with_state(Arc::new(admin)),
-        );
+            get(peek).delete(reset).with_state(Arc::clone(&admin)),
+        )
+        .route("/admin/top/{limit}", get(top).with_state(admin));
 
     let listener = support::listen(port).await?;
     tracing::info!(
@@ -166,6 +171,41 @@ async fn reset(
     };
     match answer {
         Ok(()) => StatusCode::NO_CONTENT.into_response(),
+        Err(e) => admin_error(e),
+    }
+}
+
+async fn top(
+    State(admin): State<Arc<Admin>>,
+    Path(limit): Path<String>,
+    Query(query): Query<HashMap<String, String>>,
+    headers: HeaderMap,
+) -> Response {
+    if let Err(refused) = admin.authorize(&headers) {
+        return refused.into_response();
+    }
+    // `?n=`: how many identities (default 10, at most 100).
+    let n = match query.get("n").map(|n| n.parse::<usize>()) {
+        None => 10,
+        Some(Ok(n)) => n.min(100),
+        Some(Err(_)) => return (StatusCode::BAD_REQUEST, "n is not a number\n").into_response(),
+    };
+    match admin.limits.top_refused(&limit, n).await {
+        Ok(top) => {
+            let top: Vec<_> = top
+                .iter()
+                .map(|r| {
+                    serde_json::json!({
+                        "identity": r.identity,
+                        "count": r.count,
+                        "error": r.error,
+                        "first_seen_us": r.first_seen,
+                        "last_seen_us": r.last_seen,
+                    })
+                })
+                .collect();
+            Json(serde_json::json!({ "limit": limit, "top": top })).into_response()
+        }
         Err(e) => admin_error(e),
     }
 }
