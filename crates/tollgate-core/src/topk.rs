@@ -7,9 +7,10 @@
 //! bound. So a counter never counts less than its key's true count, and over-counts by at most
 //! its error; and a key that occurs more than `N / k` times among `N` is always held.
 //!
-//! The counters are a binary min-heap by count beside a map from key to heap position, so
-//! that finding the smallest counter is free and every update moves a counter along one path
-//! of the heap: `O(log k)` comparisons and one hash lookup per update.
+//! The counters stay where they were made; a binary min-heap by count orders their places,
+//! so that finding the smallest counter is free and every update moves a place along one
+//! path of the heap without touching a key: `O(log k)` comparisons, and one hash lookup per
+//! update (three when a new key takes the smallest counter).
 
 use std::borrow::Borrow;
 use std::collections::HashMap;
@@ -51,21 +52,28 @@ pub struct Counter<K> {
 #[derive(Debug, Clone)]
 pub struct SpaceSaving<K> {
     k: usize,
-    /// A min-heap by count.
-    heap: Vec<Counter<K>>,
-    /// Each key's position in `heap`.
-    index: HashMap<K, usize>,
+    /// The counters, each in the place it took: they never move, so that the heap's moves
+    /// touch no key and no hash.
+    counters: Vec<Counter<K>>,
+    /// A min-heap by count of places in `counters`.
+    heap: Vec<u32>,
+    /// Each place's position in `heap`.
+    at: Vec<u32>,
+    /// Each key's place in `counters`.
+    index: HashMap<K, u32>,
     /// Every count added since the summary was made or drained (`N`).
     total: u64,
 }
 
 impl<K: Hash + Eq + Clone> SpaceSaving<K> {
-    /// An empty summary of at most `k` counters (at least one).
+    /// An empty summary of at most `k` counters (at least one, at most 2^32).
     pub fn new(k: usize) -> Self {
-        let k = k.max(1);
+        let k = k.clamp(1, u32::MAX as usize);
         Self {
             k,
+            counters: Vec::new(),
             heap: Vec::new(),
+            at: Vec::new(),
             index: HashMap::new(),
             total: 0,
         }
@@ -78,12 +86,12 @@ impl<K: Hash + Eq + Clone> SpaceSaving<K> {
 
     /// How many counters it holds now.
     pub fn len(&self) -> usize {
-        self.heap.len()
+        self.counters.len()
     }
 
     /// Whether it holds none.
     pub fn is_empty(&self) -> bool {
-        self.heap.is_empty()
+        self.counters.is_empty()
     }
 
     /// Every count added since it was made or drained.
@@ -91,8 +99,7 @@ impl<K: Hash + Eq + Clone> SpaceSaving<K> {
         self.total
     }
 
-    /// Counts `key` `n` times at `now`, with an error of `error` already on it (0 for a count
-    /// seen here; a merged counter brings its own).
+    /// Counts `key` `n` times at `now`.
     pub fn add<Q>(&mut self, key: &Q, n: u64, now: Micros)
     where
         K: Borrow<Q>,
@@ -101,55 +108,62 @@ impl<K: Hash + Eq + Clone> SpaceSaving<K> {
         self.add_counted(key, n, 0, (now, now));
     }
 
-    /// Counts `key` `n` times with an error of `error`, seen from `first` to `last`: what
-    /// merging another summary's counter does.
+    /// Counts `key` `n` times with an error of `error` already on it, seen from `first` to
+    /// `last`: what merging another summary's counter does.
     pub fn add_counted<Q>(&mut self, key: &Q, n: u64, error: u64, (first, last): (Micros, Micros))
     where
         K: Borrow<Q>,
         Q: Hash + Eq + ToOwned<Owned = K> + ?Sized,
     {
         self.total = self.total.saturating_add(n);
-        if let Some(&at) = self.index.get(key) {
-            let c = &mut self.heap[at];
+        if let Some(&place) = self.index.get(key) {
+            let c = &mut self.counters[place as usize];
             c.count = c.count.saturating_add(n);
             c.error = c.error.saturating_add(error);
             c.first_seen = c.first_seen.min(first);
             c.last_seen = c.last_seen.max(last);
-            self.sift_down(at);
+            self.sift_down(self.at[place as usize] as usize);
             return;
         }
         let owned = key.to_owned();
-        if self.heap.len() < self.k {
-            self.index.insert(owned.clone(), self.heap.len());
-            self.heap.push(Counter {
+        if self.counters.len() < self.k {
+            let place = self.counters.len() as u32;
+            self.index.insert(owned.clone(), place);
+            self.counters.push(Counter {
                 key: owned,
                 count: n,
                 error,
                 first_seen: first,
                 last_seen: last,
             });
-            self.sift_up(self.heap.len() - 1);
+            self.heap.push(place);
+            self.at.push(place);
+            self.sift_up(place as usize);
             return;
         }
         // Full: the new key takes the smallest counter and inherits its count as its error.
-        let min = &mut self.heap[0];
-        self.index.remove::<K>(&min.key);
+        let place = self.heap[0];
+        let min = &mut self.counters[place as usize];
         let floor = min.count;
-        *min = Counter {
-            key: owned.clone(),
-            count: floor.saturating_add(n),
-            error: floor.saturating_add(error),
-            first_seen: first,
-            last_seen: last,
-        };
-        self.index.insert(owned, 0);
+        let old = std::mem::replace(
+            min,
+            Counter {
+                key: owned.clone(),
+                count: floor.saturating_add(n),
+                error: floor.saturating_add(error),
+                first_seen: first,
+                last_seen: last,
+            },
+        );
+        self.index.remove::<K>(&old.key);
+        self.index.insert(owned, place);
         self.sift_down(0);
     }
 
     /// The `n` largest counters, largest first (ties: the smaller error, then the earlier
     /// first seen).
     pub fn top(&self, n: usize) -> Vec<Counter<K>> {
-        let mut all = self.heap.clone();
+        let mut all = self.counters.clone();
         sort_counters(&mut all);
         all.truncate(n);
         all
@@ -158,8 +172,10 @@ impl<K: Hash + Eq + Clone> SpaceSaving<K> {
     /// Takes every counter out, leaving the summary empty (its total at 0).
     pub fn drain(&mut self) -> Vec<Counter<K>> {
         self.index.clear();
+        self.heap.clear();
+        self.at.clear();
         self.total = 0;
-        std::mem::take(&mut self.heap)
+        std::mem::take(&mut self.counters)
     }
 
     /// Adds every counter of `counters` (another summary's, drained).
@@ -169,43 +185,44 @@ impl<K: Hash + Eq + Clone> SpaceSaving<K> {
         }
     }
 
-    fn sift_up(&mut self, mut at: usize) {
-        while at > 0 {
-            let parent = (at - 1) / 2;
-            if self.heap[parent].count <= self.heap[at].count {
+    fn count_at(&self, pos: usize) -> u64 {
+        self.counters[self.heap[pos] as usize].count
+    }
+
+    fn sift_up(&mut self, mut pos: usize) {
+        while pos > 0 {
+            let parent = (pos - 1) / 2;
+            if self.count_at(parent) <= self.count_at(pos) {
                 break;
             }
-            self.swap(at, parent);
-            at = parent;
+            self.swap(pos, parent);
+            pos = parent;
         }
     }
 
-    fn sift_down(&mut self, mut at: usize) {
+    fn sift_down(&mut self, mut pos: usize) {
         let len = self.heap.len();
         loop {
-            let (left, right) = (2 * at + 1, 2 * at + 2);
-            let mut least = at;
-            if left < len && self.heap[left].count < self.heap[least].count {
+            let (left, right) = (2 * pos + 1, 2 * pos + 2);
+            let mut least = pos;
+            if left < len && self.count_at(left) < self.count_at(least) {
                 least = left;
             }
-            if right < len && self.heap[right].count < self.heap[least].count {
+            if right < len && self.count_at(right) < self.count_at(least) {
                 least = right;
             }
-            if least == at {
+            if least == pos {
                 return;
             }
-            self.swap(at, least);
-            at = least;
+            self.swap(pos, least);
+            pos = least;
         }
     }
 
     fn swap(&mut self, a: usize, b: usize) {
         self.heap.swap(a, b);
-        for at in [a, b] {
-            if let Some(slot) = self.index.get_mut::<K>(&self.heap[at].key) {
-                *slot = at;
-            }
-        }
+        self.at[self.heap[a] as usize] = a as u32;
+        self.at[self.heap[b] as usize] = b as u32;
     }
 }
 
