@@ -3,7 +3,7 @@
 //! ([`topk::SpaceSaving`](crate::topk::SpaceSaving)).
 //!
 //! A replica counts its refusals in a local summary of `k` counters (no backend call) and, at
-//! most once per [`REPORT_TICK`], hands the counters it gathered to its backend's [`Reports`],
+//! most once per [`REPORT_TICK`], hands the counters it gathered to its backend's [`Reports`](crate::Reports),
 //! ([`Reports`](crate::Reports)), which adds them to the limit's summary of the current bucket, bounded to `2k` identities. A
 //! read merges the current and the previous bucket, so it covers between one and two buckets.
 

@@ -80,10 +80,8 @@ async fn a_flooder_among_a_spray_comes_first_with_its_exact_count() {
     let mut refused = [0u64; 2];
     let mut flooder_refused = 0;
     for i in 0..100_000u32 {
-        if i % 20 == 0 {
-            if send(&mut svc, flooder).await == StatusCode::TOO_MANY_REQUESTS {
-                flooder_refused += 1;
-            }
+        if i % 20 == 0 && send(&mut svc, flooder).await == StatusCode::TOO_MANY_REQUESTS {
+            flooder_refused += 1;
         }
         // Two or three requests: the first admitted, the others refused.
         let times = 2 + (i % 2);

@@ -4,6 +4,8 @@
 use redis::Value;
 use tollgate_core::{BackendError, BackendErrorKind, Micros, Refused};
 
+use super::admin::text;
+
 /// See the script's header for its keys and arguments.
 pub(crate) const TOP: &str = include_str!("top.lua");
 
@@ -93,15 +95,6 @@ pub(crate) fn parse_read(reply: &Value) -> Result<Vec<Refused>, BackendError> {
 fn parse_seen(s: &str) -> Option<(u64, Micros, Micros)> {
     let mut parts = s.split(':').map(|p| p.parse::<u64>().ok());
     Some((parts.next()??, parts.next()??, parts.next()??))
-}
-
-fn text(value: &Value) -> Option<String> {
-    match value {
-        Value::BulkString(bytes) => String::from_utf8(bytes.clone()).ok(),
-        Value::SimpleString(s) => Some(s.clone()),
-        Value::Int(n) => Some(n.to_string()),
-        _ => None,
-    }
 }
 
 fn protocol(what: &str) -> BackendError {

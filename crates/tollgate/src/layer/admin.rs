@@ -172,7 +172,8 @@ impl<B: Backend> RateLimitLayer<B> {
     /// current bucket of [`REPORT_BUCKET`](tollgate_core::reports::REPORT_BUCKET) and the
     /// previous one, across every replica that shares the backend. This replica's refusals
     /// not yet handed to the backend are handed first; other replicas' reach it within a
-    /// [`REPORT_TICK`] of their next refusal.
+    /// [`REPORT_TICK`](tollgate_core::reports::REPORT_TICK) of their next
+    /// refusal.
     ///
     /// Each entry names the client as requests carry it (an address, an IPv6 `/64` network, a
     /// tenant, a principal: [`KeyExtractor::identity_of`]) with its count of refusals, the
