@@ -13,12 +13,16 @@
 //! (403 to its every request; 204), `DELETE` on that path lifts the deny (204). The identity
 //! is what requests are counted as: here a client address (an IPv6 address stands for its
 //! /64). 404 for an unknown limit, 400 for an identity that is not an address.
+//! `GET /admin/top/{limit}?n=10` answers the identities the limit refused most over the last
+//! one to two minutes as JSON (`identity`, `count`, `error`, `first_seen_us`,
+//! `last_seen_us`), most refused first.
 //!
 //! ```text
 //! for i in 1 2 3 4 5 6; do curl -si localhost:3000/ | grep -iE '^(HTTP|retry-after|ratelimit:)|left'; done
 //! curl -s localhost:3000/metrics | grep tollgate_decisions_total
 //! curl -s -H "authorization: Bearer $ADMIN_TOKEN" localhost:3000/admin/limits/per-ip/127.0.0.1
 //! curl -s -X DELETE -H "authorization: Bearer $ADMIN_TOKEN" localhost:3000/admin/limits/per-ip/127.0.0.1
+//! curl -s -H "authorization: Bearer $ADMIN_TOKEN" 'localhost:3000/admin/top/per-ip?n=10'
 //! ```
 
 #[path = "support/admin.rs"]

@@ -8,7 +8,10 @@
 //!   the limit's penalty box;
 //! - `PUT /admin/denies/{limit}/{identity}?secs=N`: a deny for N seconds (204), every
 //!   request of the identity refused with 403 until it ends;
-//! - `DELETE /admin/denies/{limit}/{identity}`: lifts the deny (204).
+//! - `DELETE /admin/denies/{limit}/{identity}`: lifts the deny (204);
+//! - `GET /admin/top/{limit}?n=10`: the identities the limit refused most over the last one
+//!   to two minutes, as JSON (`identity`, `count`, `error`, `first_seen_us`,
+//!   `last_seen_us`), most refused first (`n` at most 100).
 //!
 //! 404 for an unknown limit, 400 for an identity the limit's keys cannot be.
 
@@ -55,8 +58,9 @@ pub(crate) fn routes(limits: RateLimitLayer) -> Router {
         )
         .route(
             "/admin/denies/{limit}/{identity}",
-            put(deny).delete(undeny).with_state(admin),
+            put(deny).delete(undeny).with_state(Arc::clone(&admin)),
         )
+        .route("/admin/top/{limit}", get(top).with_state(admin))
 }
 
 /// The routes' state: the layer's handle, and the token they require.
@@ -168,4 +172,39 @@ async fn undeny(
         return refused.into_response();
     }
     done(admin.limits.undeny(&limit, id.as_str()).await)
+}
+
+async fn top(
+    State(admin): State<Arc<Admin>>,
+    Path(limit): Path<String>,
+    Query(query): Query<HashMap<String, String>>,
+    headers: HeaderMap,
+) -> Response {
+    if let Err(refused) = admin.authorize(&headers) {
+        return refused.into_response();
+    }
+    // `?n=`: how many identities (default 10, at most 100).
+    let n = match query.get("n").map(|n| n.parse::<usize>()) {
+        None => 10,
+        Some(Ok(n)) => n.min(100),
+        Some(Err(_)) => return (StatusCode::BAD_REQUEST, "n is not a number\n").into_response(),
+    };
+    match admin.limits.top_refused(&limit, n).await {
+        Ok(top) => {
+            let top: Vec<_> = top
+                .iter()
+                .map(|r| {
+                    serde_json::json!({
+                        "identity": r.identity,
+                        "count": r.count,
+                        "error": r.error,
+                        "first_seen_us": r.first_seen,
+                        "last_seen_us": r.last_seen,
+                    })
+                })
+                .collect();
+            Json(serde_json::json!({ "limit": limit, "top": top })).into_response()
+        }
+        Err(e) => admin_error(e),
+    }
 }

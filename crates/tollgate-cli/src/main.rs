@@ -1,9 +1,11 @@
-//! `tollgate`: checks a limits file before a deploy, and reads one key's state in Redis.
+//! `tollgate`: checks a limits file before a deploy, reads one key's state in Redis, and who
+//! a limit refuses most.
 //!
 //! ```text
 //! tollgate check FILE
 //! tollgate peek (--redis URL | --cluster URL[,URL...]) [--limits FILE] [--prefix PREFIX]
 //!               [--plan PLAN] LIMIT IDENTITY
+//! tollgate top (--redis URL | --cluster URL[,URL...]) [--prefix PREFIX] [-n N] LIMIT
 //! ```
 //!
 //! `check` exits 0 and prints the effective limits as a table (name, algorithm, quota per
@@ -17,6 +19,10 @@
 //! quota and key come from the limits file (`--limits`, else `$TOLLGATE_LIMITS`, else
 //! `limits.toml`), the state from Redis. It writes nothing.
 //!
+//! `top` prints the N identities (default 10) that LIMIT refused most over the current and
+//! the previous report bucket, as every replica reported them to Redis: count, error bound,
+//! first and last seen (UTC), identity. It writes nothing.
+//!
 //! Exit codes: 0 ok, 1 a bad file (or an unknown limit, plan or identity), 2 a usage error,
 //! 3 Redis failed. `--help` says the same.
 
@@ -25,7 +31,10 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
-use tollgate::core::{Admin, Check, FailurePolicy, KeyState, Limit, MissingKeyPolicy, Quota};
+use tollgate::core::{
+    Admin, Check, Clock, FailurePolicy, KeyState, Limit, MissingKeyPolicy, Quota, Refused, Reports,
+    SystemClock,
+};
 use tollgate::key::{Identity, IdentityError};
 use tollgate::{Algorithm, Limits, LimitsFile};
 use tollgate_redis::{RedisBackend, DEFAULT_PREFIX};
@@ -95,6 +104,28 @@ enum Command {
     /// address, a tenant's or a principal's name.
     #[command(after_help = footer(true))]
     Peek(PeekArgs),
+    /// Prints the identities LIMIT refused most, as every replica reported them to Redis.
+    ///
+    /// Over the current and the previous report bucket (a minute each): the count of
+    /// refusals, the most it may be over (0 when exact), when they were first and last seen
+    /// (UTC), and the identity as requests carry it. Writes nothing.
+    #[command(after_help = footer(false))]
+    Top(TopArgs),
+}
+
+#[derive(Debug, Args)]
+struct TopArgs {
+    #[command(flatten)]
+    redis: RedisArgs,
+    /// The key prefix the layer's Redis backend was built with.
+    #[arg(long, value_name = "PREFIX", default_value = DEFAULT_PREFIX)]
+    prefix: String,
+    /// How many identities to print.
+    #[arg(short = 'n', value_name = "N", default_value_t = 10)]
+    n: usize,
+    /// The limit's name.
+    #[arg(value_name = "LIMIT")]
+    limit: String,
 }
 
 #[derive(Debug, Args)]
@@ -140,6 +171,7 @@ fn main() -> ExitCode {
     match cli.command {
         Command::Check { file } => check(&file),
         Command::Peek(args) => peek(&args),
+        Command::Top(args) => top(&args),
     }
 }
 
@@ -299,31 +331,9 @@ fn peek(args: &PeekArgs) -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    let builder = match (&args.redis.redis, &args.redis.cluster) {
-        (Some(url), _) => RedisBackend::builder().url(url),
-        (None, Some(urls)) => RedisBackend::builder().cluster(urls),
-        // The argument group requires one of the two: clap refuses this first.
-        (None, None) => {
-            eprintln!("tollgate: peek needs --redis URL or --cluster URL[,URL...]");
-            return ExitCode::from(2);
-        }
-    };
-    let backend = match builder.prefix(&args.prefix).deadline(PEEK_DEADLINE).build() {
-        Ok(backend) => backend,
-        Err(e) => {
-            eprintln!("redis: {e}");
-            return ExitCode::from(2);
-        }
-    };
-    let runtime = match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("tollgate: {e}");
-            return ExitCode::from(3);
-        }
+    let (backend, runtime) = match connect(&args.redis, &args.prefix) {
+        Ok(both) => both,
+        Err(code) => return code,
     };
     let check = Check::new(limit, key.as_bytes()).with_quota(quota);
     match runtime.block_on(backend.peek(&check)) {
@@ -336,6 +346,98 @@ fn peek(args: &PeekArgs) -> ExitCode {
             ExitCode::from(3)
         }
     }
+}
+
+/// The Redis backend `redis` and `prefix` name, and a runtime to call it on; or the exit
+/// code of why not.
+fn connect(
+    redis: &RedisArgs,
+    prefix: &str,
+) -> Result<(RedisBackend, tokio::runtime::Runtime), ExitCode> {
+    let builder = match (&redis.redis, &redis.cluster) {
+        (Some(url), _) => RedisBackend::builder().url(url),
+        (None, Some(urls)) => RedisBackend::builder().cluster(urls),
+        // The argument group requires one of the two: clap refuses this first.
+        (None, None) => {
+            eprintln!("tollgate: needs --redis URL or --cluster URL[,URL...]");
+            return Err(ExitCode::from(2));
+        }
+    };
+    let backend = match builder.prefix(prefix).deadline(PEEK_DEADLINE).build() {
+        Ok(backend) => backend,
+        Err(e) => {
+            eprintln!("redis: {e}");
+            return Err(ExitCode::from(2));
+        }
+    };
+    match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => Ok((backend, rt)),
+        Err(e) => {
+            eprintln!("tollgate: {e}");
+            Err(ExitCode::from(3))
+        }
+    }
+}
+
+fn top(args: &TopArgs) -> ExitCode {
+    let (backend, runtime) = match connect(&args.redis, &args.prefix) {
+        Ok(both) => both,
+        Err(code) => return code,
+    };
+    let now = SystemClock::new().now();
+    match runtime.block_on(backend.top(&args.limit, args.n, now)) {
+        Ok(top) => {
+            print_top(&args.limit, &top);
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("{e}");
+            ExitCode::from(3)
+        }
+    }
+}
+
+fn print_top(limit: &str, top: &[Refused]) {
+    println!("limit  {limit}: {} refused identities", top.len());
+    println!(
+        "{:>9} {:>7}  {:<20}  {:<20}  identity",
+        "refused", "error", "first seen (UTC)", "last seen (UTC)"
+    );
+    for r in top {
+        println!(
+            "{:>9} {:>7}  {:<20}  {:<20}  {}",
+            r.count,
+            r.error,
+            utc(r.first_seen),
+            utc(r.last_seen),
+            r.identity
+        );
+    }
+}
+
+/// Microseconds since the Unix epoch as `YYYY-MM-DDTHH:MM:SSZ`.
+fn utc(micros: u64) -> String {
+    let secs = micros / 1_000_000;
+    let (days, rest) = (secs / 86_400, secs % 86_400);
+    // Days to a civil date, counted in 400-year eras from 0000-03-01.
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
+        rest / 3_600,
+        rest / 60 % 60,
+        rest % 60
+    )
 }
 
 fn print_state(name: &str, identity: &Identity, limit: &Limit, quota: &Quota, s: &KeyState) {

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::Duration;
 
-use tollgate::core::{Backend, Check};
+use tollgate::core::{Backend, Check, Clock, Refused, SystemClock};
 use tollgate::key::{ClientIp, KeyExtractor};
 use tollgate::{Limit, Quota};
 use tollgate_redis::RedisBackend;
@@ -188,7 +188,7 @@ fn readme_commands() -> Vec<Vec<String>> {
 fn the_readme_commands_run_on_the_shipped_file() {
     let commands = readme_commands();
     let names: Vec<&str> = commands.iter().map(|c| c[0].as_str()).collect();
-    assert_eq!(names, ["check", "peek"]);
+    assert_eq!(names, ["check", "peek", "top"]);
     let server = RedisServer::start();
     for command in commands {
         let args: Vec<String> = command
@@ -202,6 +202,15 @@ fn the_readme_commands_run_on_the_shipped_file() {
             })
             .collect();
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        if args[0] == "top" {
+            let out = self::command(&args).output().unwrap();
+            assert_eq!(out.status.code(), Some(0), "{args:?}: {}", stderr(&out));
+            assert_eq!(
+                stdout(&out).lines().next(),
+                Some("limit  per-ip: 0 refused identities")
+            );
+            continue;
+        }
         assert!(args.contains(&"examples/limits.toml"), "{args:?}");
         let out = self::command(&args).current_dir(root()).output().unwrap();
         assert_eq!(out.status.code(), Some(0), "{args:?}: {}", stderr(&out));
@@ -543,4 +552,56 @@ default = 10
         "{}",
         stderr(&out)
     );
+}
+
+/// `top` prints what the replicas reported to Redis, most refused first, and writes nothing.
+#[tokio::test]
+async fn top_prints_the_most_refused_identities_from_redis() {
+    let server = RedisServer::start();
+    let backend = RedisBackend::builder()
+        .url(server.url())
+        .prefix("app")
+        .deadline(Duration::from_secs(5))
+        .build()
+        .unwrap();
+    // Two replicas' counters, as their layers hand them over (2025-01-01T00:00:10Z on).
+    let t0 = 1_735_689_610_000_000;
+    let now = SystemClock::new().now();
+    let reports = backend.reports().unwrap();
+    let a = vec![
+        Refused::new("203.0.113.7", 40, 0, t0, t0 + 5_000_000),
+        Refused::new("2001:db8:1:2::/64", 3, 1, t0 + 1_000_000, t0 + 2_000_000),
+    ];
+    let b = vec![
+        Refused::new("203.0.113.7", 2, 0, t0 - 3_000_000, t0 + 61_000_000),
+        Refused::new("shop-1", 5, 0, t0, t0),
+    ];
+    reports.merge("per-ip", 200, a, now).await.unwrap();
+    reports.merge("per-ip", 200, b, now).await.unwrap();
+    server.reset_stats();
+    let out = run(&[
+        "top",
+        "--redis",
+        &server.url(),
+        "--prefix",
+        "app",
+        "-n",
+        "2",
+        "per-ip",
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert_eq!(
+        stdout(&out),
+        "\
+limit  per-ip: 2 refused identities
+  refused   error  first seen (UTC)      last seen (UTC)       identity
+       42       0  2025-01-01T00:00:07Z  2025-01-01T00:01:11Z  203.0.113.7
+        5       0  2025-01-01T00:00:10Z  2025-01-01T00:00:10Z  shop-1
+"
+    );
+    let stats = server.command_stats();
+    assert_eq!(stats.get("eval").copied(), Some(1), "{stats:?}");
+    // Another limit, or another prefix, has nothing.
+    let other = run(&["top", "--redis", &server.url(), "other"]);
+    assert_eq!(stdout(&other), "limit  other: 0 refused identities\n  refused   error  first seen (UTC)      last seen (UTC)       identity\n");
 }

@@ -8,8 +8,10 @@ use std::time::Duration;
 
 use crate::algorithm;
 use crate::check::{Check, Settlement};
+use crate::clock::Micros;
 use crate::counting::Algorithm;
 use crate::quota::Quota;
+use crate::reports::Refused;
 use crate::verdict::{Status, Verdict};
 use crate::verdicts::Verdicts;
 
@@ -69,6 +71,13 @@ pub trait Backend: Send + Sync + 'static {
     /// What this backend does at a graceful shutdown ([`Lifecycle`]), if anything. The
     /// default, `None`, is right for a backend that holds nothing of a shared quota.
     fn lifecycle(&self) -> Option<&dyn Lifecycle> {
+        None
+    }
+
+    /// The reports of refused identities ([`Reports`]), if this backend keeps them. The
+    /// default, `None`, makes the layer's `top_refused` answer
+    /// [`BackendErrorKind::Unsupported`].
+    fn reports(&self) -> Option<&dyn Reports> {
         None
     }
 }
@@ -143,6 +152,25 @@ pub trait Lifecycle: Send + Sync {
     fn shutdown(&self) -> Pin<Box<dyn Future<Output = ()> + Send + 'static>>;
 }
 
+/// A backend's reports of refused identities. A backend that keeps them returns itself from
+/// [`Backend::reports`].
+pub trait Reports: Send + Sync {
+    /// Adds `refused` (one replica's counters since its last merge) to `limit`'s report for
+    /// the bucket of `now`, which keeps the `keep` largest identities. A networked backend's
+    /// future does the I/O: the caller may spawn it and not wait.
+    fn merge(
+        &self,
+        limit: &str,
+        keep: usize,
+        refused: Vec<Refused>,
+        now: Micros,
+    ) -> AdminFuture<()>;
+
+    /// The `n` most-refused identities of `limit` in the bucket of `now` and the one before,
+    /// most refused first.
+    fn top(&self, limit: &str, n: usize, now: Micros) -> AdminFuture<Vec<Refused>>;
+}
+
 impl<B: Backend> Backend for std::sync::Arc<B> {
     type Future = B::Future;
 
@@ -168,6 +196,10 @@ impl<B: Backend> Backend for std::sync::Arc<B> {
 
     fn lifecycle(&self) -> Option<&dyn Lifecycle> {
         (**self).lifecycle()
+    }
+
+    fn reports(&self) -> Option<&dyn Reports> {
+        (**self).reports()
     }
 }
 

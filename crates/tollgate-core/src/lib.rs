@@ -40,15 +40,17 @@ mod limit;
 mod memory;
 mod penalty;
 mod quota;
+pub mod reports;
 mod sip;
 mod system_clock;
+pub mod topk;
 mod tsc;
 mod verdict;
 mod verdicts;
 
 pub use backend::{
     unsupported, Admin, AdminFuture, Backend, BackendError, BackendErrorKind, KeyState, Lifecycle,
-    Slots,
+    Reports, Slots,
 };
 pub use bounds::{
     DEFAULT_MAX_WAITING, MAX_CHECKS, MAX_LOG_UNITS, MAX_NAME_LEN, MAX_PERIOD, MAX_PLANS,
@@ -65,6 +67,7 @@ pub use limit::{
 pub use memory::{MemoryBackend, MemoryBackendBuilder, MemoryStats};
 pub use penalty::Penalty;
 pub use quota::Quota;
+pub use reports::Refused;
 pub use system_clock::SystemClock;
 pub use verdict::{Status, Verdict};
 pub use verdicts::Verdicts;

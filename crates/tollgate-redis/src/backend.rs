@@ -13,12 +13,14 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tollgate_core::leased::Leased;
 use tollgate_core::{
-    Admin, AdminFuture, Backend, BackendError, Check, KeyState, Lifecycle, Limit, Settlement, Slots,
+    Admin, AdminFuture, Backend, BackendError, Check, KeyState, Lifecycle, Limit, Micros, Refused,
+    Reports, Settlement, Slots,
 };
 
 use crate::future::ResponseFuture;
 use crate::inner::{Config, Inner};
 use crate::keys;
+use crate::reports::Reports as ReportCalls;
 use crate::time::Time;
 use crate::transport::breaker::CircuitState;
 use crate::transport::BACKEND;
@@ -44,6 +46,11 @@ impl RedisBackend {
 
     fn inner(&self) -> &Arc<Inner> {
         self.leased.inner()
+    }
+
+    fn report_calls(&self) -> ReportCalls {
+        let inner = self.inner();
+        ReportCalls::new(Arc::clone(inner.transport()), inner.prefix().to_owned())
     }
 
     /// Settles `settlements` at `now` (tests), or at the server's `TIME`; answers once Redis
@@ -176,6 +183,32 @@ impl Backend for RedisBackend {
 
     fn lifecycle(&self) -> Option<&dyn Lifecycle> {
         Some(self)
+    }
+
+    fn reports(&self) -> Option<&dyn Reports> {
+        Some(self)
+    }
+}
+
+/// One `EVAL` per merge (a replica makes at most one per limit and tick) and per read; see
+/// the crate documentation for the keys.
+impl Reports for RedisBackend {
+    fn merge(
+        &self,
+        limit: &str,
+        keep: usize,
+        refused: Vec<Refused>,
+        now: Micros,
+    ) -> AdminFuture<()> {
+        let calls = self.report_calls();
+        let limit = limit.to_owned();
+        Box::pin(async move { calls.merge(&limit, keep, &refused, now).await })
+    }
+
+    fn top(&self, limit: &str, n: usize, now: Micros) -> AdminFuture<Vec<Refused>> {
+        let calls = self.report_calls();
+        let limit = limit.to_owned();
+        Box::pin(async move { calls.top(&limit, n, now).await })
     }
 }
 

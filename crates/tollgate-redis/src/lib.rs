@@ -253,6 +253,7 @@ mod future;
 mod inner;
 mod keys;
 mod pending;
+mod reports;
 mod scripts;
 mod settle;
 mod slots;

@@ -128,6 +128,7 @@ pub use limits_file::error::LimitsFileError;
 pub use limits_file::LimitsFile;
 pub use plan::Plan;
 pub use rejection::{Rejection, RejectionKind};
+pub use tollgate_core::Refused;
 pub use tollgate_core::{
     Algorithm, FailurePolicy, FakeClock, Limit, MemoryBackend, MissingKeyPolicy, Penalty, Quota,
     SystemClock,

@@ -253,6 +253,11 @@ impl<B: Backend, C: Clock> Backend for Leased<B, C> {
     fn lifecycle(&self) -> Option<&dyn Lifecycle> {
         Some(self)
     }
+
+    /// The inner backend's: leases change nothing of who is refused.
+    fn reports(&self) -> Option<&dyn crate::backend::Reports> {
+        self.inner().reports()
+    }
 }
 
 impl<B: Backend, C: Clock> Admin for Leased<B, C> {

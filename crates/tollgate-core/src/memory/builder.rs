@@ -1,5 +1,6 @@
 //! Building a memory backend: its cap on keys, its shards and its sweep interval.
 
+use crate::reports::Board;
 use std::sync::atomic::{AtomicU64, AtomicUsize};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
@@ -101,6 +102,7 @@ impl<C: Clock> MemoryBackendBuilder<C> {
             inner: Arc::new(Inner {
                 shards: (0..shards).map(|_| RwLock::default()).collect(),
                 clock: self.clock,
+                reports: Board::default(),
                 places: Places {
                     max_keys: self.max_keys,
                     shard_cap,

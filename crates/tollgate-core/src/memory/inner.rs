@@ -8,6 +8,7 @@ use crate::check::Check;
 use crate::clock::Micros;
 use crate::memory::fingerprint::{fingerprint, Fp};
 use crate::memory::shard::Shard;
+use crate::reports::Board;
 use crate::sip::Sip13;
 use crate::verdict::Status;
 
@@ -18,6 +19,8 @@ const ROUND_STEPS: usize = 16;
 pub(super) struct Inner<C> {
     pub(super) shards: Box<[RwLock<Shard>]>,
     pub(super) clock: C,
+    /// The reports of refused identities, shared by the process.
+    pub(super) reports: Board,
     /// The secret key of the fingerprints.
     pub(super) seed: Sip13,
     pub(super) places: Places,

@@ -35,12 +35,15 @@ use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
 use crate::backend::{
-    unsupported, Admin, AdminFuture, Backend, BackendError, BackendErrorKind, KeyState, Slots,
+    unsupported, Admin, AdminFuture, Backend, BackendError, BackendErrorKind, KeyState, Reports,
+    Slots,
 };
 use crate::bounds::MAX_CHECKS;
 use crate::check::{Check, Settlement};
 use crate::clock::Clock;
+use crate::clock::Micros;
 use crate::counting::Algorithm;
+use crate::reports::Refused;
 use crate::system_clock::SystemClock;
 use crate::verdicts::Verdicts;
 
@@ -229,6 +232,28 @@ impl<C: Clock> Backend for MemoryBackend<C> {
 
     fn admin(&self) -> Option<&dyn Admin> {
         Some(self)
+    }
+
+    fn reports(&self) -> Option<&dyn Reports> {
+        Some(self)
+    }
+}
+
+/// The reports live in the process: every clone shares them, and both calls answer at once.
+impl<C: Clock> Reports for MemoryBackend<C> {
+    fn merge(
+        &self,
+        limit: &str,
+        keep: usize,
+        refused: Vec<Refused>,
+        now: Micros,
+    ) -> AdminFuture<()> {
+        self.inner.reports.merge(limit, keep, refused, now);
+        Box::pin(ready(Ok(())))
+    }
+
+    fn top(&self, limit: &str, n: usize, now: Micros) -> AdminFuture<Vec<Refused>> {
+        Box::pin(ready(Ok(self.inner.reports.top(limit, n, now))))
     }
 }
 

@@ -138,7 +138,8 @@ fn split(reply: &Value) -> Result<(Micros, &Value), BackendError> {
     Ok((now, items.get(1).unwrap_or(&Value::Nil)))
 }
 
-fn text(value: &Value) -> Option<String> {
+/// A reply's value as text: a bulk or simple string, or an integer.
+pub(super) fn text(value: &Value) -> Option<String> {
     match value {
         Value::BulkString(bytes) => String::from_utf8(bytes.clone()).ok(),
         Value::SimpleString(s) => Some(s.clone()),

@@ -8,6 +8,7 @@
 //! - `settle.lua` ([`settle`]): gives back or charges what a metered check reserved.
 //! - `renew.lua` ([`renew`]): moves a concurrency slot's deadline.
 //! - `admin.lua` ([`admin`]): operators' `peek` and `reset` of one key.
+//! - `top.lua` ([`top`]): the reports of refused identities, merged and read.
 //!
 //! Every script but `admin.lua` starts with `prelude.lua`: helpers, and `now` (the server's
 //! `TIME`, or `ARGV[1]` when a test fixes it).
@@ -24,6 +25,7 @@ pub(crate) mod renew;
 pub(crate) mod reply;
 pub(crate) mod settle;
 pub(crate) mod slot_id;
+pub(crate) mod top;
 
 /// Helpers and `now`, prepended to every script called by its digest.
 const PRELUDE: &str = include_str!("prelude.lua");

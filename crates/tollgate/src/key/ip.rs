@@ -280,6 +280,11 @@ impl KeyExtractor for ClientIp {
             format!("ip ({})", parts.join(", "))
         }
     }
+
+    /// The address, or the network its prefix groups (`2001:db8:1:2::/64`).
+    fn identity_of(&self, key: &[u8]) -> String {
+        super::text::ip_key_text(key).unwrap_or_else(|| super::text::hex(key))
+    }
 }
 
 #[cfg(test)]

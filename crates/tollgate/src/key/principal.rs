@@ -36,6 +36,16 @@ pub trait PrincipalId: Send + Sync + 'static {
     {
         str_id(identity).and_then(|key| Key::copied(key.as_bytes()))
     }
+
+    /// How an operator writes the principal whose key bytes are `key` (the reports of refused
+    /// clients): the inverse of [`identity_key`](Self::identity_key). The default shows UTF-8
+    /// as its text (string ids), other bytes in hex; the integers read their number.
+    fn identity_text(key: &[u8]) -> String
+    where
+        Self: Sized,
+    {
+        super::text::key_text(key)
+    }
 }
 
 /// An empty identifier is what a half-configured authentication layer produces; counting every
@@ -70,6 +80,13 @@ impl PrincipalId for u64 {
         Key::copied(&self.to_le_bytes())
     }
 
+    fn identity_text(key: &[u8]) -> String {
+        match <[u8; std::mem::size_of::<Self>()]>::try_from(key) {
+            Ok(bytes) => Self::from_le_bytes(bytes).to_string(),
+            Err(_) => super::text::hex(key),
+        }
+    }
+
     fn identity_key(identity: &str) -> Result<Key<'static>, MissingKey> {
         let id: Self = identity.trim().parse().map_err(|_| MissingKey::Invalid)?;
         Key::copied(&id.to_le_bytes())
@@ -81,6 +98,13 @@ impl PrincipalId for u128 {
         Key::copied(&self.to_le_bytes())
     }
 
+    fn identity_text(key: &[u8]) -> String {
+        match <[u8; std::mem::size_of::<Self>()]>::try_from(key) {
+            Ok(bytes) => Self::from_le_bytes(bytes).to_string(),
+            Err(_) => super::text::hex(key),
+        }
+    }
+
     fn identity_key(identity: &str) -> Result<Key<'static>, MissingKey> {
         let id: Self = identity.trim().parse().map_err(|_| MissingKey::Invalid)?;
         Key::copied(&id.to_le_bytes())
@@ -90,6 +114,13 @@ impl PrincipalId for u128 {
 impl PrincipalId for i64 {
     fn principal_id(&self) -> Result<Key<'_>, MissingKey> {
         Key::copied(&self.to_le_bytes())
+    }
+
+    fn identity_text(key: &[u8]) -> String {
+        match <[u8; std::mem::size_of::<Self>()]>::try_from(key) {
+            Ok(bytes) => Self::from_le_bytes(bytes).to_string(),
+            Err(_) => super::text::hex(key),
+        }
     }
 
     fn identity_key(identity: &str) -> Result<Key<'static>, MissingKey> {
@@ -170,6 +201,10 @@ impl<T: PrincipalId> KeyExtractor for Principal<T> {
     /// What [`PrincipalId::identity_key`] makes of the identity's text.
     fn key_of(&self, identity: &super::Identity) -> Result<Key<'static>, MissingKey> {
         T::identity_key(&identity.to_string())
+    }
+
+    fn identity_of(&self, key: &[u8]) -> String {
+        T::identity_text(key)
     }
 
     fn describe(&self) -> String {

@@ -1,12 +1,14 @@
 //! Operators' calls on a layer: one client's state under one limit, read (`peek`) or
-//! forgotten (`reset`), named as requests name it.
+//! forgotten (`reset`), named as requests name it; and who a limit refuses most
+//! (`top_refused`).
 
 use std::fmt;
 use std::time::Duration;
 
-use tollgate_core::{Backend, BackendError, Check, KeyState};
+use tollgate_core::{Backend, BackendError, BackendErrorKind, Check, KeyState, Refused};
 
 use super::layer::RateLimitLayer;
+use super::refused::named;
 use crate::key::{Identity, IdentityError};
 
 /// Why [`RateLimitLayer::peek`] or [`RateLimitLayer::reset`] could not answer.
@@ -229,4 +231,66 @@ fn unsupported_now<T: Send + 'static>(kind: &str, what: &str) -> tollgate_core::
     Box::pin(std::future::ready(Err(tollgate_core::unsupported(
         kind, what,
     ))))
+}
+
+impl<B: Backend> RateLimitLayer<B> {
+    /// The `n` identities the limit named `limit` refused most, most refused first: over the
+    /// current bucket of [`REPORT_BUCKET`](tollgate_core::reports::REPORT_BUCKET) and the
+    /// previous one, across every replica that shares the backend. This replica's refusals
+    /// not yet handed to the backend are handed first; other replicas' reach it within a
+    /// [`REPORT_TICK`](tollgate_core::reports::REPORT_TICK) of their next
+    /// refusal.
+    ///
+    /// Each entry names the client as requests carry it (an address, an IPv6 `/64` network, a
+    /// tenant, a principal: [`KeyExtractor::identity_of`]) with its count of refusals, the
+    /// most that count may be over (Space-Saving's error bound, 0 when exact), and when its
+    /// refusals were first and last seen.
+    ///
+    /// ```
+    /// use tollgate::key::Global;
+    /// use tollgate::{Limit, Quota, RateLimitLayer};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let layer = RateLimitLayer::builder()
+    ///     .limit(Limit::gcra("all", Quota::per_minute(60)?)?, Global)
+    ///     .build()?;
+    /// assert!(layer.top_refused("all", 10).await?.is_empty());
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// [`KeyExtractor::identity_of`]: crate::key::KeyExtractor::identity_of
+    ///
+    /// # Errors
+    ///
+    /// [`AdminError::UnknownLimit`]; `AdminError::Backend` when the backend keeps no reports
+    /// ([`BackendErrorKind::Unsupported`]) or could not answer.
+    pub async fn top_refused(&self, limit: &str, n: usize) -> Result<Vec<Refused>, AdminError> {
+        let shared = &*self.shared;
+        let Some(reports) = shared.backend.reports() else {
+            return Err(AdminError::Backend(BackendError::new(
+                BackendErrorKind::Unsupported,
+                format!("the {} backend keeps no reports", shared.backend.kind()),
+            )));
+        };
+        let (merge, now) = {
+            let set = shared.set.load();
+            let entry = set
+                .limits
+                .iter()
+                .find(|e| e.limit.name() == limit)
+                .ok_or_else(|| AdminError::UnknownLimit(limit.to_owned()))?;
+            let (counters, now) = shared.refused.take(limit);
+            let merge = (!counters.is_empty())
+                .then(|| reports.merge(limit, shared.refused.keep(), named(entry, counters), now));
+            (merge, now)
+        };
+        if let Some(merge) = merge {
+            merge.await.map_err(AdminError::Backend)?;
+        }
+        reports
+            .top(limit, n, now)
+            .await
+            .map_err(AdminError::Backend)
+    }
 }

@@ -131,6 +131,7 @@ impl<B: Backend> Shared<B> {
             };
             return Decided::Admit(decision, owed, slots, wait);
         }
+        self.count_refused(&decision, facts, kept);
         Decided::Refuse(self.refuse_decision(decision, req, &facts.set))
     }
 }

@@ -9,10 +9,12 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use bytes::Bytes;
 use http::Response;
+use tollgate_core::topk::DEFAULT_TOP_K;
 use tollgate_core::{Backend, Clock, ConfigError, Limit, MemoryBackend, SystemClock};
 use tower_layer::Layer;
 
 use super::limits::Limits;
+use super::refused::Refusals;
 use super::reload::Reloader;
 use super::service::RateLimit;
 use super::state::{PlanFn, Responder, Shared};
@@ -79,6 +81,7 @@ impl RateLimitLayer<MemoryBackend> {
             fallback_clock: Arc::new(SystemClock::new()),
             fallback_max_keys: 100_000,
             unavailable_retry_after: Duration::from_secs(1),
+            top_refused_k: DEFAULT_TOP_K,
         }
     }
 }
@@ -174,6 +177,7 @@ pub struct RateLimitLayerBuilder<B> {
     fallback_clock: Arc<dyn Clock>,
     fallback_max_keys: usize,
     unavailable_retry_after: Duration,
+    top_refused_k: usize,
 }
 
 impl<B: Backend> RateLimitLayerBuilder<B> {
@@ -269,6 +273,7 @@ impl<B: Backend> RateLimitLayerBuilder<B> {
             fallback_clock: self.fallback_clock,
             fallback_max_keys: self.fallback_max_keys,
             unavailable_retry_after: self.unavailable_retry_after,
+            top_refused_k: self.top_refused_k,
         }
     }
 
@@ -299,6 +304,15 @@ impl<B: Backend> RateLimitLayerBuilder<B> {
     /// count as 100).
     pub fn near_limit_percent(mut self, percent: u8) -> Self {
         self.near_limit = percent.min(100);
+        self
+    }
+
+    /// How many refused identities each limit's summary holds (default
+    /// [`DEFAULT_TOP_K`], 100), for [`RateLimitLayer::top_refused`]; 0 counts no refusal.
+    /// Memory stays bounded whatever the number of refused clients: an identity refused more
+    /// than `N / k` times among `N` refusals is always held (`docs/operations.md`).
+    pub fn top_refused_k(mut self, k: usize) -> Self {
+        self.top_refused_k = k;
         self
     }
 
@@ -359,7 +373,7 @@ impl<B: Backend> RateLimitLayerBuilder<B> {
     /// [`MAX_CHECKS`](tollgate_core::MAX_CHECKS)), [`ConfigError::DuplicateName`], or [`ConfigError::ReservedName`] for a
     /// limit named [`CANARY_LIMIT`](crate::CANARY_LIMIT), which only the canary may use.
     pub fn build(self) -> Result<RateLimitLayer<B>, ConfigError> {
-        let set = self.limits.compile()?;
+        let set = self.limits.compile(self.top_refused_k > 0)?;
         Ok(RateLimitLayer {
             shared: Arc::new(Shared {
                 backend: self.backend,
@@ -369,8 +383,9 @@ impl<B: Backend> RateLimitLayerBuilder<B> {
                 plan_fn: self.plan_fn,
                 fallback: MemoryBackend::builder()
                     .max_keys(self.fallback_max_keys)
-                    .clock(self.fallback_clock)
+                    .clock(Arc::clone(&self.fallback_clock))
                     .build(),
+                refused: Refusals::new(self.top_refused_k, self.fallback_clock),
                 fields: self.fields,
                 decision_on_allowed: self.decision_on_allowed,
                 responder: self.responder,

@@ -143,7 +143,9 @@ impl Limits {
     }
 
     /// Checks the whole set and prepares it for requests.
-    pub(crate) fn compile(self) -> Result<LimitSet, ConfigError> {
+    ///
+    /// With `reports`, every enforced limit keeps its key, to count the request's refusal.
+    pub(crate) fn compile(self, reports: bool) -> Result<LimitSet, ConfigError> {
         self.check()?;
         let allowlist = (!self.allowlist.is_empty()).then_some(self.allowlist);
         let denylist = (!self.denylist.is_empty()).then_some(self.denylist);
@@ -175,7 +177,9 @@ impl Limits {
         let limits = limits
             .into_iter()
             .map(|(limit, key, metered)| Entry {
-                keeps_key: delays || keeps_key(&limit, metered.as_ref()),
+                keeps_key: delays
+                    || (reports && !limit.is_shadow())
+                    || keeps_key(&limit, metered.as_ref()),
                 local: match limit.failure_policy() {
                     FailurePolicy::Fallback { replicas } => Some(limit.local_share(replicas)),
                     _ => None,
@@ -255,8 +259,8 @@ pub(crate) struct Entry {
     /// Where the key comes from, in words (`header "x-shop-domain"`), for a missing key's
     /// refusal.
     pub(crate) source: Box<str>,
-    /// Whether a request's key is needed after its check: to settle, to give a slot back, or
-    /// to ask the local fallback limiter. Only then is it kept (owned) past the check.
+    /// Whether a request's key is needed after its check: to settle, to give a slot back, to
+    /// ask the local fallback limiter, or to count its refusal (`layer/refused.rs`). Only then is it kept (owned) past the check.
     pub(crate) keeps_key: bool,
 }
 

@@ -135,7 +135,11 @@ impl<B: Backend> Reloader<B> {
     }
 
     fn swap(&self, limits: Limits, ticket: u64) -> Result<(), ReloadError> {
-        let new = Arc::new(limits.compile().map_err(ReloadError::Config)?);
+        let new = Arc::new(
+            limits
+                .compile(self.shared.refused.enabled())
+                .map_err(ReloadError::Config)?,
+        );
         // Two reloads at once must each compare against the set they replace.
         let mut applied = self
             .shared

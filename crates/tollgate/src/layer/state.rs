@@ -11,6 +11,7 @@ use http::Response;
 use tollgate_core::{Backend, Clock, MemoryBackend};
 
 use super::limits::LimitSet;
+use super::refused::Refusals;
 use super::wait::Waiters;
 use crate::fields::FieldOptions;
 use crate::key::RequestView;
@@ -51,6 +52,8 @@ pub(crate) struct Shared<B> {
     /// The share of a quota, in percent, at or below which an admission's remaining units
     /// count in `tollgate_near_limit_total`.
     pub(crate) near_limit: u8,
+    /// Each limit's summary of refused keys, for the reports of who is refused.
+    pub(crate) refused: Refusals,
 }
 
 impl<B: Backend> fmt::Debug for Shared<B> {

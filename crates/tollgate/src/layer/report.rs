@@ -1,0 +1,65 @@
+//! A refused request counted under the limits that refused it (see `refused.rs`), and the
+//! counters handed to the backend's reports once per tick without waiting.
+
+use std::task::{Context, Poll, Waker};
+
+use tollgate_core::topk::Counter;
+use tollgate_core::{AdminFuture, Backend, Micros};
+
+use super::limits::Entry;
+use super::prepare::{Facts, KeptKeys};
+use super::refused::named;
+use super::state::Shared;
+use crate::decision::{Decision, Outcome};
+
+impl<B: Backend> Shared<B> {
+    /// Counts a refused request under every enforced limit that refused it (a shadow limit's
+    /// would-be refusal is no refusal).
+    pub(crate) fn count_refused(&self, decision: &Decision, facts: &Facts, kept: &KeptKeys) {
+        if !self.refused.enabled() {
+            return;
+        }
+        let set = &facts.set;
+        for (i, (entry, d)) in set.limits.iter().zip(decision.limits()).enumerate() {
+            if entry.limit.is_shadow() || !matches!(d.outcome(), Outcome::Denied { .. }) {
+                continue;
+            }
+            // Every enforced limit keeps its key while refusals are counted.
+            let Some(key) = kept.get(i) else {
+                continue;
+            };
+            if let Some((counters, now)) = self.refused.count(entry.limit.name(), key.as_bytes()) {
+                self.hand(entry, counters, now);
+            }
+        }
+    }
+
+    /// Hands `counters` to the backend's reports without waiting: a networked backend's call
+    /// goes on in a task (outside a Tokio runtime it is dropped).
+    fn hand(&self, entry: &Entry, counters: Vec<Counter<Vec<u8>>>, now: Micros) {
+        let Some(reports) = self.backend.reports() else {
+            return;
+        };
+        let name = entry.limit.name();
+        let mut merge = reports.merge(name, self.refused.keep(), named(entry, counters), now);
+        match merge.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
+            Poll::Ready(Ok(())) => {}
+            Poll::Ready(Err(e)) => {
+                tracing::debug!(limit = name, error = %e, "refusals not reported")
+            }
+            Poll::Pending => spawn(merge, name),
+        }
+    }
+}
+
+fn spawn(merge: AdminFuture<()>, limit: &str) {
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    let limit = limit.to_owned();
+    runtime.spawn(async move {
+        if let Err(e) = merge.await {
+            tracing::debug!(limit, error = %e, "refusals not reported");
+        }
+    });
+}
