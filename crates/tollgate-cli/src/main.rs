@@ -111,6 +111,73 @@ enum Command {
     /// (UTC), and the identity as requests carry it. Writes nothing.
     #[command(after_help = footer(false))]
     Top(TopArgs),
+    /// Refuses IDENTITY under LIMIT on every replica for a while: 403, nothing consumed.
+    ///
+    /// The deny lives in Redis, beside the key's state; each replica refuses the identity
+    /// from its next check of it (a replica that holds an answer for it in its deny cache or
+    /// a leased slice, once that runs out: 1 s by default). A reset leaves it; `undeny`
+    /// lifts it.
+    #[command(after_help = footer(true))]
+    Deny(DenyArgs),
+    /// Lifts a deny of IDENTITY under LIMIT.
+    #[command(after_help = footer(true))]
+    Undeny(TargetArgs),
+}
+
+#[derive(Debug, Args)]
+struct DenyArgs {
+    #[command(flatten)]
+    target: TargetArgs,
+    /// How long: `90` or `90s`, `15m`, `1h`, `7d`.
+    #[arg(long = "for", value_name = "DURATION", value_parser = parse_for)]
+    duration: Duration,
+}
+
+/// One identity under one limit of a limits file, in Redis.
+#[derive(Debug, Args)]
+struct TargetArgs {
+    #[command(flatten)]
+    redis: RedisArgs,
+    /// The limits file.
+    #[arg(
+        long,
+        value_name = "FILE",
+        env = "TOLLGATE_LIMITS",
+        default_value = "limits.toml"
+    )]
+    limits: PathBuf,
+    /// The key prefix the layer's Redis backend was built with.
+    #[arg(long, value_name = "PREFIX", default_value = DEFAULT_PREFIX)]
+    prefix: String,
+    /// The limit's name, as the limits file says it.
+    #[arg(value_name = "LIMIT")]
+    limit: String,
+    /// Whom requests are counted as: an IP address, a tenant's or a principal's name.
+    #[arg(value_name = "IDENTITY")]
+    identity: String,
+}
+
+/// `90`, `90s`, `15m`, `1h` or `7d`.
+fn parse_for(text: &str) -> Result<Duration, String> {
+    let (digits, unit) = match text.find(|c: char| !c.is_ascii_digit()) {
+        Some(at) => text.split_at(at),
+        None => (text, "s"),
+    };
+    let n: u64 = digits
+        .parse()
+        .map_err(|_| format!("{text:?} is not a duration such as 90s, 15m, 1h or 7d"))?;
+    let secs = match unit {
+        "s" => 1,
+        "m" => 60,
+        "h" => 3_600,
+        "d" => 86_400,
+        _ => return Err(format!("{text:?}: the unit must be s, m, h or d")),
+    };
+    match n.checked_mul(secs) {
+        Some(0) => Err("a deny must last longer than zero".to_owned()),
+        Some(total) => Ok(Duration::from_secs(total)),
+        None => Err(format!("{text:?} is too long")),
+    }
 }
 
 #[derive(Debug, Args)]
@@ -172,6 +239,40 @@ fn main() -> ExitCode {
         Command::Check { file } => check(&file),
         Command::Peek(args) => peek(&args),
         Command::Top(args) => top(&args),
+        Command::Deny(args) => sanction(&args.target, Some(args.duration)),
+        Command::Undeny(args) => sanction(&args, None),
+    }
+}
+
+/// `deny` (for `duration`) or `undeny` (`None`) of the target's identity.
+fn sanction(target: &TargetArgs, duration: Option<Duration>) -> ExitCode {
+    let name = target.limit.as_str();
+    let (limit, key, identity) = match target_key(&target.limits, name, &target.identity) {
+        Ok(found) => found,
+        Err(code) => return code,
+    };
+    let (backend, runtime) = match connect(&target.redis, &target.prefix) {
+        Ok(both) => both,
+        Err(code) => return code,
+    };
+    let check = Check::new(&limit, &key);
+    let answer = match duration {
+        Some(d) => runtime.block_on(backend.deny(&check, d)),
+        None => runtime.block_on(backend.undeny(&check)),
+    };
+    match (answer, duration) {
+        (Ok(()), Some(d)) => {
+            println!("denied {identity} under {name} for {}", period(d));
+            ExitCode::SUCCESS
+        }
+        (Ok(()), None) => {
+            println!("lifted the deny of {identity} under {name}");
+            ExitCode::SUCCESS
+        }
+        (Err(e), _) => {
+            eprintln!("{e}");
+            ExitCode::from(3)
+        }
     }
 }
 
@@ -303,16 +404,12 @@ fn failure(p: FailurePolicy) -> String {
 }
 
 fn peek(args: &PeekArgs) -> ExitCode {
-    let file = &args.limits;
-    let limits = match load(file) {
-        Ok(limits) => limits,
+    let name = args.limit.as_str();
+    let (limit, key, identity) = match target_key(&args.limits, name, &args.identity) {
+        Ok(found) => found,
         Err(code) => return code,
     };
-    let name = args.limit.as_str();
-    let Some((limit, key)) = limits.get(name) else {
-        eprintln!("{}: no limit named {name:?}", file.display());
-        return ExitCode::from(1);
-    };
+    let limit = &limit;
     let quota = match &args.plan {
         None => *limit.quota(),
         Some(plan) => match limit.plans().find(|(n, _)| n == plan) {
@@ -323,19 +420,11 @@ fn peek(args: &PeekArgs) -> ExitCode {
             }
         },
     };
-    let identity = Identity::from(args.identity.as_str());
-    let key = match key.key_of(&identity) {
-        Ok(key) => key,
-        Err(missing) => {
-            eprintln!("{}", IdentityError::new(name, identity, missing));
-            return ExitCode::from(1);
-        }
-    };
     let (backend, runtime) = match connect(&args.redis, &args.prefix) {
         Ok(both) => both,
         Err(code) => return code,
     };
-    let check = Check::new(limit, key.as_bytes()).with_quota(quota);
+    let check = Check::new(limit, &key).with_quota(quota);
     match runtime.block_on(backend.peek(&check)) {
         Ok(state) => {
             print_state(name, &identity, limit, &quota, &state);
@@ -344,6 +433,28 @@ fn peek(args: &PeekArgs) -> ExitCode {
         Err(e) => {
             eprintln!("{e}");
             ExitCode::from(3)
+        }
+    }
+}
+
+/// The limit named `name` in the limits file `file`, and the key `identity` is counted
+/// under there; or the exit code of why not.
+fn target_key(
+    file: &Path,
+    name: &str,
+    identity: &str,
+) -> Result<(Limit, Vec<u8>, Identity), ExitCode> {
+    let limits = load(file)?;
+    let Some((limit, key)) = limits.get(name) else {
+        eprintln!("{}: no limit named {name:?}", file.display());
+        return Err(ExitCode::from(1));
+    };
+    let identity = Identity::from(identity);
+    match key.key_of(&identity) {
+        Ok(key) => Ok((limit.clone(), key.as_bytes().to_vec(), identity)),
+        Err(missing) => {
+            eprintln!("{}", IdentityError::new(name, identity, missing));
+            Err(ExitCode::from(1))
         }
     }
 }

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::Duration;
 
-use tollgate::core::{Backend, Check, Clock, Refused, SystemClock};
+use tollgate::core::{Backend, Check, Clock, Refused, Status, SystemClock};
 use tollgate::key::{ClientIp, KeyExtractor};
 use tollgate::{Limit, Quota};
 use tollgate_redis::RedisBackend;
@@ -188,7 +188,7 @@ fn readme_commands() -> Vec<Vec<String>> {
 fn the_readme_commands_run_on_the_shipped_file() {
     let commands = readme_commands();
     let names: Vec<&str> = commands.iter().map(|c| c[0].as_str()).collect();
-    assert_eq!(names, ["check", "peek", "top"]);
+    assert_eq!(names, ["check", "peek", "top", "deny", "undeny"]);
     let server = RedisServer::start();
     for command in commands {
         let args: Vec<String> = command
@@ -214,6 +214,13 @@ fn the_readme_commands_run_on_the_shipped_file() {
         assert!(args.contains(&"examples/limits.toml"), "{args:?}");
         let out = self::command(&args).current_dir(root()).output().unwrap();
         assert_eq!(out.status.code(), Some(0), "{args:?}: {}", stderr(&out));
+        if args[0] == "deny" {
+            assert_eq!(
+                stdout(&out),
+                "denied 203.0.113.7 under per-ip for 1h\n",
+                "{args:?}"
+            );
+        }
         if args[0] == "peek" {
             let text = stdout(&out);
             assert!(text.contains("limit      per-ip (gcra 60/1m)\n"), "{text}");
@@ -604,4 +611,88 @@ limit  per-ip: 2 refused identities
     // Another limit, or another prefix, has nothing.
     let other = run(&["top", "--redis", &server.url(), "other"]);
     assert_eq!(stdout(&other), "limit  other: 0 refused identities\n  refused   error  first seen (UTC)      last seen (UTC)       identity\n");
+}
+
+/// `deny` refuses an identity on every replica that shares the Redis server, `undeny` lifts
+/// it, and a malformed `--for` is a usage error.
+#[tokio::test]
+async fn deny_and_undeny_reach_a_replica_through_redis() {
+    let server = RedisServer::start();
+    let text = r#"
+[[limit]]
+name = "per-ip"
+algorithm = "gcra"
+period = "1m"
+key = "ip"
+[limit.quota]
+default = 60
+"#;
+    let path = file("deny", text);
+    let backend = RedisBackend::builder()
+        .url(server.url())
+        .prefix("app")
+        .deadline(Duration::from_secs(5))
+        .build()
+        .unwrap();
+    let limit = Limit::gcra("per-ip", Quota::per_minute(60).unwrap()).unwrap();
+    let ip: std::net::IpAddr = "203.0.113.7".parse().unwrap();
+    let key = ClientIp::peer().key_of(&ip.into()).unwrap();
+    let status = || {
+        let f = backend.check(&[Check::new(&limit, key.as_bytes())]);
+        async move { f.await.unwrap()[0].status }
+    };
+    let url = server.url();
+    let target = |command: &'static str| {
+        let mut args = vec![
+            command,
+            "--redis",
+            &url,
+            "--prefix",
+            "app",
+            "--limits",
+            path.to_str().unwrap(),
+            "per-ip",
+            "203.0.113.7",
+        ];
+        if command == "deny" {
+            args.extend(["--for", "2h"]);
+        }
+        run(&args)
+    };
+    let denied = target("deny");
+    assert_eq!(denied.status.code(), Some(0), "{}", stderr(&denied));
+    assert_eq!(stdout(&denied), "denied 203.0.113.7 under per-ip for 2h\n");
+    let Status::Denylisted { retry_after } = status().await else {
+        panic!("the replica refuses the denied identity");
+    };
+    assert!(retry_after > 7_199_000_000 && retry_after <= 7_200_000_000);
+    let lifted = target("undeny");
+    assert_eq!(lifted.status.code(), Some(0), "{}", stderr(&lifted));
+    // The replica's deny cache holds the deny for up to its TTL; a replica without one
+    // (a backend of its own) asks Redis, which admits.
+    let other = RedisBackend::builder()
+        .url(server.url())
+        .prefix("app")
+        .deadline(Duration::from_secs(5))
+        .build()
+        .unwrap();
+    let v = other
+        .check(&[Check::new(&limit, key.as_bytes())])
+        .await
+        .unwrap();
+    assert_eq!(v[0].status, Status::Allowed);
+    for bad in ["0", "1w", "h", "99999999999999999d"] {
+        let out = run(&[
+            "deny",
+            "--redis",
+            &url,
+            "--limits",
+            path.to_str().unwrap(),
+            "per-ip",
+            "203.0.113.7",
+            "--for",
+            bad,
+        ]);
+        assert_eq!(out.status.code(), Some(2), "--for {bad}: {}", stderr(&out));
+    }
 }
