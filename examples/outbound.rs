@@ -70,6 +70,7 @@ use axum::Router;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
+use tollgate::cost::Metered;
 use tollgate::key::{key_fn, RequestView};
 use tollgate::{Decision, Limit, Quota, RateLimitLayer, ResponseBody};
 use tollgate_redis::{redact_url, RedisBackend};
@@ -310,8 +311,14 @@ async fn app() -> Result<(), Box<dyn Error>> {
         .max_waiting(max_waiting)
         .map_err(|e| format!("MAX_WAITING={max_waiting}: {e}"))?
         .fallback(replicas);
+    // A 429 the provider sends anyway (another client of the same account, a lower limit than
+    // configured) holds the host back on every replica until its Retry-After.
     let limits = RateLimitLayer::builder()
-        .limit(limit, key_fn(upstream_host))
+        .metered(
+            limit,
+            key_fn(upstream_host),
+            Metered::new().pause_from_upstream(),
+        )
         .backend(backend.clone())
         .build()
         .map_err(|e| format!("the outbound limit: {e}"))?;

@@ -82,7 +82,11 @@ async fn fail2ban<B: Backend>(a: (&RateLimitLayer<B>, &Router), b: &Router, sett
         refused.push(attempt(a, "guess").await);
     }
     assert!(refused.iter().all(|r| r.0 == StatusCode::TOO_MANY_REQUESTS));
-    assert_eq!(refused[2].1, Some(600), "the third refusal starts the block");
+    assert_eq!(
+        refused[2].1,
+        Some(600),
+        "the third refusal starts the block"
+    );
     for app in [a, b] {
         let (status, retry) = attempt(app, "open-sesame").await;
         assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);

@@ -51,6 +51,17 @@ pub trait Backend: Send + Sync + 'static {
         let _ = settlements;
     }
 
+    /// Holds `check`'s key back for `micros` microseconds, without waiting: its next
+    /// request of one unit conforms no sooner, and later ones are paced from then. For a key
+    /// that an upstream API has refused with a `Retry-After` (the layer's
+    /// `Metered::pause_from_upstream`), so that every replica sharing this backend waits too.
+    ///
+    /// GCRA only: the key's TAT moves to at least `now + micros + (burst − 1) × T` under
+    /// `check.quota`, never back. Other algorithms, and the default, do nothing.
+    fn pause(&self, check: &Check<'_>, micros: Micros) {
+        let _ = (check, micros);
+    }
+
     /// A short, fixed name for metrics and logs, such as `memory` or `redis`.
     fn kind(&self) -> &'static str;
 
@@ -180,6 +191,10 @@ impl<B: Backend> Backend for std::sync::Arc<B> {
 
     fn settle(&self, settlements: &[Settlement<'_>]) {
         (**self).settle(settlements)
+    }
+
+    fn pause(&self, check: &Check<'_>, micros: Micros) {
+        (**self).pause(check, micros)
     }
 
     fn kind(&self) -> &'static str {

@@ -60,6 +60,30 @@ impl Admin {
         self.sanction(check, "lift", 0).await
     }
 
+    /// One `EVAL` of `pause.lua` on `check`'s GCRA key (other algorithms: nothing).
+    pub(crate) async fn pause(&self, check: &OwnedCheck, micros: u64) -> Result<(), BackendError> {
+        if check.limit.algorithm() != Algorithm::Gcra {
+            return Ok(());
+        }
+        let digest = keys::digest(check.limit.name(), &check.key);
+        let key = BaseKey::new(&self.prefix, check.limit.name(), &digest).with(Suffix::Tat);
+        let mut cmd = redis::cmd("EVAL");
+        cmd.arg(admin::PAUSE)
+            .arg(1)
+            .arg(key.as_bytes())
+            .arg(micros)
+            .arg(check.quota.emission_interval())
+            .arg(check.quota.burst());
+        self.transport
+            .within_deadline(
+                async { Ok(self.transport.query_raw(&cmd).await) },
+                "to pause",
+            )
+            .await?
+            .map(|_| ())
+            .map_err(map_error)
+    }
+
     /// One `EVAL` of `sanction.lua`: `op` (`lift`, `deny` for `micros`, `undeny`) on
     /// `check`'s key's sanctions.
     pub(crate) async fn sanction(

@@ -169,6 +169,12 @@ impl Backend for RedisBackend {
         self.leased.settle(settlements);
     }
 
+    /// Drops this replica's leased slice of the key, then one `EVAL` (from a task, without
+    /// waiting) moves the key's TAT in Redis: every replica's next check of it waits.
+    fn pause(&self, check: &Check<'_>, micros: tollgate_core::Micros) {
+        self.leased.pause(check, micros);
+    }
+
     fn kind(&self) -> &'static str {
         BACKEND
     }

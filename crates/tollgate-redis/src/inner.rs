@@ -139,6 +139,21 @@ impl Backend for Inner {
         self.settles.later(settlements, self.time.call_time());
     }
 
+    /// One `EVAL` from a task, without waiting; a failure is logged at debug level (the
+    /// key is then not held back). Outside a Tokio runtime nothing is sent.
+    fn pause(&self, check: &Check<'_>, micros: tollgate_core::Micros) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let admin = Arc::clone(&self.admin);
+        let check = OwnedCheck::of(check);
+        runtime.spawn(async move {
+            if let Err(e) = admin.pause(&check, micros).await {
+                tracing::debug!(limit = check.limit.name(), error = %e, "a pause was not kept");
+            }
+        });
+    }
+
     fn kind(&self) -> &'static str {
         BACKEND
     }

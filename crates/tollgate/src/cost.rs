@@ -50,6 +50,7 @@ use crate::key::RequestView;
 
 type CostFn = Box<dyn Fn(&RequestView<'_>) -> Result<u32, InvalidCost> + Send + Sync>;
 type CountFn = Box<dyn Fn(&ResponseView<'_>) -> bool + Send + Sync>;
+type ChargeFn = Box<dyn Fn(&ResponseView<'_>) -> Option<u32> + Send + Sync>;
 
 /// A request's cost that is not a whole number of units.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -189,6 +190,8 @@ pub struct Metered {
     pub(crate) count_if: Option<CountFn>,
     pub(crate) by_handler: bool,
     pub(crate) on_drop: OnDrop,
+    pub(crate) charge_from: Option<ChargeFn>,
+    pub(crate) learns: bool,
 }
 
 impl Metered {
@@ -230,6 +233,39 @@ impl Metered {
         self
     }
 
+    /// The reservation is an estimate: the response head says the actual cost, as `charge`
+    /// reads it (a usage header an upstream API sends, say), and the difference is consumed
+    /// or given back when the head comes. `None` keeps the reservation. With
+    /// [`count_if`](Self::count_if), a response it does not count gives everything back.
+    ///
+    /// ```
+    /// use tollgate::cost::{parse_units, Metered};
+    ///
+    /// // Tokens a model API reports it used.
+    /// let tokens = Metered::new().charge_from(|response| {
+    ///     parse_units(response.headers().get("x-usage-tokens").map(|v| v.as_bytes())).ok()
+    /// });
+    /// ```
+    pub fn charge_from<F>(mut self, charge: F) -> Self
+    where
+        F: Fn(&ResponseView<'_>) -> Option<u32> + Send + Sync + 'static,
+    {
+        self.charge_from = Some(Box::new(charge));
+        self
+    }
+
+    /// For a layer around a client: when an upstream API's answer says to wait (a `429` or
+    /// `503` with `Retry-After`, or `RateLimit` fields with nothing left: see
+    /// [`MAX_UPSTREAM_PAUSE`](crate::MAX_UPSTREAM_PAUSE) for the forms read), the request's
+    /// key of this GCRA limit is held back until then on every replica sharing the backend
+    /// ([`Backend::pause`](tollgate_core::Backend::pause): one write), and the calls that
+    /// follow wait for it in delay mode, or are refused with a `Retry-After` that says so.
+    /// Nothing is retried.
+    pub fn pause_from_upstream(mut self) -> Self {
+        self.learns = true;
+        self
+    }
+
     /// What a request dropped before it answered does with its reservation (default
     /// [`OnDrop::Keep`]).
     pub fn on_drop(mut self, policy: OnDrop) -> Self {
@@ -239,7 +275,11 @@ impl Metered {
 
     /// Whether anything is settled after the response.
     pub(crate) fn settles(&self) -> bool {
-        self.count_if.is_some() || self.by_handler || self.on_drop != OnDrop::Keep
+        self.count_if.is_some()
+            || self.by_handler
+            || self.on_drop != OnDrop::Keep
+            || self.charge_from.is_some()
+            || self.learns
     }
 }
 
@@ -250,6 +290,8 @@ impl fmt::Debug for Metered {
             .field("count_if", &self.count_if.is_some())
             .field("charged_by_handler", &self.by_handler)
             .field("on_drop", &self.on_drop)
+            .field("charge_from", &self.charge_from.is_some())
+            .field("pause_from_upstream", &self.learns)
             .finish()
     }
 }

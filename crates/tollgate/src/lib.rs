@@ -105,6 +105,7 @@ mod problem;
 mod refusal_cache;
 mod rejection;
 mod rules;
+mod upstream;
 
 /// The parts that know nothing of HTTP: quotas, algorithms, clocks, backends.
 pub use tollgate_core as core;
@@ -133,3 +134,4 @@ pub use tollgate_core::{
     Algorithm, FailurePolicy, FakeClock, Limit, MemoryBackend, MissingKeyPolicy, Penalty, Quota,
     SystemClock,
 };
+pub use upstream::MAX_UPSTREAM_PAUSE;

@@ -42,7 +42,7 @@ use crate::backend::{
     unsupported, Admin, AdminFuture, Backend, BackendError, KeyState, Lifecycle, Slots,
 };
 use crate::check::{Check, Settlement};
-use crate::clock::Clock;
+use crate::clock::{Clock, Micros};
 use crate::system_clock::SystemClock;
 use crate::verdicts::Verdicts;
 
@@ -233,6 +233,15 @@ impl<B: Backend, C: Clock> Backend for Leased<B, C> {
 
     fn settle(&self, settlements: &[Settlement<'_>]) {
         self.shared.backend.settle(settlements);
+    }
+
+    /// Drops this replica's slice of the key (its units would be admitted during the pause),
+    /// then pauses the key in the inner backend.
+    fn pause(&self, check: &Check<'_>, micros: Micros) {
+        if let Some(e) = self.shared.lock().get_mut(check.limit.name(), check.key) {
+            e.slice.drain();
+        }
+        self.shared.backend.pause(check, micros);
     }
 
     fn kind(&self) -> &'static str {

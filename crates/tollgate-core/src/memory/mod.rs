@@ -40,8 +40,7 @@ use crate::backend::{
 };
 use crate::bounds::MAX_CHECKS;
 use crate::check::{Check, Settlement};
-use crate::clock::Clock;
-use crate::clock::Micros;
+use crate::clock::{Clock, Micros};
 use crate::counting::Algorithm;
 use crate::reports::Refused;
 use crate::system_clock::SystemClock;
@@ -220,6 +219,10 @@ impl<C: Clock> Backend for MemoryBackend<C> {
 
     fn settle(&self, settlements: &[Settlement<'_>]) {
         self.settle_now(settlements);
+    }
+
+    fn pause(&self, check: &Check<'_>, micros: Micros) {
+        self.inner.pause(check, micros);
     }
 
     fn kind(&self) -> &'static str {

@@ -1,5 +1,5 @@
-//! Sanctions in memory: a refusal counted toward its limit's penalty, and an operator's
-//! deny, undeny and lift of one key.
+//! Sanctions in memory: a refusal counted toward its limit's penalty, an operator's deny,
+//! undeny and lift of one key, and a pause an upstream asked for.
 
 use std::collections::hash_map::Entry;
 use std::sync::PoisonError;
@@ -90,5 +90,43 @@ impl<C: Clock> Inner<C> {
             }
         }
         true
+    }
+}
+
+impl<C: Clock> Inner<C> {
+    /// [`Backend::pause`](crate::Backend::pause): a GCRA key's TAT moved to at least
+    /// `now + micros + (burst − 1) × T`, under the check's quota. A new key takes a place
+    /// under the cap; at the cap the pause is not kept.
+    pub(super) fn pause(&self, check: &Check<'_>, micros: Micros) {
+        if check.limit.algorithm() != crate::counting::Algorithm::Gcra {
+            return;
+        }
+        let now = self.clock.now();
+        let quota = &check.quota;
+        let interval = quota.emission_interval();
+        let target = now
+            .saturating_add(micros)
+            .saturating_add(interval.saturating_mul(u64::from(quota.burst().saturating_sub(1))));
+        let fp = self.fingerprint(check);
+        let mask = self.shards.len() - 1;
+        let mut shard = self.shards[fp.shard(mask)]
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        let room = shard.len() < self.places.shard_cap;
+        let tat = crate::memory::shard::carried(
+            shard
+                .gcra
+                .get_mut(&fp)
+                .map(crate::memory::shard::Record::get),
+            quota,
+            now,
+        );
+        if tat.is_some_and(|t| t >= target) {
+            return;
+        }
+        if tat.is_none() && !(room && self.places.reserve()) {
+            return;
+        }
+        crate::memory::shard::store(&mut shard.gcra, fp, (target, interval));
     }
 }

@@ -23,6 +23,11 @@ pub(crate) const ADMIN: &str = include_str!("admin.lua");
 /// `undeny`. Answers the server's time.
 pub(crate) const SANCTION: &str = include_str!("sanction.lua");
 
+/// `KEYS[1]`: a GCRA key (`<base>:v2`). `ARGV`: the pause in microseconds, the emission
+/// interval, the burst. Moves the key's TAT to at least the pause's end plus the burst less
+/// one interval (see `tollgate_core::Backend::pause`). Answers the server's time.
+pub(crate) const PAUSE: &str = include_str!("pause.lua");
+
 /// The `EVAL` of `op` (`peek` or `reset`) on `limit`'s key under `base`, whose fixed windows
 /// are declared for the server's time `server_now` (the client's estimate).
 ///

@@ -173,6 +173,7 @@ fn owed(
             by_handler: metered.by_handler,
             on_drop: metered.on_drop,
             counted: true,
+            charged: None,
         });
     }
     // A limit charged by the handler gives every admitted request a `Settle` handle, even
@@ -246,6 +247,7 @@ fn refund(
             by_handler: false,
             on_drop: OnDrop::Refund,
             counted: true,
+            charged: None,
         });
     }
     items

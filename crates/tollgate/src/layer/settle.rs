@@ -38,6 +38,8 @@ pub(crate) struct Item {
     pub(crate) on_drop: OnDrop,
     /// What the limit's `count_if` said of the response (`true` until it comes).
     pub(crate) counted: bool,
+    /// The actual cost the limit's `charge_from` read in the response head.
+    pub(crate) charged: Option<u32>,
 }
 
 /// Settles reservations; the layer's shared state, without its backend's type.
@@ -50,6 +52,13 @@ pub(crate) trait Settler: Send + Sync + 'static {
 
     /// Whether a limit is charged by the handler (its requests then carry a [`Settle`]).
     fn charged_by_handler(&self) -> bool;
+
+    /// The actual cost the limit at `entry` reads in `response`, if it reads one.
+    fn charge_of(&self, entry: usize, response: &ResponseView<'_>) -> Option<u32>;
+
+    /// Holds `held`'s key back for as long as `response` asks, if its limit learns from
+    /// upstream answers.
+    fn pause_for(&self, held: &Reservation, response: &ResponseView<'_>);
 
     /// Settles each item at its actual cost.
     fn settle(&self, items: &[Item], actual: &[u32]);
@@ -102,6 +111,8 @@ impl Owed {
         let view = ResponseView::new(response);
         for item in &mut self.items {
             item.counted = self.sink.counts(item.reservation.entry, &view);
+            item.charged = self.sink.charge_of(item.reservation.entry, &view);
+            self.sink.pause_for(&item.reservation, &view);
         }
         self.charged = response.extensions().get::<Charge>().map(|c| c.0);
         self.responded = true;
@@ -165,6 +176,9 @@ impl Owed {
         }
         if !item.counted {
             return 0;
+        }
+        if let Some(charged) = item.charged {
+            return charged;
         }
         if !item.by_handler {
             return item.reservation.units;
@@ -253,6 +267,49 @@ impl<B: Backend> Settler for SetSink<B> {
 
     fn charged_by_handler(&self) -> bool {
         self.set.charged_by_handler
+    }
+
+    fn charge_of(&self, entry: usize, response: &ResponseView<'_>) -> Option<u32> {
+        let charge = self
+            .set
+            .limits
+            .get(entry)?
+            .metered
+            .as_ref()?
+            .charge_from
+            .as_ref()?;
+        charge(response)
+    }
+
+    fn pause_for(&self, held: &Reservation, response: &ResponseView<'_>) {
+        let Some(entry) = self.set.limits.get(held.entry) else {
+            return;
+        };
+        if !entry.metered.as_ref().is_some_and(|m| m.learns) {
+            return;
+        }
+        let Some(pause) = crate::upstream::pause_of(response, std::time::SystemTime::now()) else {
+            return;
+        };
+        let micros = u64::try_from(pause.as_micros()).unwrap_or(u64::MAX);
+        tracing::debug!(
+            limit = entry.limit.name(),
+            pause_ms = pause.as_millis() as u64,
+            "the upstream asked to wait: its key is held back"
+        );
+        match (held.fallback, &entry.local) {
+            (false, _) => {
+                let check = tollgate_core::Check::new(&entry.limit, held.key.as_bytes())
+                    .with_quota(held.quota);
+                self.shared.backend.pause(&check, micros);
+            }
+            (true, Some(local)) => {
+                let check =
+                    tollgate_core::Check::new(local, held.key.as_bytes()).with_quota(held.quota);
+                self.shared.fallback.pause(&check, micros);
+            }
+            (true, None) => {}
+        }
     }
 
     fn settle(&self, items: &[Item], actual: &[u32]) {
