@@ -9,7 +9,7 @@ use std::ops::Deref;
 
 use crate::bounds::MAX_CHECKS;
 use crate::check::{Check, Receipt};
-use crate::verdict::Verdict;
+use crate::verdict::{Status, Verdict};
 
 /// How many verdicts a [`Verdicts`] holds without allocating: the one to three limits of most
 /// layers (three stacked limits is the common case of a public API: per IP, per tenant, per
@@ -140,12 +140,14 @@ impl Verdicts {
         self.parts_mut().0
     }
 
-    /// Whether every enforced check of `checks` was admitted.
+    /// Whether every enforced check of `checks` was admitted (and no check was denied by
+    /// hand: [`Status::Denylisted`] refuses under a shadow limit too).
     #[inline]
     pub fn admits(&self, checks: &[Check<'_>]) -> bool {
-        self.iter()
-            .zip(checks)
-            .all(|(v, c)| v.is_allowed() || !c.enforce)
+        // A deny by hand refuses under a shadow limit too: it is an operator's decision.
+        self.iter().zip(checks).all(|(v, c)| {
+            v.is_allowed() || (!c.enforce && !matches!(v.status, Status::Denylisted { .. }))
+        })
     }
 }
 

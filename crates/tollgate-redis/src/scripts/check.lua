@@ -238,7 +238,8 @@ while i <= figures do
         if algo == 3 then out[at + 3], out[at + 4] = block, block else out[at + 2] = block end
       end
     end
-    if status ~= 0 and enforce then admits = false end
+    -- A deny by hand refuses under a shadow limit too: it is an operator's decision.
+    if status ~= 0 and (enforce or status == 4) then admits = false end
   end
 
   if admits then
