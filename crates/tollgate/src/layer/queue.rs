@@ -20,9 +20,9 @@ use tollgate_core::{Limit, MAX_WAITERS_PER_LIMIT};
 #[derive(Debug)]
 struct Place {
     number: u64,
-    /// Set when the place should look at its turn again (a slot came back, or it came to
-    /// the front); cleared when it does.
-    woken: bool,
+    /// Slots of the key given back since the place last looked (only the front's count:
+    /// it is handed on to the next front with whatever its holder did not take).
+    woken: u32,
     waker: Option<Waker>,
 }
 
@@ -35,8 +35,15 @@ struct Line {
 impl Line {
     /// Wakes the place at the front; its waker, to be called once the lock is let go.
     fn wake_front(&mut self) -> Option<Waker> {
+        self.hand_on(1)
+    }
+
+    /// Hands `wakes` (slots given back that nobody took) to the place at the front; its
+    /// waker, to be called once the lock is let go (a place that comes to the front looks
+    /// at its turn even with nothing handed on: it starts polling).
+    fn hand_on(&mut self, wakes: u32) -> Option<Waker> {
         let front = self.places.front_mut()?;
-        front.woken = true;
+        front.woken = front.woken.saturating_add(wakes);
         front.waker.take()
     }
 }
@@ -63,8 +70,8 @@ pub(crate) struct Queues {
 pub(crate) struct Turn {
     /// Whether it is at the front of its line (only the front checks again).
     pub(crate) front: bool,
-    /// Whether it was woken since it last looked.
-    pub(crate) woken: bool,
+    /// How many slots of its key were given back since it last looked.
+    pub(crate) woken: u32,
 }
 
 impl Queues {
@@ -93,7 +100,7 @@ impl Queues {
         }
         let place = Place {
             number,
-            woken: false,
+            woken: 0,
             waker: None,
         };
         match per.lines.get_mut(key) {
@@ -112,6 +119,7 @@ impl Queues {
             key: key.into(),
             number,
             entry,
+            carry: 0,
         })
     }
 
@@ -139,14 +147,14 @@ impl Queues {
         let Some(line) = line else {
             return Turn {
                 front: false,
-                woken: false,
+                woken: 0,
             };
         };
         let front = line.places.front().map(|p| p.number) == Some(ticket.number);
         let Some(place) = line.places.iter_mut().find(|p| p.number == ticket.number) else {
             return Turn {
                 front: false,
-                woken: false,
+                woken: 0,
             };
         };
         match &mut place.waker {
@@ -157,7 +165,8 @@ impl Queues {
         Turn { front, woken }
     }
 
-    /// Gives `ticket`'s place back; the next in line, if it comes to the front, checks.
+    /// Gives `ticket`'s place back; the next in line, if it comes to the front, gets the
+    /// slots given back that this one did not take, and checks at once if there are any.
     fn leave(&self, ticket: &Ticket) {
         let waker = {
             let mut limits = self.limits.lock().unwrap_or_else(PoisonError::into_inner);
@@ -167,10 +176,11 @@ impl Queues {
             let mut waker = None;
             if let Some(line) = per.lines.get_mut(&*ticket.key) {
                 if let Some(at) = line.places.iter().position(|p| p.number == ticket.number) {
-                    line.places.remove(at);
+                    let place = line.places.remove(at);
                     per.total -= 1;
                     if at == 0 {
-                        waker = line.wake_front();
+                        let woken = place.map_or(0, |p| p.woken);
+                        waker = line.hand_on(woken.saturating_add(ticket.carry));
                     }
                 }
                 if line.places.is_empty() {
@@ -206,6 +216,9 @@ pub(crate) struct Ticket {
     number: u64,
     /// The index in the layer of the limit whose line this is.
     entry: usize,
+    /// Slots given back that this place was woken for and did not take: handed on to the
+    /// next front when it leaves.
+    carry: u32,
 }
 
 impl Ticket {
@@ -214,9 +227,24 @@ impl Ticket {
         self.entry
     }
 
-    /// Where this place stands (see [`Turn`]); the task is woken when that changes.
-    pub(crate) fn turn(&self, cx: &Context<'_>) -> Turn {
-        self.queues.turn(self, cx)
+    /// Where this place stands (see [`Turn`]); the task is woken when that changes. The
+    /// slots it was woken for are its own to hand on, until it checks again
+    /// ([`Ticket::checked`]).
+    pub(crate) fn turn(&mut self, cx: &Context<'_>) -> Turn {
+        let turn = self.queues.turn(self, cx);
+        self.carry = self.carry.saturating_add(turn.woken);
+        turn
+    }
+
+    /// Its check found what the slots it was woken for had become: taken by others (`None`,
+    /// still full: none is left to hand on), or one taken by this request (`Some(true)`),
+    /// or none taken (`Some(false)`: refused by something else, they stay free).
+    pub(crate) fn checked(&mut self, took: Option<bool>) {
+        self.carry = match took {
+            None => 0,
+            Some(true) => self.carry.saturating_sub(1),
+            Some(false) => self.carry,
+        };
     }
 }
 
@@ -244,8 +272,8 @@ mod tests {
         let queues = Arc::new(Queues::default());
         // Nobody in line: nothing to wait behind.
         assert!(queues.join(&limit, 0, b"k", true).is_none());
-        let a = queues.join(&limit, 0, b"k", false).unwrap();
-        let b = queues.join(&limit, 0, b"k", true).unwrap();
+        let mut a = queues.join(&limit, 0, b"k", false).unwrap();
+        let mut b = queues.join(&limit, 0, b"k", true).unwrap();
         // Two of two: full.
         assert!(queues.join(&limit, 0, b"k", false).is_none());
         let other = queues.join(&limit, 0, b"other", false).unwrap();
@@ -254,11 +282,11 @@ mod tests {
         let (front, back) = (
             Turn {
                 front: true,
-                woken: false,
+                woken: 0,
             },
             Turn {
                 front: false,
-                woken: false,
+                woken: 0,
             },
         );
         assert_eq!((a.turn(&cx), b.turn(&cx)), (front, back));
@@ -269,21 +297,31 @@ mod tests {
             (
                 Turn {
                     front: true,
-                    woken: true
+                    woken: 1
                 },
                 back
             )
         );
         assert_eq!(a.turn(&cx), front);
+        // It took the slot it was woken for: nothing to hand on.
+        a.checked(Some(true));
         drop(a);
+        assert_eq!(b.turn(&cx), front);
+        // Two slots come back; the front takes one and hands the other on.
+        queues.wake(limit.id(), b"k");
+        queues.wake(limit.id(), b"k");
+        assert_eq!(b.turn(&cx).woken, 2);
+        b.checked(Some(true));
+        let mut c = queues.join(&limit, 0, b"k", false).unwrap();
+        drop(b);
         assert_eq!(
-            b.turn(&cx),
+            c.turn(&cx),
             Turn {
                 front: true,
-                woken: true
+                woken: 1
             }
         );
-        drop((b, other));
+        drop((c, other));
         assert_eq!(queues.count(limit.id(), b"k"), (0, 0));
         assert!(queues
             .limits
@@ -293,22 +331,24 @@ mod tests {
     }
 
     #[test]
-    fn a_place_that_leaves_from_the_middle_wakes_nobody() {
+    fn a_place_that_leaves_from_the_middle_wakes_nobody_and_the_front_hands_on_its_slot() {
         let limit = limit(3);
         let queues = Arc::new(Queues::default());
-        let a = queues.join(&limit, 0, b"k", false).unwrap();
+        let mut a = queues.join(&limit, 0, b"k", false).unwrap();
         let b = queues.join(&limit, 0, b"k", false).unwrap();
-        let c = queues.join(&limit, 0, b"k", false).unwrap();
+        let mut c = queues.join(&limit, 0, b"k", false).unwrap();
         let cx = Context::from_waker(Waker::noop());
         drop(b);
-        assert!(!a.turn(&cx).woken);
-        assert!(!c.turn(&cx).woken);
+        assert_eq!(a.turn(&cx).woken, 0);
+        assert_eq!(c.turn(&cx).woken, 0);
+        // The front leaves unserved with the slot it was woken for: the next gets it.
+        queues.wake(limit.id(), b"k");
         drop(a);
         assert_eq!(
             c.turn(&cx),
             Turn {
                 front: true,
-                woken: true
+                woken: 1
             }
         );
     }

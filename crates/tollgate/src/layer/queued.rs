@@ -130,6 +130,13 @@ impl<S, B: Backend, ReqBody> Queued<S, B, ReqBody> {
                 let decided =
                     self.shared
                         .decide(&result, &self.req, &mut self.facts, &mut self.kept);
+                // What became of the slots it was woken for, to hand on what it left.
+                let took = decided
+                    .as_ref()
+                    .map(|d| matches!(d, Decided::Admit(..)));
+                if let Some(q) = self.facts.queueing.as_mut() {
+                    q.ticket.checked(took);
+                }
                 if let Some(decided) = decided {
                     return Poll::Ready(decided);
                 }
@@ -139,16 +146,17 @@ impl<S, B: Backend, ReqBody> Queued<S, B, ReqBody> {
                 self.next_poll = Some(Instant::now() + after);
             }
             // Never without a place: taken as at the front, woken.
-            let turn = self.facts.queueing.as_ref().map_or(
+            let turn = self.facts.queueing.as_mut().map_or(
                 Turn {
                     front: true,
-                    woken: true,
+                    woken: 1,
                 },
                 |q| q.ticket.turn(cx),
             );
             let now = Instant::now();
             let last = now >= self.until;
-            let due = turn.front && (turn.woken || self.next_poll.is_some_and(|t| t <= now));
+            let woken = turn.woken > 0;
+            let due = turn.front && (woken || self.next_poll.is_some_and(|t| t <= now));
             if last || due {
                 if let Some(q) = self.facts.queueing.as_mut() {
                     q.last = last;
