@@ -211,6 +211,33 @@ impl<B: Backend> Shared<B> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use bytes::Bytes;
+    use http::Response;
+    use http_body_util::Full;
+    use tollgate_core::MemoryBackend;
+
+    type Handler = tower::util::ServiceFn<
+        fn(Request<Full<Bytes>>) -> std::future::Ready<Result<Response<Full<Bytes>>, ()>>,
+    >;
+
+    /// What one request waiting in a line holds, in bytes, on a 64-bit target (written in
+    /// docs/benchmarks.md): the boxed state (the request's head, the service, its facts,
+    /// room for its check's future) and its timer, its boxed place (`Queueing`), and its
+    /// entry in the line; besides, its key's bytes twice (the ticket's copy and the kept
+    /// key), and once per key with a line (the line's map's own copy).
+    #[test]
+    fn a_queued_request_holds_under_one_and_a_quarter_kilobytes() {
+        let state = std::mem::size_of::<Queued<Handler, MemoryBackend, Full<Bytes>>>();
+        let sleep = std::mem::size_of::<Sleep>();
+        let place = std::mem::size_of::<Queueing>();
+        // A `Place` in the line's `VecDeque`: number, count, waker.
+        let entry = std::mem::size_of::<(u64, u32, Option<std::task::Waker>)>();
+        let total = state + sleep + place + entry;
+        println!(
+            "queued: state {state} + sleep {sleep} + place {place} + entry {entry} = {total} bytes, plus its key"
+        );
+        assert!(total < 1280, "{total}");
+    }
 
     #[test]
     fn polls_double_from_5_to_100_ms_within_a_fifth() {
