@@ -493,6 +493,6 @@ fn name_id(name: &str) -> u64 {
 }
 
 mod sanctions;
-mod waiting;
 #[cfg(test)]
 mod tests;
+mod waiting;

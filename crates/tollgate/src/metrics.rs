@@ -200,8 +200,7 @@ impl LimitMetrics {
         if let (
             Label::Allowed | Label::Delayed | Label::Queued,
             Outcome::Allowed { remaining, .. },
-        ) =
-            (label, decision.outcome())
+        ) = (label, decision.outcome())
         {
             let quota = decision.quota();
             let whole = if self.gcra {

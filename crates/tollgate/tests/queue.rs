@@ -137,7 +137,10 @@ where
 {
     let mut tasks = Vec::new();
     for id in ids {
-        tasks.push(answer(svc.ready().await.unwrap().call(req(id, tenant)), start));
+        tasks.push(answer(
+            svc.ready().await.unwrap().call(req(id, tenant)),
+            start,
+        ));
     }
     tasks
 }
@@ -176,13 +179,25 @@ async fn a_full_key_s_requests_are_served_one_after_another_in_arrival_order() {
     assert_eq!(status, [200; 5]);
     assert_eq!(
         *started.lock().unwrap(),
-        [(0, ms(0)), (1, ms(100)), (2, ms(200)), (3, ms(300)), (4, ms(400))]
+        [
+            (0, ms(0)),
+            (1, ms(100)),
+            (2, ms(200)),
+            (3, ms(300)),
+            (4, ms(400))
+        ]
     );
     // Each decision says how long its request waited in the queue.
     let waited: Vec<Option<Duration>> = answers.iter().map(|(p, _)| decision(p).queued()).collect();
     assert_eq!(
         waited,
-        [None, Some(ms(100)), Some(ms(200)), Some(ms(300)), Some(ms(400))]
+        [
+            None,
+            Some(ms(100)),
+            Some(ms(200)),
+            Some(ms(300)),
+            Some(ms(400))
+        ]
     );
     assert_eq!(decision(&answers[0].0).limits()[0].label(), "allowed");
     assert_eq!(decision(&answers[4].0).limits()[0].label(), "queued");
@@ -230,7 +245,13 @@ async fn at_most_max_waiting_requests_wait_and_the_others_are_refused_at_once() 
     // One served, two waited, two refused at once (Retry-After: the limit's 1 s).
     assert_eq!(
         status,
-        [(200, ms(100)), (200, ms(200)), (200, ms(300)), (429, ms(0)), (429, ms(0))]
+        [
+            (200, ms(100)),
+            (200, ms(200)),
+            (200, ms(300)),
+            (429, ms(0)),
+            (429, ms(0))
+        ]
     );
     assert_eq!(answers[3].0.headers["retry-after"], "1");
     let refused = decision(&answers[3].0);
@@ -264,7 +285,10 @@ async fn a_waiter_dropped_leaves_the_line_and_the_next_gets_the_slot() {
     second.abort();
     assert!(second.await.unwrap_err().is_cancelled());
     let (first, third) = (first.await.unwrap(), third.await.unwrap());
-    assert_eq!((first.0.status.as_u16(), third.0.status.as_u16()), (200, 200));
+    assert_eq!(
+        (first.0.status.as_u16(), third.0.status.as_u16()),
+        (200, 200)
+    );
     assert_eq!(*started.lock().unwrap(), [(0, ms(0)), (2, ms(100))]);
     assert_eq!(decision(&third.0).queued(), Some(ms(100)));
 }
@@ -288,7 +312,13 @@ async fn a_waiter_past_its_wait_is_refused() {
         .collect();
     assert_eq!(
         status,
-        [(200, ms(100)), (200, ms(200)), (200, ms(300)), (429, ms(250)), (429, ms(250))]
+        [
+            (200, ms(100)),
+            (200, ms(200)),
+            (200, ms(300)),
+            (429, ms(250)),
+            (429, ms(250))
+        ]
     );
     assert_eq!(answers[4].0.headers["retry-after"], "1");
     let refused = decision(&answers[4].0);
@@ -337,11 +367,20 @@ async fn a_waiter_holds_no_rate_units_and_is_checked_whole_at_its_turn() {
         [(200, ms(100)), (200, ms(200)), (200, ms(300))]
     );
     let (fourth, fifth) = (status[3], status[4]);
-    assert!(fourth.0 == 429 && fourth.1 >= ms(204) && fourth.1 <= ms(206), "{fourth:?}");
-    assert!(fifth.0 == 429 && fifth.1 >= fourth.1 + ms(4) && fifth.1 <= fourth.1 + ms(6), "{fifth:?}");
+    assert!(
+        fourth.0 == 429 && fourth.1 >= ms(204) && fourth.1 <= ms(206),
+        "{fourth:?}"
+    );
+    assert!(
+        fifth.0 == 429 && fifth.1 >= fourth.1 + ms(4) && fifth.1 <= fourth.1 + ms(6),
+        "{fifth:?}"
+    );
     let refused = decision(&answers[3].0);
     assert_eq!(refused.get("per-minute").unwrap().label(), "denied");
-    assert_eq!(refused.retry_after().map(|t| t > Duration::from_secs(1)), Some(true));
+    assert_eq!(
+        refused.retry_after().map(|t| t > Duration::from_secs(1)),
+        Some(true)
+    );
     // Three units spent by the three served, however often the waiters were checked.
     assert_eq!(layer.peek("per-minute", "a").await.unwrap().remaining, 0);
 }

@@ -76,7 +76,12 @@ async fn spread(backends: [RedisBackend; 2], n: usize) -> (Vec<u16>, usize, Arc<
             .unwrap();
         tasks.push(tokio::spawn(async move {
             let res = svc.oneshot(req).await.unwrap();
-            let queued = res.extensions().get::<Decision>().unwrap().queued().is_some();
+            let queued = res
+                .extensions()
+                .get::<Decision>()
+                .unwrap()
+                .queued()
+                .is_some();
             // The body is dropped here: the slot goes back.
             (res.status().as_u16(), queued)
         }));

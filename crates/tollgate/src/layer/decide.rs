@@ -103,7 +103,10 @@ impl<B: Backend> Shared<B> {
             Err(error) => self.decide_failure(error, facts, kept, &mut receipts),
         };
         let admitted = decision.is_admitted();
-        if !admitted && facts.set.queues && self.queue(&decision, &facts.set, &mut facts.queueing, kept) {
+        if !admitted
+            && facts.set.queues
+            && self.queue(&decision, &facts.set, &mut facts.queueing, kept)
+        {
             return None;
         }
         for (entry, d) in facts.set.limits.iter().zip(decision.limits()) {

@@ -131,9 +131,7 @@ impl<S, B: Backend, ReqBody> Queued<S, B, ReqBody> {
                     self.shared
                         .decide(&result, &self.req, &mut self.facts, &mut self.kept);
                 // What became of the slots it was woken for, to hand on what it left.
-                let took = decided
-                    .as_ref()
-                    .map(|d| matches!(d, Decided::Admit(..)));
+                let took = decided.as_ref().map(|d| matches!(d, Decided::Admit(..)));
                 if let Some(q) = self.facts.queueing.as_mut() {
                     q.ticket.checked(took);
                 }
@@ -241,12 +239,27 @@ mod tests {
 
     #[test]
     fn polls_double_from_5_to_100_ms_within_a_fifth() {
-        for seed in [1u128, 2, u128::MAX, 0x1234_5678_9abc_def0_1122_3344_5566_7788] {
-            for (attempt, base) in [(0, 5), (1, 10), (2, 20), (3, 40), (4, 80), (5, 100), (40, 100)]
-            {
+        for seed in [
+            1u128,
+            2,
+            u128::MAX,
+            0x1234_5678_9abc_def0_1122_3344_5566_7788,
+        ] {
+            for (attempt, base) in [
+                (0, 5),
+                (1, 10),
+                (2, 20),
+                (3, 40),
+                (4, 80),
+                (5, 100),
+                (40, 100),
+            ] {
                 let after = poll_after(attempt, seed);
                 let base = Duration::from_millis(base);
-                assert!(after >= base.mul_f64(0.8) && after < base.mul_f64(1.2), "{after:?}");
+                assert!(
+                    after >= base.mul_f64(0.8) && after < base.mul_f64(1.2),
+                    "{after:?}"
+                );
             }
         }
         // Two requests poll at different times.

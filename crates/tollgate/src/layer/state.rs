@@ -11,8 +11,8 @@ use http::Response;
 use tollgate_core::{Backend, Clock, MemoryBackend};
 
 use super::limits::LimitSet;
-use super::refused::Refusals;
 use super::queue::Queues;
+use super::refused::Refusals;
 use super::wait::Waiters;
 use crate::fields::FieldOptions;
 use crate::key::RequestView;
