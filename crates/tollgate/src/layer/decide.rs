@@ -12,7 +12,7 @@ use tollgate_core::{
 
 use super::limits::LimitSet;
 use super::prepare::{Facts, KeptKeys};
-use super::queued::Queueing;
+use super::queue::Queueing;
 use super::settle::{Item, Reservation};
 use super::slots::Taken;
 use super::state::Shared;

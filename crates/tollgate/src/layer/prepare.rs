@@ -14,7 +14,7 @@ use http::{Request, Response};
 use tollgate_core::{Backend, Check, MissingKeyPolicy, MAX_CHECKS};
 
 use super::limits::{Entry, LimitSet};
-use super::queued::Queueing;
+use super::queue::{Queueing, Ticket};
 use super::slots::next_id;
 use super::state::Shared;
 use super::wait::Places;
@@ -244,7 +244,7 @@ impl<B: Backend> Shared<B> {
     /// A place at the back of `check`'s key's line (the limit at `i` of the layer), if it
     /// is a queued limit's and others wait in it, and it has room (a request without one is
     /// checked, and refused at once if the key is full).
-    fn behind(&self, check: &Check<'_>, i: usize) -> Option<super::queue::Ticket> {
+    fn behind(&self, check: &Check<'_>, i: usize) -> Option<Ticket> {
         if check.limit.queue_micros() == 0 || !check.enforce {
             return None;
         }

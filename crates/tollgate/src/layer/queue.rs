@@ -14,7 +14,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Waker};
 
-use tollgate_core::{Limit, MAX_WAITERS_PER_LIMIT};
+use tollgate_core::{Limit, Micros, MAX_WAITERS_PER_LIMIT};
 
 /// One request's place in a line.
 #[derive(Debug)]
@@ -204,6 +204,27 @@ impl Queues {
         limits.get(&id).map_or((0, 0), |per| {
             (per.total, per.lines.get(key).map_or(0, |l| l.places.len()))
         })
+    }
+}
+
+/// Where a waiting request stands, read by its decision (`decide.rs`).
+#[derive(Debug)]
+pub(crate) struct Queueing {
+    /// Its place in its line.
+    pub(crate) ticket: Ticket,
+    /// How long it has waited, at its latest check.
+    pub(crate) waited: Micros,
+    /// Whether its wait is over: its check refuses rather than waiting again.
+    pub(crate) last: bool,
+}
+
+impl Queueing {
+    pub(crate) fn new(ticket: Ticket) -> Self {
+        Self {
+            ticket,
+            waited: 0,
+            last: false,
+        }
     }
 }
 

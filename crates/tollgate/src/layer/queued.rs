@@ -20,7 +20,7 @@ use tollgate_core::{Backend, Check, Micros, MAX_CHECKS};
 
 use super::decide::Decided;
 use super::prepare::{Facts, KeptKeys};
-use super::queue::{Ticket, Turn};
+use super::queue::Turn;
 use super::state::Shared;
 use crate::key::Key;
 
@@ -44,27 +44,6 @@ pub(crate) fn poll_after(attempt: u32, seed: u128) -> Duration {
     z ^= z >> 31;
     let fraction = (z >> 11) as f64 / (1u64 << 53) as f64;
     base.mul_f64(0.8 + 0.4 * fraction)
-}
-
-/// Where a waiting request stands, read by its decision (`decide.rs`).
-#[derive(Debug)]
-pub(crate) struct Queueing {
-    /// Its place in its line.
-    pub(crate) ticket: Ticket,
-    /// How long it has waited, at its latest check.
-    pub(crate) waited: Micros,
-    /// Whether its wait is over: its check refuses rather than waiting again.
-    pub(crate) last: bool,
-}
-
-impl Queueing {
-    pub(crate) fn new(ticket: Ticket) -> Self {
-        Self {
-            ticket,
-            waited: 0,
-            last: false,
-        }
-    }
 }
 
 /// A request waiting in a line, with everything its call needs once its turn comes.
@@ -209,6 +188,7 @@ impl<B: Backend> Shared<B> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::layer::queue::Queueing;
     use bytes::Bytes;
     use http::Response;
     use http_body_util::Full;
