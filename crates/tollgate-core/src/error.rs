@@ -84,8 +84,13 @@ pub enum ConfigError {
     /// and a concurrency slot frees at no time anyone knows. Only GCRA reserves an emission
     /// time.
     DelayUnsupported(Algorithm),
-    /// A delay longer than [`crate::MAX_PERIOD`], or a bound of 0 waiting requests.
+    /// A delay or a queue's wait longer than [`crate::MAX_PERIOD`], or a bound of 0 waiting
+    /// requests.
     InvalidDelay(&'static str),
+    /// A queue ([`crate::Limit::queue_up_to`]) on a limit that is not a concurrency limit: a
+    /// queue waits for a slot to be given back; a rate limit's units come back with time, for
+    /// which GCRA has [`crate::Limit::delay_up_to`].
+    QueueUnsupported(Algorithm),
     /// A penalty ([`crate::Limit::penalty`]) on a limit that cannot have one: a concurrency
     /// limit (a busy key is not misbehaving: its slots free as its requests end) or a leased
     /// one (a replica answers from its slice, where no refusal would be counted).
@@ -172,11 +177,17 @@ impl fmt::Display for ConfigError {
             ),
             Self::DelayUnsupported(algorithm) => write!(
                 f,
-                "a {} limit cannot delay requests: only GCRA reserves an emission time, \
-                 other algorithms would need a queue",
+                "a {} limit cannot delay requests: only GCRA reserves an emission time \
+                 (a concurrency limit can queue them instead)",
                 algorithm.as_str()
             ),
             Self::InvalidDelay(what) => write!(f, "invalid delay: {what}"),
+            Self::QueueUnsupported(algorithm) => write!(
+                f,
+                "a {} limit cannot queue requests: only a concurrency limit waits for a slot \
+                 (GCRA can delay them instead)",
+                algorithm.as_str()
+            ),
             Self::PenaltyUnsupported(why) => write!(f, "this limit cannot have a penalty: {why}"),
             Self::InvalidPenalty(what) => write!(f, "invalid penalty: {what}"),
         }

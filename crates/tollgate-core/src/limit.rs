@@ -2,7 +2,7 @@ use std::num::NonZeroU32;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::bounds::{DEFAULT_MAX_WAITING, MAX_LOG_UNITS, MAX_NAME_LEN, MAX_PERIOD, MAX_PLANS};
+use crate::bounds::{DEFAULT_MAX_WAITING, MAX_LOG_UNITS, MAX_NAME_LEN, MAX_PLANS};
 use crate::clock::Micros;
 use crate::counting::Algorithm;
 use crate::error::ConfigError;
@@ -80,7 +80,10 @@ pub struct Limit {
     lease: Option<Lease>,
     /// How long a request may wait for its emission time, in microseconds (0: never waits).
     delay: Micros,
-    /// The most requests one key may have waiting at once.
+    /// How long a request may wait in its key's queue for a free slot, in microseconds (a
+    /// concurrency limit; 0: a full key refuses at once).
+    queue: Micros,
+    /// The most requests one key may have waiting at once (for a delay or in a queue).
     max_waiting: u32,
     /// A block after repeated refusals (see [`Penalty`]).
     penalty: Option<Penalty>,
@@ -123,6 +126,7 @@ impl Limit {
             busy_retry_after: DEFAULT_BUSY_RETRY_AFTER.as_micros() as Micros,
             lease: None,
             delay: 0,
+            queue: 0,
             max_waiting: DEFAULT_MAX_WAITING,
             penalty: None,
         })
@@ -424,88 +428,6 @@ impl Limit {
         self.lease.as_ref()
     }
 
-    /// Requests that would conform within `delay` wait instead of being refused (GCRA only).
-    ///
-    /// A check admits a request whose emission time lies at most `delay` beyond the burst,
-    /// and reserves that time at once: the key's TAT moves exactly as for any admission, in
-    /// one check (one Redis call, as without a delay), so the count stays exact across
-    /// replicas. The layer then waits until that time before it calls the service; a request
-    /// dropped while it waits gives its units back. A request beyond the delay is refused as
-    /// without one. At most [`max_waiting`](Self::max_waiting) requests of one key wait at
-    /// once ([`DEFAULT_MAX_WAITING`]), and at most
-    /// [`MAX_WAITERS_PER_LIMIT`](crate::MAX_WAITERS_PER_LIMIT) of one limit: a request beyond
-    /// either is checked without the delay. `Duration::ZERO` turns the delay off.
-    ///
-    /// A shadow limit reports what its delay would do and never makes a request wait; a
-    /// leased limit's delayed checks are not answered from a slice (they reach the shared
-    /// backend, as a plan's do); a backend failure applies the failure policy without a wait.
-    ///
-    /// # Errors
-    ///
-    /// [`ConfigError::DelayUnsupported`] for a fixed window, a sliding log or a concurrency
-    /// limit: without a queue they have no exact delay (their units are counted when a
-    /// request is admitted, and nothing says when a later one would fit);
-    /// [`ConfigError::InvalidDelay`] past [`MAX_PERIOD`].
-    ///
-    /// # Examples
-    ///
-    /// ```
-    /// use std::time::Duration;
-    /// use tollgate_core::{Limit, Quota};
-    ///
-    /// let chat = Limit::gcra("chat", Quota::per_second(5)?)?
-    ///     .delay_up_to(Duration::from_secs(2))?
-    ///     .max_waiting(16)?;
-    /// assert_eq!((chat.delay(), chat.waiting_bound()), (Duration::from_secs(2), 16));
-    /// assert!(Limit::fixed_window("daily", Quota::per_day(10)?)?
-    ///     .delay_up_to(Duration::from_secs(2))
-    ///     .is_err());
-    /// # Ok::<(), tollgate_core::ConfigError>(())
-    /// ```
-    pub fn delay_up_to(mut self, delay: Duration) -> Result<Self, ConfigError> {
-        if self.algorithm != Algorithm::Gcra {
-            return Err(ConfigError::DelayUnsupported(self.algorithm));
-        }
-        if delay > MAX_PERIOD {
-            return Err(ConfigError::InvalidDelay(
-                "a delay must not exceed 100 years",
-            ));
-        }
-        self.delay = delay.as_micros() as Micros;
-        Ok(self)
-    }
-
-    /// At most `n` requests of one key wait at once ([`DEFAULT_MAX_WAITING`] unless set); a
-    /// request beyond them is checked without the delay (see
-    /// [`delay_up_to`](Self::delay_up_to)).
-    ///
-    /// # Errors
-    ///
-    /// [`ConfigError::InvalidDelay`] for 0 (a limit that lets nobody wait has no delay).
-    pub fn max_waiting(mut self, n: u32) -> Result<Self, ConfigError> {
-        if n == 0 {
-            return Err(ConfigError::InvalidDelay("max_waiting must be at least 1"));
-        }
-        self.max_waiting = n;
-        Ok(self)
-    }
-
-    /// How long a request may wait for its emission time (zero: it never waits).
-    pub fn delay(&self) -> Duration {
-        Duration::from_micros(self.delay)
-    }
-
-    /// [`delay`](Self::delay) in microseconds, as a [`Check`](crate::Check) carries it.
-    #[inline]
-    pub fn delay_micros(&self) -> Micros {
-        self.delay
-    }
-
-    /// The most requests of one key that wait at once (see [`max_waiting`](Self::max_waiting)).
-    pub fn waiting_bound(&self) -> u32 {
-        self.max_waiting
-    }
-
     /// The largest cost one request can have and still be admitted.
     pub(crate) fn max_cost(&self) -> u32 {
         max_cost_of(self.algorithm, &self.quota)
@@ -573,3 +495,4 @@ fn name_id(name: &str) -> u64 {
 mod sanctions;
 #[cfg(test)]
 mod tests;
+mod waiting;

@@ -179,6 +179,9 @@ pub struct LimitDecision {
     /// How long the request waits for this limit's reserved time (a delayed limit), in
     /// microseconds; 0 when it does not wait.
     delayed: u64,
+    /// How long the request waited in this limit's queue for a slot, in microseconds; 0
+    /// when it did not.
+    queued: u64,
 }
 
 impl LimitDecision {
@@ -199,7 +202,23 @@ impl LimitDecision {
             concurrent: false,
             from_lease: false,
             delayed: 0,
+            queued: 0,
         }
+    }
+
+    /// Marks this as checked after `micros` in this limit's queue (none for 0).
+    #[inline]
+    pub(crate) fn queued_for(mut self, micros: u64) -> Self {
+        self.queued = micros;
+        self
+    }
+
+    /// How long the request waited in this concurrency limit's queue for a free slot
+    /// ([`Limit::queue_up_to`](tollgate_core::Limit::queue_up_to)) before this outcome: on
+    /// an admission, how long it waited before the service was called; on a refusal, how
+    /// long it waited in vain. `None` for a request that did not wait in this limit's queue.
+    pub fn queued(&self) -> Option<Duration> {
+        (self.queued > 0).then(|| Duration::from_micros(self.queued))
     }
 
     /// Marks this as admitted `micros` ahead of its time by a delayed limit (none for 0).
@@ -311,7 +330,8 @@ impl LimitDecision {
     }
 
     /// A fixed label for this limit's own outcome: `allowed`, `delayed` (admitted to wait
-    /// for its time: [`delayed`](Self::delayed)), `denied`, `shadow_denied`,
+    /// for its time: [`delayed`](Self::delayed)), `queued` (admitted after waiting in its
+    /// queue: [`queued`](Self::queued)), `denied`, `shadow_denied`,
     /// `bypassed`, `fallback` (admitted by the fallback limiter), `skipped`, `allowlisted` or
     /// `denylisted`. The `outcome`
     /// label of `tollgate_decisions_total` can differ: `unavailable` for a fail-closed
@@ -322,6 +342,7 @@ impl LimitDecision {
             (Outcome::Denied { .. }, _, false) => "denied",
             (Outcome::Allowed { .. }, Source::Fallback, _) => "fallback",
             (Outcome::Allowed { .. }, Source::Backend, _) if self.delayed > 0 => "delayed",
+            (Outcome::Allowed { .. }, Source::Backend, _) if self.queued > 0 => "queued",
             (Outcome::Allowed { .. }, Source::Backend, _) => "allowed",
             (Outcome::Bypassed { .. }, _, _) => "bypassed",
             (Outcome::Skipped { .. }, _, _) => "skipped",
@@ -467,6 +488,13 @@ impl Decision {
             .filter(|l| !l.shadow)
             .filter_map(LimitDecision::delayed)
             .max()
+    }
+
+    /// How long the request waited in a concurrency limit's queue for a free slot before it
+    /// was checked for the last time (see [`LimitDecision::queued`]); `None` when it did not
+    /// wait in one.
+    pub fn queued(&self) -> Option<Duration> {
+        self.limits().iter().filter_map(LimitDecision::queued).max()
     }
 
     /// Whether any limit let the request through uncounted because its backend failed.

@@ -40,10 +40,11 @@ pub(crate) enum Label {
     Unavailable,
     Allowlisted,
     Denylisted,
+    Queued,
 }
 
 impl Label {
-    const ALL: [Self; 13] = [
+    const ALL: [Self; 14] = [
         Self::Allowed,
         Self::Delayed,
         Self::Denied,
@@ -57,12 +58,14 @@ impl Label {
         Self::Unavailable,
         Self::Allowlisted,
         Self::Denylisted,
+        Self::Queued,
     ];
 
     pub(crate) fn as_str(self) -> &'static str {
         match self {
             Self::Allowed => "allowed",
             Self::Delayed => "delayed",
+            Self::Queued => "queued",
             Self::Denied => "denied",
             Self::Blocked => "blocked",
             Self::ShadowDenied => "shadow_denied",
@@ -98,6 +101,7 @@ impl Label {
             Outcome::Allowed { .. } if decision.delayed().is_some() && !decision.is_shadow() => {
                 Self::Delayed
             }
+            Outcome::Allowed { .. } if decision.queued().is_some() => Self::Queued,
             Outcome::Allowed { .. } => Self::Allowed,
             Outcome::Bypassed { .. } => Self::Bypassed,
             Outcome::Skipped { .. } => Self::Skipped,
@@ -149,7 +153,8 @@ struct Handles {
     capacity: Counter,
     /// Admissions answered from a leased slice held by this process.
     leased: Counter,
-    /// How long delayed requests wait for this limit, in seconds.
+    /// How long delayed requests wait for this limit, or queued ones waited for its slots,
+    /// in seconds.
     delay: Histogram,
     /// Admissions that left at most the layer's near-limit share of the quota.
     near: Counter,
@@ -192,8 +197,10 @@ impl LimitMetrics {
         let handles = self.handles();
         let label = Label::of(decision, admitted);
         handles.decisions[label.index()].increment(1);
-        if let (Label::Allowed | Label::Delayed, Outcome::Allowed { remaining, .. }) =
-            (label, decision.outcome())
+        if let (
+            Label::Allowed | Label::Delayed | Label::Queued,
+            Outcome::Allowed { remaining, .. },
+        ) = (label, decision.outcome())
         {
             let quota = decision.quota();
             let whole = if self.gcra {
@@ -208,10 +215,15 @@ impl LimitMetrics {
         if label == Label::Allowed && decision.is_from_lease() {
             handles.leased.increment(1);
         }
-        if label == Label::Delayed {
-            if let Some(wait) = decision.delayed() {
-                handles.delay.record(wait.as_secs_f64());
-            }
+        // One histogram for both ways of waiting: a limit delays (GCRA) or queues
+        // (concurrency), never both.
+        let waited = match label {
+            Label::Delayed => decision.delayed(),
+            Label::Queued => decision.queued(),
+            _ => None,
+        };
+        if let Some(wait) = waited {
+            handles.delay.record(wait.as_secs_f64());
         }
         match decision.outcome() {
             Outcome::Bypassed { reason } if label == Label::Bypassed => {

@@ -1,6 +1,7 @@
 //! The unit tests of limits: names, quotas, plans and costs.
 
 use super::*;
+use crate::MAX_PERIOD;
 
 #[test]
 fn gcra_refuses_rates_that_whole_microseconds_cannot_space() {
@@ -163,4 +164,38 @@ fn only_gcra_can_delay_and_the_bounds_are_checked() {
     assert_eq!(gcra.max_waiting(3).unwrap().waiting_bound(), 3);
     // A check carries no delay unless the caller gives it one.
     assert_eq!(crate::Check::new(&delayed, b"k").delay, 0);
+}
+
+#[test]
+fn only_a_concurrency_limit_queues_and_a_queue_lets_someone_wait() {
+    use std::time::Duration;
+    let ten = Duration::from_secs(10);
+    let queued = Limit::concurrency("exports", 2)
+        .unwrap()
+        .queue_up_to(ten, 3)
+        .unwrap();
+    assert_eq!((queued.queue(), queued.waiting_bound()), (ten, 3));
+    assert_eq!(queued.queue_micros(), 10_000_000);
+    assert_eq!(Limit::concurrency("c", 1).unwrap().queue(), Duration::ZERO);
+    for algorithm in [
+        Algorithm::Gcra,
+        Algorithm::FixedWindow,
+        Algorithm::SlidingLog,
+    ] {
+        let limit = Limit::new("r", algorithm, Quota::per_minute(5).unwrap()).unwrap();
+        assert_eq!(
+            limit.queue_up_to(ten, 3).unwrap_err(),
+            ConfigError::QueueUnsupported(algorithm)
+        );
+    }
+    assert!(matches!(
+        Limit::concurrency("c", 1).unwrap().queue_up_to(ten, 0),
+        Err(ConfigError::InvalidDelay(_))
+    ));
+    assert!(matches!(
+        Limit::concurrency("c", 1)
+            .unwrap()
+            .queue_up_to(MAX_PERIOD + Duration::from_secs(1), 1),
+        Err(ConfigError::InvalidDelay(_))
+    ));
 }

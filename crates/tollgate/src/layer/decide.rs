@@ -10,13 +10,15 @@ use tollgate_core::{
     Verdicts, MAX_CHECKS,
 };
 
+use super::limits::LimitSet;
 use super::prepare::{Facts, KeptKeys};
+use super::queue::Queueing;
 use super::settle::{Item, Reservation};
 use super::slots::Taken;
 use super::state::Shared;
 use super::wait::Places;
 use crate::cost::OnDrop;
-use crate::decision::{Decision, Outcome, SkipReason, Source};
+use crate::decision::{Decision, DenyReason, Outcome, SkipReason, Source};
 use crate::key::Key;
 use crate::metrics as obs;
 
@@ -48,7 +50,9 @@ pub(crate) struct Wait {
 }
 
 impl<B: Backend> Shared<B> {
-    /// Turns the backend's answer about `facts` into a decision, or a refusal.
+    /// Turns the backend's answer about `facts` into a decision, or a refusal; `None` when
+    /// a queued limit's full key refused the request (and nothing else did) and it waits in
+    /// the key's line (its place is in `facts.queueing`).
     ///
     /// The answer is borrowed: the verdicts of a batch are a few hundred bytes, and this runs
     /// on every request.
@@ -58,7 +62,7 @@ impl<B: Backend> Shared<B> {
         req: &Request<T>,
         facts: &mut Facts,
         kept: &mut KeptKeys,
-    ) -> Decided {
+    ) -> Option<Decided> {
         // Warnings about bypasses and capacity are logged inside the request's span.
         let _entered = facts.span.enter();
         // Where each limit's units went, in the layer's order, for a settle.
@@ -82,7 +86,8 @@ impl<B: Backend> Shared<B> {
                         entry
                             .decision(outcome, Source::Backend, facts.quota_of[0])
                             .leased(verdicts.from_lease(0))
-                            .delayed_by(waits[0]),
+                            .delayed_by(waits[0])
+                            .queued_for(queued_at(facts, 0)),
                     )
                 } else {
                     decision_of(verdicts, facts, &waits)
@@ -98,6 +103,12 @@ impl<B: Backend> Shared<B> {
             Err(error) => self.decide_failure(error, facts, kept, &mut receipts),
         };
         let admitted = decision.is_admitted();
+        if !admitted
+            && facts.set.queues
+            && self.queue(&decision, &facts.set, &mut facts.queueing, kept)
+        {
+            return None;
+        }
         for (entry, d) in facts.set.limits.iter().zip(decision.limits()) {
             entry.metrics.record(d, admitted, self.near_limit);
         }
@@ -129,10 +140,66 @@ impl<B: Backend> Shared<B> {
             } else {
                 None
             };
-            return Decided::Admit(decision, owed, slots, wait);
+            return Some(Decided::Admit(decision, owed, slots, wait));
         }
         self.count_refused(&decision, facts, kept);
-        Decided::Refuse(self.refuse_decision(decision, req, &facts.set))
+        Some(Decided::Refuse(
+            self.refuse_decision(decision, req, &facts.set),
+        ))
+    }
+
+    /// Whether the request refused by `decision` waits in a queued limit's line: only a full
+    /// key of a queued limit refused it, and it holds a place (taken now, at the back of the
+    /// first such limit's line, if there is room), and its wait is not over.
+    fn queue(
+        &self,
+        decision: &Decision,
+        set: &LimitSet,
+        queueing: &mut Option<Box<Queueing>>,
+        kept: &KeptKeys,
+    ) -> bool {
+        let mut line = None;
+        for (i, (entry, d)) in set.limits.iter().zip(decision.limits()).enumerate() {
+            if !d.refuses() {
+                continue;
+            }
+            let full = matches!(
+                d.outcome(),
+                Outcome::Denied {
+                    reason: DenyReason::InFlight,
+                    ..
+                }
+            );
+            if !full || d.source() != Source::Backend || entry.limit.queue_micros() == 0 {
+                return false;
+            }
+            line = line.or(Some(i));
+        }
+        let Some(line) = line else {
+            return false;
+        };
+        if let Some(queueing) = queueing {
+            return !queueing.last;
+        }
+        let (entry, key) = (&set.limits[line], kept.get(line));
+        let Some(key) = key else {
+            return false;
+        };
+        match self.queues.join(&entry.limit, line, key.as_bytes(), false) {
+            Some(ticket) => {
+                *queueing = Some(Box::new(Queueing::new(ticket)));
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+/// How long the request waited in the line of the limit at `i`, if it waited in its line.
+fn queued_at(facts: &Facts, i: usize) -> Micros {
+    match &facts.queueing {
+        Some(q) if q.ticket.entry() == i => q.waited,
+        _ => 0,
     }
 }
 
@@ -280,6 +347,7 @@ fn decision_of(verdicts: &Verdicts, facts: &Facts, waits: &[Micros; MAX_CHECKS])
                 .decision(outcome, Source::Backend, facts.quota_of[i])
                 .leased(leased)
                 .delayed_by(waits[i])
+                .queued_for(queued_at(facts, i))
         })
         .collect()
 }

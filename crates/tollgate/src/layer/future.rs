@@ -17,6 +17,7 @@ use super::body::ResponseBody;
 use super::decide::{Decided, Wait};
 use super::limits::LimitSet;
 use super::prepare::{Facts, KeptKeys};
+use super::queued::Queued;
 use super::settle::{Owed, Refund, SetSink, Settler};
 use super::slots::Slots;
 use super::state::Shared;
@@ -48,6 +49,11 @@ pin_project! {
         // stays small.
         Checking {
             checking: Option<Box<Checking<S, B, ReqBody>>>,
+        },
+        // Refused by a queued limit's full key: waits in the key's line for its turn, then
+        // is checked again. Boxed: only such requests pay for the room.
+        Queued {
+            queued: Option<Box<Queued<S, B, ReqBody>>>,
         },
         // Admitted ahead of its time by a delayed limit: waits for it before the inner service
         // is called. Boxed: only such requests pay for the room.
@@ -148,6 +154,20 @@ where
                     kept,
                     shared,
                 })),
+            },
+        }
+    }
+
+    /// A request that waits in a queued limit's line (`facts.queueing`) before its check.
+    pub(crate) fn queued(
+        req: Request<ReqBody>,
+        inner: S,
+        parts: (Facts, KeptKeys),
+        shared: Arc<Shared<B>>,
+    ) -> Self {
+        Self {
+            state: State::Queued {
+                queued: Some(Box::new(Queued::new(req, inner, parts, shared))),
             },
         }
     }
@@ -275,9 +295,42 @@ where
                         req,
                         inner,
                         facts,
+                        kept,
                         shared,
                         ..
                     } = *waiting;
+                    let Some(decided) = decided else {
+                        let queued = Self::queued(req, inner, (facts, kept), shared);
+                        this.state.set(queued.state);
+                        continue;
+                    };
+                    this.state.set(
+                        Self::decided(
+                            decided,
+                            req,
+                            Svc::Owned(inner),
+                            shared,
+                            Some((&facts.set, facts.slot)),
+                        )
+                        .state,
+                    );
+                }
+                StateProj::Queued { queued } => {
+                    let Some(q) = queued.as_mut() else {
+                        panic!("{DONE}");
+                    };
+                    let decided = ready!(q.poll_turn(cx));
+                    let Some(q) = queued.take() else {
+                        panic!("{DONE}");
+                    };
+                    let Queued {
+                        req,
+                        inner,
+                        facts,
+                        shared,
+                        ..
+                    } = *q;
+                    // Its place goes back with its facts, once it holds what it was given.
                     this.state.set(
                         Self::decided(
                             decided,

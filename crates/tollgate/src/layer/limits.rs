@@ -171,6 +171,8 @@ impl Limits {
         // A request that waits gives its units back if it is dropped: every limit keeps its
         // key for that refund.
         let delays = limits.iter().any(|(l, _, _)| l.delay_micros() > 0);
+        // A request that waits in a line is checked again whole: every limit keeps its key.
+        let queues = limits.iter().any(|(l, _, _)| l.queue_micros() > 0);
         let charged_by_handler = limits
             .iter()
             .any(|(_, _, m)| m.as_ref().is_some_and(|m| m.by_handler));
@@ -178,6 +180,7 @@ impl Limits {
             .into_iter()
             .map(|(limit, key, metered)| Entry {
                 keeps_key: delays
+                    || queues
                     || (reports && !limit.is_shadow())
                     || keeps_key(&limit, metered.as_ref()),
                 local: match limit.failure_policy() {
@@ -205,6 +208,7 @@ impl Limits {
             charged_by_handler,
             has_slots,
             delays,
+            queues,
         })
     }
 }
@@ -237,6 +241,8 @@ pub(crate) struct LimitSet {
     pub(crate) has_slots: bool,
     /// Whether any limit has a delay (its requests may then wait for their time).
     pub(crate) delays: bool,
+    /// Whether any limit queues for its slots (a full key's requests may then wait).
+    pub(crate) queues: bool,
 }
 
 impl fmt::Debug for LimitSet {

@@ -15,7 +15,9 @@
 //!    `settle.rs` and `slots.rs` settle what it owes and give back its slots when it is done.
 //!
 //! A request admitted by a delayed limit beyond its burst waits in `future.rs` for the time
-//! its check reserved before the inner service is called; `wait.rs` bounds the waiters.
+//! its check reserved before the inner service is called; `wait.rs` bounds the waiters. A
+//! request that a queued concurrency limit's full key refused waits in its key's line
+//! (`queue.rs`) and is checked again, whole, when its turn comes (`queued.rs`).
 //!
 //! [`MissingKeyPolicy`]: tollgate_core::MissingKeyPolicy
 //! [`FailurePolicy`]: tollgate_core::FailurePolicy
@@ -30,6 +32,8 @@ pub(crate) mod future;
 pub(crate) mod layer;
 pub(crate) mod limits;
 mod prepare;
+mod queue;
+mod queued;
 mod refusal;
 mod refused;
 pub(crate) mod reload;

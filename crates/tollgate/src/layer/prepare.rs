@@ -14,6 +14,7 @@ use http::{Request, Response};
 use tollgate_core::{Backend, Check, MissingKeyPolicy, MAX_CHECKS};
 
 use super::limits::{Entry, LimitSet};
+use super::queue::{Queueing, Ticket};
 use super::slots::next_id;
 use super::state::Shared;
 use super::wait::Places;
@@ -50,6 +51,9 @@ pub(crate) struct Facts {
     /// with their delays (only in a set with a delayed limit): given back by the decision
     /// unless the request waits.
     pub(crate) places: Option<Places>,
+    /// Its place in a queued concurrency limit's line, while it waits for a slot (boxed:
+    /// most requests never wait).
+    pub(crate) queueing: Option<Box<Queueing>>,
 }
 
 /// The keys of a request that are needed after its check ([`Entry::keeps_key`]), by limit.
@@ -80,6 +84,8 @@ impl KeptKeys {
 pub(crate) enum Start<F> {
     /// The backend is asked (`F` is its answer) about the request's [`Facts`].
     Ask(F, Facts),
+    /// Not checked yet: it waits in a queued limit's line behind others (`facts.queueing`).
+    Queue(Facts),
     /// Admitted without asking the backend (allowlisted).
     Admit(Decision),
     /// Refused before asking (denylisted, a missing key, a cost that is none).
@@ -147,6 +153,9 @@ impl<B: Backend> Shared<B> {
         let mut limit_of = [0; MAX_CHECKS];
         let mut quota_of = [0u8; MAX_CHECKS];
         let mut cost = [0u32; MAX_CHECKS];
+        // A place behind those who wait for a queued limit's slots of the same key: taken
+        // instead of a check, so as not to pass them.
+        let mut behind = None;
         // One limit (most layers): no arrays of keys and checks to fill and drop.
         let check = if let [entry] = &*set.limits {
             let extracted = match extract(entry, &view, kept, 0) {
@@ -169,9 +178,14 @@ impl<B: Backend> Shared<B> {
                         };
                     let check = delayed(check, 0, places.as_mut());
                     (quota_of[0], cost[0], n) = (quota, check.cost, 1);
-                    span.in_scope(|| self.backend.check(&[check]))
+                    if set.queues {
+                        behind = self.behind(&check, 0);
+                    }
+                    behind
+                        .is_none()
+                        .then(|| span.in_scope(|| self.backend.check(&[check])))
                 }
-                None => span.in_scope(|| self.backend.check(&[])),
+                None => Some(span.in_scope(|| self.backend.check(&[]))),
             }
         } else {
             let mut extracted: [Extracted<'_>; MAX_CHECKS] = Default::default();
@@ -200,10 +214,15 @@ impl<B: Backend> Shared<B> {
                     };
                 (quota_of[i], cost[i]) = (quota, check.cost);
                 checks[n] = delayed(check, i, places.as_mut());
+                if set.queues && behind.is_none() {
+                    behind = self.behind(&checks[n], i);
+                }
                 limit_of[n] = i;
                 n += 1;
             }
-            span.in_scope(|| self.backend.check(&checks[..n]))
+            behind
+                .is_none()
+                .then(|| span.in_scope(|| self.backend.check(&checks[..n])))
         };
         let facts = Facts {
             set,
@@ -214,8 +233,22 @@ impl<B: Backend> Shared<B> {
             slot,
             span,
             places: places.filter(|p| !p.is_empty()),
+            queueing: behind.map(|ticket| Box::new(Queueing::new(ticket))),
         };
-        Start::Ask(check, facts)
+        match check {
+            Some(check) => Start::Ask(check, facts),
+            None => Start::Queue(facts),
+        }
+    }
+
+    /// A place at the back of `check`'s key's line (the limit at `i` of the layer), if it
+    /// is a queued limit's and others wait in it, and it has room (a request without one is
+    /// checked, and refused at once if the key is full).
+    fn behind(&self, check: &Check<'_>, i: usize) -> Option<Ticket> {
+        if check.limit.queue_micros() == 0 || !check.enforce {
+            return None;
+        }
+        self.queues.join(check.limit, i, check.key, true)
     }
 
     /// `entry`'s check of `key` under the request's plan (and the index of its quota), with

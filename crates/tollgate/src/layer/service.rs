@@ -15,7 +15,7 @@ use tower_service::Service;
 use super::body::ResponseBody;
 use super::decide::Decided;
 use super::future::{ResponseFuture, Svc};
-use super::prepare::{KeptKeys, Start};
+use super::prepare::{Facts, KeptKeys, Start};
 use super::state::Shared;
 
 /// The service a [`RateLimitLayer`](crate::RateLimitLayer) wraps around `S`.
@@ -82,17 +82,22 @@ where
             // it, and no trip of the request through the future.
             let answer = Pin::new(check).poll(&mut Context::from_waker(Waker::noop()));
             if let Poll::Ready(result) = &answer {
-                let decided = self.shared.decide(result, &req, facts, &mut kept);
-                return ResponseFuture::decided(
-                    decided,
-                    req,
-                    Svc::Ready(&mut self.inner, S::clone),
-                    Arc::clone(&self.shared),
-                    Some((&facts.set, facts.slot)),
-                );
+                if let Some(decided) = self.shared.decide(result, &req, facts, &mut kept) {
+                    return ResponseFuture::decided(
+                        decided,
+                        req,
+                        Svc::Ready(&mut self.inner, S::clone),
+                        Arc::clone(&self.shared),
+                        Some((&facts.set, facts.slot)),
+                    );
+                }
             }
         }
         match start {
+            // Refused by a queued limit's full key, or behind others in its line: waits for
+            // its turn with the service that was polled ready; a fresh clone takes its place.
+            Start::Ask(_, facts) if facts.queueing.is_some() => self.queue(req, facts, kept),
+            Start::Queue(facts) => self.queue(req, facts, kept),
             // Pending: polled again, with the task's waker, by the future. The service that
             // was polled ready is called later; a fresh clone takes its place.
             Start::Ask(check, facts) => {
@@ -110,6 +115,24 @@ where
                 None,
             ),
         }
+    }
+}
+
+impl<S: Clone, B: Backend> RateLimit<S, B> {
+    /// The future of a request that waits in a queued limit's line (its place in `facts`),
+    /// with the service that was polled ready; a fresh clone takes its place.
+    fn queue<ReqBody>(
+        &mut self,
+        req: Request<ReqBody>,
+        facts: Facts,
+        kept: KeptKeys,
+    ) -> ResponseFuture<S, B, ReqBody>
+    where
+        S: Service<Request<ReqBody>>,
+    {
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        ResponseFuture::queued(req, inner, (facts, kept), Arc::clone(&self.shared))
     }
 }
 

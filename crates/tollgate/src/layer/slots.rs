@@ -145,6 +145,15 @@ impl<B: Backend> Drop for Slots<B> {
         held.with_checks(Source::Fallback, |checks| {
             held.shared.fallback.release_now(checks);
         });
+        // The first request waiting for a slot of each key, if any, checks again.
+        if held.set.queues {
+            for (i, key, source) in &held.items {
+                let limit = &held.set.limits[*i].limit;
+                if *source == Source::Backend && limit.queue_micros() > 0 {
+                    held.shared.queues.wake(limit.id(), key.as_bytes());
+                }
+            }
+        }
     }
 }
 

@@ -11,6 +11,7 @@ use http::Response;
 use tollgate_core::{Backend, Clock, MemoryBackend};
 
 use super::limits::LimitSet;
+use super::queue::Queues;
 use super::refused::Refusals;
 use super::wait::Waiters;
 use crate::fields::FieldOptions;
@@ -49,6 +50,8 @@ pub(crate) struct Shared<B> {
     pub(crate) last_refusal: Last<WrittenRefusal>,
     /// The requests that wait for delayed limits, counted per limit and key.
     pub(crate) waiters: Arc<Waiters>,
+    /// The lines of requests that wait for queued concurrency limits' slots.
+    pub(crate) queues: Arc<Queues>,
     /// The share of a quota, in percent, at or below which an admission's remaining units
     /// count in `tollgate_near_limit_total`.
     pub(crate) near_limit: u8,

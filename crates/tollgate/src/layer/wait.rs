@@ -121,6 +121,11 @@ impl Places {
         (!self.held.is_empty()).then_some(self)
     }
 
+    /// Whether a place is held for the limit at `entry` (of the layer).
+    pub(crate) fn holds(&self, entry: usize) -> bool {
+        self.held.iter().any(|(e, _, _)| *e == entry)
+    }
+
     /// Whether no place is held.
     pub(crate) fn is_empty(&self) -> bool {
         self.held.is_empty()
