@@ -14,6 +14,7 @@ pub(crate) mod coalesce;
 pub(crate) mod conn;
 pub(crate) mod direct;
 pub(crate) mod merged;
+pub(crate) mod nodes;
 
 use std::future::Future;
 use std::sync::{Arc, OnceLock};
@@ -34,6 +35,7 @@ use clock::ServerClock;
 use coalesce::Queues;
 use conn::{Connector, Target};
 use direct::Direct;
+use nodes::{Nodes, Route};
 
 /// The backend's name in metrics and logs.
 pub(crate) const BACKEND: &str = "redis";
@@ -60,6 +62,8 @@ pub(crate) struct Transport {
     shared: Arc<Connector>,
     /// The merged `CHECK` calls' own connection, for a plain TCP standalone server.
     direct: Option<Arc<Direct>>,
+    /// A plain TCP cluster's nodes: the slot map and a connection per node.
+    nodes: Option<Arc<Nodes>>,
     breaker: Breaker,
     /// The requests waiting for a merged `CHECK` call.
     queues: Queues,
@@ -83,11 +87,18 @@ impl Transport {
             }
             _ => None,
         };
+        let nodes = match &config.target {
+            Target::Cluster(_, Some(login)) => {
+                Some(Arc::new(Nodes::new(login.clone(), config.connect_timeout)))
+            }
+            _ => None,
+        };
         Self {
             prefix: config.prefix,
             deadline: config.deadline,
             shared: Arc::new(Connector::new(config.target, config.connect_timeout)),
             direct,
+            nodes,
             breaker: Breaker::new(config.breaker),
             queues: Queues::default(),
             clock: ServerClock::default(),
@@ -103,6 +114,48 @@ impl Transport {
     /// Whether the server is a Redis Cluster.
     pub(crate) fn is_cluster(&self) -> bool {
         self.shared.is_cluster()
+    }
+
+    /// `batch`'s checks grouped by where they go: by node once the slot map is known (it is
+    /// read on the first call), else by hash slot.
+    pub(crate) fn routes(self: &Arc<Self>, batch: &[EncodedCheck]) -> Vec<(Route, Vec<usize>)> {
+        if let Some(nodes) = &self.nodes {
+            if !nodes.mapped() {
+                self.refresh_nodes();
+            }
+        }
+        match &self.nodes {
+            Some(nodes) => nodes.groups(batch),
+            None => nodes::hash_slot_groups(batch, 0..batch.len()),
+        }
+    }
+
+    /// Node `number`'s own connection.
+    pub(crate) fn node(&self, number: u16) -> Option<Arc<Direct>> {
+        self.nodes.as_ref().and_then(|nodes| nodes.node(number))
+    }
+
+    /// Reads the slot map again, in a task of its own, unless a read runs or ran just now.
+    pub(crate) fn refresh_nodes(self: &Arc<Self>) {
+        let Some(nodes) = &self.nodes else {
+            return;
+        };
+        if !nodes.start_refresh() {
+            return;
+        }
+        let refresh = nodes::Refresh::new(Arc::clone(nodes));
+        let transport = Arc::clone(self);
+        tokio::spawn(async move {
+            let mut cmd = redis::cmd("CLUSTER");
+            cmd.arg("SLOTS");
+            let answer = transport
+                .within_deadline(transport.query(&cmd), "to CLUSTER SLOTS")
+                .await;
+            if let Err(e) = &answer {
+                tracing::debug!(backend = BACKEND, error = %e, "reading the slot map failed");
+            }
+            refresh.finish(answer.ok().as_ref());
+        });
     }
 
     /// The merged-call queues.
@@ -158,6 +211,9 @@ impl Transport {
                     self.shared.replace();
                     if let Some(direct) = &self.direct {
                         direct.replace();
+                    }
+                    if let Some(nodes) = &self.nodes {
+                        nodes.replace();
                     }
                 }
                 self.metrics().up.set(0.0);
