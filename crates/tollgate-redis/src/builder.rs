@@ -11,6 +11,7 @@ use crate::inner::Config;
 use crate::keys;
 use crate::tls::{blot, is_tls_url, redact_url, secrets_of, TlsFiles};
 use crate::transport::conn::Target;
+use crate::transport::direct::Login;
 
 /// The default key prefix.
 pub const DEFAULT_PREFIX: &str = "tollgate";
@@ -390,6 +391,7 @@ impl RedisBackendBuilder {
                 if urls.is_empty() {
                     return Err(BuildError::NoClusterSeeds);
                 }
+                let login = urls.first().and_then(|url| Login::of_url(url));
                 let builder = redis::cluster::ClusterClient::builder(urls)
                     .connection_timeout(self.connect_timeout);
                 #[cfg(feature = "tls")]
@@ -398,7 +400,7 @@ impl RedisBackendBuilder {
                     None => builder,
                 };
                 let client = builder.build().map_err(bad_url)?;
-                Target::Cluster(Box::new(client))
+                Target::Cluster(Box::new(client), login)
             }
             Servers::Sentinel { master, sentinels } => {
                 if sentinels.is_empty() {

@@ -1,8 +1,10 @@
-//! Redis Cluster: a batch split by hash slot, one call per hash slot group (merged with the
-//! other requests' batches of that hash slot, see `coalesce`), and refunds of the groups that wrote
-//! when another refused.
+//! Redis Cluster: a batch split by node, one call per node group (merged with the other
+//! requests' batches bound for that node, in the cross-slot form of the script), or by hash
+//! slot where a node's call cannot be made (see `nodes`); refunds of the groups that wrote
+//! when another refused; a node's call that met a moved hash slot sent again by hash slot.
 
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 
 use tokio::time::Instant;
@@ -10,13 +12,14 @@ use tollgate_core::{BackendError, Micros};
 
 use crate::deny_cache::DenyCache;
 use crate::failure::unavailable;
-use crate::keys;
 use crate::scripts::check::EncodedCheck;
 use crate::scripts::refund;
 use crate::scripts::reply::{Answer, Answered, Reply, UNANSWERED};
 use crate::slots::Slots;
 use crate::transport::breaker::Permit;
-use crate::transport::merged::queue_in_hash_slot;
+use crate::transport::coalesce::NodeDelivery;
+use crate::transport::merged::{queue_in_hash_slot, queue_on_node};
+use crate::transport::nodes::{hash_slot_groups, Route};
 use crate::transport::{Transport, BACKEND};
 
 /// A Redis Cluster's checks: a batch split by hash slot, and refunds.
@@ -37,12 +40,14 @@ impl Cluster {
         }
     }
 
-    /// `batch` in a cluster, by `deadline`: one call if its keys share a hash slot; otherwise one
-    /// per hash slot group, with refunds.
+    /// `batch` in a cluster, by `deadline`: one call if its keys share a node (or a hash
+    /// slot); otherwise one per node (or hash slot) group, with refunds.
     ///
-    /// With a `permit` (the server's time, `now` is `None`), each group waits for its hash slot's
-    /// next merged call, which reports to the breaker; without, each group has a call of its
-    /// own, and the caller reports.
+    /// With a `permit` (the server's time, `now` is `None`), each group waits for its node's
+    /// next merged call in the cross-slot form (or its hash slot's, where the node's cannot
+    /// be made), which reports to the breaker; without, each hash slot group has a call of its
+    /// own, and the caller reports. A node's call that met a hash slot it does not serve ran
+    /// nothing: its checks are sent again, by hash slot.
     pub(crate) async fn call(
         self: &Arc<Self>,
         batch: Vec<EncodedCheck>,
@@ -50,15 +55,29 @@ impl Cluster {
         deadline: Instant,
         permit: Option<Permit>,
     ) -> Result<(Vec<EncodedCheck>, Answered), BackendError> {
-        let mut groups = hash_slot_groups(&batch);
-        if groups.len() == 1 {
-            let (hash_slot, _) = groups.swap_remove(0);
+        let mut groups = match permit {
+            Some(_) => self.transport.routes(&batch),
+            None => hash_slot_groups(&batch, 0..batch.len()),
+        };
+        let mut batch = batch;
+        if let ([(Route::Node(node), _)], Some(permit)) = (groups.as_slice(), permit) {
+            let node = *node;
+            let (sent, reply) =
+                queue_on_node(&self.transport, node, batch, deadline, permit).await?;
+            if let Some(reply) = reply {
+                return Ok((sent, reply.into()));
+            }
+            batch = sent;
+            groups = hash_slot_groups(&batch, 0..batch.len());
+        }
+        if let [(Route::HashSlot(hash_slot), _)] = groups.as_slice() {
+            let hash_slot = *hash_slot;
             let (batch, reply) = self
                 .group_call(hash_slot, batch, now, deadline, permit)
                 .await?;
             return Ok((batch, reply.into()));
         }
-        // Several hash slots: the consume and any refund run in a task of their own, so that a
+        // Several groups: the consume and any refund run in a task of their own, so that a
         // caller that gives up at its deadline does not leave a half-consumed batch behind.
         let this = Arc::clone(self);
         let split = tokio::spawn(async move {
@@ -94,7 +113,7 @@ impl Cluster {
         }
     }
 
-    /// Consumes hash slot groups concurrently; if any refuses or fails, refunds those that wrote.
+    /// Consumes the groups concurrently; if any refuses or fails, refunds those that wrote.
     ///
     /// A group made only of shadow checks refuses nothing, so its failure must not fail the
     /// batch: if it fails, or has not answered a tenth of the deadline before the caller's
@@ -104,7 +123,7 @@ impl Cluster {
     async fn split(
         self: &Arc<Self>,
         batch: &[EncodedCheck],
-        groups: Vec<(u16, Vec<usize>)>,
+        groups: Vec<(Route, Vec<usize>)>,
         now: Option<Micros>,
         deadline: Instant,
         permit: Option<Permit>,
@@ -118,55 +137,102 @@ impl Cluster {
             let unanswered = sub.iter().all(|p| !p.enforce).then(|| sub.clone());
             (sub, unanswered)
         };
-        let mut results = Vec::with_capacity(groups.len());
+        let mut results: Vec<(Vec<usize>, GroupResult)> = Vec::with_capacity(groups.len());
         match permit {
-            // Merged: every group is queued for its hash slot at once, then the answers are awaited
-            // in turn (the hash slots' tasks send the calls meanwhile).
+            // Merged: every group is queued for its node or hash slot at once, then the
+            // answers are awaited in turn (the queues' tasks send the calls meanwhile).
             Some(permit) => {
-                let queued: Vec<_> = groups
-                    .iter()
-                    .map(|(hash_slot, group)| {
-                        let (sub, unanswered) = group_of(group);
-                        let answer =
-                            queue_in_hash_slot(&self.transport, *hash_slot, sub, deadline, permit);
-                        (answer, unanswered)
+                let queue = |route: Route, sub: Vec<EncodedCheck>| -> Queued {
+                    match route {
+                        Route::Node(node) => {
+                            Box::pin(queue_on_node(&self.transport, node, sub, deadline, permit))
+                        }
+                        Route::HashSlot(hash_slot) => {
+                            let answer = queue_in_hash_slot(
+                                &self.transport,
+                                hash_slot,
+                                sub,
+                                deadline,
+                                permit,
+                            );
+                            Box::pin(async move { answer.await.map(|(b, r)| (b, Some(r))) })
+                        }
+                    }
+                };
+                let mut queued: Vec<_> = groups
+                    .into_iter()
+                    .map(|(route, group)| {
+                        let (sub, unanswered) = group_of(&group);
+                        (group, queue(route, sub), unanswered)
                     })
                     .collect();
-                for (answer, unanswered) in queued {
-                    results.push(shadowed(&self.slots, answer, unanswered, shadow_deadline).await);
+                // A node's call that ran nothing (a hash slot moved) is sent again by hash
+                // slot, once.
+                for retry in [false, true] {
+                    let mut moved = Vec::new();
+                    for (group, answer, unanswered) in queued {
+                        match shadowed(&self.slots, answer, unanswered, shadow_deadline).await {
+                            Ok((sub, Some(reply))) => results.push((group, Ok((sub, reply)))),
+                            Ok((_, None)) if !retry => moved.push(group),
+                            Ok((_, None)) => results.push((
+                                group,
+                                Err(unavailable("a hash slot moved twice during one check")),
+                            )),
+                            Err(e) => results.push((group, Err(e))),
+                        }
+                    }
+                    queued = moved
+                        .into_iter()
+                        .flat_map(|group| hash_slot_groups(batch, group))
+                        .map(|(route, group)| {
+                            let (sub, unanswered) = group_of(&group);
+                            (group, queue(route, sub), unanswered)
+                        })
+                        .collect();
                 }
             }
             None => {
                 let tasks: Vec<_> = groups
-                    .iter()
-                    .map(|(hash_slot, group)| {
-                        let (this, hash_slot) = (Arc::clone(self), *hash_slot);
-                        let (sub, unanswered) = group_of(group);
-                        tokio::spawn(async move {
+                    .into_iter()
+                    .map(|(route, group)| {
+                        let this = Arc::clone(self);
+                        let hash_slot = match route {
+                            Route::HashSlot(hash_slot) | Route::Node(hash_slot) => hash_slot,
+                        };
+                        let (sub, unanswered) = group_of(&group);
+                        let task = tokio::spawn(async move {
                             let caller = Arc::clone(&this);
                             let call = async move {
-                                caller.group_call(hash_slot, sub, now, deadline, None).await
+                                let answer =
+                                    caller.group_call(hash_slot, sub, now, deadline, None).await;
+                                answer.map(|(b, r)| (b, Some(r)))
                             };
                             shadowed(&this.slots, call, unanswered, shadow_deadline).await
-                        })
+                        });
+                        (group, task)
                     })
                     .collect();
-                for task in tasks {
-                    results.push(
-                        task.await
-                            .map_err(|e| unavailable(format!("rate-limit task failed: {e}")))
-                            .and_then(|r| r),
-                    );
+                for (group, task) in tasks {
+                    let result = task
+                        .await
+                        .map_err(|e| unavailable(format!("rate-limit task failed: {e}")))
+                        .and_then(|r| r)
+                        .and_then(|(sub, reply)| {
+                            reply
+                                .map(|reply| (sub, reply))
+                                .ok_or_else(|| unavailable("the rate-limit call did not run"))
+                        });
+                    results.push((group, result));
                 }
             }
         }
         let committed = results
             .iter()
-            .all(|r| r.as_ref().is_ok_and(|(_, reply)| reply.committed));
+            .all(|(_, r)| r.as_ref().is_ok_and(|(_, reply)| reply.committed));
         if !committed {
             let refunds: Vec<_> = results
                 .iter()
-                .filter_map(|r| r.as_ref().ok())
+                .filter_map(|(_, r)| r.as_ref().ok())
                 .filter(|(_, reply)| reply.committed)
                 .map(|(sub, reply)| {
                     let this = Arc::clone(self);
@@ -187,7 +253,7 @@ impl Cluster {
             }
         }
         let mut answers = vec![UNANSWERED; batch.len()];
-        for ((_, group), result) in groups.iter().zip(results) {
+        for (group, result) in results {
             let (_, reply) = result?;
             for (&i, answer) in group.iter().zip(reply.answers) {
                 answers[i] = answer;
@@ -231,17 +297,18 @@ impl Cluster {
     }
 }
 
-/// A hash slot group's answer; for a group of shadow checks only (`unanswered` holds them), its
-/// checks reported not checked if it fails or has not answered by `shadow_deadline`.
+/// A group's answer (`None`: a node's call that ran nothing); for a group of shadow checks
+/// only (`unanswered` holds them), its checks reported not checked if it fails or has not
+/// answered by `shadow_deadline`.
 ///
 /// A late group's slots are given back by the backend once its call has answered: the
 /// request, told they were not checked, will not give them back itself.
 async fn shadowed(
     slots: &Arc<Slots>,
-    call: impl Future<Output = Result<(Vec<EncodedCheck>, Reply), BackendError>> + Send + 'static,
+    call: impl Future<Output = NodeDelivery> + Send + 'static,
     unanswered: Option<Vec<EncodedCheck>>,
     shadow_deadline: Instant,
-) -> Result<(Vec<EncodedCheck>, Reply), BackendError> {
+) -> NodeDelivery {
     let Some(sub) = unanswered else {
         return call.await;
     };
@@ -266,19 +333,12 @@ async fn shadowed(
             now: 0,
             answers: vec![UNANSWERED; sub.len()],
         };
-        (sub, reply)
+        (sub, Some(reply))
     }))
 }
 
-/// Indices of the checks grouped by hash slot, in order of first appearance.
-fn hash_slot_groups(batch: &[EncodedCheck]) -> Vec<(u16, Vec<usize>)> {
-    let mut groups: Vec<(u16, Vec<usize>)> = Vec::new();
-    for (i, p) in batch.iter().enumerate() {
-        let hash_slot = keys::digest_hash_slot(&p.digest);
-        match groups.iter_mut().find(|(s, _)| *s == hash_slot) {
-            Some((_, g)) => g.push(i),
-            None => groups.push((hash_slot, vec![i])),
-        }
-    }
-    groups
-}
+/// A group's result, once sent.
+type GroupResult = Result<(Vec<EncodedCheck>, Reply), BackendError>;
+
+/// A group's queued wait.
+type Queued = Pin<Box<dyn Future<Output = NodeDelivery> + Send>>;

@@ -87,14 +87,27 @@
 //!
 //! # Redis Cluster
 //!
-//! A batch whose keys fall in several hash slots becomes one group per hash slot, each
-//! waiting for its hash slot's next merged call, concurrently. If any refuses (or fails), the
+//! The checks bound for one node share its merged calls, whatever their hash slots: on Redis 7
+//! and later, `CHECK` runs in a cross-slot form (flagged `allow-cross-slot-keys`) that
+//! declares one key, by which the call is routed, and takes the others as arguments; it goes
+//! on a connection of its own per node, as on a standalone server. The backend reads the slot
+//! map (`CLUSTER SLOTS`) on its first call and again when a call meets a hash slot that
+//! moved. Such a call has run nothing (a redirection of its declared key), or has failed
+//! before it wrote anything (the script reads every key before it writes one, and a key the
+//! node does not serve fails that read): its checks are sent again, once, by hash slot, as
+//! below. A server that refuses to load the flagged script (Redis before 7) is detected when
+//! its connection is made, and its checks keep a call per hash slot; so do clusters reached
+//! over TLS, and calls at a test's fixed time.
+//!
+//! A batch whose keys fall on several nodes (or, where a node's call cannot be made, in
+//! several hash slots) becomes one group per node (or hash slot), each waiting for its next
+//! merged call, concurrently. If any refuses (or fails), the
 //! calls that wrote are refunded by a second script
 //! that undoes exactly their writes (GCRA: the TAT moves back by `cost × interval`; fixed window:
 //! `DECRBY`; sliding log: `ZREM` of the members added). The consume and the refund run in a task
 //! of their own, so a caller that gives up at its deadline does not leave them half done.
 //!
-//! The cluster client routes each call by its keys' hash slot, and when a hash slot moves (`MOVED`, or
+//! A call per hash slot goes on the shared connection. The cluster client routes each call by its keys' hash slot, and when a hash slot moves (`MOVED`, or
 //! `ASK` while it migrates) it sends that call again to the node named, after `ASKING` for an
 //! `ASK`: a redirected script has not run, so nothing is counted twice, and the other hash slots'
 //! calls are not touched. Calls bound for one node share one connection to it, so those sent

@@ -458,30 +458,41 @@ async fn merged_requests_in_several_slots_stay_all_or_nothing() {
         .unwrap();
     let burst = gcra("burst", 10);
     let daily = fixed("daily", Quota::per_day(100).unwrap());
-    let key = b"tenant";
-    assert_ne!(
-        cluster.slot_of_key(&backend.key_for(&burst, key)),
-        cluster.slot_of_key(&backend.key_for(&daily, key))
-    );
-    assert!(admitted(&backend, &[&burst, &daily], key).await);
-    // A refused batch, to load the refund script on daily's node before the count.
-    let blocker = gcra("blocker", 1);
-    assert!(admitted(&backend, &[&blocker], key).await);
-    assert!(!admitted(&backend, &[&daily, &blocker], key).await);
-    reset_stats(&cluster);
+    let node = |limit: &Limit, key: &[u8]| cluster.node_of_key(&backend.key_for(limit, key));
+    // A key whose two limits' slots are on one node, and one whose are on two.
+    let key_on = |same: bool| {
+        (0..1000)
+            .map(|i| format!("tenant-{i}").into_bytes())
+            .find(|k| {
+                let (b, d) = (&backend.key_for(&burst, k), &backend.key_for(&daily, k));
+                cluster.slot_of_key(b) != cluster.slot_of_key(d)
+                    && (node(&burst, k) == node(&daily, k)) == same
+            })
+            .unwrap()
+    };
+    // One node: each request's two slots in one call of the node (all-or-nothing in the
+    // script), and the 100 requests in 2 calls (64, then 36): no refund.
+    // Two nodes: each node's checks go in one merged call; the 41 that the burst refuses have
+    // their daily unit given back (one refund call each).
+    for (key, requests, calls) in [(key_on(true), 100, 2), (key_on(false), 50, 2 + 41)] {
+        assert!(admitted(&backend, &[&burst, &daily], &key).await);
+        // A refused batch, to load the refund script on daily's node before the count.
+        let blocker = gcra("blocker", 1);
+        assert!(admitted(&backend, &[&blocker], &key).await);
+        assert!(!admitted(&backend, &[&daily, &blocker], &key).await);
+        reset_stats(&cluster);
 
-    // 50 requests at once: each slot's checks go in one merged call; the 41 that the burst
-    // refuses have their daily unit given back (one refund call each).
-    assert_eq!(
-        admitted_at_once(&backend, &[&burst, &daily], key, 50).await,
-        9
-    );
-    assert_eq!(script_calls(&cluster), 2 + 41);
-    let v = check(&backend, &[&daily], key).await;
-    assert_eq!(
-        (v[0].status, v[0].remaining),
-        (Status::Allowed, 100 - 10 - 1)
-    );
+        assert_eq!(
+            admitted_at_once(&backend, &[&burst, &daily], &key, requests).await,
+            9
+        );
+        assert_eq!(script_calls(&cluster), calls);
+        let v = check(&backend, &[&daily], &key).await;
+        assert_eq!(
+            (v[0].status, v[0].remaining),
+            (Status::Allowed, 100 - 10 - 1)
+        );
+    }
 }
 
 /// How many `kind` (`ASK`, `MOVED`) redirections `node` answered (`INFO errorstats`).

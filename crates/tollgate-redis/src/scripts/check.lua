@@ -72,6 +72,9 @@ local function refused(key, sc, p)
 end
 -- The requests: sizes, check numbers and key numbers, decoded in one call.
 local packed = ARGV[a]
+-- The call's keys, and whether each must be read before anything is written (see
+-- `keys_after` in `keys_declared.lua` and `keys_cross_slot.lua`).
+local K, verify = keys_after(a)
 local figures = #packed / 8
 local fig = {struct.unpack('<' .. string.rep('d', figures), packed)}
 local i = 1
@@ -97,6 +100,39 @@ end
 -- What each admitting check of the current request would write: algorithm, key, value, TTL
 -- (of a window), and where a sliding log's reply takes the sequence number the write makes.
 local w_algo, w_key, w_val, w_ttl, w_seq = {}, {}, {}, {}, {}
+-- Keys of several slots (the cross-slot form): a key whose slot this node does not serve
+-- (the slot moved, or is moving and the key is not here) fails the command that reads it, and
+-- with it the call. Every key is read first, before anything is written, so that such a call
+-- has written nothing and its checks can be sent again. GCRA and fixed-window keys are read
+-- here for the checks below; other keys cost one `EXISTS`.
+if verify then
+  local v, seen = 1, {}
+  while v <= figures do
+    local n = fig[v]
+    v = v + 1
+    for _ = 1, n do
+      local limit, k = limits[fig[v] % 1024 + 1], fig[v + 1]
+      v = v + 2
+      local algo = limit[1]
+      if algo == 4 then v = v + 3 end
+      if not seen[k] then
+        seen[k] = true
+        local key = K[k]
+        if algo == 1 then
+          if state[key] == nil then
+            local tat
+            tat, t_of[key] = read_tat(key)
+            state[key], first[key] = tat, tat
+          end
+        elseif algo == 2 then
+          read(K[k + limit[4]], 0)
+        else
+          redis.call('EXISTS', key)
+        end
+      end
+    end
+  end
+end
 while i <= figures do
   local n = fig[i]
   i = i + 1
@@ -107,7 +143,7 @@ while i <= figures do
   for j = 1, n do
     w_algo[j] = 0
     local code, k = fig[i], fig[i + 1]
-    local key = KEYS[k]
+    local key = K[k]
     i = i + 2
     local l = code % 1024
     code = (code - l) / 1024
@@ -169,7 +205,7 @@ while i <= figures do
     elseif algo == 2 then
       local period, limit = p1, p2
       local index = idiv(now, period)
-      local wkey = KEYS[k + p3]
+      local wkey = K[k + p3]
       local count = read(wkey, 0)
       if cost > limit then
         status = 2
@@ -252,7 +288,7 @@ while i <= figures do
         state[key] = state[key] + w_val[j]
         if ttl[key] == nil then ttl[key] = w_ttl[j]; written[#written + 1] = key end
       elseif algo == 3 then
-        local cost, period, log, seq_key = w_val[j], w_ttl[j], KEYS[key], KEYS[key + 1]
+        local cost, period, log, seq_key = w_val[j], w_ttl[j], K[key], K[key + 1]
         redis.call('ZREMRANGEBYSCORE', log, '-inf', now - period)
         local last = redis.call('INCRBY', seq_key, cost)
         -- A unique member per unit (two units in the same microsecond are two entries).

@@ -68,10 +68,46 @@ use crate::scripts::{slot_id, Script};
 /// packing it is one call in Lua, and the client reads it without a parser per item.
 pub(crate) const CHECK: &str = include_str!("check.lua");
 
-/// The script: the prelude and [`CHECK`], loaded once per process.
+/// The script: the prelude and [`CHECK`] with every key declared, loaded once per process.
 pub(crate) fn script() -> &'static Script {
-    static SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(CHECK));
+    static SCRIPT: LazyLock<Script> =
+        LazyLock::new(|| Script::new(&format!("{}{CHECK}", include_str!("keys_declared.lua"))));
     &SCRIPT
+}
+
+/// The cross-slot form of the script, for a Redis Cluster node (Redis 7 and later): flagged
+/// `allow-cross-slot-keys`, it takes the checks of several hash slots of one node in one
+/// call. Its first key is declared (the call is routed by it) and the others follow the
+/// packed checks; it reads every key before it writes any, so that a call that meets a key
+/// the node does not serve (its slot moved) fails having written nothing.
+pub(crate) fn cross_slot_script() -> &'static Script {
+    static SCRIPT: LazyLock<Script> = LazyLock::new(|| {
+        Script::with_flags(
+            "allow-cross-slot-keys",
+            &format!("{}{CHECK}", include_str!("keys_cross_slot.lua")),
+        )
+    });
+    &SCRIPT
+}
+
+/// How a `CHECK` call names its keys.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Form {
+    /// Every key declared: a standalone server, or one hash slot of a cluster.
+    Declared,
+    /// The cross-slot form ([`cross_slot_script`]): the first key declared, the others after
+    /// the packed checks.
+    CrossSlot,
+}
+
+impl Form {
+    /// The script of this form.
+    pub(crate) fn script(self) -> &'static Script {
+        match self {
+            Self::Declared => script(),
+            Self::CrossSlot => cross_slot_script(),
+        }
+    }
 }
 
 /// Distinct limits one `CHECK` call can carry (the packing of a check's argument).

@@ -2,7 +2,9 @@
 //! how its reply is read.
 //!
 //! - `check.lua` ([`check`] encodes, [`reply`] decodes): checks and consumes the batches of
-//!   one or more requests, all-or-nothing per request.
+//!   one or more requests, all-or-nothing per request; with its keys declared
+//!   (`keys_declared.lua`), or in the cross-slot form for a cluster node
+//!   (`keys_cross_slot.lua`).
 //! - `refund.lua` ([`refund`]): undoes what a `CHECK` wrote (a Redis Cluster batch split over
 //!   several hash slots, one of which refused).
 //! - `settle.lua` ([`settle`]): gives back or charges what a metered check reserved.
@@ -40,6 +42,14 @@ impl Script {
     /// The script made of the prelude and `body`.
     pub(crate) fn new(body: &str) -> Self {
         let code = format!("{PRELUDE}{body}");
+        let sha = redis::Script::new(&code).get_hash().to_owned();
+        Self { code, sha }
+    }
+
+    /// The script made of the prelude and `body`, run under Redis 7's script `flags` (a
+    /// server before Redis 7 refuses to load it).
+    pub(crate) fn with_flags(flags: &str, body: &str) -> Self {
+        let code = format!("#!lua flags={flags}\n{PRELUDE}{body}");
         let sha = redis::Script::new(&code).get_hash().to_owned();
         Self { code, sha }
     }

@@ -1,5 +1,5 @@
 //! Merges the batches of concurrent requests into one script call: on a standalone server all
-//! of them ([`Coalescer`]), in a cluster those of one hash slot ([`HashSlotCoalescer`]).
+//! of them ([`Coalescer`]), in a cluster those of one hash slot ([`KeyedCoalescer`]).
 //!
 //! A request's batch waits in a queue; one task at a time takes batches from it and sends
 //! everything waiting, up to [`MAX_REQUESTS_PER_CALL`] requests, in one `CHECK` call. When
@@ -37,10 +37,14 @@ pub(crate) const MAX_WAITING: usize = 8192;
 /// What a waiting request gets back: its batch and the script's answer for it.
 pub(crate) type Delivery = Result<(Vec<EncodedCheck>, Reply), BackendError>;
 
+/// What a request waiting for a node's call gets back: its batch and the script's answer,
+/// or `None` if the call did not run for a hash slot that moved (see `nodes::slot_moved`).
+pub(crate) type NodeDelivery = Result<(Vec<EncodedCheck>, Option<Reply>), BackendError>;
+
 /// One request's batch, waiting for a call.
-pub(crate) struct Waiter {
+pub(crate) struct Waiter<D = Delivery> {
     pub(crate) batch: Vec<EncodedCheck>,
-    pub(crate) reply: oneshot::Sender<Delivery>,
+    pub(crate) reply: oneshot::Sender<D>,
     /// When the request's answer is due, a timeout if need be.
     pub(crate) deadline: Instant,
     /// The breaker's permit for the request; the call that carries it reports for it.
@@ -100,7 +104,7 @@ impl Coalescer {
 
     /// The batches for the next call (see [`take`]); `None` when nothing waits, and then the
     /// calling task must stop (it has been counted out).
-    fn next_call(&self, now: Instant) -> Option<Call> {
+    fn next_call(&self, now: Instant) -> Option<Call<Delivery>> {
         let mut q = self.lock();
         let call = take(&mut q.waiting, now);
         if call.is_empty() {
@@ -112,16 +116,18 @@ impl Coalescer {
 }
 
 /// The requests waiting for merged calls: on a standalone server in one queue, in a cluster
-/// in one per hash slot.
+/// in one per node (or per hash slot, where a node's call cannot be made).
 #[derive(Default)]
 pub(crate) struct Queues {
     pub(crate) all: Coalescer,
-    pub(crate) by_hash_slot: HashSlotCoalescer,
+    pub(crate) by_hash_slot: KeyedCoalescer,
+    /// A cluster's calls per node, in the cross-slot form.
+    pub(crate) by_node: KeyedCoalescer<NodeDelivery>,
 }
 
 /// The batches for the next call from `waiting`, oldest first, skipping those whose caller
 /// gave up and setting apart those whose deadline is not after `now`.
-fn take(waiting: &mut VecDeque<Waiter>, now: Instant) -> Call {
+fn take<D>(waiting: &mut VecDeque<Waiter<D>>, now: Instant) -> Call<D> {
     let mut call = Call {
         send: Vec::with_capacity(waiting.len().min(MAX_REQUESTS_PER_CALL)),
         late: Vec::new(),
@@ -142,42 +148,54 @@ fn take(waiting: &mut VecDeque<Waiter>, now: Instant) -> Call {
     call
 }
 
-/// The queues of a Redis Cluster: one per hash slot, each with at most one task sending its
+/// The queues of a Redis Cluster, by a number: a hash slot's (calls of one hash slot) or a
+/// node's (calls in the cross-slot form, `NodeDelivery`). Described here by hash slot: one per hash slot, each with at most one task sending its
 /// merged calls, so that concurrent requests whose keys share a hash slot share one `CHECK` call
 /// (a script can touch the keys of one hash slot only), and calls for different hash slots go out side
 /// by side. A hash slot has an entry only while requests wait for it or its task runs.
-#[derive(Default)]
-pub(crate) struct HashSlotCoalescer {
-    hash_slots: Mutex<HashSlots>,
+pub(crate) struct KeyedCoalescer<D = Delivery> {
+    hash_slots: Mutex<HashSlots<D>>,
 }
 
-#[derive(Default)]
-struct HashSlots {
-    queues: HashMap<u16, HashSlotQueue>,
+impl<D> Default for KeyedCoalescer<D> {
+    fn default() -> Self {
+        Self {
+            hash_slots: Mutex::new(HashSlots {
+                queues: HashMap::new(),
+                waiting: 0,
+            }),
+        }
+    }
+}
+
+struct HashSlots<D> {
+    queues: HashMap<u16, HashSlotQueue<D>>,
     /// Requests waiting over every hash slot, bounded by [`MAX_WAITING`].
     waiting: usize,
 }
 
-#[derive(Default)]
-struct HashSlotQueue {
-    waiting: VecDeque<Waiter>,
+struct HashSlotQueue<D> {
+    waiting: VecDeque<Waiter<D>>,
     /// Whether a task sends this hash slot's calls.
     sending: bool,
 }
 
-impl HashSlotCoalescer {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashSlots> {
+impl<D> KeyedCoalescer<D> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashSlots<D>> {
         self.hash_slots.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Queues a batch whose keys are all in `hash_slot`.
-    pub(crate) fn push(&self, hash_slot: u16, waiter: Waiter) -> Push {
+    pub(crate) fn push(&self, hash_slot: u16, waiter: Waiter<D>) -> Push {
         let mut s = self.lock();
         if s.waiting >= MAX_WAITING {
             return Push::Full;
         }
         s.waiting += 1;
-        let q = s.queues.entry(hash_slot).or_default();
+        let q = s.queues.entry(hash_slot).or_insert_with(|| HashSlotQueue {
+            waiting: VecDeque::new(),
+            sending: false,
+        });
         q.waiting.push_back(waiter);
         if q.sending {
             Push::Waits
@@ -189,15 +207,15 @@ impl HashSlotCoalescer {
 
     /// Counts a task that was started for `hash_slot` after [`Push::StartCaller`]; as
     /// [`Coalescer::caller`].
-    pub(crate) fn caller(&self, hash_slot: u16) -> HashSlotCaller<'_> {
-        HashSlotCaller {
+    pub(crate) fn caller(&self, hash_slot: u16) -> KeyedCaller<'_, D> {
+        KeyedCaller {
             coalescer: self,
             hash_slot,
             stopped: false,
         }
     }
 
-    fn next_call(&self, hash_slot: u16, now: Instant) -> Option<Call> {
+    fn next_call(&self, hash_slot: u16, now: Instant) -> Option<Call<D>> {
         let mut s = self.lock();
         let q = s.queues.get_mut(&hash_slot)?;
         let before = q.waiting.len();
@@ -232,15 +250,15 @@ impl HashSlotCoalescer {
 }
 
 /// What a calling task takes from the queue at once.
-pub(crate) struct Call {
+pub(crate) struct Call<D = Delivery> {
     /// The batches to send in one call.
-    pub(crate) send: Vec<Waiter>,
+    pub(crate) send: Vec<Waiter<D>>,
     /// Requests whose deadline passed while they waited: to be answered with a timeout, and
     /// not sent, so that they consume nothing.
-    pub(crate) late: Vec<Waiter>,
+    pub(crate) late: Vec<Waiter<D>>,
 }
 
-impl Call {
+impl<D> Call<D> {
     fn is_empty(&self) -> bool {
         self.send.is_empty() && self.late.is_empty()
     }
@@ -271,24 +289,24 @@ impl Drop for Caller<'_> {
     }
 }
 
-/// A task sending one hash slot's merged calls; see [`HashSlotCoalescer::caller`].
-pub(crate) struct HashSlotCaller<'a> {
-    coalescer: &'a HashSlotCoalescer,
+/// A task sending one hash slot's merged calls; see [`KeyedCoalescer::caller`].
+pub(crate) struct KeyedCaller<'a, D = Delivery> {
+    coalescer: &'a KeyedCoalescer<D>,
     hash_slot: u16,
     stopped: bool,
 }
 
-impl HashSlotCaller<'_> {
+impl<D> KeyedCaller<'_, D> {
     /// The batches for the hash slot's next call, at `now`; `None` when nothing waits, and the
     /// task must stop.
-    pub(crate) fn next_call(&mut self, now: Instant) -> Option<Call> {
+    pub(crate) fn next_call(&mut self, now: Instant) -> Option<Call<D>> {
         let call = self.coalescer.next_call(self.hash_slot, now);
         self.stopped = call.is_none();
         call
     }
 }
 
-impl Drop for HashSlotCaller<'_> {
+impl<D> Drop for KeyedCaller<'_, D> {
     fn drop(&mut self) {
         if !self.stopped {
             self.coalescer.stopped(self.hash_slot);
@@ -384,7 +402,7 @@ mod tests {
 
     #[test]
     fn each_hash_slot_has_one_caller_and_merges_only_its_own_batches() {
-        let c = HashSlotCoalescer::default();
+        let c = KeyedCoalescer::default();
         let mut receivers = Vec::new();
         let mut started = Vec::new();
         for i in 0..100u16 {
@@ -415,7 +433,7 @@ mod tests {
 
     #[test]
     fn a_hash_slot_caller_dropped_midway_lets_the_next_batch_start_one() {
-        let c = HashSlotCoalescer::default();
+        let c = KeyedCoalescer::default();
         let (w, _rx) = waiter();
         assert!(matches!(c.push(3, w), Push::StartCaller));
         let mut caller = c.caller(3);
@@ -432,7 +450,7 @@ mod tests {
 
     #[test]
     fn a_full_hash_slot_coalescer_refuses_whatever_the_slot() {
-        let c = HashSlotCoalescer::default();
+        let c = KeyedCoalescer::default();
         let mut receivers = Vec::new();
         for i in 0..MAX_WAITING {
             let (w, rx) = waiter();

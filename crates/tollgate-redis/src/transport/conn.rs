@@ -17,11 +17,13 @@ use redis::{AsyncConnectionConfig, ErrorKind, RedisError, RedisResult, ServerErr
 use tokio::sync::Notify;
 
 use crate::scripts::Script;
+use crate::transport::direct::Login;
 
 /// Where to connect.
 pub(crate) enum Target {
     Single(Box<redis::Client>),
-    Cluster(Box<ClusterClient>),
+    /// With the nodes' credentials when its seeds are plain TCP (see `nodes`).
+    Cluster(Box<ClusterClient>, Option<Login>),
     /// The master the sentinels name, looked up on each connection attempt. The client keeps
     /// its connections to the sentinels, hence the lock (held by one attempt at a time).
     Sentinel(Arc<tokio::sync::Mutex<SentinelClient>>),
@@ -31,7 +33,7 @@ impl Target {
     fn name(&self) -> &'static str {
         match self {
             Self::Single(_) => "standalone",
-            Self::Cluster(_) => "cluster",
+            Self::Cluster(..) => "cluster",
             Self::Sentinel(_) => "sentinel",
         }
     }
@@ -115,7 +117,7 @@ impl Connector {
 
     /// Whether the target is a Redis Cluster.
     pub(crate) fn is_cluster(&self) -> bool {
-        matches!(self.target, Target::Cluster(_))
+        matches!(self.target, Target::Cluster(..))
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
@@ -179,7 +181,9 @@ impl Connector {
                     .get_multiplexed_async_connection_with_config(&self.config())
                     .await
                     .map(Conn::Single),
-                Target::Cluster(client) => client.get_async_connection().await.map(Conn::Cluster),
+                Target::Cluster(client, _) => {
+                    client.get_async_connection().await.map(Conn::Cluster)
+                }
                 Target::Sentinel(sentinel) => {
                     // Asks the sentinels for the master's address (they check that it says it
                     // is one), then connects to it like a standalone server.

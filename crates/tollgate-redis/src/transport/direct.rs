@@ -1,4 +1,4 @@
-//! The `CHECK` calls' own connection to a standalone server.
+//! The `CHECK` calls' own connection to a standalone server, or to one node of a cluster.
 //!
 //! The merged calls go out one at a time, from one task (see `coalesce`), so they need no
 //! multiplexing: this connection writes a call, reads its one reply, and is ready for the
@@ -16,6 +16,7 @@
 //! connection busy (a test's call at a fixed time beside the merged calls) uses the shared
 //! connection instead.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -26,6 +27,7 @@ use tokio::sync::Notify;
 
 use crate::failure::breaks_connection;
 use crate::keys::decimal;
+use crate::scripts::Script;
 use crate::transport::args::Args;
 
 /// Where the direct connection goes, and how it logs in.
@@ -36,7 +38,37 @@ pub(crate) struct Direct {
     password: Option<String>,
     db: i64,
     connect_timeout: Duration,
+    /// A script loaded on each new connection (a cluster node's cross-slot `CHECK`).
+    preload: Option<&'static Script>,
+    /// The server refused to load `preload`: it cannot run it.
+    refused: AtomicBool,
     state: Mutex<State>,
+}
+
+/// The credentials of a cluster's nodes: those of its first seed URL.
+#[derive(Clone, Default)]
+pub(crate) struct Login {
+    username: Option<String>,
+    password: Option<String>,
+}
+
+impl Login {
+    /// The credentials of `url` if it names a plain TCP server spoken to in RESP2 (the only
+    /// servers a direct connection reaches); `None` otherwise.
+    pub(crate) fn of_url(url: &str) -> Option<Self> {
+        let info = redis::IntoConnectionInfo::into_connection_info(url).ok()?;
+        if !matches!(info.addr(), ConnectionAddr::Tcp(..)) {
+            return None;
+        }
+        let settings = info.redis_settings();
+        if settings.protocol() != redis::ProtocolVersion::RESP2 {
+            return None;
+        }
+        Some(Self {
+            username: settings.username().map(str::to_owned),
+            password: settings.password().map(str::to_owned),
+        })
+    }
 }
 
 enum State {
@@ -69,8 +101,38 @@ impl Direct {
             password: settings.password().map(str::to_owned),
             db: settings.db(),
             connect_timeout,
+            preload: None,
+            refused: AtomicBool::new(false),
             state: Mutex::new(State::Idle(None)),
         })
+    }
+
+    /// The connection to a cluster node at `host`:`port`, which loads `script` whenever it
+    /// connects.
+    pub(crate) fn for_node(
+        host: &str,
+        port: u16,
+        login: &Login,
+        connect_timeout: Duration,
+        script: &'static Script,
+    ) -> Self {
+        Self {
+            host: host.to_owned(),
+            port,
+            username: login.username.clone(),
+            password: login.password.clone(),
+            db: 0,
+            connect_timeout,
+            preload: Some(script),
+            refused: AtomicBool::new(false),
+            state: Mutex::new(State::Idle(None)),
+        }
+    }
+
+    /// Whether the server refused to load the connection's script (a server before Redis 7
+    /// refuses a script with flags).
+    pub(crate) fn refuses_script(&self) -> bool {
+        self.refused.load(Ordering::Relaxed)
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
@@ -168,6 +230,16 @@ impl Direct {
                         e.to_string(),
                     ))
                 })?;
+        }
+        if let Some(script) = self.preload {
+            if let Err(e) = stream.query(&script.load()).await {
+                let text = e.to_string();
+                // Redis 6 cannot compile the flags' line; Redis 7 would name a flag it lacks.
+                if text.contains("compiling") || text.contains("shebang") {
+                    self.refused.store(true, Ordering::Relaxed);
+                }
+                return Err(e);
+            }
         }
         Ok(stream)
     }

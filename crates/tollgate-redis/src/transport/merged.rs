@@ -1,5 +1,7 @@
 //! The merged-call senders: on a standalone server, the batches of concurrent requests share
-//! one `CHECK` call; in a cluster, those whose keys share a hash slot do (see `coalesce`).
+//! one `CHECK` call; in a cluster, those bound for one node do (in the script's cross-slot
+//! form, on the node's own connection), or those whose keys share a hash slot where a node's
+//! call cannot be made (see `coalesce`, `nodes`).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -12,11 +14,11 @@ use tokio::time::Instant;
 use tollgate_core::{BackendError, BackendErrorKind};
 
 use crate::failure::{overloaded, unavailable};
-use crate::scripts::check::EncodedCheck;
+use crate::scripts::check::{EncodedCheck, Form};
 use crate::scripts::reply::Reply;
 use crate::transport::breaker::Permit;
-use crate::transport::coalesce::{Call, Delivery, Push, Waiter};
-use crate::transport::Transport;
+use crate::transport::coalesce::{Call, Delivery, NodeDelivery, Push, Waiter};
+use crate::transport::{nodes, CheckError, Transport};
 
 /// A standalone server's check, waiting for the merged call that carries it: queued on its
 /// first poll, then answered by the task sending merged calls, which keeps the deadline (one
@@ -167,6 +169,115 @@ async fn send_hash_slot_merged(transport: Arc<Transport>, hash_slot: u16) {
     }
 }
 
+/// Queues `batch`, whose keys are all served by node `node`, for that node's next merged call
+/// in the cross-slot form, and returns the wait for its answer: `None` for a call that ran
+/// nothing because a hash slot of its keys is not (or not wholly) the node's any more.
+pub(crate) fn queue_on_node(
+    transport: &Arc<Transport>,
+    node: u16,
+    batch: Vec<EncodedCheck>,
+    deadline: Instant,
+    permit: Permit,
+) -> impl Future<Output = NodeDelivery> + Send + 'static {
+    let (reply, answer) = tokio::sync::oneshot::channel();
+    let waiter = Waiter {
+        batch,
+        reply,
+        deadline,
+        permit,
+    };
+    let queued = match transport.queues().by_node.push(node, waiter) {
+        Push::Waits => Ok(()),
+        Push::StartCaller => {
+            let task = UnstartedNode(Some(Arc::clone(transport)), node);
+            tokio::spawn(async move {
+                let (transport, node) = task.start();
+                send_node_merged(transport, node).await
+            });
+            Ok(())
+        }
+        Push::Full => Err(overloaded(
+            "too many rate-limit checks are waiting for Redis",
+        )),
+    };
+    async move {
+        queued?;
+        let answer = answer.await;
+        answer.unwrap_or_else(|_| Err(unavailable("the rate-limit call was dropped")))
+    }
+}
+
+/// Sends what waits for `node`, one merged call after the other, on the node's own
+/// connection, until nothing does; as [`send_merged`].
+async fn send_node_merged(transport: Arc<Transport>, node: u16) {
+    let mut caller = transport.queues().by_node.caller(node);
+    while let Some(call) = caller.next_call(Instant::now()) {
+        send_node_call(&transport, node, call).await;
+    }
+}
+
+/// One merged call of a node, as [`send_call`]; a call that met a hash slot the node does
+/// not serve (or a node that cannot run the cross-slot form) ran nothing: its requests are
+/// told so, to send their checks again by hash slot, and the slot map is read again.
+async fn send_node_call(transport: &Arc<Transport>, node: u16, call: Call<NodeDelivery>) {
+    for late in call.late {
+        let _ = late.reply.send(Err(overloaded(format!(
+            "the rate-limit check waited {:?} for a call to Redis, and was not sent",
+            transport.deadline()
+        ))));
+    }
+    let waiters = call.send;
+    let carried = waiters.len();
+    let Some(deadline) = waiters.iter().map(|w| w.deadline).min() else {
+        return;
+    };
+    let Some(direct) = transport.node(node) else {
+        for w in waiters {
+            let _ = w.reply.send(Ok((w.batch, None)));
+        }
+        return;
+    };
+    let permit = Permit::any(waiters.iter().map(|w| w.permit));
+    let batches: Vec<&[EncodedCheck]> = waiters.iter().map(|w| w.batch.as_slice()).collect();
+    let call = transport.eval_checks_on(&batches, None, Some(&direct), Form::CrossSlot);
+    let result = transport
+        .until(deadline, async { Ok(call.await) }, "from Redis")
+        .await
+        .map_err(CheckError::Backend)
+        .and_then(|r| r);
+    let result = match result {
+        Ok(replies) => Ok(Some(replies)),
+        Err(CheckError::Redis(e)) if nodes::slot_moved(&e) || direct.refuses_script() => {
+            transport.refresh_nodes();
+            Ok(None)
+        }
+        Err(e) => Err(e.into_backend()),
+    };
+    transport.report(result.as_ref().map(|_| ()), permit);
+    match result {
+        Ok(Some(replies)) => {
+            for (w, reply) in waiters.into_iter().zip(replies) {
+                let _ = w.reply.send(Ok((w.batch, Some(reply))));
+            }
+        }
+        Ok(None) => {
+            for w in waiters {
+                let _ = w.reply.send(Ok((w.batch, None)));
+            }
+        }
+        Err(e) => {
+            // The node may have failed over, or left: the map is read again.
+            transport.refresh_nodes();
+            for w in waiters {
+                let _ = w.reply.send(Err(e.clone()));
+            }
+        }
+    }
+    if carried > 1 {
+        tokio::task::yield_now().await;
+    }
+}
+
 /// One merged call: its late requests answered `Overloaded`, the others sent together by the
 /// earliest of their deadlines, and the call reported once.
 async fn send_call(transport: &Transport, call: Call) {
@@ -245,6 +356,26 @@ impl Drop for UnstartedHashSlot {
     fn drop(&mut self) {
         if let Some(transport) = self.0.take() {
             drop(transport.queues().by_hash_slot.caller(self.1));
+        }
+    }
+}
+
+/// As [`Unstarted`], for the task of one node.
+struct UnstartedNode(Option<Arc<Transport>>, u16);
+
+impl UnstartedNode {
+    fn start(mut self) -> (Arc<Transport>, u16) {
+        match self.0.take() {
+            Some(transport) => (transport, self.1),
+            None => unreachable!("a task starts once"),
+        }
+    }
+}
+
+impl Drop for UnstartedNode {
+    fn drop(&mut self) {
+        if let Some(transport) = self.0.take() {
+            drop(transport.queues().by_node.caller(self.1));
         }
     }
 }

@@ -14,6 +14,7 @@ pub(crate) mod coalesce;
 pub(crate) mod conn;
 pub(crate) mod direct;
 pub(crate) mod merged;
+pub(crate) mod nodes;
 
 use std::future::Future;
 use std::sync::{Arc, OnceLock};
@@ -25,7 +26,7 @@ use tollgate_core::{BackendError, BackendErrorKind, Micros};
 
 use crate::failure::{breaks_connection, map_error};
 use crate::keys::{self, Suffix};
-use crate::scripts::check::{self, CheckArgs, EncodedCheck};
+use crate::scripts::check::{CheckArgs, EncodedCheck, Form};
 use crate::scripts::reply::{self, Reply};
 use crate::scripts::Script;
 use args::Args;
@@ -34,6 +35,7 @@ use clock::ServerClock;
 use coalesce::Queues;
 use conn::{Connector, Target};
 use direct::Direct;
+use nodes::{Nodes, Route};
 
 /// The backend's name in metrics and logs.
 pub(crate) const BACKEND: &str = "redis";
@@ -60,6 +62,8 @@ pub(crate) struct Transport {
     shared: Arc<Connector>,
     /// The merged `CHECK` calls' own connection, for a plain TCP standalone server.
     direct: Option<Arc<Direct>>,
+    /// A plain TCP cluster's nodes: the slot map and a connection per node.
+    nodes: Option<Arc<Nodes>>,
     breaker: Breaker,
     /// The requests waiting for a merged `CHECK` call.
     queues: Queues,
@@ -83,11 +87,18 @@ impl Transport {
             }
             _ => None,
         };
+        let nodes = match &config.target {
+            Target::Cluster(_, Some(login)) => {
+                Some(Arc::new(Nodes::new(login.clone(), config.connect_timeout)))
+            }
+            _ => None,
+        };
         Self {
             prefix: config.prefix,
             deadline: config.deadline,
             shared: Arc::new(Connector::new(config.target, config.connect_timeout)),
             direct,
+            nodes,
             breaker: Breaker::new(config.breaker),
             queues: Queues::default(),
             clock: ServerClock::default(),
@@ -103,6 +114,48 @@ impl Transport {
     /// Whether the server is a Redis Cluster.
     pub(crate) fn is_cluster(&self) -> bool {
         self.shared.is_cluster()
+    }
+
+    /// `batch`'s checks grouped by where they go: by node once the slot map is known (it is
+    /// read on the first call), else by hash slot.
+    pub(crate) fn routes(self: &Arc<Self>, batch: &[EncodedCheck]) -> Vec<(Route, Vec<usize>)> {
+        if let Some(nodes) = &self.nodes {
+            if !nodes.mapped() {
+                self.refresh_nodes();
+            }
+        }
+        match &self.nodes {
+            Some(nodes) => nodes.groups(batch),
+            None => nodes::hash_slot_groups(batch, 0..batch.len()),
+        }
+    }
+
+    /// Node `number`'s own connection.
+    pub(crate) fn node(&self, number: u16) -> Option<Arc<Direct>> {
+        self.nodes.as_ref().and_then(|nodes| nodes.node(number))
+    }
+
+    /// Reads the slot map again, in a task of its own, unless a read runs or ran just now.
+    pub(crate) fn refresh_nodes(self: &Arc<Self>) {
+        let Some(nodes) = &self.nodes else {
+            return;
+        };
+        if !nodes.start_refresh() {
+            return;
+        }
+        let refresh = nodes::Refresh::new(Arc::clone(nodes));
+        let transport = Arc::clone(self);
+        tokio::spawn(async move {
+            let mut cmd = redis::cmd("CLUSTER");
+            cmd.arg("SLOTS");
+            let answer = transport
+                .within_deadline(transport.query(&cmd), "to CLUSTER SLOTS")
+                .await;
+            if let Err(e) = &answer {
+                tracing::debug!(backend = BACKEND, error = %e, "reading the slot map failed");
+            }
+            refresh.finish(answer.ok().as_ref());
+        });
     }
 
     /// The merged-call queues.
@@ -158,6 +211,9 @@ impl Transport {
                     self.shared.replace();
                     if let Some(direct) = &self.direct {
                         direct.replace();
+                    }
+                    if let Some(nodes) = &self.nodes {
+                        nodes.replace();
                     }
                 }
                 self.metrics().up.set(0.0);
@@ -247,8 +303,7 @@ impl Transport {
         out.bytes(script.sha().as_bytes());
         out.number(checks.clone().count() as u64);
         for (p, suffix) in checks {
-            let key = keys::BaseKey::new(&self.prefix, &p.name, &p.digest).with(suffix);
-            out.bytes(key.as_bytes());
+            self.key_arg(out, p, suffix);
         }
         match now {
             Some(now) => out.number(now),
@@ -256,9 +311,24 @@ impl Transport {
         }
     }
 
-    /// Writes a `CHECK` call of `args` into `out`; [`check_len`] arguments.
-    fn check_args(&self, out: &mut dyn Args, args: &CheckArgs<'_>, now: Option<Micros>) {
-        self.script_args(out, check::script(), args.keys.iter().copied(), now);
+    fn key_arg(&self, out: &mut dyn Args, p: &EncodedCheck, suffix: Suffix) {
+        let key = keys::BaseKey::new(&self.prefix, &p.name, &p.digest).with(suffix);
+        out.bytes(key.as_bytes());
+    }
+
+    /// Writes a `CHECK` call of `args` in `form` into `out`; [`check_len`] arguments.
+    fn check_args(
+        &self,
+        out: &mut dyn Args,
+        args: &CheckArgs<'_>,
+        now: Option<Micros>,
+        form: Form,
+    ) {
+        let declared = match form {
+            Form::Declared => &args.keys[..],
+            Form::CrossSlot => &args.keys[..args.keys.len().min(1)],
+        };
+        self.script_args(out, form.script(), declared.iter().copied(), now);
         out.number(args.limits.len() as u64);
         for limit in &args.limits {
             for &n in limit {
@@ -266,6 +336,9 @@ impl Transport {
             }
         }
         out.bytes(&args.packed);
+        for &(p, suffix) in &args.keys[declared.len()..] {
+            self.key_arg(out, p, suffix);
+        }
     }
 
     /// One `CHECK` call for checks that share a hash slot (or a standalone server).
@@ -290,12 +363,29 @@ impl Transport {
         batches: &[&[EncodedCheck]],
         now: Option<Micros>,
     ) -> Result<Vec<Reply>, BackendError> {
+        self.eval_checks_on(batches, now, self.direct.as_ref(), Form::Declared)
+            .await
+            .map_err(CheckError::into_backend)
+    }
+
+    /// As [`eval_checks`](Self::eval_checks), in `form`, on `direct` when it is free (else on
+    /// the shared connection), with Redis' own error (a cluster node's redirection included).
+    pub(crate) async fn eval_checks_on(
+        &self,
+        batches: &[&[EncodedCheck]],
+        now: Option<Micros>,
+        direct: Option<&Arc<Direct>>,
+        form: Form,
+    ) -> Result<Vec<Reply>, CheckError> {
         let mut window_now = now.unwrap_or_else(|| self.clock.now());
         for retry in [false, true] {
             let args = CheckArgs::new(batches, window_now)?;
-            let write = |out: &mut dyn Args| self.check_args(out, &args, now);
+            let write = |out: &mut dyn Args| self.check_args(out, &args, now, form);
             let sent = clock::monotonic_time();
-            match self.invoke_check(check_len(&args), &write).await {
+            match self
+                .invoke_check(check_len(&args), &write, direct, form.script())
+                .await
+            {
                 Ok(value) => {
                     let replies = reply::parse_replies(&value, batches)?;
                     if let (None, Some(reply)) = (now, replies.first()) {
@@ -311,16 +401,17 @@ impl Transport {
                                 self.clock.saw(server_now, sent);
                             }
                         }
-                        None => return Err(map_error(e)),
+                        None => return Err(e.into()),
                     }
                 }
-                Err(e) => return Err(map_error(e)),
+                Err(e) => return Err(e.into()),
             }
         }
         Err(BackendError::new(
             BackendErrorKind::Protocol,
             "the server's fixed window moved twice in a row",
-        ))
+        )
+        .into())
     }
 
     /// Sends `call`, an `EVALSHA` of `script`, on the shared connection.
@@ -357,15 +448,17 @@ impl Transport {
         &self,
         count: usize,
         write: &(dyn Fn(&mut dyn Args) + Sync),
+        direct: Option<&Arc<Direct>>,
+        script: &Script,
     ) -> Result<redis::Value, redis::RedisError> {
-        if let Some(held) = match &self.direct {
+        if let Some(held) = match direct {
             Some(direct) => direct.take().await,
             None => None,
         } {
             let mut conn = held?;
             return match conn.query_with(count, write).await {
                 Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-                    conn.query(&check::script().load()).await?;
+                    conn.query(&script.load()).await?;
                     conn.query_with(count, write).await
                 }
                 other => other,
@@ -373,7 +466,7 @@ impl Transport {
         }
         let mut call = redis::Cmd::with_capacity(count, 64 * count);
         write(&mut call);
-        self.invoke_raw(check::script(), &call).await
+        self.invoke_raw(script, &call).await
     }
 
     /// As [`invoke`](Self::invoke), with Redis' own error.
@@ -388,6 +481,35 @@ impl Transport {
                 self.shared.invalidate(generation);
             }
         })
+    }
+}
+
+/// A `CHECK` call's failure: the backend's error, or Redis' own (which a cluster node's
+/// redirection is read from before it becomes the backend's).
+pub(crate) enum CheckError {
+    Backend(BackendError),
+    Redis(redis::RedisError),
+}
+
+impl From<BackendError> for CheckError {
+    fn from(e: BackendError) -> Self {
+        Self::Backend(e)
+    }
+}
+
+impl From<redis::RedisError> for CheckError {
+    fn from(e: redis::RedisError) -> Self {
+        Self::Redis(e)
+    }
+}
+
+impl CheckError {
+    /// The backend's error for it.
+    pub(crate) fn into_backend(self) -> BackendError {
+        match self {
+            Self::Backend(e) => e,
+            Self::Redis(e) => map_error(e),
+        }
     }
 }
 
