@@ -2,7 +2,7 @@
 //! upstream's key back on every replica (the next calls wait in delay mode, or are refused at
 //! once with a `Retry-After` that says so, without reaching the upstream), and a token budget
 //! settled from the usage the upstream reports holds exactly. In memory, and across two
-//! replicas on a real Redis server.
+//! replicas on a real Redis server and a real 3-master cluster.
 
 #![allow(clippy::unwrap_used)]
 
@@ -19,7 +19,7 @@ use tollgate::cost::{parse_units, Metered};
 use tollgate::key::Global;
 use tollgate::{Decision, FakeClock, Limit, MemoryBackend, Quota, RateLimitLayer};
 use tollgate_redis::RedisBackend;
-use tollgate_testsupport::RedisServer;
+use tollgate_testsupport::{RedisCluster, RedisServer};
 use tower::{service_fn, Layer, ServiceExt};
 
 /// An upstream that answers its first call `429` with `Retry-After: 5`, then `200`; it
@@ -105,11 +105,30 @@ fn standalone(url: &str) -> RedisBackend {
 #[tokio::test]
 async fn a_429_on_one_replica_holds_every_replica_back() {
     let server = RedisServer::start();
+    held_back_everywhere(|| standalone(&server.url())).await;
+}
+
+#[tokio::test]
+async fn a_429_on_one_replica_holds_every_replica_of_a_cluster_back() {
+    let cluster = RedisCluster::start(3);
+    held_back_everywhere(|| {
+        RedisBackend::builder()
+            .cluster(cluster.urls())
+            .deadline(Duration::from_secs(5))
+            .build()
+            .unwrap()
+    })
+    .await;
+}
+
+/// Two replicas on backends `replica` makes: A's call gets the upstream's 429, and B's next
+/// call is refused at once, never reaching the upstream.
+async fn held_back_everywhere(replica: impl Fn() -> RedisBackend) {
     let calls = Arc::new(AtomicU32::new(0));
     // Without a delay: a held-back call is refused at once.
-    let a_layer = paced(standalone(&server.url()), Duration::ZERO);
+    let a_layer = paced(replica(), Duration::ZERO);
     let a = a_layer.clone().layer(upstream(Arc::clone(&calls)));
-    let b = paced(standalone(&server.url()), Duration::ZERO).layer(upstream(Arc::clone(&calls)));
+    let b = paced(replica(), Duration::ZERO).layer(upstream(Arc::clone(&calls)));
     assert_eq!(
         a.clone().oneshot(call()).await.unwrap().status(),
         StatusCode::TOO_MANY_REQUESTS
