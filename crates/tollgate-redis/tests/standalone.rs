@@ -479,9 +479,10 @@ async fn merged_requests_on_one_key_admit_exactly_the_limit_and_consume_nothing_
     assert_eq!(at_once(&backend, &[&burst, &daily], &keys).await, 10);
     // 64 batches in the first call, 36 in the second.
     assert_eq!(server.calls("evalsha"), 2);
-    // Each call read each of the two keys once, whatever its number of requests; only the
-    // first wrote, once per key: the burst's TAT, the window's count and the window's TTL.
-    assert_eq!(server.calls("get"), 2 * 2);
+    // Each call read each of the two keys once, and each key's sanctions once, whatever its
+    // number of requests; only the first wrote, once per key: the burst's TAT, the window's
+    // count and the window's TTL.
+    assert_eq!(server.calls("get"), 2 * 2 * 2);
     assert_eq!(writes(&server), 3);
     // The window's count, written once for ten admissions, got its TTL with that write.
     let pattern = format!("{}:*", backend.key_for(&daily, b"abuser"));
