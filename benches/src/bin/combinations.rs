@@ -7,15 +7,17 @@
 //!
 //! Each seed draws a layer (a GCRA or fixed-window limit with or without a `pro` plan, metered
 //! with a refund on `500` or a charge by the handler or not at all, a concurrency limit
-//! stacked on it or not, an allowlisted key or not, a quota lease or not, in memory a delay on a
-//! GCRA limit without a lease or not) and runs it on 2 to 4
+//! stacked on it or not, an allowlisted key or not, a static denylist or not, a quota lease or
+//! not, a penalty box on the rate limit or not (with a lease: refused at build), in memory a
+//! delay on a GCRA limit without a lease or not) and runs it on 2 to 4
 //! replicas: `RateLimitLayer`s of their own over one in-memory backend (each through a
 //! `Leased` of its own when the limit is leased, as a Redis backend leases), one real
 //! `redis-server` (each replica its own `RedisBackend`), or one real 3-master Redis Cluster,
 //! which this program starts on loopback ports. Then it sends a seeded sequence of
 //! operations, one at a time, through the replicas' axum routers: requests (a key, a plan, a
 //! cost, the handler's answer or charge, a response held open or read to its end), the end of
-//! a held response, resets, reloads that change the default quota, steps of the clock
+//! a held response, resets, denies and undenies by hand (`RateLimitLayer::deny`), reloads
+//! that change the default quota and the denylist, steps of the clock
 //! (memory), and restarts of Redis without persistence (standalone). Time does not pass for
 //! the model on Redis: quotas are per day, so the real seconds a sequence takes refill nothing.
 //!
@@ -29,9 +31,15 @@
 //!   limit's admission says it waited exactly the model's `algorithm::gcra_wait`;
 //! - after a settle, the key's remaining units are the model's (the settle is sent without
 //!   waiting: up to 200 looks, 5 ms apart);
+//! - a key denied by hand is refused with 403 and a `Retry-After` to the deny's end, a
+//!   blocked one with 429 and one to the block's end (the refusal that starts a block says its
+//!   whole length, exactly), consuming nothing; a statically denylisted one with 403 and no
+//!   `Retry-After`, at every limit; the refusal that makes a penalty's count starts a block,
+//!   no other does; a peek of a blocked or denied key says nothing is left;
 //! - an allowlisted request is marked so and counts nowhere; a request answered while Redis
 //!   is down is `Bypassed` and counts nowhere;
-//! - a leased GCRA limit that settles is refused when the layer is built;
+//! - a leased GCRA limit that settles, and a leased limit with a penalty, are refused when
+//!   the layer is built;
 //! - once every response has ended, no slot is held, and every key's remaining units are the
 //!   model's.
 //!

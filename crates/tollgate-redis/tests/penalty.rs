@@ -222,7 +222,10 @@ async fn a_peek_of_a_blocked_or_denied_key_says_nothing_is_left_until_it_ends() 
     let blocked = peek(b"ip").await;
     assert_eq!(blocked.remaining, 0);
     let left = blocked.retry_after.unwrap();
-    assert!(left <= Duration::from_secs(600) && left > Duration::from_secs(590), "{left:?}");
+    assert!(
+        left <= Duration::from_secs(600) && left > Duration::from_secs(590),
+        "{left:?}"
+    );
     backend.reset(&Check::new(&limit, b"ip")).await.unwrap();
     assert_eq!(peek(b"ip").await.remaining, 5);
 
@@ -238,6 +241,9 @@ async fn a_peek_of_a_blocked_or_denied_key_says_nothing_is_left_until_it_ends() 
     assert_eq!(denied.remaining, 0);
     let left = denied.retry_after.unwrap();
     assert!(left > Duration::from_secs(3590) && left <= Duration::from_secs(3600));
-    backend.undeny(&Check::new(&limit, b"tenant")).await.unwrap();
+    backend
+        .undeny(&Check::new(&limit, b"tenant"))
+        .await
+        .unwrap();
     assert_eq!(peek(b"tenant").await.remaining, 3);
 }
