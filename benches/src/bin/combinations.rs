@@ -7,15 +7,17 @@
 //!
 //! Each seed draws a layer (a GCRA or fixed-window limit with or without a `pro` plan, metered
 //! with a refund on `500` or a charge by the handler or not at all, a concurrency limit
-//! stacked on it or not, an allowlisted key or not, a quota lease or not, in memory a delay on a
-//! GCRA limit without a lease or not) and runs it on 2 to 4
+//! stacked on it or not, an allowlisted key or not, a static denylist or not, a quota lease or
+//! not, a penalty box on the rate limit or not (with a lease: refused at build), in memory a
+//! delay on a GCRA limit without a lease or not) and runs it on 2 to 4
 //! replicas: `RateLimitLayer`s of their own over one in-memory backend (each through a
 //! `Leased` of its own when the limit is leased, as a Redis backend leases), one real
 //! `redis-server` (each replica its own `RedisBackend`), or one real 3-master Redis Cluster,
 //! which this program starts on loopback ports. Then it sends a seeded sequence of
 //! operations, one at a time, through the replicas' axum routers: requests (a key, a plan, a
 //! cost, the handler's answer or charge, a response held open or read to its end), the end of
-//! a held response, resets, reloads that change the default quota, steps of the clock
+//! a held response, resets, denies and undenies by hand (`RateLimitLayer::deny`), reloads
+//! that change the default quota and the denylist, steps of the clock
 //! (memory), and restarts of Redis without persistence (standalone). Time does not pass for
 //! the model on Redis: quotas are per day, so the real seconds a sequence takes refill nothing.
 //!
@@ -29,9 +31,15 @@
 //!   limit's admission says it waited exactly the model's `algorithm::gcra_wait`;
 //! - after a settle, the key's remaining units are the model's (the settle is sent without
 //!   waiting: up to 200 looks, 5 ms apart);
+//! - a key denied by hand is refused with 403 and a `Retry-After` to the deny's end, a
+//!   blocked one with 429 and one to the block's end (the refusal that starts a block says its
+//!   whole length, exactly), consuming nothing; a statically denylisted one with 403 and no
+//!   `Retry-After`, at every limit; the refusal that makes a penalty's count starts a block,
+//!   no other does; a peek of a blocked or denied key says nothing is left;
 //! - an allowlisted request is marked so and counts nowhere; a request answered while Redis
 //!   is down is `Bypassed` and counts nowhere;
-//! - a leased GCRA limit that settles is refused when the layer is built;
+//! - a leased GCRA limit that settles, and a leased limit with a penalty, are refused when
+//!   the layer is built;
 //! - once every response has ended, no slot is held, and every key's remaining units are the
 //!   model's.
 //!
@@ -46,17 +54,22 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Body;
+use axum::http::header::RETRY_AFTER;
 use axum::http::{HeaderName, Request, StatusCode};
 use axum::response::Response;
 use axum::routing::get;
 use axum::Router;
 use tollgate::cost::{Metered, Settle};
 use tollgate::key::{KeyExtractor, Tenant};
-use tollgate::{Allowlist, Decision, Limit, Limits, Outcome, Plan, Quota, RateLimitLayer};
+use tollgate::{
+    Allowlist, Decision, DenyReason, Denylist, Limit, Limits, Outcome, Penalty, Plan, Quota,
+    RateLimitLayer,
+};
 use tollgate_core::algorithm::{self, WindowState};
 use tollgate_core::leased::Leased;
 use tollgate_core::{
     Algorithm, Backend, Check, ConfigError, FakeClock, KeyState, Lease, MemoryBackend, Micros,
+    Status,
 };
 use tollgate_redis::RedisBackend;
 use tollgate_testsupport::{RedisCluster, RedisServer};
@@ -64,6 +77,8 @@ use tower::ServiceExt;
 
 const KEYS: [&str; 3] = ["k0", "k1", "k2"];
 const VIP: &str = "vip";
+/// A key on the static denylist of every generation.
+const BAD: &str = "bad";
 const DAY: Micros = 86_400_000_000;
 
 fn splitmix(state: &mut u64) -> u64 {
@@ -119,6 +134,12 @@ struct Shape {
     /// a wait of hours would run in real time), and not with a lease (whose bound counts
     /// admissions within the burst).
     delay: Option<Micros>,
+    /// A penalty box on the rate limit: refusals, window, first block and longest block
+    /// (µs). Refused when the layer is built if the limit is leased.
+    penalty: Option<[Micros; 4]>,
+    /// A static denylist: `bad` (and the allowlisted key, which the allowlist still admits),
+    /// and `k2` in odd reload generations (a reload replaces the list).
+    denylist: bool,
 }
 
 impl Shape {
@@ -146,6 +167,18 @@ impl Shape {
         let interval = DAY / u64::from(defaults[0]);
         let delay = (algorithm == Algorithm::Gcra && lease.is_none() && rng.chance(40))
             .then(|| rng.pick(&[interval / 2, interval, 2 * interval + 1, DAY]));
+        // Whole seconds (the quotas are per day of 3 to 6): a block's Retry-After is exact. A
+        // leased limit draws one rarely, to see it refused.
+        let penalty = rng.chance(if lease.is_some() { 10 } else { 45 }).then(|| {
+            let block = rng.pick(&[interval / 2, interval, 2 * interval]);
+            [
+                1 + rng.below(3),
+                rng.pick(&[interval / 2, interval, 3 * interval, DAY]),
+                block,
+                rng.pick(&[block, 2 * block, 3 * block, 4 * block]),
+            ]
+        });
+        let denylist = rng.chance(30);
         Self {
             algorithm,
             defaults,
@@ -155,6 +188,8 @@ impl Shape {
             allowlist,
             lease,
             delay,
+            penalty,
+            denylist,
         }
     }
 
@@ -177,6 +212,14 @@ impl Shape {
         }
         if let Some(delay) = self.delay {
             limit = limit.delay_up_to(Duration::from_micros(delay))?;
+        }
+        if let Some([after, within, block, max]) = self.penalty {
+            limit = limit.penalty(
+                Penalty::after(after as u32)
+                    .within(Duration::from_micros(within))
+                    .block_for(Duration::from_micros(block))
+                    .escalating_up_to(Duration::from_micros(max)),
+            )?;
         }
         Ok(limit)
     }
@@ -207,7 +250,23 @@ impl Shape {
         if self.allowlist {
             limits = limits.with_allowlist(Allowlist::new().keys(Tenant::header("x-key"), [VIP])?);
         }
+        if self.denylist {
+            let denied = KEYS
+                .iter()
+                .chain([&VIP, &BAD])
+                .copied()
+                .filter(|k| self.denylisted(k, generation));
+            limits = limits.with_denylist(Denylist::new().keys(Tenant::header("x-key"), denied)?);
+        }
         Ok(limits)
+    }
+
+    /// Whether `key` is on the static denylist of reload generation `generation`.
+    fn denylisted(&self, key: &str, generation: usize) -> bool {
+        self.denylist
+            && (key == BAD
+                || (key == VIP && self.allowlist)
+                || (key == KEYS[2] && generation % 2 == 1))
     }
 
     fn metered(&self) -> bool {
@@ -234,6 +293,83 @@ struct KeyModel {
     admitted: u64,
     /// GCRA: the part of an emission interval the bucket has drained beyond `admitted`.
     drained: Micros,
+    /// The rate limit's penalty box and run-time deny of the key.
+    sanction: Sanction,
+}
+
+/// A key's sanctions as the docs promise them (`Penalty`, `deny`): refusals counted in a
+/// window that opens at the first of them, the block they start, how many blocks escalate
+/// the next one and until when, and a deny's end.
+#[derive(Clone, Copy, Default, Debug)]
+struct Sanction {
+    refusals: u64,
+    window_end: Micros,
+    blocked_until: Micros,
+    strikes: u32,
+    strikes_until: Micros,
+    denied_until: Micros,
+}
+
+/// What stands against a key's every request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Standing {
+    /// Denied by hand for this long yet: 403.
+    Denied(Micros),
+    /// Blocked by the penalty box for this long yet: 429.
+    Blocked(Micros),
+}
+
+impl Standing {
+    fn left(self) -> Micros {
+        match self {
+            Self::Denied(left) | Self::Blocked(left) => left,
+        }
+    }
+}
+
+impl Sanction {
+    /// A deny comes before a block.
+    fn standing(&self, now: Micros) -> Option<Standing> {
+        if self.denied_until > now {
+            Some(Standing::Denied(self.denied_until - now))
+        } else if self.blocked_until > now {
+            Some(Standing::Blocked(self.blocked_until - now))
+        } else {
+            None
+        }
+    }
+
+    /// One refusal of the limit's own algorithm under `[after, within, block, max]`; the
+    /// block's length when it is the one that starts a block.
+    fn refused(&mut self, [after, within, block, max]: [Micros; 4], now: Micros) -> Option<Micros> {
+        if self.window_end <= now {
+            (self.refusals, self.window_end) = (0, now + within);
+        }
+        self.refusals += 1;
+        if self.refusals < after {
+            return None;
+        }
+        // A block that starts while the last one is remembered doubles it, up to the longest.
+        let strikes = if self.strikes_until > now {
+            self.strikes + 1
+        } else {
+            0
+        };
+        let length = block.saturating_mul(1 << strikes.min(20)).min(max);
+        self.blocked_until = now + length;
+        self.strikes = strikes;
+        self.strikes_until = self.blocked_until + max;
+        (self.refusals, self.window_end) = (0, 0);
+        Some(length)
+    }
+
+    /// A reset: the block, the refusals and the strikes go; a deny stays.
+    fn lift(&mut self) {
+        *self = Self {
+            denied_until: self.denied_until,
+            ..Self::default()
+        };
+    }
 }
 
 struct Model {
@@ -254,7 +390,7 @@ impl Model {
         key: &str,
         (quota, delay): (&Quota, Micros),
         cost: u32,
-    ) -> (bool, KeyModel, Micros) {
+    ) -> (Status, KeyModel, Micros) {
         let mut state = self.keys.get(key).copied().unwrap_or_default();
         match algorithm {
             Algorithm::Gcra => {
@@ -263,14 +399,14 @@ impl Model {
                 if let Some(t) = next {
                     state.tat = Some((t, quota.emission_interval()));
                 }
-                (v.is_allowed(), state, algorithm::gcra_wait(quota, &v))
+                (v.status, state, algorithm::gcra_wait(quota, &v))
             }
             _ => {
                 let (v, next) = algorithm::fixed_window(quota, state.window, self.now, cost);
                 if let Some(w) = next {
                     state.window = Some(w);
                 }
-                (v.is_allowed(), state, 0)
+                (v.status, state, 0)
             }
         }
     }
@@ -305,9 +441,18 @@ impl Model {
 
     /// What `peek` of `key` under `quota` says: the remaining units and the whole seconds
     /// until the quota is whole.
+    /// A key that a block or a deny refuses has nothing left until it ends.
     fn state(&self, limit: &Limit, key: &str, quota: &Quota) -> (u64, u64) {
+        if let Some(standing) = self.standing(key) {
+            return (0, standing.left() / 1_000_000);
+        }
         let s = self.key_state(limit, key, quota);
         (s.remaining, s.reset.as_secs())
+    }
+
+    /// The block or deny that refuses `key` now, if any.
+    fn standing(&self, key: &str) -> Option<Standing> {
+        self.keys.get(key)?.sanction.standing(self.now)
     }
 
     /// A fixed window's count in the window that holds now.
@@ -346,7 +491,7 @@ impl Model {
 
 fn key_static(key: &str) -> &'static str {
     KEYS.iter()
-        .chain([&VIP])
+        .chain([&VIP, &BAD])
         .find(|k| **k == key)
         .copied()
         .unwrap_or(VIP)
@@ -406,6 +551,17 @@ enum Op {
         replica: usize,
         key: &'static str,
     },
+    /// A deny of the key by hand (`RateLimitLayer::deny`) for so long (µs).
+    Deny {
+        replica: usize,
+        key: &'static str,
+        micros: Micros,
+    },
+    /// Its lift (`RateLimitLayer::undeny`).
+    Undeny {
+        replica: usize,
+        key: &'static str,
+    },
     Reload,
     Step(Micros),
     Restart,
@@ -413,12 +569,15 @@ enum Op {
 
 fn draw_ops(rng: &mut Rng, shape: &Shape, kind: Kind, replicas: usize, n: usize) -> Vec<Op> {
     let mut ops = Vec::with_capacity(n);
+    let interval = DAY / u64::from(shape.defaults[0]);
     for _ in 0..n {
         let roll = rng.below(100);
         let op = match roll {
-            0..=64 => {
+            0..=61 => {
                 let key = if shape.allowlist && rng.chance(10) {
                     VIP
+                } else if shape.denylist && rng.chance(8) {
+                    BAD
                 } else {
                     rng.pick(&KEYS[..])
                 };
@@ -437,14 +596,31 @@ fn draw_ops(rng: &mut Rng, shape: &Shape, kind: Kind, replicas: usize, n: usize)
                     hold: shape.slots.is_some() && rng.chance(40),
                 })
             }
-            65..=79 => Op::Finish,
-            80..=85 if shape.exact() => Op::Reset {
+            62..=75 => Op::Finish,
+            76..=80 if shape.exact() => Op::Reset {
                 replica: rng.below(replicas as u64) as usize,
                 key: rng.pick(&KEYS[..]),
             },
+            81..=85 => {
+                let replica = rng.below(replicas as u64) as usize;
+                let key = if shape.allowlist && rng.chance(15) {
+                    VIP
+                } else {
+                    rng.pick(&KEYS[..])
+                };
+                if rng.chance(60) {
+                    let micros = rng.pick(&[interval / 2, interval, 3 * interval, DAY]);
+                    Op::Deny {
+                        replica,
+                        key,
+                        micros,
+                    }
+                } else {
+                    Op::Undeny { replica, key }
+                }
+            }
             86..=90 if shape.exact() => Op::Reload,
             91..=96 if kind == Kind::Memory => {
-                let interval = DAY / u64::from(shape.defaults[0]);
                 Op::Step(rng.pick(&[interval / 2, interval, 3 * interval, DAY]))
             }
             97..=99 if kind == Kind::Redis && shape.exact() => Op::Restart,
@@ -462,6 +638,14 @@ struct Tally {
     /// Admitted by a delayed limit ahead of their time (they waited).
     delayed: u64,
     refused: u64,
+    /// Refused by the penalty box: the refusal that started a block, and those during one.
+    blocks: u64,
+    blocked: u64,
+    /// Refused by a deny by hand, and by the static denylist.
+    denied: u64,
+    denylisted: u64,
+    denies: u64,
+    undenies: u64,
     allowlisted: u64,
     bypassed: u64,
     settled: u64,
@@ -478,6 +662,12 @@ impl Tally {
         self.admitted += o.admitted;
         self.delayed += o.delayed;
         self.refused += o.refused;
+        self.blocks += o.blocks;
+        self.blocked += o.blocked;
+        self.denied += o.denied;
+        self.denylisted += o.denylisted;
+        self.denies += o.denies;
+        self.undenies += o.undenies;
         self.allowlisted += o.allowlisted;
         self.bypassed += o.bypassed;
         self.settled += o.settled;
@@ -579,13 +769,32 @@ impl<B: Backend> Run<'_, B> {
         }
         let decision = res.extensions().get::<Decision>().cloned();
         let status = res.status();
-        let admitted = status != StatusCode::TOO_MANY_REQUESTS;
+        let admitted = status != StatusCode::TOO_MANY_REQUESTS && status != StatusCode::FORBIDDEN;
         let cost = if self.shape.metered() { r.cost } else { 1 };
 
         if r.key == VIP && self.shape.allowlist {
             self.tally.allowlisted += 1;
             if !decision.as_ref().is_some_and(Decision::is_allowlisted) || !admitted {
                 self.fail(format!("{r:?}: allowlisted request answered {status}"));
+            }
+            return self.end(res, r, false).await;
+        }
+        if self.shape.denylisted(r.key, self.generation) {
+            // Refused before the backend: every limit says so, and a static deny has no end.
+            self.tally.denylisted += 1;
+            let every = decision.as_ref().is_some_and(|d| {
+                d.limits().len() == 1 + usize::from(self.shape.slots.is_some())
+                    && d.limits()
+                        .iter()
+                        .all(|l| matches!(l.outcome(), Outcome::Denylisted { retry_after: None }))
+            });
+            if status != StatusCode::FORBIDDEN || !every || res.headers().contains_key(RETRY_AFTER)
+            {
+                self.fail(format!(
+                    "{r:?}: statically denylisted, answered {status} with {decision:?} and \
+                     Retry-After {:?}",
+                    res.headers().get(RETRY_AFTER)
+                ));
             }
             return self.end(res, r, false).await;
         }
@@ -617,25 +826,99 @@ impl<B: Backend> Run<'_, B> {
         }
         self.recovering[r.replica] = false;
 
+        // The rate limit's outcome, and the refusal's Retry-After in whole seconds.
+        let rate = decision
+            .as_ref()
+            .and_then(|d| d.limits().iter().find(|l| l.name() == "rate"))
+            .map(|l| *l.outcome());
+        let retry_after = res
+            .headers()
+            .get(RETRY_AFTER)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        let blocked = matches!(
+            rate,
+            Some(Outcome::Denied {
+                reason: DenyReason::Blocked,
+                ..
+            })
+        );
+        if let Some(standing) = self.model.standing(r.key) {
+            // A deny (403), else a block (429), refuses it whatever it costs, consuming nothing.
+            let answered = match standing {
+                Standing::Denied(_) => {
+                    status == StatusCode::FORBIDDEN
+                        && matches!(
+                            rate,
+                            Some(Outcome::Denylisted {
+                                retry_after: Some(_)
+                            })
+                        )
+                }
+                Standing::Blocked(_) => status == StatusCode::TOO_MANY_REQUESTS && blocked,
+            };
+            if answered {
+                match standing {
+                    Standing::Denied(_) => self.tally.denied += 1,
+                    Standing::Blocked(_) => self.tally.blocked += 1,
+                }
+                let exact = self.kind == Kind::Memory;
+                self.expect_retry_after(r, retry_after, standing.left(), exact);
+                return self.end(res, r, false).await;
+            }
+            // A lease's slice on another replica may admit a denied key until it runs out.
+            if self.shape.exact() || !admitted {
+                self.fail(format!(
+                    "{r:?}: answered {status} ({labels}, {rate:?}), the model says {standing:?}"
+                ));
+                return self.end(res, r, false).await;
+            }
+        } else if status == StatusCode::FORBIDDEN || (blocked && self.shape.penalty.is_none()) {
+            self.fail(format!(
+                "{r:?}: answered {status} ({labels}, {rate:?}), with no deny nor penalty"
+            ));
+            return self.end(res, r, false).await;
+        }
+
         let limit = self.rate_limit();
         let quota = self.quota_of(r.pro);
         let delay = self.shape.delay.unwrap_or(0);
-        let (rate_ok, next, wait) =
+        let (rate_status, next, wait) =
             self.model
                 .check(limit.algorithm(), r.key, (&quota, delay), cost);
+        let rate_ok = rate_status == Status::Allowed;
         let held = self.model.keys.get(r.key).map_or(0, |k| k.held);
         let slots_ok = self.shape.slots.is_none_or(|c| held < c);
         let expected = rate_ok && slots_ok;
+        // A refusal of the rate limit's own algorithm counts toward its penalty (a refusal
+        // for the slots alone does not), and may start a block.
+        let block = match (self.shape.penalty, rate_status) {
+            (Some(penalty), Status::Denied { .. }) if !expected => {
+                let now = self.model.now;
+                let entry = self.model.keys.entry(r.key).or_default();
+                entry.sanction.refused(penalty, now)
+            }
+            _ => None,
+        };
         if self.shape.exact() {
-            if admitted != expected {
+            if admitted != expected || blocked != block.is_some() {
                 self.fail(format!(
-                    "{r:?}: answered {status} ({labels}), the model says {}",
-                    if expected { "admitted" } else { "refused" }
+                    "{r:?}: answered {status} ({labels}, {rate:?}), the model says {}",
+                    match (expected, block) {
+                        (true, _) => "admitted".to_owned(),
+                        (false, None) => "refused".to_owned(),
+                        (false, Some(b)) => format!("blocked for {b} µs"),
+                    }
                 ));
                 return self.end(res, r, false).await;
             }
         } else if admitted && !slots_ok {
             self.fail(format!("{r:?}: admitted with every slot held"));
+        }
+        if let Some(block) = block {
+            // The refusal that starts a block says the block's whole length, on every backend.
+            self.tally.blocks += 1;
+            self.expect_retry_after(r, retry_after, block, true);
         }
         if !admitted {
             self.tally.refused += 1;
@@ -691,6 +974,23 @@ impl<B: Backend> Run<'_, B> {
             return;
         }
         self.end(res, r, counts_slot).await;
+    }
+
+    /// A refusal by a block or a deny says when it ends: `left` in whole seconds, rounded up;
+    /// not `exact`, up to a minute sooner (the server's clock runs while the model's stands).
+    fn expect_retry_after(&mut self, r: Req, got: Option<u64>, left: Micros, exact: bool) {
+        let want = left.div_ceil(1_000_000);
+        let right = match got {
+            Some(got) if exact => got == want,
+            Some(got) => got <= want && got + 60 >= want,
+            None => false,
+        };
+        if !right {
+            self.fail(format!(
+                "{r:?}: Retry-After {got:?}, the model says {want} s{}",
+                if exact { "" } else { " or a little less" }
+            ));
+        }
     }
 
     /// Reads `res` to its end, or keeps it open.
@@ -836,6 +1136,37 @@ impl<B: Backend> Run<'_, B> {
         entry.window = None;
         entry.admitted = 0;
         entry.drained = 0;
+        entry.sanction.lift();
+        self.let_caches_expire().await;
+    }
+
+    /// Denies `key` under the rate limit for `micros`, or (`None`) lifts its deny, on
+    /// `replica`. Other replicas' deny caches may answer as before for up to their TTL.
+    async fn deny(&mut self, replica: usize, key: &'static str, micros: Option<Micros>) {
+        let layer = &self.replicas[replica].layer;
+        let call = || async {
+            match micros {
+                Some(m) => layer.deny("rate", key, Duration::from_micros(m)).await,
+                None => layer.undeny("rate", key).await,
+            }
+        };
+        let mut done = call().await;
+        if done.is_err() && std::mem::take(&mut self.recovering[replica]) {
+            done = call().await;
+        }
+        if self.verbose {
+            println!("    deny {key} on {replica} for {micros:?} µs: {done:?}");
+        }
+        if let Err(e) = done {
+            return self.fail(format!("deny of {key} for {micros:?} µs: {e}"));
+        }
+        match micros {
+            Some(_) => self.tally.denies += 1,
+            None => self.tally.undenies += 1,
+        }
+        let now = self.model.now;
+        let entry = self.model.keys.entry(key).or_default();
+        entry.sanction.denied_until = micros.map_or(0, |m| now + m);
         self.let_caches_expire().await;
     }
 
@@ -976,9 +1307,13 @@ impl<B: Backend> Run<'_, B> {
         }
         if self.shape.allowlist {
             let quota = self.quota_of(false);
-            let full = KeyState::fresh(&quota).remaining;
+            let mut full = KeyState::fresh(&quota).remaining;
             let vip = self.replicas[0].layer.peek("rate", VIP).await.ok();
-            let gcra_full = u64::from(quota.burst());
+            let mut gcra_full = u64::from(quota.burst());
+            if self.model.standing(VIP).is_some() {
+                // Denied by hand: its requests are still admitted, its peek says nothing left.
+                (full, gcra_full) = (0, 0);
+            }
             if vip.map(|s| s.remaining) != Some(full) && vip.map(|s| s.remaining) != Some(gcra_full)
             {
                 self.fail(format!("the allowlisted key was counted: {vip:?}"));
@@ -1005,6 +1340,12 @@ impl<B: Backend> Run<'_, B> {
                 }
                 Op::Finish => self.finish().await,
                 Op::Reset { replica, key } => self.reset(replica, key).await,
+                Op::Deny {
+                    replica,
+                    key,
+                    micros,
+                } => self.deny(replica, key, Some(micros)).await,
+                Op::Undeny { replica, key } => self.deny(replica, key, None).await,
                 Op::Reload => self.reload().await,
                 Op::Step(by) => self.step(by).await,
                 Op::Restart => self.restart().await,
@@ -1062,20 +1403,25 @@ fn build<B: Backend>(
     (0..replicas).map(|_| replica(shape, backend())).collect()
 }
 
-/// What a shape's build must give: refused with `LeaseWithSettle` exactly for a leased GCRA
-/// limit that settles. `Ok(None)`: refused as it must be.
+/// What a shape's build must give: refused with `PenaltyUnsupported` exactly for a leased
+/// limit with a penalty, else with `LeaseWithSettle` exactly for a leased GCRA limit that
+/// settles. `Ok(None)`: refused as it must be.
 fn built<B>(
     shape: &Shape,
     result: Result<Vec<Replica<B>>, ConfigError>,
 ) -> Result<Option<Vec<Replica<B>>>, String> {
-    let refused = shape.lease.is_some()
-        && shape.algorithm == Algorithm::Gcra
-        && shape.settles != Settles::None;
+    let boxed = shape.lease.is_some() && shape.penalty.is_some();
+    let refused = boxed
+        || shape.lease.is_some()
+            && shape.algorithm == Algorithm::Gcra
+            && shape.settles != Settles::None;
     match result {
-        Err(ConfigError::LeaseWithSettle(name)) if refused && name == "rate" => Ok(None),
+        Err(ConfigError::PenaltyUnsupported(_)) if boxed => Ok(None),
+        Err(ConfigError::LeaseWithSettle(name)) if refused && !boxed && name == "rate" => Ok(None),
         Err(e) => Err(format!("{shape:?}: the layer was not built: {e}")),
         Ok(_) if refused => Err(format!(
-            "{shape:?}: a leased GCRA limit that settles was built"
+            "{shape:?}: a leased limit with a penalty, or a leased GCRA limit that settles, \
+             was built"
         )),
         Ok(replicas) => Ok(Some(replicas)),
     }

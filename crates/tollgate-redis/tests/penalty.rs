@@ -195,3 +195,55 @@ async fn a_deny_reaches_a_second_replica_and_an_undeny_lifts_it() {
     past_the_cache_ttl().await;
     assert_eq!(check(&b).await, Status::Allowed);
 }
+
+/// A peek says what the next request meets: nothing left while the key is blocked or
+/// denied, with the time to the sanction's end, as the memory backend says; then the quota
+/// the key had.
+#[tokio::test]
+async fn a_peek_of_a_blocked_or_denied_key_says_nothing_is_left_until_it_ends() {
+    let server = RedisServer::start();
+    let backend = support::standalone(&server.url()).build().unwrap();
+    let limit = login();
+    let peek = |key: &'static [u8]| {
+        let f = backend.peek(&Check::new(&limit, key));
+        async move { f.await.unwrap() }
+    };
+    let check = |key: &'static [u8]| {
+        let f = backend.check(&[Check::new(&limit, key)]);
+        async move { f.await.unwrap()[0].status }
+    };
+    for _ in 0..5 {
+        assert_eq!(check(b"ip").await, Status::Allowed);
+    }
+    for _ in 0..3 {
+        check(b"ip").await;
+    }
+    // Blocked for 600 s at the third refusal.
+    let blocked = peek(b"ip").await;
+    assert_eq!(blocked.remaining, 0);
+    let left = blocked.retry_after.unwrap();
+    assert!(
+        left <= Duration::from_secs(600) && left > Duration::from_secs(590),
+        "{left:?}"
+    );
+    backend.reset(&Check::new(&limit, b"ip")).await.unwrap();
+    assert_eq!(peek(b"ip").await.remaining, 5);
+
+    // Two requests' worth used, then denied for an hour.
+    for _ in 0..2 {
+        assert_eq!(check(b"tenant").await, Status::Allowed);
+    }
+    backend
+        .deny(&Check::new(&limit, b"tenant"), Duration::from_secs(3600))
+        .await
+        .unwrap();
+    let denied = peek(b"tenant").await;
+    assert_eq!(denied.remaining, 0);
+    let left = denied.retry_after.unwrap();
+    assert!(left > Duration::from_secs(3590) && left <= Duration::from_secs(3600));
+    backend
+        .undeny(&Check::new(&limit, b"tenant"))
+        .await
+        .unwrap();
+    assert_eq!(peek(b"tenant").await.remaining, 3);
+}

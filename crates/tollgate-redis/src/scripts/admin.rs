@@ -4,17 +4,19 @@
 use redis::Value;
 use tollgate_core::algorithm::{self, WindowState};
 use tollgate_core::{
-    Algorithm, BackendError, BackendErrorKind, Check, KeyState, Limit, Micros, Quota,
+    Algorithm, BackendError, BackendErrorKind, Check, KeyState, Limit, Micros, Quota, Status,
+    Verdict,
 };
 
 use crate::keys::{BaseKey, Suffix};
 
 /// `KEYS[1]`: the key; for a fixed window, `KEYS[1..4]` are the windows `ARGV[4]` to
 /// `ARGV[4] + 3` (the client's estimate of the server's window, less one, and the next three:
-/// the script touches only keys it is given). `ARGV`: `peek` or `reset`, the algorithm (`gcra`,
-/// `window`, `log`, `slots`), the period in microseconds, the first window's index. Answers the
-/// server's time, then for a peek what it read: a GCRA value, a window's count, a log's
-/// scores, the slots held. A fixed window whose current window is not among those given
+/// the script touches only keys it is given); a peek declares the key's sanctions last.
+/// `ARGV`: `peek` or `reset`, the algorithm (`gcra`, `window`, `log`, `slots`), the period in
+/// microseconds, the first window's index, and for a peek `pb`. Answers the server's time,
+/// then for a peek what it read: a GCRA value, a window's count, a log's scores, the slots
+/// held, and the sanctions. A fixed window whose current window is not among those given
 /// answers the error `TOLLGATE_WINDOW <now>`.
 pub(crate) const ADMIN: &str = include_str!("admin.lua");
 
@@ -53,15 +55,24 @@ pub(crate) fn command(
     cmd.arg(ADMIN);
     // A fixed window declares the windows its script may touch, as `CHECK` does.
     let first = (server_now / period).saturating_sub(1);
+    // A peek reads the sanctions too: a block or a deny is what the next check meets first.
+    let peek = op == "peek";
+    let sanctions = base.clone().with(Suffix::Sanction);
     if alg == "window" {
-        cmd.arg(4);
+        cmd.arg(4 + usize::from(peek));
         for i in first..first + 4 {
             cmd.arg(base.clone().with(Suffix::Window(i)).as_bytes());
         }
     } else {
-        cmd.arg(1).arg(key.as_bytes());
+        cmd.arg(1 + usize::from(peek)).arg(key.as_bytes());
+    }
+    if peek {
+        cmd.arg(sanctions.as_bytes());
     }
     cmd.arg(op).arg(alg).arg(period).arg(first);
+    if peek {
+        cmd.arg("pb");
+    }
     Ok(cmd)
 }
 
@@ -79,6 +90,10 @@ pub(crate) fn key_state(
 ) -> Result<KeyState, BackendError> {
     let (now, state) = split(reply)?;
     let probe = Check::new(limit, key).with_quota(*quota);
+    if let Some(refused) = standing(reply, now)? {
+        // As the next check: a deny, then a block, refuses whatever the key has left.
+        return Ok(KeyState::from_probe(&probe, refused));
+    }
     let verdict = match limit.algorithm() {
         Algorithm::Gcra => {
             let Some(value) = text(state) else {
@@ -129,6 +144,46 @@ pub(crate) fn key_state(
         _ => return Err(tollgate_core::unsupported("redis", "peek")),
     };
     Ok(KeyState::from_probe(&probe, verdict))
+}
+
+/// The refusal a peek's sanctions (`<refusals>:<window end>:<blocked until>:<strikes>:<strikes
+/// until>:<denied until>`, the reply's third item) make at `now`, if one stands.
+fn standing(reply: &Value, now: Micros) -> Result<Option<Verdict>, BackendError> {
+    let Value::Array(items) = reply else {
+        return Err(protocol("the reply"));
+    };
+    let Some(value) = items.get(2).and_then(text) else {
+        return Ok(None);
+    };
+    let mut figures = [0; 6];
+    let mut parts = value.split(':');
+    for figure in &mut figures {
+        *figure = parts
+            .next()
+            .and_then(|p| p.parse::<Micros>().ok())
+            .ok_or_else(|| protocol("a key's sanctions"))?;
+    }
+    let (blocked_until, denied_until) = (figures[2], figures[5]);
+    let status = if denied_until > now {
+        Status::Denylisted {
+            retry_after: denied_until - now,
+        }
+    } else if blocked_until > now {
+        Status::Blocked {
+            retry_after: blocked_until - now,
+        }
+    } else {
+        return Ok(None);
+    };
+    let reset = match status {
+        Status::Denylisted { retry_after } | Status::Blocked { retry_after } => retry_after,
+        _ => 0,
+    };
+    Ok(Some(Verdict {
+        status,
+        remaining: 0,
+        reset,
+    }))
 }
 
 fn split(reply: &Value) -> Result<(Micros, &Value), BackendError> {
