@@ -20,7 +20,7 @@ MODES=("$@")
 for tool in valgrind:valgrind redis-server:redis-server; do
     command -v "${tool%%:*}" >/dev/null || apt-get install -y -qq "${tool#*:}" >/dev/null
 done
-(cd "$ROOT" && cargo build --release -q -p tollgate-bench --bin script-cost)
+(cd "$ROOT" && cargo build --release -q -p tollgate-bench --example script-cost)
 
 # shellcheck source=common.sh
 source "$ROOT/benches/common.sh"
@@ -37,9 +37,9 @@ for mode in "${MODES[@]}"; do
     pid=$!
     for _ in $(seq 100); do redis-cli -p "$port" ping >/dev/null 2>&1 && break; sleep 0.2; done
     url="redis://127.0.0.1:$port/"
-    "$TARGET/release/script-cost" --redis "$url" --mode "$mode" --calls 10 --per-call "$PER_CALL" >/dev/null
+    "$TARGET/release/examples/script-cost" --redis "$url" --mode "$mode" --calls 10 --per-call "$PER_CALL" >/dev/null
     callgrind_control --zero "$pid" >/dev/null 2>&1
-    read -r _ requests _ calls < <("$TARGET/release/script-cost" --redis "$url" --mode "$mode" \
+    read -r _ requests _ calls < <("$TARGET/release/examples/script-cost" --redis "$url" --mode "$mode" \
         --calls "$CALLS" --per-call "$PER_CALL")
     callgrind_control --dump "$pid" >/dev/null 2>&1
     kill "$pid"; wait "$pid" 2>/dev/null || true

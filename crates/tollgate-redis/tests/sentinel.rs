@@ -12,7 +12,7 @@ use tollgate_redis::RedisBackend;
 use tollgate_testsupport::{server_info, RedisServer, Sentinel, SENTINEL_MASTER};
 
 /// How long a failover may take before a test gives up: generous, as a loaded machine is slow.
-/// The time it really takes is measured by `benches/src/bin/failover.rs`.
+/// The time it really takes is measured by `benches/examples/failover.rs`.
 const FAILOVER_BOUND: Duration = Duration::from_secs(60);
 
 fn connections_received(server: &RedisServer) -> u64 {

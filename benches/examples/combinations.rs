@@ -1,7 +1,7 @@
 //! Features combined, on the real layer and backends, against a model of what they promise.
 //!
 //! ```text
-//! cargo run --release -p tollgate-bench --bin combinations -- --seeds N [--first S] [--ops K]
+//! cargo run --release -p tollgate-bench --example combinations -- --seeds N [--first S] [--ops K]
 //!     [--backends memory,redis,cluster]
 //! ```
 //!

@@ -4,7 +4,7 @@
 //! answers).
 //!
 //! ```text
-//! cargo run --release -p tollgate-bench --bin lease-sim [-- --seed N]
+//! cargo run --release -p tollgate-bench --example lease-sim [-- --seed N]
 //! ```
 //!
 //! Deterministic for a seed. For 2 to 16 replicas, uniform and skewed traffic (skewed: replica
