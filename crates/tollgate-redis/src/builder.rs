@@ -105,6 +105,8 @@ pub struct RedisBackendBuilder {
     tls: TlsFiles,
     /// A test's clock, for every call's time.
     clock: Option<FakeClock>,
+    /// Whether calls that fit it use the lean `CHECK` script (a test turns it off).
+    lean: bool,
 }
 
 impl Default for RedisBackendBuilder {
@@ -121,6 +123,7 @@ impl Default for RedisBackendBuilder {
             deny_cache_ttl: DEFAULT_DENY_CACHE_TTL,
             tls: TlsFiles::default(),
             clock: None,
+            lean: true,
         }
     }
 }
@@ -259,6 +262,16 @@ impl RedisBackendBuilder {
     #[cfg(any(feature = "testing", doc))]
     pub fn clock(mut self, clock: FakeClock) -> Self {
         self.clock = Some(clock);
+        self
+    }
+
+    /// Sends every check with the general script, never the lean one that the commonest
+    /// calls use (one GCRA check per request, each on its own key): for tests that hold both
+    /// scripts to the same figures. Available with the `testing` feature.
+    #[cfg(feature = "testing")]
+    #[doc(hidden)]
+    pub fn general_script_only(mut self) -> Self {
+        self.lean = false;
         self
     }
 
@@ -424,6 +437,7 @@ impl RedisBackendBuilder {
             deny_cache_capacity: self.deny_cache_capacity,
             deny_cache_ttl: self.deny_cache_ttl,
             clock: self.clock,
+            lean: self.lean,
         }))
     }
 }

@@ -50,6 +50,8 @@ pub(crate) struct Config {
     pub(crate) deny_cache_ttl: Duration,
     /// A test's clock, for every call's time (`None`: the server's).
     pub(crate) clock: Option<FakeClock>,
+    /// Whether calls that fit it use the lean `CHECK` script.
+    pub(crate) lean: bool,
 }
 
 impl Inner {
@@ -60,6 +62,7 @@ impl Inner {
             deadline: config.deadline,
             target: config.target,
             connect_timeout: config.connect_timeout,
+            lean: config.lean,
             breaker: BreakerConfig {
                 threshold: config.breaker_threshold,
                 open_for: config.breaker_open_for,

@@ -5,6 +5,8 @@
 //!   one or more requests, all-or-nothing per request; with its keys declared
 //!   (`keys_declared.lua`), or in the cross-slot form for a cluster node
 //!   (`keys_cross_slot.lua`).
+//! - `check_lean.lua` ([`lean`]): the same for the commonest calls (one GCRA check per
+//!   request, each on a key of its own), at about half the cost to Redis.
 //! - `refund.lua` ([`refund`]): undoes what a `CHECK` wrote (a Redis Cluster batch split over
 //!   several hash slots, one of which refused).
 //! - `settle.lua` ([`settle`]): gives back or charges what a metered check reserved.
@@ -22,6 +24,7 @@
 
 pub(crate) mod admin;
 pub(crate) mod check;
+pub(crate) mod lean;
 pub(crate) mod refund;
 pub(crate) mod renew;
 pub(crate) mod reply;
@@ -42,6 +45,13 @@ impl Script {
     /// The script made of the prelude and `body`.
     pub(crate) fn new(body: &str) -> Self {
         let code = format!("{PRELUDE}{body}");
+        let sha = redis::Script::new(&code).get_hash().to_owned();
+        Self { code, sha }
+    }
+
+    /// The script `code` as it is, without the prelude (`check_lean.lua`, which needs none of it).
+    pub(crate) fn bare(code: &str) -> Self {
+        let code = code.to_owned();
         let sha = redis::Script::new(&code).get_hash().to_owned();
         Self { code, sha }
     }

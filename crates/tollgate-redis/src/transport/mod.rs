@@ -27,6 +27,7 @@ use tollgate_core::{BackendError, BackendErrorKind, Micros};
 use crate::failure::{breaks_connection, map_error};
 use crate::keys::{self, Suffix};
 use crate::scripts::check::{CheckArgs, EncodedCheck, Form};
+use crate::scripts::lean;
 use crate::scripts::reply::{self, Reply};
 use crate::scripts::Script;
 use args::Args;
@@ -50,6 +51,8 @@ pub(crate) struct TransportConfig {
     pub(crate) target: Target,
     pub(crate) connect_timeout: Duration,
     pub(crate) breaker: BreakerConfig,
+    /// Whether calls that fit it use the lean `CHECK` script (`scripts::lean`).
+    pub(crate) lean: bool,
 }
 
 /// Connections, breaker, merged-call queues and the server's clock: everything a call to
@@ -65,6 +68,8 @@ pub(crate) struct Transport {
     /// A plain TCP cluster's nodes: the slot map and a connection per node.
     nodes: Option<Arc<Nodes>>,
     breaker: Breaker,
+    /// Whether calls that fit it use the lean `CHECK` script.
+    lean: bool,
     /// The requests waiting for a merged `CHECK` call.
     queues: Queues,
     clock: ServerClock,
@@ -100,6 +105,7 @@ impl Transport {
             direct,
             nodes,
             breaker: Breaker::new(config.breaker),
+            lean: config.lean,
             queues: Queues::default(),
             clock: ServerClock::default(),
             metrics: OnceLock::new(),
@@ -377,13 +383,28 @@ impl Transport {
         direct: Option<&Arc<Direct>>,
         form: Form,
     ) -> Result<Vec<Reply>, CheckError> {
+        if let Some(first) = self.lean.then(|| lean::fits(batches)).flatten() {
+            let key = |out: &mut dyn Args, p: &EncodedCheck, suffix: Suffix| {
+                self.key_arg(out, p, suffix);
+            };
+            let write = |out: &mut dyn Args| lean::write(out, batches, first, now, form, &key);
+            let sent = clock::monotonic_time();
+            let value = self
+                .invoke_check(lean::len(batches.len()), &write, direct, form)
+                .await?;
+            let replies = reply::parse_replies(&value, batches)?;
+            if let (None, Some(reply)) = (now, replies.first()) {
+                self.clock.saw(reply.now, sent);
+            }
+            return Ok(replies);
+        }
         let mut window_now = now.unwrap_or_else(|| self.clock.now());
         for retry in [false, true] {
             let args = CheckArgs::new(batches, window_now)?;
             let write = |out: &mut dyn Args| self.check_args(out, &args, now, form);
             let sent = clock::monotonic_time();
             match self
-                .invoke_check(check_len(&args), &write, direct, form.script())
+                .invoke_check(check_len(&args), &write, direct, form)
                 .await
             {
                 Ok(value) => {
@@ -444,21 +465,30 @@ impl Transport {
     /// Sends the `CHECK` call that `write` writes (`count` arguments): on the direct
     /// connection, as RESP written in place, when there is one and it is free; else as a
     /// redis-rs command, as [`invoke_raw`](Self::invoke_raw) does.
+    ///
+    /// A server that does not know the script (restarted, flushed, or never called) has both
+    /// `CHECK` scripts of `form` loaded, the general and the lean one, so that the other is
+    /// not missing at the next call.
     async fn invoke_check(
         &self,
         count: usize,
         write: &(dyn Fn(&mut dyn Args) + Sync),
         direct: Option<&Arc<Direct>>,
-        script: &Script,
+        form: Form,
     ) -> Result<redis::Value, redis::RedisError> {
+        let no_script =
+            |e: &redis::RedisError| e.kind() == ErrorKind::Server(ServerErrorKind::NoScript);
+        let scripts = [form.script(), lean::script(form)];
         if let Some(held) = match direct {
             Some(direct) => direct.take().await,
             None => None,
         } {
             let mut conn = held?;
             return match conn.query_with(count, write).await {
-                Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-                    conn.query(&script.load()).await?;
+                Err(e) if no_script(&e) => {
+                    for script in scripts {
+                        conn.query(&script.load()).await?;
+                    }
                     conn.query_with(count, write).await
                 }
                 other => other,
@@ -466,7 +496,15 @@ impl Transport {
         }
         let mut call = redis::Cmd::with_capacity(count, 64 * count);
         write(&mut call);
-        self.invoke_raw(script, &call).await
+        match self.query_raw(&call).await {
+            Err(e) if no_script(&e) => {
+                for script in scripts {
+                    self.query_raw(&script.load()).await?;
+                }
+                self.query_raw(&call).await
+            }
+            other => other,
+        }
     }
 
     /// As [`invoke`](Self::invoke), with Redis' own error.
