@@ -141,7 +141,16 @@ impl LimitsFile {
         let file: FileSpec = toml::from_str(text).map_err(|e| {
             // A field of the wrong shape or that this format does not have, with the name of
             // the limit it is in, as other mistakes are said.
-            let message = said(e.message());
+            let mut message = said(e.message());
+            let field = e
+                .span()
+                .and_then(|span| spec::field_among_plans(text, span.start));
+            if let (Some(field), true) = (field, message.starts_with("a quota is")) {
+                message.push_str(&format!(
+                    " (`{field}` is a field of the limit: write it above `[limit.quota]`, \
+                     whose lines are plans)"
+                ));
+            }
             let limit = e
                 .span()
                 .and_then(|span| spec::limit_holding(text, span.start));

@@ -78,6 +78,29 @@ pub(super) fn limit_holding(text: &str, at: usize) -> Option<String> {
         .and_then(|(_, name)| name)
 }
 
+/// A limit's field written below its `[limit.quota]` header, where TOML reads it as a plan:
+/// the field's name, when the line that byte `at` of `text` is on starts with one.
+pub(super) fn field_among_plans(text: &str, at: usize) -> Option<&'static str> {
+    const FIELDS: [&str; 13] = [
+        "name",
+        "algorithm",
+        "period",
+        "key",
+        "cost",
+        "failure",
+        "missing_key",
+        "shadow",
+        "delay",
+        "max_waiting",
+        "queue",
+        "slot_ttl",
+        "penalty",
+    ];
+    let start = text.get(..at)?.rfind('\n').map_or(0, |n| n + 1);
+    let word = text[start..].split('=').next()?.trim();
+    FIELDS.into_iter().find(|f| *f == word)
+}
+
 /// One `[[allowlist]]` or `[[denylist]]` table.
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
