@@ -576,7 +576,8 @@ fn a_field_of_the_wrong_shape_names_the_limit_it_is_in() {
     assert_eq!((e.line(), e.column()), (13, 11), "{e}");
     assert_eq!(
         e.message(),
-        "limit \"b\": a quota is a number, or { limit = N, burst = M }"
+        "limit \"b\": a quota is a number, or { limit = N, burst = M } (`penalty` is a field \
+         of the limit: write it above `[limit.quota]`, whose lines are plans)"
     );
     // In the allowlist, after every limit: no limit's name.
     let text = text.replace("penalty = { after = 3 }\n", "") + "value = []\n";
