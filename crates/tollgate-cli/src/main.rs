@@ -9,8 +9,8 @@
 //! ```
 //!
 //! `check` exits 0 and prints the effective limits as a table (name, algorithm, quota per
-//! plan, key, cost, missing-key policy, failure policy, shadow), the allowlist and the
-//! denylist; a broken
+//! plan, key, cost, missing-key policy, failure policy, shadow, wait (a delay or a queue) and
+//! penalty box), the allowlist and the denylist; a broken
 //! file makes it print the error, with its line and column, and exit 1. Principals need no
 //! Rust type here: every principal name the file uses is taken as a string id.
 //!
@@ -26,17 +26,17 @@
 //! Exit codes: 0 ok, 1 a bad file (or an unknown limit, plan or identity), 2 a usage error,
 //! 3 Redis failed. `--help` says the same.
 
+mod table;
+
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
-use tollgate::core::{
-    Admin, Check, Clock, FailurePolicy, KeyState, Limit, MissingKeyPolicy, Quota, Refused, Reports,
-    SystemClock,
-};
+use table::period;
+use tollgate::core::{Admin, Check, Clock, KeyState, Limit, Quota, Refused, Reports, SystemClock};
 use tollgate::key::{Identity, IdentityError};
-use tollgate::{Algorithm, Limits, LimitsFile};
+use tollgate::{Limits, LimitsFile};
 use tollgate_redis::{RedisBackend, DEFAULT_PREFIX};
 
 /// How long `peek` waits for Redis.
@@ -87,8 +87,8 @@ enum Command {
     /// Reads a limits file as the layer would and prints the effective limits.
     ///
     /// Prints each limit's name, algorithm, quota per plan, key, cost per request,
-    /// missing-key policy, failure policy and shadow flag, then the allowlist and the
-    /// denylist. Every
+    /// missing-key policy, failure policy, shadow flag, wait (a delay or a queue) and penalty
+    /// box, then the allowlist and the denylist. Every
     /// principal name the file uses is taken as a string id. A broken file prints the error
     /// with its line and column, and exits 1.
     #[command(after_help = footer(false))]
@@ -236,7 +236,13 @@ fn main() -> ExitCode {
     // Help and version exit 0; usage errors name what is wrong, with a hint, and exit 2.
     let cli = Cli::parse();
     match cli.command {
-        Command::Check { file } => check(&file),
+        Command::Check { file } => match load(&file) {
+            Ok(limits) => {
+                table::print(&file, &limits);
+                ExitCode::SUCCESS
+            }
+            Err(code) => code,
+        },
         Command::Peek(args) => peek(&args),
         Command::Top(args) => top(&args),
         Command::Deny(args) => sanction(&args.target, Some(args.duration)),
@@ -281,126 +287,6 @@ fn load(file: &Path) -> Result<Limits, ExitCode> {
         eprintln!("{}: {e}", file.display());
         ExitCode::from(1)
     })
-}
-
-fn check(file: &Path) -> ExitCode {
-    let limits = match load(file) {
-        Ok(limits) => limits,
-        Err(code) => return code,
-    };
-    let mut rows = vec![[
-        "name",
-        "algorithm",
-        "quota",
-        "key",
-        "cost",
-        "missing key",
-        "failure",
-        "shadow",
-    ]
-    .map(str::to_owned)];
-    for (limit, key) in limits.entries() {
-        rows.push([
-            limit.name().to_owned(),
-            limit.algorithm().as_str().to_owned(),
-            quotas(limit),
-            key.describe(),
-            // A limits file's costs are fixed: `cost = N`, 1 unless it says.
-            format!("fixed {}", limit.cost()),
-            missing_key(limit.missing_key_policy()).to_owned(),
-            failure(limit.failure_policy()),
-            if limit.is_shadow() { "yes" } else { "no" }.to_owned(),
-        ]);
-    }
-    let widths: Vec<usize> = (0..rows[0].len())
-        .map(|c| rows.iter().map(|r| r[c].chars().count()).max().unwrap_or(0))
-        .collect();
-    for row in &rows {
-        let line: Vec<String> = row
-            .iter()
-            .zip(&widths)
-            .map(|(cell, w)| format!("{cell:<w$}"))
-            .collect();
-        println!("{}", line.join("  ").trim_end());
-    }
-    let lists = [
-        (
-            "allowlist (admitted, counted by no limit)",
-            limits.allowlist().describe(),
-        ),
-        (
-            "denylist (refused with 403 unless allowlisted, counted by no limit)",
-            limits.denylist().describe(),
-        ),
-    ];
-    for (title, rules) in lists.into_iter().filter(|(_, r)| !r.is_empty()) {
-        println!();
-        println!("{title}:");
-        for rule in rules {
-            println!("  {rule}");
-        }
-    }
-    println!();
-    let n = limits.len();
-    println!(
-        "{}: ok, {n} limit{}",
-        file.display(),
-        if n == 1 { "" } else { "s" }
-    );
-    ExitCode::SUCCESS
-}
-
-/// `default 5/1m, pro 50/1m`; a GCRA burst other than the limit as `burst N`.
-fn quotas(limit: &Limit) -> String {
-    let one = |name: &str, q: &Quota| {
-        let mut s = format!("{name} {}/{}", q.limit(), period(q.period()));
-        if limit.algorithm() == Algorithm::Gcra && q.burst() != q.limit() {
-            s.push_str(&format!(" burst {}", q.burst()));
-        }
-        s
-    };
-    std::iter::once(one("default", limit.quota()))
-        .chain(limit.plans().map(|(name, q)| one(name, q)))
-        .collect::<Vec<_>>()
-        .join(", ")
-}
-
-/// A period in the largest unit that divides it: `1d`, `1h`, `30s`, `500ms`.
-fn period(d: Duration) -> String {
-    let ms = d.as_millis();
-    for (unit, n) in [
-        ("d", 86_400_000),
-        ("h", 3_600_000),
-        ("m", 60_000),
-        ("s", 1_000),
-    ] {
-        if ms >= n && ms.is_multiple_of(n) {
-            return format!("{}{unit}", ms / n);
-        }
-    }
-    if ms > 0 && d.as_micros().is_multiple_of(1000) {
-        return format!("{ms}ms");
-    }
-    format!("{}us", d.as_micros())
-}
-
-/// The limits file's words for the policy.
-fn missing_key(p: &MissingKeyPolicy) -> &'static str {
-    match p {
-        MissingKeyPolicy::Reject => "reject",
-        MissingKeyPolicy::Skip => "skip",
-        MissingKeyPolicy::SharedBucket => "shared_bucket",
-        _ => "other",
-    }
-}
-
-fn failure(p: FailurePolicy) -> String {
-    match p {
-        FailurePolicy::FailOpen => "open".to_owned(),
-        FailurePolicy::FailClosed => "closed".to_owned(),
-        FailurePolicy::Fallback { replicas } => format!("fallback {replicas}"),
-        _ => "other".to_owned(),
-    }
 }
 
 fn peek(args: &PeekArgs) -> ExitCode {

@@ -18,6 +18,7 @@ name = "per-ip"
 period = "1m"
 key = { ip = { header = "cf-connecting-ip", trusted = "cloudflare" } }
 failure = { fallback = 3 }
+delay = "1500ms"
 [limit.quota]
 default = { limit = 60, burst = 10 }
 
@@ -29,6 +30,7 @@ key = "principal"
 failure = "closed"
 missing_key = "skip"
 cost = 3
+penalty = { after = 5, within = "10m", block = "1h" }
 [limit.quota]
 default = 5000
 pro = 50000
@@ -41,6 +43,14 @@ key = { header = "x-shop-domain" }
 shadow = true
 [limit.quota]
 default = 100
+
+[[limit]]
+name = "in-flight"
+algorithm = "concurrency"
+key = "global"
+slot_ttl = "1m"
+queue = { wait = "5s" }
+quota = 3
 
 [[allowlist]]
 key = "ip"
@@ -115,10 +125,11 @@ fn check_prints_the_effective_limits() {
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
     let want = format!(
         "\
-name       algorithm     quota                          key                                             cost     missing key  failure     shadow
-per-ip     gcra          default 60/1m burst 10         ip (cf-connecting-ip from 22 trusted networks)  fixed 1  reject       fallback 3  no
-per-token  fixed_window  default 5000/1d, pro 50000/1d  principal String                                fixed 3  skip         closed      no
-per-shop   sliding_log   default 100/1h                 header x-shop-domain                            fixed 1  reject       open        yes
+name       algorithm     quota                             key                                             cost     missing key  failure     shadow  wait                          penalty
+per-ip     gcra          default 60/1m burst 10            ip (cf-connecting-ip from 22 trusted networks)  fixed 1  reject       fallback 3  no      delay 1500ms, max 64 waiting  -
+per-token  fixed_window  default 5000/1d, pro 50000/1d     principal String                                fixed 3  skip         closed      no      -                             5 in 10m: block 1h
+per-shop   sliding_log   default 100/1h                    header x-shop-domain                            fixed 1  reject       open        yes     -                             -
+in-flight  concurrency   default 3 in flight; slot ttl 1m  global                                          fixed 1  reject       open        no      queue 5s, max 64 waiting      -
 
 allowlist (admitted, counted by no limit):
   networks 10.0.0.0/8, 2001:db8::/32
@@ -128,7 +139,7 @@ denylist (refused with 403 unless allowlisted, counted by no limit):
   networks 198.51.100.0/24, 2001:db8:bad::/48
   keys spam.example
 
-{}: ok, 3 limits
+{}: ok, 4 limits
 ",
         path.display()
     );
@@ -156,16 +167,17 @@ fn the_shipped_file_checks() {
         .unwrap();
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
     let want = "\
-name       algorithm     quota                          key                                             cost     missing key  failure     shadow
-per-ip     gcra          default 60/1m burst 10         ip (cf-connecting-ip from 22 trusted networks)  fixed 1  reject       fallback 3  no
-per-token  fixed_window  default 5000/1d, pro 50000/1d  principal String                                fixed 1  reject       closed      no
-per-shop   sliding_log   default 1000/1h                header x-shop-domain                            fixed 1  skip         open        yes
+name                 algorithm     quota                              key                                             cost     missing key  failure     shadow  wait                      penalty
+per-ip               gcra          default 60/1m burst 10             ip (cf-connecting-ip from 22 trusted networks)  fixed 1  reject       fallback 3  no      delay 2s, max 4 waiting   30 in 1m: block 5m, doubling to 1h
+per-token            fixed_window  default 5000/1d, pro 50000/1d      principal String                                fixed 1  reject       closed      no      -                         -
+per-shop             sliding_log   default 1000/1h                    header x-shop-domain                            fixed 1  skip         open        yes     -                         -
+per-token-in-flight  concurrency   default 4 in flight; slot ttl 30s  principal String                                fixed 1  skip         open        no      queue 10s, max 8 waiting  -
 
 allowlist (admitted, counted by no limit):
   networks 10.0.0.0/8, 2001:db8::/32
   keys ops-bot
 
-examples/limits.toml: ok, 3 limits
+examples/limits.toml: ok, 4 limits
 ";
     assert_eq!(cells(&stdout(&out)), cells(want));
     assert_eq!(stderr(&out), "");
@@ -366,7 +378,8 @@ fn check_names_the_line_and_column_of_a_broken_file() {
         "[[limit]]\nname = \"a\"\nalgorithm = \"fixed_windw\"\nperiod = \"1m\"\nkey = \"ip\"\nquota = 5\n",
         3,
         13,
-        "limit \"a\": unknown algorithm \"fixed_windw\" (gcra, fixed_window, sliding_log)",
+        "limit \"a\": unknown algorithm \"fixed_windw\" (gcra, fixed_window, sliding_log, \
+         concurrency)",
     );
     // An unknown key kind.
     let text = limit("a", "5", "\"cookie\"");
@@ -390,6 +403,34 @@ fn check_names_the_line_and_column_of_a_broken_file() {
     );
     let text = "[[limit]]\nname = \"a\"\nqota = 3\nperiod = \"1m\"\nkey = \"ip\"\n[limit.quota]\ndefault = 5\n";
     broken("field", text, 3, 1, "unknown field `qota`");
+    // A delay on a fixed window, at the delay; a penalty of no refusals, at its `after`.
+    let text = "[[limit]]\nname = \"a\"\nalgorithm = \"fixed_window\"\nperiod = \"1m\"\nkey = \"ip\"\nquota = 5\ndelay = \"2s\"\n";
+    broken(
+        "delay",
+        text,
+        7,
+        9,
+        "limit \"a\": a fixed_window limit cannot delay requests",
+    );
+    let text = "[[limit]]\nname = \"a\"\nperiod = \"1m\"\nkey = \"ip\"\nquota = 5\npenalty = { after = 0, within = \"1m\", block = \"1m\" }\n";
+    broken(
+        "penalty",
+        text,
+        6,
+        21,
+        "limit \"a\": invalid penalty: a penalty needs at least one refusal",
+    );
+    // The same below `[limit.quota]`, where TOML reads it as a plan.
+    let text =
+        limit("a", "5", "\"ip\"") + "penalty = { after = 3, within = \"1m\", block = \"1m\" }\n";
+    broken(
+        "penalty-among-plans",
+        &text,
+        8,
+        11,
+        "limit \"a\": a quota is a number, or { limit = N, burst = M } (`penalty` is a field \
+         of the limit: write it above `[limit.quota]`, whose lines are plans)",
+    );
     // A quota that is not a number.
     let text = limit("a", "\"five\"", "\"ip\"");
     broken(

@@ -12,6 +12,14 @@ pub(super) struct Mistake {
 }
 
 impl Mistake {
+    /// A mistake in the limit named `name`, at `span`: the message says which limit.
+    pub(super) fn in_limit(name: &str, span: Range<usize>, e: &dyn fmt::Display) -> Self {
+        Self {
+            span,
+            message: format!("limit {name:?}: {e}"),
+        }
+    }
+
     pub(super) fn in_text(self, text: &str) -> LimitsFileError {
         LimitsFileError::at(text, Some(self.span), &self.message)
     }

@@ -9,9 +9,12 @@ use std::ops::Range;
 use std::path::Path;
 use std::str::FromStr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use http::HeaderName;
-use tollgate_core::{Algorithm, ConfigError, Limit, MissingKeyPolicy, Quota, MAX_CHECKS};
+use tollgate_core::{
+    Algorithm, ConfigError, Limit, MissingKeyPolicy, Quota, DEFAULT_SLOT_TTL, MAX_CHECKS,
+};
 use toml::Spanned;
 
 use crate::allowlist::Allowlist;
@@ -23,6 +26,7 @@ use crate::key::{
 use crate::layer::limits::Limits;
 
 pub(crate) mod error;
+mod overflow;
 mod spec;
 
 use crate::rules::Rules;
@@ -134,8 +138,28 @@ impl LimitsFile {
     /// A [`LimitsFileError`] with the line and column of the mistake: TOML that does not
     /// parse, a field this format does not have, or a limit that cannot be built.
     pub fn parse(&self, text: &str) -> Result<Limits, LimitsFileError> {
-        let file: FileSpec = toml::from_str(text)
-            .map_err(|e| LimitsFileError::at(text, e.span(), &said(e.message())))?;
+        let file: FileSpec = toml::from_str(text).map_err(|e| {
+            // A field of the wrong shape or that this format does not have, with the name of
+            // the limit it is in, as other mistakes are said.
+            let mut message = said(e.message());
+            let field = e
+                .span()
+                .and_then(|span| spec::field_among_plans(text, span.start));
+            if let (Some(field), true) = (field, message.starts_with("a quota is")) {
+                message.push_str(&format!(
+                    " (`{field}` is a field of the limit: write it above `[limit.quota]`, \
+                     whose lines are plans)"
+                ));
+            }
+            let limit = e
+                .span()
+                .and_then(|span| spec::limit_holding(text, span.start));
+            let message = match limit {
+                Some(name) => format!("limit {name:?}: {message}"),
+                None => message,
+            };
+            LimitsFileError::at(text, e.span(), &message)
+        })?;
         let mut limits = Limits::new();
         // What only the whole set can say, where it is said: a name given twice (at its
         // second `name`), more limits than a layer takes (at the first too many `[[limit]]`).
@@ -162,7 +186,7 @@ impl LimitsFile {
             }
         }
         for spec in &file.limit {
-            let (limit, key) = self.build(spec.get_ref()).map_err(|m| m.in_text(text))?;
+            let (limit, key) = self.build(spec).map_err(|m| m.in_text(text))?;
             limits.push(limit, key);
         }
         if limits.is_empty() {
@@ -195,28 +219,55 @@ impl LimitsFile {
         self.parse(&text)
     }
 
-    fn build(&self, spec: &LimitSpec) -> Result<(Limit, Box<dyn KeyExtractor>), Mistake> {
+    fn build(&self, table: &Spanned<LimitSpec>) -> Result<(Limit, Box<dyn KeyExtractor>), Mistake> {
+        let spec = table.get_ref();
         let name = spec.name.get_ref();
         // Each mistake is said at the value that makes it, with the limit's name.
-        let at = |span: Range<usize>| {
-            move |e: &dyn fmt::Display| Mistake {
-                span,
-                message: format!("limit {name:?}: {e}"),
-            }
-        };
-        let period = parse_period(spec.period.get_ref()).map_err(|e| at(spec.period.span())(&e))?;
+        let at = |span: Range<usize>| move |e: &dyn fmt::Display| Mistake::in_limit(name, span, e);
         let algorithm = match &spec.algorithm {
             None => Algorithm::Gcra,
             Some(a) => match a.get_ref().as_str() {
                 "gcra" => Algorithm::Gcra,
                 "fixed_window" => Algorithm::FixedWindow,
                 "sliding_log" => Algorithm::SlidingLog,
+                "concurrency" => Algorithm::Concurrency,
                 other => {
                     return Err(at(a.span())(&format_args!(
-                        "unknown algorithm {other:?} (gcra, fixed_window, sliding_log)"
+                        "unknown algorithm {other:?} (gcra, fixed_window, sliding_log, concurrency)"
                     )))
                 }
             },
+        };
+        // A concurrency limit's quotas are requests in flight: their period is how long a
+        // slot lives unless renewed (`slot_ttl`), not a period the file says.
+        let concurrent = algorithm == Algorithm::Concurrency;
+        let period = match (&spec.period, &spec.slot_ttl) {
+            (Some(p), _) if concurrent => {
+                return Err(at(p.span())(
+                    &"a concurrency limit has no period: its quota is requests in flight \
+                      (`slot_ttl` says how long a slot lives unless renewed)",
+                ))
+            }
+            (_, Some(ttl)) if !concurrent => {
+                return Err(at(ttl.span())(&"only a concurrency limit has a `slot_ttl`"))
+            }
+            (None, Some(ttl)) => {
+                let period =
+                    parse_period("slot_ttl", ttl.get_ref()).map_err(|e| at(ttl.span())(&e))?;
+                if period < Duration::from_secs(1) {
+                    return Err(at(ttl.span())(
+                        &"a slot_ttl must be 1s or longer (a slot is renewed every third of it)",
+                    ));
+                }
+                period
+            }
+            (None, None) if concurrent => DEFAULT_SLOT_TTL,
+            (None, _) => {
+                return Err(at(table.span())(
+                    &"a limit needs a `period` (\"1m\", \"1h\", ...)",
+                ))
+            }
+            (Some(p), _) => parse_period("period", p.get_ref()).map_err(|e| at(p.span())(&e))?,
         };
         let quota = |q: &Spanned<QuotaSpec>| -> Result<Quota, Mistake> {
             let (limit, burst) = match *q.get_ref() {
@@ -250,6 +301,12 @@ impl LimitsFile {
             ConfigError::InvalidName(_) | ConfigError::ReservedName(_) => at(spec.name.span())(&e),
             _ => at(default.span())(&e),
         })?;
+        if let (true, Some(ttl)) = (concurrent, &spec.slot_ttl) {
+            // Before the plans: it sets the default quota's period only.
+            limit = limit
+                .with_slot_ttl(period)
+                .map_err(|e| at(ttl.span())(&e))?;
+        }
         for (plan, q) in plans.iter().filter(|(p, _)| p.get_ref() != "default") {
             limit = limit
                 .plan(plan.get_ref(), quota(q)?)
@@ -292,6 +349,7 @@ impl LimitsFile {
         if spec.shadow {
             limit = limit.shadow();
         }
+        let limit = overflow::apply(limit, spec)?;
         let key = self
             .key(spec.key.get_ref())
             .map_err(|e| at(spec.key.span())(&e))?;
@@ -421,123 +479,4 @@ fn ip_key(ip: &IpSpec) -> Result<ClientIp, String> {
 }
 
 #[cfg(test)]
-mod tests {
-    use std::time::Duration;
-
-    use super::*;
-
-    fn error(text: &str) -> LimitsFileError {
-        match LimitsFile::new().any_principal().parse(text) {
-            Ok(_) => panic!("accepted:\n{text}"),
-            Err(e) => e,
-        }
-    }
-
-    #[test]
-    fn a_mistake_is_reported_at_its_own_line() {
-        let text = "[[limit]]\nname = \"a\"\nalgorithm = \"fixed_windw\"\nperiod = \"1m\"\nkey = \"ip\"\nquota = 5\n";
-        let e = error(text);
-        assert_eq!((e.line(), e.column()), (3, 13), "{e}");
-        assert_eq!(
-            e.message(),
-            "limit \"a\": unknown algorithm \"fixed_windw\" (gcra, fixed_window, sliding_log)"
-        );
-        // One line per field: each mistake where it is, not at `[[limit]]` (line 1).
-        let fields = [
-            ("name = \"a b\"", 2, 8),
-            ("period = \"1 minute\"", 4, 10),
-            ("key = \"cookie\"", 5, 7),
-            ("cost = 0", 7, 8),
-            ("failure = \"sometimes\"", 8, 11),
-            ("failure = { fallback = 0 }", 8, 11),
-            ("missing_key = \"ignore\"", 9, 15),
-        ];
-        for (field, line, column) in fields {
-            let mut lines = vec![
-                "[[limit]]",
-                "name = \"a\"",
-                "algorithm = \"gcra\"",
-                "period = \"1m\"",
-                "key = \"ip\"",
-                "quota = 5",
-                "cost = 1",
-                "failure = \"open\"",
-                "missing_key = \"skip\"",
-            ];
-            lines[line - 1] = field;
-            let e = error(&lines.join("\n"));
-            assert_eq!((e.line(), e.column()), (line, column), "{field}: {e}");
-        }
-    }
-
-    #[test]
-    fn a_quota_mistake_is_at_its_plan() {
-        let text = "[[limit]]\nname = \"a\"\nperiod = \"1m\"\nkey = \"ip\"\n\n[limit.quota]\ndefault = 5\npro = 0\n";
-        let e = error(text);
-        assert_eq!((e.line(), e.column()), (8, 7), "{e}");
-        assert_eq!(
-            e.message(),
-            "limit \"a\": a quota must admit at least one request"
-        );
-        let text = "[[limit]]\nname = \"a\"\nperiod = \"1m\"\nkey = \"ip\"\nquota = 0\n";
-        let e = error(text);
-        assert_eq!((e.line(), e.column()), (5, 9), "{e}");
-        let text =
-            "[[limit]]\nname = \"a\"\nperiod = \"1m\"\nkey = \"ip\"\n\n[limit.quota]\npro = 5\n";
-        let e = error(text);
-        assert_eq!((e.line(), e.column()), (6, 1), "{e}");
-    }
-
-    #[test]
-    fn a_bare_number_is_the_default_quota() {
-        let text = "[[limit]]\nname = \"a\"\nperiod = \"1m\"\nkey = \"ip\"\nquota = 5\n";
-        let limits = LimitsFile::new().parse(text).unwrap();
-        let (limit, _) = limits.get("a").unwrap();
-        assert_eq!(limit.quota().limit(), 5);
-        assert_eq!(limit.quota().period(), Duration::from_secs(60));
-        assert_eq!(limit.plans().len(), 0);
-        // Not a quota: a sign, a string, more than u32.
-        for (value, column) in [("-5", 9), ("\"5\"", 9), ("4294967296", 9)] {
-            let e = error(&text.replace("quota = 5", &format!("quota = {value}")));
-            assert_eq!((e.line(), e.column()), (5, column), "{value}: {e}");
-            assert!(e.message().contains("a quota: a number"), "{value}: {e}");
-        }
-    }
-
-    #[test]
-    fn a_name_given_twice_is_at_the_second_name() {
-        let one = "[[limit]]\nname = \"a\"\nperiod = \"1m\"\nkey = \"ip\"\nquota = 5\n";
-        let e = error(&format!("{one}{one}"));
-        assert_eq!((e.line(), e.column()), (7, 8), "{e}");
-        assert_eq!(
-            e.message(),
-            "two limits are named \"a\" (the first at line 2)"
-        );
-    }
-
-    #[test]
-    fn an_allowlist_mistake_is_at_its_value() {
-        let limit = "[[limit]]\nname = \"a\"\nperiod = \"1m\"\nkey = \"ip\"\nquota = 5\n\n";
-        let text = format!(
-            "{limit}[[allowlist]]\nkey = \"ip\"\nnetworks = [\"10.0.0.0/8\",\n  \"10.0.0.0/33\"]\n"
-        );
-        let e = error(&text);
-        assert_eq!((e.line(), e.column()), (10, 3), "{e}");
-        let text = format!(
-            "{limit}[[allowlist]]\nkey = {{ header = \"x-shop\" }}\nvalues = [\"a.example\", \"bad shop!\"]\n"
-        );
-        let e = error(&text);
-        assert_eq!((e.line(), e.column()), (9, 24), "{e}");
-        let text = format!("{limit}[[allowlist]]\nkey = \"global\"\nnetworks = [\"10.0.0.0/8\"]\n");
-        let e = error(&text);
-        assert_eq!((e.line(), e.column()), (8, 7), "{e}");
-    }
-
-    #[test]
-    fn columns_count_characters() {
-        let text = "[[limit]]\nname = \"a\" # é\nperiod = \"1m\"\nkey = \"ip\"\nquota = 5\n# é\u{e9}\nshadow = 1\n";
-        let e = error(text);
-        assert_eq!((e.line(), e.column()), (7, 10), "{e}");
-        assert_eq!(LimitsFileError::position("é\u{e9}x", 4), (1, 3));
-    }
-}
+mod tests;

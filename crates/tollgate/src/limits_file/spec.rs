@@ -7,30 +7,26 @@ use std::time::Duration;
 use serde::Deserialize;
 use toml::Spanned;
 
-/// `1s`, `30s`, `1m`, `1h`, `1d`, `500ms`.
-pub(super) fn parse_period(text: &str) -> Result<Duration, String> {
+/// `1s`, `30s`, `1m`, `1h`, `1d`, `500ms`: a period, or any other length of time the file
+/// gives (`what` names it in the error: `period`, `delay`, ...).
+pub(super) fn parse_period(what: &str, text: &str) -> Result<Duration, String> {
+    let wrong = || format!("{what} {text:?} must be a number and a unit (ms, s, m, h, d)");
     let split = text
         .find(|c: char| !c.is_ascii_digit())
         .unwrap_or(text.len());
     let (n, unit) = text.split_at(split);
-    let n: u64 = n
-        .parse()
-        .map_err(|_| format!("period {text:?} must be a number and a unit (ms, s, m, h, d)"))?;
+    let n: u64 = n.parse().map_err(|_| wrong())?;
     let unit_ms: u64 = match unit {
         "ms" => 1,
         "s" => 1_000,
         "m" => 60_000,
         "h" => 3_600_000,
         "d" => 86_400_000,
-        _ => {
-            return Err(format!(
-                "period {text:?} must be a number and a unit (ms, s, m, h, d)"
-            ))
-        }
+        _ => return Err(wrong()),
     };
     n.checked_mul(unit_ms)
         .map(Duration::from_millis)
-        .ok_or_else(|| format!("period {text:?} is too long"))
+        .ok_or_else(|| format!("{what} {text:?} is too long"))
 }
 
 #[derive(Deserialize)]
@@ -42,6 +38,67 @@ pub(super) struct FileSpec {
     pub(super) allowlist: Vec<Spanned<ListSpec>>,
     #[serde(default)]
     pub(super) denylist: Vec<Spanned<ListSpec>>,
+}
+
+/// Only the limits' names and where each table of the file starts: what a file that does not
+/// read whole still says of the limit a mistake is in.
+#[derive(Deserialize)]
+struct Names {
+    #[serde(default)]
+    limit: Vec<Spanned<Named>>,
+    #[serde(default)]
+    allowlist: Vec<Spanned<serde::de::IgnoredAny>>,
+    #[serde(default)]
+    denylist: Vec<Spanned<serde::de::IgnoredAny>>,
+}
+
+#[derive(Deserialize)]
+struct Named {
+    name: Option<String>,
+}
+
+/// The name of the `[[limit]]` that byte `at` of `text` is in, if it has one: the last table
+/// that starts before it (a table's place is its header's, which its fields and its
+/// `[limit.quota]` follow).
+pub(super) fn limit_holding(text: &str, at: usize) -> Option<String> {
+    let names: Names = toml::from_str(text).ok()?;
+    let limits = names
+        .limit
+        .into_iter()
+        .map(|l| (l.span().start, l.into_inner().name));
+    let lists = names
+        .allowlist
+        .iter()
+        .chain(&names.denylist)
+        .map(|l| (l.span().start, None));
+    limits
+        .chain(lists)
+        .filter(|(start, _)| *start <= at)
+        .max_by_key(|(start, _)| *start)
+        .and_then(|(_, name)| name)
+}
+
+/// A limit's field written below its `[limit.quota]` header, where TOML reads it as a plan:
+/// the field's name, when the line that byte `at` of `text` is on starts with one.
+pub(super) fn field_among_plans(text: &str, at: usize) -> Option<&'static str> {
+    const FIELDS: [&str; 13] = [
+        "name",
+        "algorithm",
+        "period",
+        "key",
+        "cost",
+        "failure",
+        "missing_key",
+        "shadow",
+        "delay",
+        "max_waiting",
+        "queue",
+        "slot_ttl",
+        "penalty",
+    ];
+    let start = text.get(..at)?.rfind('\n').map_or(0, |n| n + 1);
+    let word = text[start..].split('=').next()?.trim();
+    FIELDS.into_iter().find(|f| *f == word)
 }
 
 /// One `[[allowlist]]` or `[[denylist]]` table.
@@ -59,7 +116,8 @@ pub(super) struct ListSpec {
 pub(super) struct LimitSpec {
     pub(super) name: Spanned<String>,
     pub(super) algorithm: Option<Spanned<String>>,
-    pub(super) period: Spanned<String>,
+    /// Required, except for a concurrency limit, which has none.
+    pub(super) period: Option<Spanned<String>>,
     pub(super) quota: Spanned<QuotaField>,
     pub(super) key: Spanned<KeySpec>,
     pub(super) cost: Option<Spanned<u32>>,
@@ -67,6 +125,31 @@ pub(super) struct LimitSpec {
     pub(super) missing_key: Option<Spanned<String>>,
     #[serde(default)]
     pub(super) shadow: bool,
+    /// A GCRA limit's delay (`Limit::delay_up_to`), and the most of a key's requests that wait.
+    pub(super) delay: Option<Spanned<String>>,
+    pub(super) max_waiting: Option<Spanned<u32>>,
+    /// A concurrency limit's queue (`Limit::queue_up_to`), and how long its slots live.
+    pub(super) queue: Option<Spanned<QueueSpec>>,
+    pub(super) slot_ttl: Option<Spanned<String>>,
+    pub(super) penalty: Option<Spanned<PenaltySpec>>,
+}
+
+/// `queue = { wait = "5s", max_waiting = 50 }`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct QueueSpec {
+    pub(super) wait: Spanned<String>,
+    pub(super) max_waiting: Option<Spanned<u32>>,
+}
+
+/// `penalty = { after = 3, within = "1m", block = "10m", max = "1h" }`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct PenaltySpec {
+    pub(super) after: Spanned<u32>,
+    pub(super) within: Spanned<String>,
+    pub(super) block: Spanned<String>,
+    pub(super) max: Option<Spanned<String>>,
 }
 
 /// `quota = 5` (the default quota, no plans), or a table of plans with a `default`.
