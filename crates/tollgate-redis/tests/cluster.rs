@@ -588,3 +588,93 @@ async fn a_slot_that_moves_mid_run_loses_and_doubles_no_request() {
     assert_eq!(cluster.node_of_key(&redis_key), to);
     assert_eq!(nodes[from].dbsize(), 0);
 }
+
+/// The spread form of the test above: a key per request, each checked once per phase, in
+/// calls merged per node (the lean script's cross-slot form) that carry a key of the moving
+/// slot among keys of other slots of the same node.
+#[tokio::test]
+async fn a_slot_that_moves_under_a_spread_load_loses_and_doubles_no_request() {
+    let cluster = RedisCluster::start(3);
+    let backend = support::cluster(cluster.urls())
+        .deny_cache_capacity(0)
+        .build()
+        .unwrap();
+    // Two units an hour per key: the first two phases take them, the last two find none.
+    let limit = Limit::gcra("spread", Quota::per_hour(2).unwrap()).unwrap();
+    let mover = b"mover".to_vec();
+    let redis_key = backend.key_for(&limit, &mover);
+    let slot = cluster.slot_of_key(&redis_key);
+    let from = cluster.node_of_key(&redis_key);
+    let to = (from + 1) % 3;
+    let nodes = cluster.nodes();
+    let (from_id, to_id) = (node_id(&nodes[from]), node_id(&nodes[to]));
+    // 30 more keys on the mover's node, in other slots.
+    let mut keys: Vec<Vec<u8>> = (0..100_000)
+        .map(|i| format!("client-{i}").into_bytes())
+        .filter(|k| {
+            let key = backend.key_for(&limit, k);
+            cluster.node_of_key(&key) == from && cluster.slot_of_key(&key) != slot
+        })
+        .take(30)
+        .collect();
+    keys.push(mover.clone());
+    // The target has served a check of its own: the scripts are loaded there too.
+    let elsewhere = (0..1000)
+        .map(|i| format!("other-{i}").into_bytes())
+        .find(|k| cluster.node_of_key(&backend.key_for(&limit, k)) == to)
+        .unwrap();
+    assert!(admitted(&backend, &[&limit], &elsewhere).await);
+    let phase = || async {
+        let answers = futures_util::future::join_all(
+            keys.iter()
+                .map(|k| backend.check(std::slice::from_ref(&Check::new(&limit, k)))),
+        )
+        .await;
+        answers
+            .into_iter()
+            .filter(|v| v.as_ref().unwrap()[0].is_allowed())
+            .count()
+    };
+
+    let mut total = phase().await;
+    assert_eq!(total, 31);
+
+    // The move starts: the keys are still on their node, which serves them in one call.
+    setslot(&nodes[to], slot, "IMPORTING", &from_id);
+    setslot(&nodes[from], slot, "MIGRATING", &to_id);
+    reset_stats(&cluster);
+    let migrating = phase().await;
+    assert_eq!(migrating, 31);
+    assert_eq!(nodes[from].calls("evalsha"), 1);
+    total += migrating;
+
+    // The mover's key moves: the node's merged call meets a key it no longer holds, fails
+    // having written nothing, and its checks are sent again by hash slot (the mover's after
+    // ASK). Every key has used its two units.
+    let _: () = redis::cmd("MIGRATE")
+        .arg("127.0.0.1")
+        .arg(nodes[to].port())
+        .arg(&redis_key)
+        .arg(0)
+        .arg(5000)
+        .query(&mut nodes[from].client())
+        .unwrap();
+    let asked = phase().await;
+    assert_eq!(asked, 0);
+    assert!(redirections(&nodes[from], "ASK") >= 1);
+
+    // The slot is the new node's: the old one answers MOVED, and the slot map is read again.
+    for node in [to, from, 3 - to - from] {
+        setslot(&nodes[node], slot, "NODE", &to_id);
+    }
+    let after = phase().await;
+    assert_eq!(after, 0);
+    assert_eq!(total, 62);
+    assert_eq!(cluster.node_of_key(&redis_key), to);
+    // The mover's two units are still counted, on its new node.
+    let tat: Option<String> = redis::cmd("GET")
+        .arg(&redis_key)
+        .query(&mut nodes[to].client())
+        .unwrap();
+    assert!(tat.is_some());
+}
