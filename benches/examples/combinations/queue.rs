@@ -178,7 +178,18 @@ impl<B: Backend> Run<'_, B> {
     /// harness ended any of them: a slot given back by one is given back in the model only
     /// once the others of its key are judged.
     async fn take_answers(&mut self) -> bool {
-        let answers = std::mem::take(&mut *self.answered.lock().unwrap());
+        let mut answers = std::mem::take(&mut *self.answered.lock().unwrap());
+        if self.kind != Kind::Memory {
+            // On Redis an admission comes back after the handler, so after a refusal checked
+            // later: the admissions go first (a refusal never admits anything after it, but
+            // a block, which would have refused them).
+            answers.sort_by_key(|(_, res)| {
+                matches!(
+                    res.status(),
+                    StatusCode::TOO_MANY_REQUESTS | StatusCode::FORBIDDEN
+                )
+            });
+        }
         let any = !answers.is_empty();
         let keys: Vec<&'static str> = answers
             .iter()
