@@ -7,7 +7,7 @@
 //!
 //! Each seed draws a layer (a GCRA or fixed-window limit with or without a `pro` plan, metered
 //! with a refund on `500` or a charge by the handler or not at all, a concurrency limit
-//! stacked on it or not, an allowlisted key or not, a static denylist or not, a quota lease or
+//! stacked on it or not, queued or not, an allowlisted key or not, a static denylist or not, a quota lease or
 //! not, a penalty box on the rate limit or not (with a lease: refused at build), in memory a
 //! delay on a GCRA limit without a lease or not) and runs it on 2 to 4
 //! replicas: `RateLimitLayer`s of their own over one in-memory backend (each through a
@@ -41,7 +41,20 @@
 //! - a leased GCRA limit that settles, and a leased limit with a penalty, are refused when
 //!   the layer is built;
 //! - once every response has ended, no slot is held, and every key's remaining units are the
-//!   model's.
+//!   model's;
+//! - with a queue on the concurrency limit (`queue_up_to`; a queue on the rate limit must be
+//!   refused at build, `QueueUnsupported`): the requests go out on tasks of their own, and
+//!   the model keeps each replica's line per key. A request waits exactly when its line has
+//!   room and either others wait in it or only the full slots refuse it; a waiter is
+//!   answered from the front of its line (or when its wait is up), checked again whole
+//!   under the limits it came under, and says how long it waited (`queued()`, exactly in
+//!   memory); one refused for its full key alone was a waiter whose wait was up (in memory
+//!   exactly then) or found its line full, with `Retry-After: 1` and the RateLimit fields;
+//!   the handler counts the requests that hold a slot, and a key never has more than its
+//!   slots. In memory Tokio's clock is paused and moves a millisecond at a time
+//!   (`Op::Pass`, and after each operation until nothing is due): a slot given back on a
+//!   replica must wake its first waiter at once. On Redis the same runs in real time, and a
+//!   waiter that another replica's poll serves may be any replica's first.
 //!
 //! Deterministic for a seed but for Redis' timing. The last line is
 //! `combinations: K sequences, V violations`; the status is 1 when V > 0.
@@ -75,11 +88,26 @@ use tollgate_redis::RedisBackend;
 use tollgate_testsupport::{RedisCluster, RedisServer};
 use tower::ServiceExt;
 
+#[path = "combinations/flight.rs"]
+mod flight;
+#[path = "combinations/queue.rs"]
+mod queue;
+
+use bytes::Bytes;
+use flight::{Guarded, InFlight};
+use queue::{Waited, Waiter};
+use std::collections::VecDeque;
+use std::sync::Mutex;
+
 const KEYS: [&str; 3] = ["k0", "k1", "k2"];
 const VIP: &str = "vip";
 /// A key on the static denylist of every generation.
 const BAD: &str = "bad";
 const DAY: Micros = 86_400_000_000;
+/// A queue's waits (µs of Tokio's clock), and the time that passes in one step (µs; on
+/// Redis the shorter three only, as they pass in real time).
+const QUEUE_WAITS: [Micros; 3] = [40_000, 150_000, 600_000];
+const PASSES: [Micros; 4] = [5_000, 60_000, 200_000, 700_000];
 
 fn splitmix(state: &mut u64) -> u64 {
     *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
@@ -140,12 +168,22 @@ struct Shape {
     /// A static denylist: `bad` (and the allowlisted key, which the allowlist still admits),
     /// and `k2` in odd reload generations (a reload replaces the list).
     denylist: bool,
+    /// A queue on the concurrency limit (`Limit::queue_up_to`): its wait (µs of Tokio's
+    /// clock) and the most waiters per key and replica. Never with a delay: a waiter
+    /// admitted ahead of its time would wait hours of Tokio's clock while the sequence goes
+    /// on.
+    queue: Option<(Micros, u32)>,
+    /// A queue on the rate limit too, which `Limit::queue_up_to` refuses
+    /// (`ConfigError::QueueUnsupported`).
+    queue_on_rate: bool,
 }
 
 impl Shape {
     fn draw(rng: &mut Rng) -> Self {
         let algorithm = rng.pick(&[Algorithm::Gcra, Algorithm::FixedWindow]);
-        let low = 3 + rng.below(4) as u32;
+        // A queue needs full keys whose other limits still admit: larger quotas.
+        let queued = rng.chance(25);
+        let low = if queued { 9 } else { 3 } + rng.below(4) as u32;
         let defaults = [low, low + 1 + rng.below(3) as u32];
         // Quotas far apart: a usage carried between them does not convert to whole units.
         let pro = rng
@@ -156,7 +194,7 @@ impl Shape {
             Settles::RefundOn500,
             Settles::ChargedByHandler,
         ]);
-        let slots = rng.chance(40).then(|| 1 + rng.below(2) as u32);
+        let slots = (queued || rng.chance(40)).then(|| 1 + rng.below(2) as u32);
         let allowlist = rng.chance(30);
         let lease = rng.chance(25).then(|| 2 + rng.below(3) as u32);
         // A charge may put a key in debt after other replicas took slices: the lease bound
@@ -165,7 +203,7 @@ impl Shape {
             settles = rng.pick(&[Settles::None, Settles::RefundOn500]);
         }
         let interval = DAY / u64::from(defaults[0]);
-        let delay = (algorithm == Algorithm::Gcra && lease.is_none() && rng.chance(40))
+        let mut delay = (algorithm == Algorithm::Gcra && lease.is_none() && rng.chance(40))
             .then(|| rng.pick(&[interval / 2, interval, 2 * interval + 1, DAY]));
         // Whole seconds (the quotas are per day of 3 to 6): a block's Retry-After is exact. A
         // leased limit draws one rarely, to see it refused.
@@ -179,6 +217,11 @@ impl Shape {
             ]
         });
         let denylist = rng.chance(30);
+        let queue = queued.then(|| (rng.pick(&QUEUE_WAITS), 1 + rng.below(3) as u32));
+        if queue.is_some() {
+            delay = None;
+        }
+        let queue_on_rate = rng.chance(3);
         Self {
             algorithm,
             defaults,
@@ -190,6 +233,8 @@ impl Shape {
             delay,
             penalty,
             denylist,
+            queue,
+            queue_on_rate,
         }
     }
 
@@ -221,6 +266,9 @@ impl Shape {
                     .escalating_up_to(Duration::from_micros(max)),
             )?;
         }
+        if self.queue_on_rate {
+            limit = limit.queue_up_to(Duration::from_secs(1), 1)?;
+        }
         Ok(limit)
     }
 
@@ -245,7 +293,11 @@ impl Shape {
             ),
         }
         if let Some(slots) = self.slots {
-            limits = limits.limit(Limit::concurrency("slots", slots)?, Tenant::header("x-key"));
+            let mut limit = Limit::concurrency("slots", slots)?;
+            if let Some((wait, max_waiting)) = self.queue {
+                limit = limit.queue_up_to(Duration::from_micros(wait), max_waiting)?;
+            }
+            limits = limits.limit(limit, Tenant::header("x-key"));
         }
         if self.allowlist {
             limits = limits.with_allowlist(Allowlist::new().keys(Tenant::header("x-key"), [VIP])?);
@@ -503,17 +555,28 @@ struct Replica<B> {
     app: Router,
 }
 
-fn replica<B: Backend>(shape: &Shape, backend: B) -> Result<Replica<B>, ConfigError> {
+fn replica<B: Backend>(
+    shape: &Shape,
+    backend: B,
+    flight: &Arc<InFlight>,
+) -> Result<Replica<B>, ConfigError> {
     let layer = RateLimitLayer::builder()
         .limits(shape.limits(0)?)
         .backend(backend)
         .build()?;
-    let app = Router::new().route("/", get(handler)).layer(layer.clone());
+    let flight = Arc::clone(flight);
+    let app = Router::new()
+        .route(
+            "/",
+            get(move |req: Request<Body>| handler(req, Arc::clone(&flight))),
+        )
+        .layer(layer.clone());
     Ok(Replica { layer, app })
 }
 
-/// Answers `x-status`; charges `x-charge` through the `Settle` handle when there is one.
-async fn handler(req: Request<Body>) -> Response {
+/// Answers `x-status`; charges `x-charge` through the `Settle` handle when there is one;
+/// counts a request that holds a slot in `flight` until its body is dropped.
+async fn handler(req: Request<Body>, flight: Arc<InFlight>) -> Response {
     let header = |name: &str| {
         req.headers()
             .get(name)
@@ -526,7 +589,17 @@ async fn handler(req: Request<Body>) -> Response {
     let status = header("x-status")
         .and_then(|s| StatusCode::from_u16(s as u16).ok())
         .unwrap_or(StatusCode::OK);
-    let mut response = Response::new(Body::from("ok"));
+    let key = req
+        .headers()
+        .get("x-key")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default();
+    let guard = flight.enter(key, req.extensions().get::<Decision>());
+    let body = Guarded {
+        data: Some(Bytes::from_static(b"ok")),
+        guard,
+    };
+    let mut response = Response::new(Body::new(body));
     *response.status_mut() = status;
     response
 }
@@ -565,12 +638,19 @@ enum Op {
     Reload,
     Step(Micros),
     Restart,
+    /// Tokio's time passes (µs): queued requests' waits run out.
+    Pass(Micros),
 }
 
 fn draw_ops(rng: &mut Rng, shape: &Shape, kind: Kind, replicas: usize, n: usize) -> Vec<Op> {
     let mut ops = Vec::with_capacity(n);
     let interval = DAY / u64::from(shape.defaults[0]);
     for _ in 0..n {
+        if shape.queue.is_some() && rng.chance(8) {
+            let passes = if kind == Kind::Memory { 4 } else { 3 };
+            ops.push(Op::Pass(rng.pick(&PASSES[..passes])));
+            continue;
+        }
         let roll = rng.below(100);
         let op = match roll {
             0..=61 => {
@@ -593,7 +673,8 @@ fn draw_ops(rng: &mut Rng, shape: &Shape, kind: Kind, replicas: usize, n: usize)
                     cost,
                     fail: rng.chance(25),
                     charge: rng.below(u64::from(cost) + 7) as u32,
-                    hold: shape.slots.is_some() && rng.chance(40),
+                    hold: shape.slots.is_some()
+                        && rng.chance(if shape.queue.is_some() { 65 } else { 40 }),
                 })
             }
             62..=75 => Op::Finish,
@@ -655,6 +736,13 @@ struct Tally {
     restarts: u64,
     steps: u64,
     refused_at_build: u64,
+    /// Queues: requests that waited in a line; admitted after it; refused when their wait
+    /// was up; refused at once as their line was full; steps of Tokio's time.
+    waiting: u64,
+    queued: u64,
+    timed_out: u64,
+    line_full: u64,
+    passes: u64,
 }
 
 impl Tally {
@@ -677,6 +765,11 @@ impl Tally {
         self.restarts += o.restarts;
         self.steps += o.steps;
         self.refused_at_build += o.refused_at_build;
+        self.waiting += o.waiting;
+        self.queued += o.queued;
+        self.timed_out += o.timed_out;
+        self.line_full += o.line_full;
+        self.passes += o.passes;
     }
 }
 
@@ -710,6 +803,24 @@ struct Run<'a, B> {
     /// Reads a fixed window's count of a key from Redis (the window that holds the given
     /// time); `None` in memory, whose settles apply at once.
     raw_count: Option<RawCount>,
+    /// The handler's count of the requests that hold a slot.
+    flight: Arc<InFlight>,
+    /// Queued shapes: the requests sent on tasks of their own that wait, by number.
+    waiters: HashMap<u64, Waiter>,
+    /// The model's lines: per replica and key, its waiters, oldest first.
+    lines: HashMap<(usize, &'static str), VecDeque<u64>>,
+    /// The answers of the requests sent on tasks of their own, as they came.
+    answered: Arc<Mutex<Vec<(u64, Response)>>>,
+    /// Requests sent on tasks of their own so far (their numbers).
+    sent: u64,
+    /// The request sent last, until it is answered or known to wait.
+    direct: Option<(u64, Req)>,
+    /// Replicas and keys where a slot was given back since the last look.
+    woken: Vec<(usize, &'static str)>,
+    /// The keys of the answers of a batch not judged yet, and the slots given back by those
+    /// judged, which the model gives back after the batch.
+    batch: Vec<&'static str>,
+    after_batch: Vec<(&'static str, usize)>,
 }
 
 /// Reads the count of `key`'s fixed window that holds `now`, under `quota`, from Redis.
@@ -725,9 +836,14 @@ impl<B: Backend> Run<'_, B> {
     }
 
     fn quota_of(&self, pro: bool) -> Quota {
+        self.quota_at(pro, self.generation)
+    }
+
+    /// The quota of a request of plan `pro` under reload generation `generation`.
+    fn quota_at(&self, pro: bool, generation: usize) -> Quota {
         match (pro, self.shape.pro) {
             (true, Some(n)) => Shape::quota(n),
-            _ => Shape::quota(self.shape.defaults[self.generation % 2]),
+            _ => Shape::quota(self.shape.defaults[generation % 2]),
         }
     }
 
@@ -736,12 +852,24 @@ impl<B: Backend> Run<'_, B> {
         if self.kind == Kind::Memory {
             return;
         }
-        tokio::time::pause();
-        tokio::time::advance(Duration::from_millis(1_100)).await;
-        tokio::time::resume();
+        if self.waiters.is_empty() {
+            tokio::time::pause();
+            tokio::time::advance(Duration::from_millis(1_100)).await;
+            tokio::time::resume();
+            return;
+        }
+        // Waiters' checks may be in flight: a jump past a connection's timeout would fail
+        // them. Tokio's clock moves 10 ms at a time, with real time in between to answer them.
+        for _ in 0..110 {
+            tokio::time::pause();
+            tokio::time::advance(Duration::from_millis(10)).await;
+            tokio::time::resume();
+            tokio::time::sleep(Duration::from_micros(200)).await;
+        }
     }
 
-    async fn request(&mut self, r: Req) {
+    /// The request `r` makes.
+    fn request_of(r: Req) -> Request<Body> {
         let mut req = Request::get("/")
             .header("x-key", r.key)
             .header("x-cost", r.cost.to_string())
@@ -752,6 +880,14 @@ impl<B: Backend> Run<'_, B> {
         if r.pro {
             req.extensions_mut().insert(Plan::new("pro"));
         }
+        req
+    }
+
+    async fn request(&mut self, r: Req) {
+        if self.shape.queue.is_some() {
+            return self.send_queued(r).await;
+        }
+        let req = Self::request_of(r);
         // A delayed request waits in the layer for its time (hours of a per-day quota): Tokio's
         // clock runs it at once while the backend's `FakeClock` stands still.
         let delays = self.shape.delay.is_some();
@@ -767,6 +903,14 @@ impl<B: Backend> Run<'_, B> {
         if delays {
             tokio::time::resume();
         }
+        self.judge(r, res, None).await;
+    }
+
+    /// Checks the answer `res` to `r` against the model, and counts it there; `from`: `r`
+    /// waited in a queued limit's line.
+    async fn judge(&mut self, r: Req, res: Response, from: Option<Waited>) {
+        // A waiter is checked again under the limits it came under.
+        let generation = from.map_or(self.generation, |w| w.generation);
         let decision = res.extensions().get::<Decision>().cloned();
         let status = res.status();
         let admitted = status != StatusCode::TOO_MANY_REQUESTS && status != StatusCode::FORBIDDEN;
@@ -779,7 +923,7 @@ impl<B: Backend> Run<'_, B> {
             }
             return self.end(res, r, false).await;
         }
-        if self.shape.denylisted(r.key, self.generation) {
+        if self.shape.denylisted(r.key, generation) {
             // Refused before the backend: every limit says so, and a static deny has no end.
             self.tally.denylisted += 1;
             let every = decision.as_ref().is_some_and(|d| {
@@ -818,13 +962,20 @@ impl<B: Backend> Run<'_, B> {
         }
         if bypassed {
             self.tally.bypassed += 1;
-            if !self.recovering[r.replica] {
+            if !self.recovering[r.replica] && !from.is_some_and(|w| w.through_restart) {
                 self.fail(format!("{r:?}: bypassed while the backend was up"));
             }
             self.recovering[r.replica] = false;
             return self.end(res, r, false).await;
         }
         self.recovering[r.replica] = false;
+        if let Some(w) = from {
+            self.expect_waited(r, w, decision.as_ref());
+        } else if let Some(queued) = decision.as_ref().and_then(Decision::queued) {
+            self.fail(format!(
+                "{r:?}: answered at once, says it waited {queued:?}"
+            ));
+        }
 
         // The rate limit's outcome, and the refusal's Retry-After in whole seconds.
         let rate = decision
@@ -880,8 +1031,8 @@ impl<B: Backend> Run<'_, B> {
             return self.end(res, r, false).await;
         }
 
-        let limit = self.rate_limit();
-        let quota = self.quota_of(r.pro);
+        let limit = self.shape.rate(generation).unwrap();
+        let quota = self.quota_at(r.pro, generation);
         let delay = self.shape.delay.unwrap_or(0);
         let (rate_status, next, wait) =
             self.model
@@ -919,6 +1070,10 @@ impl<B: Backend> Run<'_, B> {
             // The refusal that starts a block says the block's whole length, on every backend.
             self.tally.blocks += 1;
             self.expect_retry_after(r, retry_after, block, true);
+        }
+        if self.shape.queue.is_some() {
+            let full = rate_ok && !slots_ok && self.model.standing(r.key).is_none();
+            self.expect_queue_answer(r, from, (&res, decision.as_ref()), (admitted, full));
         }
         if !admitted {
             self.tally.refused += 1;
@@ -967,7 +1122,16 @@ impl<B: Backend> Run<'_, B> {
             let entry = self.model.keys.entry(r.key).or_default();
             entry.admitted = (entry.admitted + u64::from(actual)).saturating_sub(u64::from(cost));
             self.end(res, r, counts_slot).await;
-            self.expect_remaining(r.key, r.pro, "after a settle").await;
+            // On Redis a waiter of the key may take the slot this response gave back, and
+            // units with it, while the harness looks: the end of the sequence compares.
+            let racing = self.kind != Kind::Memory
+                && self
+                    .lines
+                    .iter()
+                    .any(|((_, k), l)| *k == r.key && !l.is_empty());
+            if !racing {
+                self.expect_remaining(r.key, r.pro, "after a settle").await;
+            }
             if actual < cost {
                 self.let_caches_expire().await;
             }
@@ -1000,7 +1164,11 @@ impl<B: Backend> Run<'_, B> {
                 .push((res, r.key, counts_slot, self.epoch, r.replica));
         } else {
             let _ = axum::body::to_bytes(res.into_body(), usize::MAX).await;
-            if counts_slot {
+            if counts_slot && self.batch.contains(&r.key) {
+                // Others of the key answered with this one were checked while it held its slot.
+                self.woken.push((r.replica, r.key));
+                self.after_batch.push((r.key, r.replica));
+            } else if counts_slot {
                 let entry = self.model.keys.entry(r.key).or_default();
                 entry.held = entry.held.saturating_sub(1);
                 self.released(r.key, r.replica).await;
@@ -1032,6 +1200,18 @@ impl<B: Backend> Run<'_, B> {
     /// done by itself (it waits for the replica's releases in flight); otherwise the harness
     /// waits until Redis has it, as another replica's check cannot know of it.
     async fn released(&mut self, key: &'static str, replica: usize) {
+        if self.shape.queue.is_some() {
+            // The first waiter of the key on this replica checks again at once; a waiter may
+            // take the slot before a peek would see it free.
+            self.woken.push((replica, key));
+            if self
+                .lines
+                .iter()
+                .any(|((_, k), l)| *k == key && !l.is_empty())
+            {
+                return;
+            }
+        }
         if self.next_request == Some((replica, key)) {
             // Waited for once that request is answered (a refusal from the deny cache does not
             // reach Redis, so it cannot have waited for the release itself).
@@ -1190,6 +1370,10 @@ impl<B: Backend> Run<'_, B> {
             return;
         };
         server.stop();
+        self.flight.forget();
+        for w in self.waiters.values_mut() {
+            w.through_restart = true;
+        }
         self.tally.restarts += 1;
         self.recovering.iter_mut().for_each(|r| *r = true);
         // One request while Redis is down (of a key no cached denial holds): it fails open,
@@ -1293,6 +1477,9 @@ impl<B: Backend> Run<'_, B> {
 
     /// Every response ended: no slot is held, and every key has what the model says.
     async fn quiesce(&mut self) {
+        if self.shape.queue.is_some() {
+            self.drain_queue().await;
+        }
         while !self.held.is_empty() {
             self.finish().await;
         }
@@ -1349,7 +1536,9 @@ impl<B: Backend> Run<'_, B> {
                 Op::Reload => self.reload().await,
                 Op::Step(by) => self.step(by).await,
                 Op::Restart => self.restart().await,
+                Op::Pass(by) => self.pass(by).await,
             }
+            self.settle_waiters().await;
             if self.violations.len() > 3 {
                 return;
             }
@@ -1360,7 +1549,7 @@ impl<B: Backend> Run<'_, B> {
 
 /// Runs `ops` on `replicas`; returns the violations.
 async fn drive<B: Backend>(
-    (shape, kind): (Shape, Kind),
+    (shape, kind, flight): (Shape, Kind, Arc<InFlight>),
     replicas: Vec<Replica<B>>,
     clock: Option<FakeClock>,
     now: Micros,
@@ -1389,8 +1578,25 @@ async fn drive<B: Backend>(
         verbose,
         tally: Tally::default(),
         raw_count,
+        flight,
+        waiters: HashMap::new(),
+        lines: HashMap::new(),
+        answered: Arc::default(),
+        sent: 0,
+        direct: None,
+        woken: Vec::new(),
+        batch: Vec::new(),
+        after_batch: Vec::new(),
     };
+    // Queues in memory: Tokio's clock moves only when the harness moves it.
+    let paused = kind == Kind::Memory && run.shape.queue.is_some();
+    if paused {
+        tokio::time::pause();
+    }
     run.run(ops).await;
+    if paused {
+        tokio::time::resume();
+    }
     (run.violations, run.tally)
 }
 
@@ -1399,29 +1605,40 @@ fn build<B: Backend>(
     shape: &Shape,
     replicas: usize,
     backend: impl Fn() -> B,
+    flight: &Arc<InFlight>,
 ) -> Result<Vec<Replica<B>>, ConfigError> {
-    (0..replicas).map(|_| replica(shape, backend())).collect()
+    (0..replicas)
+        .map(|_| replica(shape, backend(), flight))
+        .collect()
 }
 
 /// What a shape's build must give: refused with `PenaltyUnsupported` exactly for a leased
-/// limit with a penalty, else with `LeaseWithSettle` exactly for a leased GCRA limit that
-/// settles. `Ok(None)`: refused as it must be.
+/// limit with a penalty, else with `QueueUnsupported` exactly for a queue on the rate limit,
+/// else with `LeaseWithSettle` exactly for a leased GCRA limit that settles. `Ok(None)`:
+/// refused as it must be.
 fn built<B>(
     shape: &Shape,
     result: Result<Vec<Replica<B>>, ConfigError>,
 ) -> Result<Option<Vec<Replica<B>>>, String> {
     let boxed = shape.lease.is_some() && shape.penalty.is_some();
+    let unqueued = !boxed && shape.queue_on_rate;
     let refused = boxed
+        || shape.queue_on_rate
         || shape.lease.is_some()
             && shape.algorithm == Algorithm::Gcra
             && shape.settles != Settles::None;
     match result {
         Err(ConfigError::PenaltyUnsupported(_)) if boxed => Ok(None),
-        Err(ConfigError::LeaseWithSettle(name)) if refused && !boxed && name == "rate" => Ok(None),
+        Err(ConfigError::QueueUnsupported(a)) if unqueued && a == shape.algorithm => Ok(None),
+        Err(ConfigError::LeaseWithSettle(name))
+            if refused && !boxed && !unqueued && name == "rate" =>
+        {
+            Ok(None)
+        }
         Err(e) => Err(format!("{shape:?}: the layer was not built: {e}")),
         Ok(_) if refused => Err(format!(
-            "{shape:?}: a leased limit with a penalty, or a leased GCRA limit that settles, \
-             was built"
+            "{shape:?}: a leased limit with a penalty, a queue on a rate limit, or a leased \
+             GCRA limit that settles, was built"
         )),
         Ok(replicas) => Ok(Some(replicas)),
     }
@@ -1500,8 +1717,12 @@ async fn build_and_drive<B: Backend>(
     ops: &[Op],
     setup: (bool, Option<RawCount>),
 ) -> (Vec<String>, Tally) {
-    match built(shape, build(shape, replicas, backend)) {
-        Ok(Some(r)) => drive((shape.clone(), kind), r, clock, now, servers, ops, setup).await,
+    let flight = InFlight::new(shape.slots);
+    match built(shape, build(shape, replicas, backend, &flight)) {
+        Ok(Some(r)) => {
+            let on = (shape.clone(), kind, flight);
+            drive(on, r, clock, now, servers, ops, setup).await
+        }
         Ok(None) => (Vec::new(), refused_at_build()),
         Err(e) => (vec![e], Tally::default()),
     }
