@@ -3,8 +3,13 @@
 //!
 //! ```text
 //! script-cost --redis redis://127.0.0.1:6379/ --mode one|distinct|three [--calls 100]
-//!             [--per-call 16]
+//!             [--per-call 16] [--from 0]
+//! script-cost --cluster redis://127.0.0.1:7000/,redis://127.0.0.1:7001/,... --mode distinct
 //! ```
+//!
+//! With `--cluster` the backend is a Redis Cluster client (`benches/cluster-cost.sh`): each
+//! round's requests are merged per node, so a node's call carries its share of them. `--from`
+//! numbers the `distinct` keys from there, so that a warm-up and the counted run share none.
 //!
 //! Modes: `one`, one GCRA limit and every request on one key (a busy client, a tenant);
 //! `distinct`, one GCRA limit and a key never seen before per request; `three`, three GCRA
@@ -21,8 +26,9 @@ use tollgate_redis::RedisBackend;
 
 fn main() {
     let mut url = "redis://127.0.0.1:6379/".to_owned();
+    let mut cluster: Vec<String> = Vec::new();
     let mut mode = String::new();
-    let (mut calls, mut per_call) = (100_usize, 16_usize);
+    let (mut calls, mut per_call, mut from) = (100_usize, 16_usize, 0_usize);
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let value = it.next().unwrap_or_default();
@@ -31,6 +37,8 @@ fn main() {
             "--mode" => mode = value,
             "--calls" => calls = value.parse().unwrap(),
             "--per-call" => per_call = value.parse().unwrap(),
+            "--from" => from = value.parse().unwrap(),
+            "--cluster" => cluster = value.split(',').map(str::to_owned).collect(),
             other => panic!("unknown flag {other}"),
         }
     }
@@ -54,17 +62,25 @@ fn main() {
         .unwrap();
     rt.block_on(async {
         // Redis runs under valgrind, many times slower than natively.
-        let backend = RedisBackend::builder()
-            .url(&url)
-            .deadline(Duration::from_secs(30))
-            .build()
-            .unwrap();
-        let before = evalsha_calls(&url);
+        let builder = RedisBackend::builder().deadline(Duration::from_secs(30));
+        let builder = if cluster.is_empty() {
+            builder.url(&url)
+        } else {
+            builder.cluster(cluster.iter())
+        };
+        let backend = builder.build().unwrap();
+        let servers = if cluster.is_empty() {
+            vec![url.clone()]
+        } else {
+            cluster.clone()
+        };
+        let count = || servers.iter().map(|u| evalsha_calls(u)).sum::<u64>();
+        let before = count();
         for round in 0..calls {
             let answers: Vec<_> = (0..per_call)
                 .map(|r| {
                     let n = if mode == "distinct" {
-                        round * per_call + r
+                        from + round * per_call + r
                     } else {
                         0
                     };
@@ -79,7 +95,7 @@ fn main() {
                 assert!(verdicts.iter().all(|v| v.is_allowed()));
             }
         }
-        let sent = evalsha_calls(&url) - before;
+        let sent = count() - before;
         println!("requests {} calls {sent}", calls * per_call);
     });
 }
