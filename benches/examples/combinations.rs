@@ -1299,9 +1299,16 @@ impl<B: Backend> Run<'_, B> {
     async fn reset(&mut self, replica: usize, key: &'static str) {
         let layer = &self.replicas[replica].layer;
         let mut done = layer.reset("rate", key).await;
-        if done.is_err() && std::mem::take(&mut self.recovering[replica]) {
-            // The first call after a restart may meet the dead connection; the next makes a
-            // new one.
+        // The first call after a restart may meet the dead connection; the next makes a new
+        // one. And a paused tokio clock moves on by itself whenever the runtime only waits
+        // (for a socket too): a timer around a call to Redis may fire before Redis had a
+        // chance to answer, which a loaded machine makes likely. A reset is idempotent, so
+        // it is made again, twice at most; a real failure fails every time.
+        for _ in 0..2 {
+            if done.is_ok() {
+                break;
+            }
+            self.recovering[replica] = false;
             done = layer.reset("rate", key).await;
         }
         if self.verbose {
@@ -1331,7 +1338,13 @@ impl<B: Backend> Run<'_, B> {
             }
         };
         let mut done = call().await;
-        if done.is_err() && std::mem::take(&mut self.recovering[replica]) {
+        // Made again on an error, twice at most, as a reset is (see `reset`): a deny and an
+        // undeny are idempotent.
+        for _ in 0..2 {
+            if done.is_ok() {
+                break;
+            }
+            self.recovering[replica] = false;
             done = call().await;
         }
         if self.verbose {
