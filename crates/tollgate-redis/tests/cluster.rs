@@ -519,6 +519,36 @@ fn setslot(node: &tollgate_testsupport::RedisServer, slot: u16, state: &str, id:
         .unwrap();
 }
 
+/// Has `backend` check a key of `limit` on node `node`, so that the scripts are loaded there.
+async fn load_scripts_on(
+    cluster: &RedisCluster,
+    backend: &tollgate_redis::RedisBackend,
+    limit: &Limit,
+    node: usize,
+) {
+    let elsewhere = (0..1000)
+        .map(|i| format!("other-{i}").into_bytes())
+        .find(|k| cluster.node_of_key(&backend.key_for(limit, k)) == node)
+        .unwrap();
+    assert!(admitted(backend, &[limit], &elsewhere).await);
+}
+
+/// Moves `key` from node `from` to node `to` (`MIGRATE`).
+fn migrate(
+    from: &tollgate_testsupport::RedisServer,
+    to: &tollgate_testsupport::RedisServer,
+    key: &str,
+) {
+    let _: () = redis::cmd("MIGRATE")
+        .arg("127.0.0.1")
+        .arg(to.port())
+        .arg(key)
+        .arg(0)
+        .arg(5000)
+        .query(&mut from.client())
+        .unwrap();
+}
+
 #[tokio::test]
 async fn a_slot_that_moves_mid_run_loses_and_doubles_no_request() {
     let cluster = RedisCluster::start(3);
@@ -535,12 +565,7 @@ async fn a_slot_that_moves_mid_run_loses_and_doubles_no_request() {
     let to = (from + 1) % 3;
     let nodes = cluster.nodes();
     let (from_id, to_id) = (node_id(&nodes[from]), node_id(&nodes[to]));
-    // The target has served a check of its own: the script is loaded there too.
-    let elsewhere = (0..1000)
-        .map(|i| format!("other-{i}").into_bytes())
-        .find(|k| cluster.node_of_key(&backend.key_for(&limit, k)) == to)
-        .unwrap();
-    assert!(admitted(&backend, &[&limit], &elsewhere).await);
+    load_scripts_on(&cluster, &backend, &limit, to).await;
 
     let mut total = 0;
     let before = admitted_at_once(&backend, &[&limit], key, 4).await;
@@ -562,14 +587,7 @@ async fn a_slot_that_moves_mid_run_loses_and_doubles_no_request() {
         .query(&mut nodes[from].client())
         .unwrap();
     assert_eq!(keys, std::slice::from_ref(&redis_key));
-    let _: () = redis::cmd("MIGRATE")
-        .arg("127.0.0.1")
-        .arg(nodes[to].port())
-        .arg(&redis_key)
-        .arg(0)
-        .arg(5000)
-        .query(&mut nodes[from].client())
-        .unwrap();
+    migrate(&nodes[from], &nodes[to], &redis_key);
     let asked = admitted_at_once(&backend, &[&limit], key, 2).await;
     assert_eq!(asked, 2);
     total += asked;
@@ -618,12 +636,7 @@ async fn a_slot_that_moves_under_a_spread_load_loses_and_doubles_no_request() {
         .take(30)
         .collect();
     keys.push(mover.clone());
-    // The target has served a check of its own: the scripts are loaded there too.
-    let elsewhere = (0..1000)
-        .map(|i| format!("other-{i}").into_bytes())
-        .find(|k| cluster.node_of_key(&backend.key_for(&limit, k)) == to)
-        .unwrap();
-    assert!(admitted(&backend, &[&limit], &elsewhere).await);
+    load_scripts_on(&cluster, &backend, &limit, to).await;
     let phase = || async {
         let answers = futures_util::future::join_all(
             keys.iter()
@@ -651,14 +664,7 @@ async fn a_slot_that_moves_under_a_spread_load_loses_and_doubles_no_request() {
     // The mover's key moves: the node's merged call meets a key it no longer holds, fails
     // having written nothing, and its checks are sent again by hash slot (the mover's after
     // ASK). Every key has used its two units.
-    let _: () = redis::cmd("MIGRATE")
-        .arg("127.0.0.1")
-        .arg(nodes[to].port())
-        .arg(&redis_key)
-        .arg(0)
-        .arg(5000)
-        .query(&mut nodes[from].client())
-        .unwrap();
+    migrate(&nodes[from], &nodes[to], &redis_key);
     let asked = phase().await;
     assert_eq!(asked, 0);
     assert!(redirections(&nodes[from], "ASK") >= 1);
