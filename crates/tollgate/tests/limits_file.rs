@@ -416,6 +416,20 @@ async fn a_delay_from_the_file_makes_requests_wait_for_their_time() {
     // 2 s, the fourth (3 s) refused.
     let text = "[[limit]]\nname = \"chat\"\nperiod = \"1s\"\nkey = \"global\"\nquota = 1\n\
                 delay = \"2s\"\n";
+    let (status, started) = four_at_once(text).await;
+    assert_eq!(status, [200, 200, 200, 429]);
+    assert_eq!(starts(&started), [(0, secs(0)), (1, secs(1)), (2, secs(2))]);
+
+    // With `max_waiting = 1`, one request of the key waits; the next is checked without the
+    // delay, and refused.
+    let (status, started) = four_at_once(&format!("{text}max_waiting = 1\n")).await;
+    assert_eq!(status, [200, 200, 429, 429]);
+    assert_eq!(starts(&started), [(0, secs(0)), (1, secs(1))]);
+}
+
+/// Four requests at once through a layer of the limits in `text` on memory: their statuses,
+/// and when each that got through started.
+async fn four_at_once(text: &str) -> (Vec<u16>, Started) {
     let (backend, _) = memory();
     let layer = RateLimitLayer::builder()
         .limits(parse(text))
@@ -424,31 +438,12 @@ async fn a_delay_from_the_file_makes_requests_wait_for_their_time() {
         .unwrap();
     let started = Started::default();
     let mut svc = app(&layer, Instant::now(), Arc::clone(&started), Duration::ZERO);
-    let status: Vec<u16> = concurrently(&mut svc, 4)
+    let status = concurrently(&mut svc, 4)
         .await
         .iter()
         .map(|a| a.0)
         .collect();
-    assert_eq!(status, [200, 200, 200, 429]);
-    assert_eq!(starts(&started), [(0, secs(0)), (1, secs(1)), (2, secs(2))]);
-
-    // With `max_waiting = 1`, one request of the key waits; the next is checked without the
-    // delay, and refused.
-    let (backend, _) = memory();
-    let layer = RateLimitLayer::builder()
-        .limits(parse(&format!("{text}max_waiting = 1\n")))
-        .backend(backend)
-        .build()
-        .unwrap();
-    let started = Started::default();
-    let mut svc = app(&layer, Instant::now(), Arc::clone(&started), Duration::ZERO);
-    let status: Vec<u16> = concurrently(&mut svc, 4)
-        .await
-        .iter()
-        .map(|a| a.0)
-        .collect();
-    assert_eq!(status, [200, 200, 429, 429]);
-    assert_eq!(starts(&started), [(0, secs(0)), (1, secs(1))]);
+    (status, started)
 }
 
 #[tokio::test(start_paused = true)]
