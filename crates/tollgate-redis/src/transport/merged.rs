@@ -17,7 +17,9 @@ use crate::failure::{overloaded, unavailable};
 use crate::scripts::check::{EncodedCheck, Form};
 use crate::scripts::reply::Reply;
 use crate::transport::breaker::Permit;
-use crate::transport::coalesce::{Call, Delivery, NodeDelivery, Push, Waiter};
+use crate::transport::coalesce::{
+    Call, Delivery, KeyedCoalescer, NodeDelivery, Push, Queues, Waiter,
+};
 use crate::transport::{nodes, CheckError, Transport};
 
 /// A standalone server's check, waiting for the merged call that carries it: queued on its
@@ -128,21 +130,60 @@ pub(crate) fn queue_in_hash_slot(
     batch: Vec<EncodedCheck>,
     deadline: Instant,
     permit: Permit,
-) -> impl Future<Output = Result<(Vec<EncodedCheck>, Reply), BackendError>> + Send + 'static {
-    let (reply, answer) = tokio::sync::oneshot::channel();
+) -> impl Future<Output = Delivery> + Send + 'static {
+    queue_keyed(
+        transport,
+        by_hash_slot,
+        send_hash_slot_merged,
+        hash_slot,
+        batch,
+        deadline,
+        permit,
+    )
+}
+
+/// The queues of hash slots' calls.
+fn by_hash_slot(queues: &Queues) -> &KeyedCoalescer {
+    &queues.by_hash_slot
+}
+
+/// The queues of nodes' calls.
+fn by_node(queues: &Queues) -> &KeyedCoalescer<NodeDelivery> {
+    &queues.by_node
+}
+
+/// Queues `batch` in the keyed queue that `queue` picks, under `key`, starting `send` for that
+/// key if no task sends its calls; and returns the wait for the answer.
+fn queue_keyed<T: Send + 'static, F>(
+    transport: &Arc<Transport>,
+    queue: fn(&Queues) -> &KeyedCoalescer<Result<T, BackendError>>,
+    send: fn(Arc<Transport>, u16) -> F,
+    key: u16,
+    batch: Vec<EncodedCheck>,
+    deadline: Instant,
+    permit: Permit,
+) -> impl Future<Output = Result<T, BackendError>> + Send + 'static
+where
+    F: Future<Output = ()> + Send + 'static,
+{
+    let (reply, answer) = oneshot::channel();
     let waiter = Waiter {
         batch,
         reply,
         deadline,
         permit,
     };
-    let queued = match transport.queues().by_hash_slot.push(hash_slot, waiter) {
+    let queued = match queue(transport.queues()).push(key, waiter) {
         Push::Waits => Ok(()),
         Push::StartCaller => {
-            let task = UnstartedHashSlot(Some(Arc::clone(transport)), hash_slot);
+            let task = UnstartedKeyed {
+                transport: Some(Arc::clone(transport)),
+                queue,
+                key,
+            };
             tokio::spawn(async move {
-                let (transport, hash_slot) = task.start();
-                send_hash_slot_merged(transport, hash_slot).await
+                let transport = task.start();
+                send(transport, key).await
             });
             Ok(())
         }
@@ -179,32 +220,15 @@ pub(crate) fn queue_on_node(
     deadline: Instant,
     permit: Permit,
 ) -> impl Future<Output = NodeDelivery> + Send + 'static {
-    let (reply, answer) = tokio::sync::oneshot::channel();
-    let waiter = Waiter {
+    queue_keyed(
+        transport,
+        by_node,
+        send_node_merged,
+        node,
         batch,
-        reply,
         deadline,
         permit,
-    };
-    let queued = match transport.queues().by_node.push(node, waiter) {
-        Push::Waits => Ok(()),
-        Push::StartCaller => {
-            let task = UnstartedNode(Some(Arc::clone(transport)), node);
-            tokio::spawn(async move {
-                let (transport, node) = task.start();
-                send_node_merged(transport, node).await
-            });
-            Ok(())
-        }
-        Push::Full => Err(overloaded(
-            "too many rate-limit checks are waiting for Redis",
-        )),
-    };
-    async move {
-        queued?;
-        let answer = answer.await;
-        answer.unwrap_or_else(|_| Err(unavailable("the rate-limit call was dropped")))
-    }
+    )
 }
 
 /// Sends what waits for `node`, one merged call after the other, on the node's own
@@ -340,42 +364,26 @@ impl Drop for Unstarted {
     }
 }
 
-/// As [`Unstarted`], for the task of one hash slot.
-struct UnstartedHashSlot(Option<Arc<Transport>>, u16);
+/// As [`Unstarted`], for the task of one key (a hash slot or a node) of a keyed queue.
+struct UnstartedKeyed<D: 'static> {
+    transport: Option<Arc<Transport>>,
+    queue: fn(&Queues) -> &KeyedCoalescer<D>,
+    key: u16,
+}
 
-impl UnstartedHashSlot {
-    fn start(mut self) -> (Arc<Transport>, u16) {
-        match self.0.take() {
-            Some(transport) => (transport, self.1),
+impl<D> UnstartedKeyed<D> {
+    fn start(mut self) -> Arc<Transport> {
+        match self.transport.take() {
+            Some(transport) => transport,
             None => unreachable!("a task starts once"),
         }
     }
 }
 
-impl Drop for UnstartedHashSlot {
+impl<D> Drop for UnstartedKeyed<D> {
     fn drop(&mut self) {
-        if let Some(transport) = self.0.take() {
-            drop(transport.queues().by_hash_slot.caller(self.1));
-        }
-    }
-}
-
-/// As [`Unstarted`], for the task of one node.
-struct UnstartedNode(Option<Arc<Transport>>, u16);
-
-impl UnstartedNode {
-    fn start(mut self) -> (Arc<Transport>, u16) {
-        match self.0.take() {
-            Some(transport) => (transport, self.1),
-            None => unreachable!("a task starts once"),
-        }
-    }
-}
-
-impl Drop for UnstartedNode {
-    fn drop(&mut self) {
-        if let Some(transport) = self.0.take() {
-            drop(transport.queues().by_node.caller(self.1));
+        if let Some(transport) = self.transport.take() {
+            drop((self.queue)(transport.queues()).caller(self.key));
         }
     }
 }
