@@ -198,27 +198,10 @@ struct TopArgs {
 #[derive(Debug, Args)]
 struct PeekArgs {
     #[command(flatten)]
-    redis: RedisArgs,
-    /// The limits file.
-    #[arg(
-        long,
-        value_name = "FILE",
-        env = "TOLLGATE_LIMITS",
-        default_value = "limits.toml"
-    )]
-    limits: PathBuf,
-    /// The key prefix the layer's Redis backend was built with.
-    #[arg(long, value_name = "PREFIX", default_value = DEFAULT_PREFIX)]
-    prefix: String,
+    target: TargetArgs,
     /// Reads under this plan's quota instead of the default quota.
     #[arg(long, value_name = "PLAN")]
     plan: Option<String>,
-    /// The limit's name, as the limits file says it.
-    #[arg(value_name = "LIMIT")]
-    limit: String,
-    /// Whom requests are counted as: an IP address, a tenant's or a principal's name.
-    #[arg(value_name = "IDENTITY")]
-    identity: String,
 }
 
 #[derive(Debug, Args)]
@@ -290,8 +273,9 @@ fn load(file: &Path) -> Result<Limits, ExitCode> {
 }
 
 fn peek(args: &PeekArgs) -> ExitCode {
-    let name = args.limit.as_str();
-    let (limit, key, identity) = match target_key(&args.limits, name, &args.identity) {
+    let target = &args.target;
+    let name = target.limit.as_str();
+    let (limit, key, identity) = match target_key(&target.limits, name, &target.identity) {
         Ok(found) => found,
         Err(code) => return code,
     };
@@ -306,7 +290,7 @@ fn peek(args: &PeekArgs) -> ExitCode {
             }
         },
     };
-    let (backend, runtime) = match connect(&args.redis, &args.prefix) {
+    let (backend, runtime) = match connect(&target.redis, &target.prefix) {
         Ok(both) => both,
         Err(code) => return code,
     };
