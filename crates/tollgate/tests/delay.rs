@@ -11,18 +11,18 @@
 mod support;
 
 use std::convert::Infallible;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{Request, Response, StatusCode};
+use http::{Request, StatusCode};
 use http_body_util::Full;
 use tokio::time::Instant;
 use tollgate::key::{Global, Tenant};
 use tollgate::{Decision, FakeClock, Limit, Limits, MemoryBackend, Quota, RateLimitLayer};
-use tower::{service_fn, Layer, Service, ServiceExt};
+use tower::{Service, ServiceExt};
 
-type Res = Response<tollgate::ResponseBody<Full<Bytes>>>;
+use support::{Res, Started};
 
 fn memory() -> MemoryBackend<FakeClock> {
     MemoryBackend::builder()
@@ -64,24 +64,6 @@ fn req(id: usize, tenant: &str) -> Request<Full<Bytes>> {
         .header("x-tenant", tenant)
         .body(Full::new(Bytes::new()))
         .unwrap()
-}
-
-/// When each request reached the handler, by id, measured from `start`.
-type Started = Arc<Mutex<Vec<(usize, Duration)>>>;
-
-fn app<B: tollgate::core::Backend>(
-    layer: &RateLimitLayer<B>,
-    start: Instant,
-    started: Started,
-) -> impl Service<Request<Full<Bytes>>, Response = Res, Error = Infallible, Future: Send> + Clone {
-    layer.layer(service_fn(move |req: Request<Full<Bytes>>| {
-        let started = Arc::clone(&started);
-        async move {
-            let id = req.headers()["x-id"].to_str().unwrap().parse().unwrap();
-            started.lock().unwrap().push((id, start.elapsed()));
-            Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"ok"))))
-        }
-    }))
 }
 
 /// Sends `n` requests at once (each decided as it is called) and waits for every answer.
@@ -134,7 +116,7 @@ async fn exactly_the_burst_and_the_delay_s_intervals_are_admitted_each_at_its_ti
         .build()
         .unwrap();
     let started = Started::default();
-    let mut svc = app(&layer, Instant::now(), Arc::clone(&started));
+    let mut svc = support::recording(&layer, Instant::now(), Arc::clone(&started), Duration::ZERO);
     let answers = concurrently(&mut svc, 10, "t").await;
     let status: Vec<u16> = answers.iter().map(|r| r.status().as_u16()).collect();
     assert_eq!(status, [200, 200, 200, 200, 200, 429, 429, 429, 429, 429]);
@@ -170,7 +152,7 @@ async fn a_request_dropped_while_it_waits_gives_its_unit_back() {
         .build()
         .unwrap();
     let started = Started::default();
-    let mut svc = app(&layer, Instant::now(), Arc::clone(&started));
+    let mut svc = support::recording(&layer, Instant::now(), Arc::clone(&started), Duration::ZERO);
     let first = svc.ready().await.unwrap().call(req(0, "t"));
     let second = svc.ready().await.unwrap().call(req(1, "t"));
     let third = svc.ready().await.unwrap().call(req(2, "t"));
@@ -204,7 +186,7 @@ async fn at_most_max_waiting_requests_of_a_key_wait_and_the_others_consume_nothi
         .build()
         .unwrap();
     let started = Started::default();
-    let mut svc = app(&layer, Instant::now(), Arc::clone(&started));
+    let mut svc = support::recording(&layer, Instant::now(), Arc::clone(&started), Duration::ZERO);
     let answers = concurrently(&mut svc, 10, "a").await;
     let admitted = answers.iter().filter(|r| r.status() == 200).count();
     assert_eq!(admitted, 5); // 2 at once, 3 waiting
@@ -237,7 +219,7 @@ async fn stacked_limits_wait_for_the_latest_time_and_a_refusal_consumes_in_neith
         .build()
         .unwrap();
     let started = Started::default();
-    let mut svc = app(&layer, Instant::now(), Arc::clone(&started));
+    let mut svc = support::recording(&layer, Instant::now(), Arc::clone(&started), Duration::ZERO);
     let mut futs = Vec::new();
     for id in 0..3 {
         futs.push(tokio::spawn(svc.ready().await.unwrap().call(req(id, "a"))));
@@ -282,7 +264,7 @@ async fn a_shadow_limit_reports_its_delay_and_nobody_waits_for_it() {
         .build()
         .unwrap();
     let started = Started::default();
-    let mut svc = app(&layer, Instant::now(), Arc::clone(&started));
+    let mut svc = support::recording(&layer, Instant::now(), Arc::clone(&started), Duration::ZERO);
     let answers = concurrently(&mut svc, 3, "t").await;
     assert!(answers.iter().all(|r| r.status() == 200));
     let last = answers[2].extensions().get::<Decision>().unwrap();
@@ -300,7 +282,7 @@ async fn a_reload_changes_the_delay() {
         .build()
         .unwrap();
     let started = Started::default();
-    let mut svc = app(&layer, Instant::now(), Arc::clone(&started));
+    let mut svc = support::recording(&layer, Instant::now(), Arc::clone(&started), Duration::ZERO);
     let status = |a: &[Res]| a.iter().map(|r| r.status().as_u16()).collect::<Vec<_>>();
     assert_eq!(status(&concurrently(&mut svc, 2, "t").await), [200, 429]);
     layer.reloader().reload(limits(2)).unwrap();
@@ -324,7 +306,7 @@ async fn the_delay_applies_under_the_plan_s_quota() {
         .build()
         .unwrap();
     let started = Started::default();
-    let mut svc = app(&layer, Instant::now(), Arc::clone(&started));
+    let mut svc = support::recording(&layer, Instant::now(), Arc::clone(&started), Duration::ZERO);
     let mut tasks = Vec::new();
     for id in 0..4 {
         let mut r = req(id, "pro");
@@ -370,7 +352,7 @@ async fn allowlisted_requests_and_a_failed_backend_never_wait() {
         .build()
         .unwrap();
     let started = Started::default();
-    let mut svc = app(&layer, Instant::now(), Arc::clone(&started));
+    let mut svc = support::recording(&layer, Instant::now(), Arc::clone(&started), Duration::ZERO);
     let status = |a: &[Res]| a.iter().map(|r| r.status().as_u16()).collect::<Vec<_>>();
     let answers = concurrently(&mut svc, 3, "t").await;
     assert_eq!(status(&answers), [200, 429, 429]);

@@ -5,22 +5,24 @@
 
 #![allow(clippy::unwrap_used)]
 
+mod support;
+
 use std::convert::Infallible;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{Request, Response};
+use http::Request;
 use http_body_util::Full;
 use tokio::time::Instant;
-use tollgate::core::{Backend, DEFAULT_MAX_WAITING, DEFAULT_SLOT_TTL};
+use tollgate::core::{DEFAULT_MAX_WAITING, DEFAULT_SLOT_TTL};
 use tollgate::{
     Algorithm, Decision, DenyReason, FakeClock, Limits, LimitsFile, LimitsFileError, MemoryBackend,
     Outcome, RateLimitLayer,
 };
-use tower::{service_fn, Layer, Service, ServiceExt};
+use tower::{Service, ServiceExt};
 
-type Res = Response<tollgate::ResponseBody<Full<Bytes>>>;
+use support::{Res, Started};
 
 fn parse(text: &str) -> Limits {
     LimitsFile::new().parse(text).unwrap()
@@ -353,27 +355,6 @@ fn memory() -> (MemoryBackend<FakeClock>, FakeClock) {
     (backend, clock)
 }
 
-/// When each request reached the handler, by id, from `start`.
-type Started = Arc<Mutex<Vec<(usize, Duration)>>>;
-
-/// A service behind `layer` whose handler records its start and holds for `hold`.
-fn app<B: Backend>(
-    layer: &RateLimitLayer<B>,
-    start: Instant,
-    started: Started,
-    hold: Duration,
-) -> impl Service<Request<Full<Bytes>>, Response = Res, Error = Infallible, Future: Send> + Clone {
-    layer.layer(service_fn(move |req: Request<Full<Bytes>>| {
-        let started = Arc::clone(&started);
-        async move {
-            let id = req.headers()["x-id"].to_str().unwrap().parse().unwrap();
-            started.lock().unwrap().push((id, start.elapsed()));
-            tokio::time::sleep(hold).await;
-            Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"ok"))))
-        }
-    }))
-}
-
 fn req(id: usize) -> Request<Full<Bytes>> {
     Request::builder()
         .header("x-id", id.to_string())
@@ -437,7 +418,7 @@ async fn four_at_once(text: &str) -> (Vec<u16>, Started) {
         .build()
         .unwrap();
     let started = Started::default();
-    let mut svc = app(&layer, Instant::now(), Arc::clone(&started), Duration::ZERO);
+    let mut svc = support::recording(&layer, Instant::now(), Arc::clone(&started), Duration::ZERO);
     let status = concurrently(&mut svc, 4)
         .await
         .iter()
@@ -459,7 +440,7 @@ async fn a_queue_from_the_file_serves_a_full_key_s_requests_in_turn() {
         .build()
         .unwrap();
     let started = Started::default();
-    let mut svc = app(&layer, Instant::now(), Arc::clone(&started), ms(100));
+    let mut svc = support::recording(&layer, Instant::now(), Arc::clone(&started), ms(100));
     let answers = concurrently(&mut svc, 4).await;
     assert_eq!(
         answers,
@@ -499,7 +480,7 @@ async fn a_penalty_from_the_file_blocks_at_exactly_the_n_th_refusal() {
         .backend(backend)
         .build()
         .unwrap();
-    let mut svc = app(&layer, Instant::now(), Started::default(), Duration::ZERO);
+    let mut svc = support::recording(&layer, Instant::now(), Started::default(), Duration::ZERO);
     let over = Some(DenyReason::OverLimit);
     let blocked = Some(DenyReason::Blocked);
     let mut answers = Vec::new();
@@ -543,7 +524,7 @@ async fn a_reload_from_the_file_changes_the_penalty_s_refusals() {
         .backend(backend)
         .build()
         .unwrap();
-    let mut svc = app(&layer, Instant::now(), Started::default(), Duration::ZERO);
+    let mut svc = support::recording(&layer, Instant::now(), Started::default(), Duration::ZERO);
     let over = Some(DenyReason::OverLimit);
     assert_eq!(one(&mut svc).await, (200, None, None));
     assert_eq!(one(&mut svc).await, (429, Some(60), over));

@@ -12,19 +12,19 @@ mod support;
 use std::convert::Infallible;
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{Request, Response};
+use http::Request;
 use http_body_util::Full;
 use tokio::time::Instant;
 use tollgate::core::{Admin, Backend, Check, Settlement, Slots};
 use tollgate::key::{Global, Tenant};
 use tollgate::{Decision, FakeClock, Limit, Limits, MemoryBackend, Quota, RateLimitLayer};
-use tower::{service_fn, Layer, Service, ServiceExt};
+use tower::{Service, ServiceExt};
 
-type Res = Response<tollgate::ResponseBody<Full<Bytes>>>;
+use support::{Res, Started};
 
 /// How long a handler holds its slot.
 const HOLD: Duration = Duration::from_millis(100);
@@ -91,25 +91,6 @@ fn req(id: usize, tenant: &str) -> Request<Full<Bytes>> {
         .unwrap()
 }
 
-/// When each request reached its handler, in the order they did: (id, time since `start`).
-type Started = Arc<Mutex<Vec<(usize, Duration)>>>;
-
-fn app<B: Backend>(
-    layer: &RateLimitLayer<B>,
-    start: Instant,
-    started: Started,
-) -> impl Service<Request<Full<Bytes>>, Response = Res, Error = Infallible, Future: Send> + Clone {
-    layer.layer(service_fn(move |req: Request<Full<Bytes>>| {
-        let started = Arc::clone(&started);
-        async move {
-            let id = req.headers()["x-id"].to_str().unwrap().parse().unwrap();
-            started.lock().unwrap().push((id, start.elapsed()));
-            tokio::time::sleep(HOLD).await;
-            Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"ok"))))
-        }
-    }))
-}
-
 /// A request's answer without its body (dropped at once, so its slot goes back), and when
 /// it came from `start`.
 type Answer = (http::response::Parts, Duration);
@@ -153,6 +134,14 @@ async fn all(tasks: Vec<tokio::task::JoinHandle<Answer>>) -> Vec<Answer> {
     out
 }
 
+/// Each answer's status, and when it came.
+fn statuses(answers: &[Answer]) -> Vec<(u16, Duration)> {
+    answers
+        .iter()
+        .map(|(p, at)| (p.status.as_u16(), *at))
+        .collect()
+}
+
 fn ms(n: u64) -> Duration {
     Duration::from_millis(n)
 }
@@ -172,7 +161,7 @@ async fn a_full_key_s_requests_are_served_one_after_another_in_arrival_order() {
         .unwrap();
     let start = Instant::now();
     let started = Started::default();
-    let mut svc = app(&layer, start, Arc::clone(&started));
+    let mut svc = support::recording(&layer, start, Arc::clone(&started), HOLD);
     let answers = all(send(&mut svc, 0..5, "t", start).await).await;
     // None refused; one served at once, then each as the one before it ends.
     let status: Vec<u16> = answers.iter().map(|(p, _)| p.status.as_u16()).collect();
@@ -214,7 +203,7 @@ async fn a_full_key_s_requests_are_served_one_after_another_in_arrival_order() {
     );
     drop(svc);
     // Nothing is left in line, and the key's slot is free.
-    let mut svc = app(&layer, start, Started::default());
+    let mut svc = support::recording(&layer, start, Started::default(), HOLD);
     let (last, _) = all(send(&mut svc, 5..6, "t", start).await).await.remove(0);
     assert_eq!(decision(&last).limits()[0].label(), "allowed");
     // Checks: the first request's, the second's (refused: it takes the front of the line),
@@ -236,12 +225,9 @@ async fn at_most_max_waiting_requests_wait_and_the_others_are_refused_at_once() 
         .unwrap();
     let start = Instant::now();
     let started = Started::default();
-    let mut svc = app(&layer, start, Arc::clone(&started));
+    let mut svc = support::recording(&layer, start, Arc::clone(&started), HOLD);
     let answers = all(send(&mut svc, 0..5, "a", start).await).await;
-    let status: Vec<(u16, Duration)> = answers
-        .iter()
-        .map(|(p, at)| (p.status.as_u16(), *at))
-        .collect();
+    let status = statuses(&answers);
     // One served, two waited, two refused at once (Retry-After: the limit's 1 s).
     assert_eq!(
         status,
@@ -275,7 +261,7 @@ async fn a_waiter_dropped_leaves_the_line_and_the_next_gets_the_slot() {
         .unwrap();
     let start = Instant::now();
     let started = Started::default();
-    let mut svc = app(&layer, start, Arc::clone(&started));
+    let mut svc = support::recording(&layer, start, Arc::clone(&started), HOLD);
     let first = answer(svc.ready().await.unwrap().call(req(0, "t")), start);
     // The second waits at the front, the third behind it; the second's client goes away.
     let second = svc.ready().await.unwrap().call(req(1, "t"));
@@ -304,12 +290,9 @@ async fn a_waiter_past_its_wait_is_refused() {
         .unwrap();
     let start = Instant::now();
     let started = Started::default();
-    let mut svc = app(&layer, start, Arc::clone(&started));
+    let mut svc = support::recording(&layer, start, Arc::clone(&started), HOLD);
     let answers = all(send(&mut svc, 0..5, "t", start).await).await;
-    let status: Vec<(u16, Duration)> = answers
-        .iter()
-        .map(|(p, at)| (p.status.as_u16(), *at))
-        .collect();
+    let status = statuses(&answers);
     assert_eq!(
         status,
         [
@@ -347,17 +330,14 @@ async fn a_waiter_holds_no_rate_units_and_is_checked_whole_at_its_turn() {
         .unwrap();
     let start = Instant::now();
     let started = Started::default();
-    let mut svc = app(&layer, start, Arc::clone(&started));
+    let mut svc = support::recording(&layer, start, Arc::clone(&started), HOLD);
     let tasks = send(&mut svc, 0..5, "a", start).await;
     // While four wait, only the one served has taken a unit of the rate limit.
     tokio::time::sleep(ms(50)).await;
     let state = layer.peek("per-minute", "a").await.unwrap();
     assert_eq!(state.remaining, 2);
     let answers = all(tasks).await;
-    let status: Vec<(u16, Duration)> = answers
-        .iter()
-        .map(|(p, at)| (p.status.as_u16(), *at))
-        .collect();
+    let status = statuses(&answers);
     // Three served one after another. The fourth comes to the front when the third is
     // served (200 ms), and its first poll (5 ms later, ±20%) finds the minute's units spent:
     // refused there and then, by the rate limit, not kept waiting for the slot; so is the

@@ -295,3 +295,40 @@ impl tracing::Subscriber for Collector {
 
     fn exit(&self, _: &tracing::span::Id) {}
 }
+
+/// A layered service's response, as the tests read it.
+pub type Res = http::Response<tollgate::ResponseBody<http_body_util::Full<bytes::Bytes>>>;
+
+/// When each request reached the handler, by its `x-id`, measured from a test's start.
+pub type Started = Arc<Mutex<Vec<(usize, std::time::Duration)>>>;
+
+/// A service behind `layer` whose handler records when each request (by its `x-id` header)
+/// reached it, from `start`, then holds it for `hold` before it answers `ok`.
+pub fn recording<B: Backend>(
+    layer: &tollgate::RateLimitLayer<B>,
+    start: tokio::time::Instant,
+    started: Started,
+    hold: std::time::Duration,
+) -> impl tower::Service<
+    http::Request<http_body_util::Full<bytes::Bytes>>,
+    Response = Res,
+    Error = std::convert::Infallible,
+    Future: Send,
+> + Clone {
+    use tower::Layer;
+    layer.layer(tower::service_fn(
+        move |req: http::Request<http_body_util::Full<bytes::Bytes>>| {
+            let started = Arc::clone(&started);
+            async move {
+                let id = req.headers()["x-id"].to_str().unwrap().parse().unwrap();
+                started.lock().unwrap().push((id, start.elapsed()));
+                if !hold.is_zero() {
+                    tokio::time::sleep(hold).await;
+                }
+                Ok::<_, std::convert::Infallible>(http::Response::new(http_body_util::Full::new(
+                    bytes::Bytes::from_static(b"ok"),
+                )))
+            }
+        },
+    ))
+}
