@@ -244,12 +244,7 @@ async fn send_node_merged(transport: Arc<Transport>, node: u16) {
 /// not serve (or a node that cannot run the cross-slot form) ran nothing: its requests are
 /// told so, to send their checks again by hash slot, and the slot map is read again.
 async fn send_node_call(transport: &Arc<Transport>, node: u16, call: Call<NodeDelivery>) {
-    for late in call.late {
-        let _ = late.reply.send(Err(overloaded(format!(
-            "the rate-limit check waited {:?} for a call to Redis, and was not sent",
-            transport.deadline()
-        ))));
-    }
+    answer_late(transport, call.late);
     let waiters = call.send;
     let carried = waiters.len();
     let Some(deadline) = waiters.iter().map(|w| w.deadline).min() else {
@@ -302,15 +297,21 @@ async fn send_node_call(transport: &Arc<Transport>, node: u16, call: Call<NodeDe
     }
 }
 
-/// One merged call: its late requests answered `Overloaded`, the others sent together by the
-/// earliest of their deadlines, and the call reported once.
-async fn send_call(transport: &Transport, call: Call) {
-    for late in call.late {
+/// Answers the requests whose deadline passed while they waited for a call: `Overloaded`, a
+/// process that could not send its checks in time, which says nothing of Redis.
+fn answer_late<T>(transport: &Transport, late: Vec<Waiter<Result<T, BackendError>>>) {
+    for late in late {
         let _ = late.reply.send(Err(overloaded(format!(
             "the rate-limit check waited {:?} for a call to Redis, and was not sent",
             transport.deadline()
         ))));
     }
+}
+
+/// One merged call: its late requests answered `Overloaded`, the others sent together by the
+/// earliest of their deadlines, and the call reported once.
+async fn send_call(transport: &Transport, call: Call) {
+    answer_late(transport, call.late);
     let waiters = call.send;
     let carried = waiters.len();
     let Some(deadline) = waiters.iter().map(|w| w.deadline).min() else {
