@@ -149,6 +149,16 @@ impl<C> Inner<C> {
         fingerprint(&self.seed, check)
     }
 
+    /// `check`'s key's fingerprint and its shard, locked for writing (no sweep: for the
+    /// operators' and the settling calls that touch one key).
+    pub(super) fn key_shard(&self, check: &Check<'_>) -> (Fp, RwLockWriteGuard<'_, Shard>) {
+        let fp = self.fingerprint(check);
+        let shard = self.shards[fp.shard(self.shards.len() - 1)]
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        (fp, shard)
+    }
+
     /// At the cap, expired keys in shards nobody touches would hold places forever: each call
     /// at the cap takes the next few shards of a round through all of them, sweeping those whose
     /// sweep is due within the call's budget, one lock at a time. A round starts at most once

@@ -31,7 +31,7 @@
 
 use std::collections::hash_map::Entry;
 use std::future::{ready, Ready};
-use std::sync::{Arc, PoisonError};
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::backend::{
@@ -116,11 +116,7 @@ impl<C: Clock> MemoryBackend<C> {
         let inner = &*self.inner;
         let now = inner.clock.now();
         let probe = check.with_cost(1);
-        let fp = inner.fingerprint(&probe);
-        let mask = inner.shards.len() - 1;
-        let mut shard = inner.shards[fp.shard(mask)]
-            .write()
-            .unwrap_or_else(PoisonError::into_inner);
+        let (fp, mut shard) = inner.key_shard(&probe);
         let (verdict, _, new) = shard.evaluate(&probe, &fp, now);
         if new {
             return KeyState::fresh(&check.quota);
@@ -137,11 +133,7 @@ impl<C: Clock> MemoryBackend<C> {
     pub fn reset_now(&self, check: &Check<'_>) -> Result<(), BackendError> {
         let inner = &*self.inner;
         inner.sanction(check, false, |s, _| s.lift());
-        let fp = inner.fingerprint(check);
-        let mask = inner.shards.len() - 1;
-        let mut shard = inner.shards[fp.shard(mask)]
-            .write()
-            .unwrap_or_else(PoisonError::into_inner);
+        let (fp, mut shard) = inner.key_shard(check);
         let removed = match check.limit.algorithm() {
             Algorithm::Gcra => shard.gcra.remove(&fp).is_some(),
             Algorithm::FixedWindow => shard.windows.remove(&fp).is_some(),
@@ -179,15 +171,11 @@ impl<C: Clock> MemoryBackend<C> {
     /// tracked.
     pub fn release_now(&self, checks: &[Check<'_>]) {
         let inner = &*self.inner;
-        let mask = inner.shards.len() - 1;
         for check in checks {
             if check.limit.algorithm() != Algorithm::Concurrency {
                 continue;
             }
-            let fp = inner.fingerprint(check);
-            let mut shard = inner.shards[fp.shard(mask)]
-                .write()
-                .unwrap_or_else(PoisonError::into_inner);
+            let (fp, mut shard) = inner.key_shard(check);
             if let Entry::Occupied(mut held) = shard.inflight.entry(fp) {
                 let left = held.get().saturating_sub(check.cost);
                 if left == 0 {

@@ -2,7 +2,6 @@
 //! undeny and lift of one key, and a pause an upstream asked for.
 
 use std::collections::hash_map::Entry;
-use std::sync::PoisonError;
 
 use crate::check::Check;
 use crate::clock::{Clock, Micros};
@@ -59,11 +58,7 @@ impl<C: Clock> Inner<C> {
         f: impl FnOnce(&mut Sanction, Micros),
     ) -> bool {
         let now = self.clock.now();
-        let fp = self.fingerprint(check);
-        let mask = self.shards.len() - 1;
-        let mut shard = self.shards[fp.shard(mask)]
-            .write()
-            .unwrap_or_else(PoisonError::into_inner);
+        let (fp, mut shard) = self.key_shard(check);
         let room = shard.len() < self.places.shard_cap;
         match shard.sanctions.entry(fp) {
             Entry::Occupied(mut e) => {
@@ -107,11 +102,7 @@ impl<C: Clock> Inner<C> {
         let target = now
             .saturating_add(micros)
             .saturating_add(interval.saturating_mul(u64::from(quota.burst().saturating_sub(1))));
-        let fp = self.fingerprint(check);
-        let mask = self.shards.len() - 1;
-        let mut shard = self.shards[fp.shard(mask)]
-            .write()
-            .unwrap_or_else(PoisonError::into_inner);
+        let (fp, mut shard) = self.key_shard(check);
         let room = shard.len() < self.places.shard_cap;
         let tat = crate::memory::shard::carried(
             shard
