@@ -392,11 +392,7 @@ impl Transport {
             let value = self
                 .invoke_check(lean::len(batches.len()), &write, direct, form)
                 .await?;
-            let replies = reply::parse_replies(&value, batches)?;
-            if let (None, Some(reply)) = (now, replies.first()) {
-                self.clock.saw(reply.now, sent);
-            }
-            return Ok(replies);
+            return Ok(self.replies(&value, batches, now, sent)?);
         }
         let mut window_now = now.unwrap_or_else(|| self.clock.now());
         for retry in [false, true] {
@@ -408,11 +404,7 @@ impl Transport {
                 .await
             {
                 Ok(value) => {
-                    let replies = reply::parse_replies(&value, batches)?;
-                    if let (None, Some(reply)) = (now, replies.first()) {
-                        self.clock.saw(reply.now, sent);
-                    }
-                    return Ok(replies);
+                    return Ok(self.replies(&value, batches, now, sent)?);
                 }
                 Err(e) if !retry && e.code() == Some(WINDOW_ERROR) => {
                     match e.detail().and_then(|d| d.trim().parse().ok()) {
@@ -433,6 +425,22 @@ impl Transport {
             "the server's fixed window moved twice in a row",
         )
         .into())
+    }
+
+    /// The replies of a `CHECK` call (of either script) sent at `sent`; the server's time in
+    /// them updates the clock's estimate unless the call was made at a fixed `now`.
+    fn replies(
+        &self,
+        value: &redis::Value,
+        batches: &[&[EncodedCheck]],
+        now: Option<Micros>,
+        sent: Micros,
+    ) -> Result<Vec<Reply>, BackendError> {
+        let replies = reply::parse_replies(value, batches)?;
+        if let (None, Some(reply)) = (now, replies.first()) {
+            self.clock.saw(reply.now, sent);
+        }
+        Ok(replies)
     }
 
     /// Sends `call`, an `EVALSHA` of `script`, on the shared connection.
