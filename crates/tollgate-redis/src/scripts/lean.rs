@@ -15,9 +15,6 @@
 
 use std::sync::LazyLock;
 
-use tollgate_core::Micros;
-
-use crate::keys::Suffix;
 use crate::scripts::check::{EncodedCheck, Form};
 use crate::scripts::Script;
 use crate::transport::args::Args;
@@ -90,42 +87,19 @@ pub(crate) fn fits<'p>(batches: &[&'p [EncodedCheck]]) -> Option<&'p EncodedChec
     Some(first)
 }
 
-/// How many arguments [`write`] writes for `requests` requests.
+/// How many arguments a lean call of `requests` requests has: `EVALSHA`, the digest, the
+/// number of declared keys, `now`, the figures and one key per request.
 pub(crate) fn len(requests: usize) -> usize {
     3 + requests + FIXED
 }
 
-/// Writes the lean call of `batches` (which [`fits`], sharing `first`'s figures) in `form`:
-/// `key` writes one request's key.
-pub(crate) fn write(
-    out: &mut dyn Args,
-    batches: &[&[EncodedCheck]],
-    first: &EncodedCheck,
-    now: Option<Micros>,
-    form: Form,
-    key: &dyn Fn(&mut dyn Args, &EncodedCheck, Suffix),
-) {
-    let declared = match form {
-        Form::Declared => batches.len(),
-        Form::CrossSlot => batches.len().min(1),
-    };
-    out.bytes(b"EVALSHA");
-    out.bytes(script(form).sha().as_bytes());
-    out.number(declared as u64);
-    for batch in &batches[..declared] {
-        key(out, &batch[0], Suffix::Tat);
-    }
-    match now {
-        Some(now) => out.number(now),
-        None => out.bytes(b""),
-    }
+/// Writes the arguments of a lean call between `now` and the keys that follow them in the
+/// cross-slot form: the figures of `first`, which every request of the call shares.
+pub(crate) fn write_figures(out: &mut dyn Args, first: &EncodedCheck) {
     let [interval, tolerance, burst] = first.params;
     out.number(interval);
     out.number(tolerance);
     out.number(burst);
     out.number(u64::from(first.cost));
     out.number(u64::from(first.enforce));
-    for batch in &batches[declared..] {
-        key(out, &batch[0], Suffix::Tat);
-    }
 }

@@ -347,6 +347,36 @@ impl Transport {
         }
     }
 
+    /// Writes a lean `CHECK` call of `batches` (which `lean::fits`, sharing `first`'s
+    /// figures) in `form` into `out`; `lean::len` arguments. One key per request.
+    fn lean_args(
+        &self,
+        out: &mut dyn Args,
+        batches: &[&[EncodedCheck]],
+        first: &EncodedCheck,
+        now: Option<Micros>,
+        form: Form,
+    ) {
+        let declared = match form {
+            Form::Declared => batches.len(),
+            Form::CrossSlot => batches.len().min(1),
+        };
+        // Each request's one check (as `lean::fits` found), at its TAT's key.
+        fn tat<'p>(batch: &&'p [EncodedCheck]) -> (&'p EncodedCheck, Suffix) {
+            (&batch[0], Suffix::Tat)
+        }
+        self.script_args(
+            out,
+            lean::script(form),
+            batches[..declared].iter().map(tat),
+            now,
+        );
+        lean::write_figures(out, first);
+        for (p, suffix) in batches[declared..].iter().map(tat) {
+            self.key_arg(out, p, suffix);
+        }
+    }
+
     /// One `CHECK` call for checks that share a hash slot (or a standalone server).
     pub(crate) async fn eval_check(
         &self,
@@ -384,10 +414,7 @@ impl Transport {
         form: Form,
     ) -> Result<Vec<Reply>, CheckError> {
         if let Some(first) = self.lean.then(|| lean::fits(batches)).flatten() {
-            let key = |out: &mut dyn Args, p: &EncodedCheck, suffix: Suffix| {
-                self.key_arg(out, p, suffix);
-            };
-            let write = |out: &mut dyn Args| lean::write(out, batches, first, now, form, &key);
+            let write = |out: &mut dyn Args| self.lean_args(out, batches, first, now, form);
             let sent = clock::monotonic_time();
             let value = self
                 .invoke_check(lean::len(batches.len()), &write, direct, form)
