@@ -53,16 +53,18 @@ pub(crate) enum Conn {
 }
 
 impl Conn {
-    /// Sends `call`, an `EVALSHA` of `script`; if the server does not know the script (it
-    /// restarted, or was flushed), loads it and sends `call` again.
+    /// Sends `call`, an `EVALSHA` of the first of `scripts`; if the server does not know it
+    /// (it restarted, or was flushed), loads all of `scripts` and sends `call` again.
     pub(crate) async fn invoke(
         &mut self,
-        script: &Script,
+        scripts: &[&Script],
         call: &redis::Cmd,
     ) -> RedisResult<Value> {
         match self.query(call).await {
             Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-                self.query(&script.load()).await?;
+                for script in scripts {
+                    self.query(&script.load()).await?;
+                }
                 self.query(call).await
             }
             other => other,

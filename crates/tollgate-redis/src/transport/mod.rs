@@ -476,7 +476,7 @@ impl Transport {
         script: &Script,
         call: &redis::Cmd,
     ) -> Result<redis::Value, BackendError> {
-        self.invoke_raw(script, call).await.map_err(map_error)
+        self.invoke_raw(&[script], call).await.map_err(map_error)
     }
 
     /// Sends a plain command on the shared connection.
@@ -531,25 +531,18 @@ impl Transport {
         }
         let mut call = redis::Cmd::with_capacity(count, 64 * count);
         write(&mut call);
-        match self.query_raw(&call).await {
-            Err(e) if no_script(&e) => {
-                for script in scripts {
-                    self.query_raw(&script.load()).await?;
-                }
-                self.query_raw(&call).await
-            }
-            other => other,
-        }
+        self.invoke_raw(&scripts, &call).await
     }
 
-    /// As [`invoke`](Self::invoke), with Redis' own error.
+    /// As [`invoke`](Self::invoke), with Redis' own error; all of `scripts` are loaded when
+    /// the server does not know the first.
     async fn invoke_raw(
         &self,
-        script: &Script,
+        scripts: &[&Script],
         call: &redis::Cmd,
     ) -> Result<redis::Value, redis::RedisError> {
         let (generation, mut conn) = self.shared.get().await?;
-        conn.invoke(script, call).await.inspect_err(|e| {
+        conn.invoke(scripts, call).await.inspect_err(|e| {
             if breaks_connection(e) {
                 self.shared.invalidate(generation);
             }
