@@ -456,6 +456,23 @@ fn usage_errors_exit_2() {
     );
 }
 
+/// A backend of the application the CLI is pointed at: the prefix `app`, as the commands
+/// below say it.
+fn app_backend(server: &RedisServer) -> RedisBackend {
+    RedisBackend::builder()
+        .url(server.url())
+        .prefix("app")
+        .deadline(Duration::from_secs(5))
+        .build()
+        .unwrap()
+}
+
+/// The key a per-IP limit counts `ip` under.
+fn ip_key(ip: &str) -> tollgate::key::Key {
+    let ip: std::net::IpAddr = ip.parse().unwrap();
+    ClientIp::peer().key_of(&ip.into()).unwrap()
+}
+
 #[tokio::test]
 async fn peek_reads_one_key_in_redis_and_writes_nothing() {
     let server = RedisServer::start();
@@ -470,15 +487,9 @@ default = 10
 "#;
     let path = file("peek", text);
     // Three requests of 203.0.113.7, counted by a backend as a layer would.
-    let backend = RedisBackend::builder()
-        .url(server.url())
-        .prefix("app")
-        .deadline(Duration::from_secs(5))
-        .build()
-        .unwrap();
+    let backend = app_backend(&server);
     let limit = Limit::fixed_window("daily", Quota::per_day(10).unwrap()).unwrap();
-    let ip: std::net::IpAddr = "203.0.113.7".parse().unwrap();
-    let key = ClientIp::peer().key_of(&ip.into()).unwrap();
+    let key = ip_key("203.0.113.7");
     for _ in 0..3 {
         let v = backend
             .check(&[Check::new(&limit, key.as_bytes())])
@@ -606,12 +617,7 @@ default = 10
 #[tokio::test]
 async fn top_prints_the_most_refused_identities_from_redis() {
     let server = RedisServer::start();
-    let backend = RedisBackend::builder()
-        .url(server.url())
-        .prefix("app")
-        .deadline(Duration::from_secs(5))
-        .build()
-        .unwrap();
+    let backend = app_backend(&server);
     // Two replicas' counters, as their layers hand them over (2025-01-01T00:00:10Z on).
     let t0 = 1_735_689_610_000_000;
     let now = SystemClock::new().now();
@@ -669,15 +675,9 @@ key = "ip"
 default = 60
 "#;
     let path = file("deny", text);
-    let backend = RedisBackend::builder()
-        .url(server.url())
-        .prefix("app")
-        .deadline(Duration::from_secs(5))
-        .build()
-        .unwrap();
+    let backend = app_backend(&server);
     let limit = Limit::gcra("per-ip", Quota::per_minute(60).unwrap()).unwrap();
-    let ip: std::net::IpAddr = "203.0.113.7".parse().unwrap();
-    let key = ClientIp::peer().key_of(&ip.into()).unwrap();
+    let key = ip_key("203.0.113.7");
     let status = || {
         let f = backend.check(&[Check::new(&limit, key.as_bytes())]);
         async move { f.await.unwrap()[0].status }
@@ -711,12 +711,7 @@ default = 60
     assert_eq!(lifted.status.code(), Some(0), "{}", stderr(&lifted));
     // The replica's deny cache holds the deny for up to its TTL; a replica without one
     // (a backend of its own) asks Redis, which admits.
-    let other = RedisBackend::builder()
-        .url(server.url())
-        .prefix("app")
-        .deadline(Duration::from_secs(5))
-        .build()
-        .unwrap();
+    let other = app_backend(&server);
     let v = other
         .check(&[Check::new(&limit, key.as_bytes())])
         .await
