@@ -468,7 +468,7 @@ fn app_backend(server: &RedisServer) -> RedisBackend {
 }
 
 /// The key a per-IP limit counts `ip` under.
-fn ip_key(ip: &str) -> tollgate::key::Key {
+fn ip_key(ip: &str) -> tollgate::key::Key<'static> {
     let ip: std::net::IpAddr = ip.parse().unwrap();
     ClientIp::peer().key_of(&ip.into()).unwrap()
 }
