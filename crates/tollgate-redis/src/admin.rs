@@ -93,13 +93,19 @@ impl Admin {
         micros: u64,
     ) -> Result<(), BackendError> {
         let digest = keys::digest(check.limit.name(), &check.key);
-        let key = BaseKey::new(&self.prefix, check.limit.name(), &digest).with(Suffix::Sanction);
+        let base = BaseKey::new(&self.prefix, check.limit.name(), &digest);
         let mut cmd = redis::cmd("EVAL");
-        cmd.arg(admin::SANCTION)
-            .arg(1)
-            .arg(key.as_bytes())
-            .arg(op)
-            .arg(micros);
+        cmd.arg(admin::SANCTION);
+        // A GCRA key's value says until when its sanctions last: the lean check reads them
+        // only then.
+        if check.limit.algorithm() == Algorithm::Gcra {
+            cmd.arg(2)
+                .arg(base.clone().with(Suffix::Sanction).as_bytes())
+                .arg(base.with(Suffix::Tat).as_bytes());
+        } else {
+            cmd.arg(1).arg(base.with(Suffix::Sanction).as_bytes());
+        }
+        cmd.arg(op).arg(micros);
         self.transport
             .within_deadline(
                 async { Ok(self.transport.query_raw(&cmd).await) },

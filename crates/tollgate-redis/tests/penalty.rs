@@ -9,7 +9,7 @@ mod support;
 
 use std::time::Duration;
 
-use tollgate_core::{Admin, Backend, Check, Limit, Penalty, Quota, Status};
+use tollgate_core::{Admin, Backend, Check, Limit, Penalty, Quota, Settlement, Status};
 use tollgate_redis::RedisBackend;
 use tollgate_testsupport::{RedisCluster, RedisServer};
 
@@ -246,4 +246,82 @@ async fn a_peek_of_a_blocked_or_denied_key_says_nothing_is_left_until_it_ends() 
         .await
         .unwrap();
     assert_eq!(peek(b"tenant").await.remaining, 3);
+}
+
+/// The commonest calls (one GCRA check per request, no penalty) read a key's sanctions only
+/// when the key's value says it has some. A block that a limit's penalty started holds for
+/// the same key under that limit without its penalty (a reload that dropped it), as in
+/// memory, on a second replica.
+async fn a_block_holds_under_the_limit_without_its_penalty(a: &RedisBackend, b: &RedisBackend) {
+    let limit = login();
+    let check = |backend: &RedisBackend, limit: &Limit| {
+        let f = backend.check(&[Check::new(limit, b"ip")]);
+        async move { f.await.unwrap()[0].status }
+    };
+    for _ in 0..5 {
+        assert_eq!(check(a, &limit).await, Status::Allowed);
+    }
+    for _ in 0..2 {
+        assert!(matches!(check(a, &limit).await, Status::Denied { .. }));
+    }
+    assert!(matches!(check(a, &limit).await, Status::Blocked { .. }));
+    let plain = Limit::gcra("login", Quota::per_minute(5).unwrap()).unwrap();
+    let Status::Blocked { retry_after } = check(b, &plain).await else {
+        panic!("the block holds without the penalty");
+    };
+    assert!(retry_after > 590 * S && retry_after <= 600 * S, "{retry_after}");
+    // Another key of the same limit is untouched.
+    let f = b.check(&[Check::new(&plain, b"other")]);
+    assert_eq!(f.await.unwrap()[0].status, Status::Allowed);
+}
+
+#[tokio::test]
+async fn a_server_holds_a_block_under_the_limit_without_its_penalty() {
+    let server = RedisServer::start();
+    let a = support::standalone(&server.url()).build().unwrap();
+    let b = support::standalone(&server.url()).build().unwrap();
+    a_block_holds_under_the_limit_without_its_penalty(&a, &b).await;
+}
+
+#[tokio::test]
+async fn a_cluster_holds_a_block_under_the_limit_without_its_penalty() {
+    let cluster = RedisCluster::start(3);
+    let a = support::cluster(cluster.urls()).build().unwrap();
+    let b = support::cluster(cluster.urls()).build().unwrap();
+    a_block_holds_under_the_limit_without_its_penalty(&a, &b).await;
+}
+
+/// A deny holds through what rewrites its key's value: a refund of a request admitted before
+/// it, and a reset.
+#[tokio::test]
+async fn a_deny_outlives_a_refund_and_a_reset_of_its_key() {
+    let server = RedisServer::start();
+    let a = support::standalone(&server.url()).build().unwrap();
+    let b = support::standalone(&server.url()).build().unwrap();
+    let limit = Limit::gcra("api", Quota::per_minute(100).unwrap()).unwrap();
+    let check = |backend: &RedisBackend| {
+        let f = backend.check(&[Check::new(&limit, b"tenant")]);
+        async move { f.await.unwrap() }
+    };
+    let admitted = check(&a).await;
+    assert_eq!(admitted[0].status, Status::Allowed);
+    a.deny(&Check::new(&limit, b"tenant"), Duration::from_secs(3600))
+        .await
+        .unwrap();
+    let refund = Settlement {
+        limit: &limit,
+        key: b"tenant",
+        reserved: 1,
+        actual: 0,
+        receipt: admitted.receipt(0),
+        quota: *limit.quota(),
+    };
+    a.settle_at(&[refund], None).await.unwrap();
+    assert!(matches!(check(&b).await[0].status, Status::Denylisted { .. }));
+    a.reset(&Check::new(&limit, b"tenant")).await.unwrap();
+    let c = support::standalone(&server.url()).build().unwrap();
+    assert!(matches!(check(&c).await[0].status, Status::Denylisted { .. }));
+    a.undeny(&Check::new(&limit, b"tenant")).await.unwrap();
+    let d = support::standalone(&server.url()).build().unwrap();
+    assert_eq!(check(&d).await[0].status, Status::Allowed);
 }

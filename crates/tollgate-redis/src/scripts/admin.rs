@@ -20,15 +20,16 @@ use crate::keys::{BaseKey, Suffix};
 /// answers the error `TOLLGATE_WINDOW <now>`.
 pub(crate) const ADMIN: &str = include_str!("admin.lua");
 
-/// `KEYS[1]`: a key's sanctions (`<base>:pb`). `ARGV`: `lift` (a reset's: the block, the
-/// refusals and the strikes go, a deny stays), `deny` and its length in microseconds, or
-/// `undeny`. Answers the server's time.
-pub(crate) const SANCTION: &str = include_str!("sanction.lua");
+/// `KEYS[1]`: a key's sanctions (`<base>:pb`); `KEYS[2]`, for a GCRA limit, its value
+/// (`<base>:v2`), which says until when the sanctions last. `ARGV`: `lift` (a reset's: the
+/// block, the refusals and the strikes go, a deny stays), `deny` and its length in
+/// microseconds, or `undeny`. Answers the server's time.
+pub(crate) const SANCTION: &str = concat!(include_str!("tat.lua"), include_str!("sanction.lua"));
 
 /// `KEYS[1]`: a GCRA key (`<base>:v2`). `ARGV`: the pause in microseconds, the emission
 /// interval, the burst. Moves the key's TAT to at least the pause's end plus the burst less
 /// one interval (see `tollgate_core::Backend::pause`). Answers the server's time.
-pub(crate) const PAUSE: &str = include_str!("pause.lua");
+pub(crate) const PAUSE: &str = concat!(include_str!("tat.lua"), include_str!("pause.lua"));
 
 /// The `EVAL` of `op` (`peek` or `reset`) on `limit`'s key under `base`, whose fixed windows
 /// are declared for the server's time `server_now` (the client's estimate).
@@ -208,11 +209,15 @@ pub(super) fn text(value: &Value) -> Option<String> {
     }
 }
 
-/// A GCRA value `<tat>:<interval>`.
+/// A GCRA value `<tat>:<interval>[:<until>]` (`until`: when the key's sanctions end, which a
+/// peek reads from the sanctions themselves).
 fn parse_tat(value: &str) -> Result<(Micros, Micros), BackendError> {
-    let (tat, interval) = value
-        .split_once(':')
-        .ok_or_else(|| protocol("a GCRA value"))?;
+    let mut parts = value.split(':');
+    let (Some(tat), Some(interval), None | Some(_), None) =
+        (parts.next(), parts.next(), parts.next(), parts.next())
+    else {
+        return Err(protocol("a GCRA value"));
+    };
     match (tat.parse(), interval.parse()) {
         (Ok(tat), Ok(interval)) => Ok((tat, interval)),
         _ => Err(protocol("a GCRA value")),

@@ -85,8 +85,9 @@ local out, o = {now}, 1
 -- per call, not per request. `false` stands for a key with no state. `written` lists the keys
 -- to write, in order; `ttl` holds a written window's TTL, `false` a GCRA key's.
 local state, first, written, ttl = {}, {}, {}, {}
--- The emission interval each GCRA key's TAT in `state` is counted in.
-local t_of = {}
+-- The emission interval each GCRA key's TAT in `state` is counted in, and when its
+-- sanctions end as its value says (see `read_tat`).
+local t_of, h_of = {}, {}
 -- The slots held per concurrency key, counted at its first check in the call.
 local in_flight = {}
 local function read(key, missing)
@@ -121,7 +122,7 @@ if verify then
         if algo == 1 then
           if state[key] == nil then
             local tat
-            tat, t_of[key] = read_tat(key)
+            tat, t_of[key], h_of[key] = read_tat(key)
             state[key], first[key] = tat, tat
           end
         elseif algo == 2 then
@@ -184,7 +185,7 @@ while i <= figures do
       local interval, burst, tolerance = p1, p3, p2
       local tat = state[key]
       if tat == nil then
-        tat, t_of[key] = read_tat(key)
+        tat, t_of[key], h_of[key] = read_tat(key)
         state[key], first[key] = tat, tat
       end
       -- Written under another quota (a plan, a reload): carry what the key used.
@@ -272,6 +273,11 @@ while i <= figures do
       if block then
         out[at + 1] = 3
         if algo == 3 then out[at + 3], out[at + 4] = block, block else out[at + 2] = block end
+        if algo == 1 then
+          -- A GCRA key's value says until when it has sanctions (see `read_tat`).
+          h_of[key] = math.max(h_of[key], sc[3], sc[6])
+          if ttl[key] == nil then ttl[key] = false; written[#written + 1] = key end
+        end
       end
     end
     -- A deny by hand refuses under a shadow limit too: it is an operator's decision.
@@ -310,8 +316,8 @@ for i = 1, #written do
   local key = written[i]
   local v, window_ttl = state[key], ttl[key]
   if not window_ttl then
-    -- A GCRA TAT lives until it is in the past.
-    redis.call('SET', key, tat_value(v, t_of[key]), 'PX', ttl_ms(v - now))
+    -- A GCRA TAT lives until it is in the past (and the key's sanctions are over).
+    write_tat(key, v, t_of[key], h_of[key], now)
   else
     -- A window's count: its TTL (the time to the window's turn) is set by its first write.
     redis.call('INCRBY', key, fmt(v - first[key]))

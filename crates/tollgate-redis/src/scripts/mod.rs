@@ -33,7 +33,7 @@ pub(crate) mod slot_id;
 pub(crate) mod top;
 
 /// Helpers and `now`, prepended to every script called by its digest.
-const PRELUDE: &str = include_str!("prelude.lua");
+const PRELUDE: &str = concat!(include_str!("tat.lua"), include_str!("prelude.lua"));
 
 /// A Lua script, called by its SHA-1 with `EVALSHA` (see `Conn::invoke`).
 pub(crate) struct Script {

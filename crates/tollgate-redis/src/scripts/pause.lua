@@ -4,22 +4,15 @@
 -- Answers the server's time.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local function fmt(x) return string.format('%d', x) end
 local key = KEYS[1]
 local micros, interval, burst = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local target = now + micros + interval * (burst - 1)
-local tat, from = 0, interval
-local v = redis.call('GET', key)
-if v then
-  local a, b = string.match(v, '^(%d+):(%d+)$')
-  if a then tat, from = tonumber(a), tonumber(b) end
-end
+local tat, from, hint = read_tat(key)
+tat = tat or 0
 if tat > now and from ~= interval and from > 0 then
   tat = now + math.ceil((tat - now) / from) * interval
 end
 if tat < target then
-  local ms = math.floor((target - now + 999) / 1000)
-  if ms < 1 then ms = 1 end
-  redis.call('SET', key, fmt(target) .. ':' .. fmt(interval), 'PX', fmt(ms))
+  write_tat(key, target, interval, hint, now)
 end
 return fmt(now)

@@ -1,20 +1,4 @@
 
-local floor = math.floor
-local function idiv(a, b)
-  local q = floor(a / b)
-  if q * b > a then q = q - 1 elseif (q + 1) * b <= a then q = q + 1 end
-  return q
-end
-local function fmt(x) return string.format('%d', x) end
--- A GCRA key's value: its TAT and the emission interval it was written under.
-local function read_tat(key)
-  local v = redis.call('GET', key)
-  if not v then return false, 0 end
-  local t, i = string.match(v, '^(%d+):(%d+)$')
-  if not t then return false, 0 end
-  return tonumber(t), tonumber(i)
-end
-local function tat_value(tat, interval) return fmt(tat) .. ':' .. fmt(interval) end
 -- Members of a sliding log that one ZADD or ZREM takes: unpack passes at most a few
 -- thousand values.
 local CHUNK = 1000
@@ -35,11 +19,6 @@ local function log_units(cmd, key, stamp, from, to)
     redis.call(cmd, key, unpack(members, 1, n))
     from = last + 1
   end
-end
-local function ttl_ms(us)
-  local ms = idiv(us + 999, 1000)
-  if ms < 1 then ms = 1 end
-  return fmt(ms)
 end
 local now
 if ARGV[1] ~= '' then

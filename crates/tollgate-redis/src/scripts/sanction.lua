@@ -1,9 +1,9 @@
 -- An operator's change to one key's sanctions (see check.lua): `lift` (a reset: the block,
 -- the refusals and the strikes go, a deny stays), `deny` for ARGV[2] microseconds, or
--- `undeny`. KEYS[1]: the key's `:pb`. Answers the server's time.
+-- `undeny`. KEYS[1]: the key's `:pb`; KEYS[2], for a GCRA limit: its `:v2`, whose value
+-- then says until when the sanctions last (see `read_tat`). Answers the server's time.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local function fmt(x) return string.format('%d', x) end
 local key, op = KEYS[1], ARGV[1]
 local sc = {0, 0, 0, 0, 0, 0}
 local v = redis.call('GET', key)
@@ -27,9 +27,14 @@ local last = math.max(sc[2], sc[3], sc[5], sc[6])
 if last <= now then
   redis.call('DEL', key)
 else
-  local ms = math.floor((last - now + 999) / 1000)
-  if ms < 1 then ms = 1 end
   redis.call('SET', key, fmt(sc[1]) .. ':' .. fmt(sc[2]) .. ':' .. fmt(sc[3]) .. ':' ..
-    fmt(sc[4]) .. ':' .. fmt(sc[5]) .. ':' .. fmt(sc[6]), 'PX', fmt(ms))
+    fmt(sc[4]) .. ':' .. fmt(sc[5]) .. ':' .. fmt(sc[6]), 'PX', ttl_ms(last - now))
+end
+if KEYS[2] then
+  local tat, interval, hint = read_tat(KEYS[2])
+  local ends = math.max(sc[3], sc[6])
+  if ends ~= hint and (tat or ends > now) then
+    write_tat(KEYS[2], tat, interval, ends, now)
+  end
 end
 return fmt(now)

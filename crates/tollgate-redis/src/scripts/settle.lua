@@ -7,7 +7,7 @@ for i = 0, (#ARGV - 1) / 7 - 1 do
   local key = KEYS[k]
   if algo == 1 then
     k = k + 1
-    local tat, from = read_tat(key)
+    local tat, from, hint = read_tat(key)
     if tat and from ~= 0 and from ~= x and tat > now then
       -- Written under another quota: the units used, at this quota's interval (as CHECK).
       local d = tat - now
@@ -19,12 +19,7 @@ for i = 0, (#ARGV - 1) / 7 - 1 do
     if not tat then tat = nil end
     -- z > 0: a lease's give-back, only while nothing has moved the TAT since its take.
     if refund > 0 and tat ~= nil and (z == 0 or tat == z) then
-      local back = tat - x * refund
-      if back <= now then
-        redis.call('DEL', key)
-      else
-        redis.call('SET', key, tat_value(back, x), 'PX', ttl_ms(back - now))
-      end
+      write_tat(key, tat - x * refund, x, hint, now)
     elseif charge > 0 then
       local base = now
       if tat ~= nil and tat > now then base = tat end
@@ -32,7 +27,7 @@ for i = 0, (#ARGV - 1) / 7 - 1 do
       if cap < base then cap = base end
       local new = base + x * charge
       if new > cap then new = cap end
-      redis.call('SET', key, tat_value(new, x), 'PX', ttl_ms(new - now))
+      write_tat(key, new, x, hint, now)
     end
   elseif algo == 2 then
     k = k + 1
