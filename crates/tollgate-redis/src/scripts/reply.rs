@@ -69,7 +69,10 @@ pub(crate) fn parse_reply(
     batch: &[EncodedCheck],
 ) -> Result<Reply, BackendError> {
     let mut replies = parse_replies(value, &[batch])?;
-    replies.pop().ok_or_else(|| protocol("empty script reply"))
+    replies
+        .pop()
+        .flatten()
+        .ok_or_else(|| protocol("empty script reply"))
 }
 
 /// The figures of one check's answer in a `CHECK` reply.
@@ -80,7 +83,8 @@ fn answer_len(p: &EncodedCheck) -> usize {
     }
 }
 
-/// Decodes a `CHECK` reply for the requests of `batches`, in order.
+/// Decodes a `CHECK` reply for the requests of `batches`, in order: `None` for a request the
+/// lean script did not run (status 5), because the node does not serve its key.
 ///
 /// A GCRA or fixed-window check's verdict is computed here, by `tollgate_core::algorithm`,
 /// from the state the script read for it; the script's status must agree with it.
@@ -91,7 +95,7 @@ fn answer_len(p: &EncodedCheck) -> usize {
 pub(crate) fn parse_replies(
     value: &redis::Value,
     batches: &[&[EncodedCheck]],
-) -> Result<Vec<Reply>, BackendError> {
+) -> Result<Vec<Option<Reply>>, BackendError> {
     let redis::Value::BulkString(bytes) = value else {
         return Err(protocol(format!("unexpected script reply {value:?}")));
     };
@@ -118,11 +122,16 @@ pub(crate) fn parse_replies(
     };
     let now = next()?;
     let mut replies = Vec::with_capacity(batches.len());
-    for batch in batches {
+    'requests: for batch in batches {
         let committed = next()? == 1;
         let mut answers = Vec::with_capacity(batch.len());
         for p in batch.iter() {
             let status = next()?;
+            if status == NOT_RUN && batch.len() == 1 && p.algorithm == Algorithm::Gcra {
+                next()?;
+                replies.push(None);
+                continue 'requests;
+            }
             if let Some(answer) = sanctioned(status, p.algorithm, &mut next, now)? {
                 answers.push(answer);
                 continue;
@@ -190,14 +199,17 @@ pub(crate) fn parse_replies(
             }
             answers.push(answer);
         }
-        replies.push(Reply {
+        replies.push(Some(Reply {
             committed,
             now,
             answers,
-        });
+        }));
     }
     Ok(replies)
 }
+
+/// The status of a request the lean script did not run: the node does not serve its key.
+const NOT_RUN: u64 = 5;
 
 /// A block's or a deny's answer (statuses 3 and 4), whose figures say only the time to its
 /// end; `None` for any other status, whose figures are not yet read.
@@ -370,7 +382,11 @@ mod tests {
         let two = [prepared(Algorithm::Gcra, 6), prepared(Algorithm::Gcra, 1)];
         // A committed request of one check, a refused one of two (the first costs too much).
         let v = packed(&[NOW, 1., 0., 0., 0., 2., 0., 0., 0.]);
-        let r = parse_replies(&v, &[&one, &two]).unwrap();
+        let r: Vec<Reply> = parse_replies(&v, &[&one, &two])
+            .unwrap()
+            .into_iter()
+            .flatten()
+            .collect();
         assert_eq!(r.len(), 2);
         assert!(r[0].committed && !r[1].committed);
         assert_eq!((r[0].now, r[1].now), (1_000_000_000_000, 1_000_000_000_000));
@@ -379,5 +395,19 @@ mod tests {
         assert_eq!(r[1].answers[1].verdict.status, Status::Allowed);
         assert!(parse_replies(&v, &[&two, &one]).is_err());
         assert!(parse_replies(&v, &[&one]).is_err());
+    }
+
+    #[test]
+    fn a_request_the_lean_script_did_not_run_has_no_reply() {
+        let one = [prepared(Algorithm::Gcra, 1)];
+        let two = [prepared(Algorithm::Gcra, 6), prepared(Algorithm::Gcra, 1)];
+        // Run and admitted, then not run (status 5: the node does not serve its key).
+        let v = packed(&[NOW, 1., 0., 0., 0., 5., 0.]);
+        let r = parse_replies(&v, &[&one, &one]).unwrap();
+        assert_eq!(r[0].as_ref().unwrap().answers[0].verdict.remaining, 4);
+        assert_eq!(r[1], None);
+        // Only a request of one GCRA check can be left out.
+        let v = packed(&[NOW, 0., 5., 0., 0., 0.]);
+        assert!(parse_replies(&v, &[&two]).is_err());
     }
 }

@@ -240,9 +240,10 @@ async fn send_node_merged(transport: Arc<Transport>, node: u16) {
     }
 }
 
-/// One merged call of a node, as [`send_call`]; a call that met a hash slot the node does
-/// not serve (or a node that cannot run the cross-slot form) ran nothing: its requests are
-/// told so, to send their checks again by hash slot, and the slot map is read again.
+/// One merged call of a node, as [`send_call`]. A request whose key the node does not serve
+/// (its hash slot moved, or is moving) was not run: it is told so, to send its checks again
+/// by hash slot, and the slot map is read again. The lean script runs the call's other
+/// requests; the general one, and a node that cannot run the cross-slot form, run none.
 async fn send_node_call(transport: &Arc<Transport>, node: u16, call: Call<NodeDelivery>) {
     answer_late(transport, call.late);
     let waiters = call.send;
@@ -265,7 +266,12 @@ async fn send_node_call(transport: &Arc<Transport>, node: u16, call: Call<NodeDe
         .map_err(CheckError::Backend)
         .and_then(|r| r);
     let result = match result {
-        Ok(replies) => Ok(Some(replies)),
+        Ok(replies) => {
+            if replies.iter().any(Option::is_none) {
+                transport.refresh_nodes();
+            }
+            Ok(Some(replies))
+        }
         Err(CheckError::Redis(e)) if nodes::slot_moved(&e) || direct.refuses_script() => {
             transport.refresh_nodes();
             Ok(None)
@@ -276,7 +282,7 @@ async fn send_node_call(transport: &Arc<Transport>, node: u16, call: Call<NodeDe
     match result {
         Ok(Some(replies)) => {
             for (w, reply) in waiters.into_iter().zip(replies) {
-                let _ = w.reply.send(Ok((w.batch, Some(reply))));
+                let _ = w.reply.send(Ok((w.batch, reply)));
             }
         }
         Ok(None) => {

@@ -305,15 +305,25 @@ impl Transport {
         checks: impl Iterator<Item = (&'p EncodedCheck, Suffix)> + Clone,
         now: Option<Micros>,
     ) {
+        self.script_keys(out, script, checks);
+        match now {
+            Some(now) => out.number(now),
+            None => out.bytes(b""),
+        }
+    }
+
+    /// Writes `EVALSHA`, the script's digest and the declared keys of `checks` into `out`.
+    fn script_keys<'p>(
+        &self,
+        out: &mut dyn Args,
+        script: &Script,
+        checks: impl Iterator<Item = (&'p EncodedCheck, Suffix)> + Clone,
+    ) {
         out.bytes(b"EVALSHA");
         out.bytes(script.sha().as_bytes());
         out.number(checks.clone().count() as u64);
         for (p, suffix) in checks {
             self.key_arg(out, p, suffix);
-        }
-        match now {
-            Some(now) => out.number(now),
-            None => out.bytes(b""),
         }
     }
 
@@ -365,13 +375,8 @@ impl Transport {
         fn tat<'p>(batch: &&'p [EncodedCheck]) -> (&'p EncodedCheck, Suffix) {
             (&batch[0], Suffix::Tat)
         }
-        self.script_args(
-            out,
-            lean::script(form),
-            batches[..declared].iter().map(tat),
-            now,
-        );
-        lean::write_figures(out, first);
+        self.script_keys(out, lean::script(form), batches[..declared].iter().map(tat));
+        lean::write_figures(out, first, now);
         for (p, suffix) in batches[declared..].iter().map(tat) {
             self.key_arg(out, p, suffix);
         }
@@ -399,20 +404,35 @@ impl Transport {
         batches: &[&[EncodedCheck]],
         now: Option<Micros>,
     ) -> Result<Vec<Reply>, BackendError> {
-        self.eval_checks_on(batches, now, self.direct.as_ref(), Form::Declared)
+        let replies = self
+            .eval_checks_on(batches, now, self.direct.as_ref(), Form::Declared)
             .await
-            .map_err(CheckError::into_backend)
+            .map_err(CheckError::into_backend)?;
+        // Every key declared: Redis made sure the server serves them all before the script ran.
+        replies
+            .into_iter()
+            .map(|reply| {
+                reply.ok_or_else(|| {
+                    BackendError::new(
+                        BackendErrorKind::Protocol,
+                        "the script did not run a request whose key it was given",
+                    )
+                })
+            })
+            .collect()
     }
 
     /// As [`eval_checks`](Self::eval_checks), in `form`, on `direct` when it is free (else on
-    /// the shared connection), with Redis' own error (a cluster node's redirection included).
+    /// the shared connection), with Redis' own error (a cluster node's redirection included);
+    /// `None` for a request that the lean script in the cross-slot form did not run, because
+    /// the node does not serve its key.
     pub(crate) async fn eval_checks_on(
         &self,
         batches: &[&[EncodedCheck]],
         now: Option<Micros>,
         direct: Option<&Arc<Direct>>,
         form: Form,
-    ) -> Result<Vec<Reply>, CheckError> {
+    ) -> Result<Vec<Option<Reply>>, CheckError> {
         if let Some(first) = self.lean.then(|| lean::fits(batches)).flatten() {
             let write = |out: &mut dyn Args| self.lean_args(out, batches, first, now, form);
             let sent = clock::monotonic_time();
@@ -462,9 +482,9 @@ impl Transport {
         batches: &[&[EncodedCheck]],
         now: Option<Micros>,
         sent: Micros,
-    ) -> Result<Vec<Reply>, BackendError> {
+    ) -> Result<Vec<Option<Reply>>, BackendError> {
         let replies = reply::parse_replies(value, batches)?;
-        if let (None, Some(reply)) = (now, replies.first()) {
+        if let (None, Some(reply)) = (now, replies.iter().flatten().next()) {
             self.clock.saw(reply.now, sent);
         }
         Ok(replies)
