@@ -54,7 +54,9 @@
 //!
 //! - **GCRA**: one string key, `<key>:v2`, holding the theoretical arrival time and the
 //!   emission interval it was counted in (`<tat>:<interval>`, microseconds), expiring when the
-//!   state becomes that of a fresh key. A check under another interval (the key's plan
+//!   state becomes that of a fresh key. While the key has a block or a deny, the value also
+//!   says when the later of them ends (`<tat>:<interval>:<until>`), and the key lives until
+//!   then: the commonest checks read a key's sanctions only when its value says so. A check under another interval (the key's plan
 //!   changed, or the limit was reloaded with another quota) first carries the units the key
 //!   used to its own interval, as `tollgate_core::algorithm::gcra_carry` does. Fixed windows
 //!   and sliding logs keep their state under keys of their own (below).
@@ -95,7 +97,9 @@
 //! moved. Such a call has run nothing (a redirection of its declared key), or has failed
 //! before it wrote anything (the script reads every key before it writes one, and a key the
 //! node does not serve fails that read): its checks are sent again, once, by hash slot, as
-//! below. A server that refuses to load the flagged script (Redis before 7) is detected when
+//! below. A call of the commonest kind (every request one GCRA check, with no penalty, on a
+//! key of its own) runs the requests whose keys the node serves and sends only the others
+//! again. A server that refuses to load the flagged script (Redis before 7) is detected when
 //! its connection is made, and its checks keep a call per hash slot; so do clusters reached
 //! over TLS, and calls at a test's fixed time.
 //!

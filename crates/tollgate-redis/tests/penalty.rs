@@ -269,7 +269,10 @@ async fn a_block_holds_under_the_limit_without_its_penalty(a: &RedisBackend, b: 
     let Status::Blocked { retry_after } = check(b, &plain).await else {
         panic!("the block holds without the penalty");
     };
-    assert!(retry_after > 590 * S && retry_after <= 600 * S, "{retry_after}");
+    assert!(
+        retry_after > 590 * S && retry_after <= 600 * S,
+        "{retry_after}"
+    );
     // Another key of the same limit is untouched.
     let f = b.check(&[Check::new(&plain, b"other")]);
     assert_eq!(f.await.unwrap()[0].status, Status::Allowed);
@@ -317,10 +320,16 @@ async fn a_deny_outlives_a_refund_and_a_reset_of_its_key() {
         quota: *limit.quota(),
     };
     a.settle_at(&[refund], None).await.unwrap();
-    assert!(matches!(check(&b).await[0].status, Status::Denylisted { .. }));
+    assert!(matches!(
+        check(&b).await[0].status,
+        Status::Denylisted { .. }
+    ));
     a.reset(&Check::new(&limit, b"tenant")).await.unwrap();
     let c = support::standalone(&server.url()).build().unwrap();
-    assert!(matches!(check(&c).await[0].status, Status::Denylisted { .. }));
+    assert!(matches!(
+        check(&c).await[0].status,
+        Status::Denylisted { .. }
+    ));
     a.undeny(&Check::new(&limit, b"tenant")).await.unwrap();
     let d = support::standalone(&server.url()).build().unwrap();
     assert_eq!(check(&d).await[0].status, Status::Allowed);

@@ -79,7 +79,8 @@ pub(crate) fn script() -> &'static Script {
 /// `allow-cross-slot-keys`, it takes the checks of several hash slots of one node in one
 /// call. Its first key is declared (the call is routed by it) and the others follow the
 /// packed checks; it reads every key before it writes any, so that a call that meets a key
-/// the node does not serve (its slot moved) fails having written nothing.
+/// the node does not serve (its slot moved) fails having written nothing. (The lean script,
+/// whose requests have one check each, leaves out such a request instead: see `lean.rs`.)
 pub(crate) fn cross_slot_script() -> &'static Script {
     static SCRIPT: LazyLock<Script> = LazyLock::new(|| {
         Script::with_flags(
