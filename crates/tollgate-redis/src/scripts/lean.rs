@@ -122,3 +122,71 @@ pub(crate) fn write_figures(out: &mut dyn Args, first: &EncodedCheck, now: Optio
     let step = interval.saturating_mul(u64::from(first.cost));
     out.number((step.saturating_add(999) / 1000).max(1));
 }
+
+#[cfg(test)]
+mod tests {
+    use tollgate_testsupport::RedisServer;
+
+    use super::BODY;
+
+    const NOW: f64 = 1_700_000_000_000_000.0;
+
+    /// Runs the lean script's declared form on `keys` at `NOW`: one unit of 5 a second
+    /// (200,000 µs apart, a burst of 5), enforced. Answers the reply's figures and each
+    /// key's value.
+    fn run(
+        conn: &mut redis::Connection,
+        body: &str,
+        keys: &[&str],
+    ) -> (Vec<f64>, Vec<Option<String>>) {
+        let mut packed = Vec::new();
+        for figure in [NOW, 200_000.0, 800_000.0, 5.0, 1.0, 1.0] {
+            packed.extend_from_slice(&f64::to_le_bytes(figure));
+        }
+        let mut cmd = redis::cmd("EVAL");
+        cmd.arg(format!("local K = KEYS\n{body}"))
+            .arg(keys.len())
+            .arg(keys)
+            .arg(packed)
+            .arg(200);
+        let reply: Vec<u8> = cmd.query(conn).unwrap();
+        let figures = reply
+            .chunks_exact(8)
+            .map(|c| f64::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        let values = keys
+            .iter()
+            .map(|k| redis::cmd("GET").arg(k).query(conn).unwrap())
+            .collect();
+        (figures, values)
+    }
+
+    /// Before Redis 7 `SET` refuses `NX` with `GET` (a syntax error): the script then reads
+    /// each key on its own, and answers and writes exactly what it does on Redis 7. The old
+    /// server is stood for by an option Redis does not know, which it refuses the same way.
+    #[test]
+    fn a_server_that_refuses_set_nx_get_gets_the_same_answers_and_values() {
+        let server = RedisServer::start();
+        let mut conn = server.client();
+        let old = BODY.replace("'NX', 'GET'", "'NX', 'GETX'");
+        assert_ne!(old, BODY);
+        let mut a = vec![];
+        let mut b = vec![];
+        // A fresh key, a key with a value, and the same key refused once its burst is gone.
+        for round in 0..7 {
+            let keys = if round == 0 {
+                ["new-a", "x-a"]
+            } else {
+                ["x-a", "y-a"]
+            };
+            a.push(run(&mut conn, BODY, &keys));
+            let keys = keys.map(|k| k.replace("-a", "-b"));
+            let keys = [keys[0].as_str(), keys[1].as_str()];
+            b.push(run(&mut conn, &old, &keys));
+        }
+        assert_eq!(a, b);
+        // The fifth round found x's burst of 5 gone (its first take was in round 0).
+        let (figures, _) = &a[5];
+        assert_eq!((figures[1], figures[2]), (0.0, 1.0));
+    }
+}
