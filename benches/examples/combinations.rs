@@ -8,7 +8,8 @@
 //! Each seed draws a layer (a GCRA or fixed-window limit with or without a `pro` plan, metered
 //! with a refund on `500` or a charge by the handler or not at all, a concurrency limit
 //! stacked on it or not, queued or not, an allowlisted key or not, a static denylist or not, a quota lease or
-//! not, a penalty box on the rate limit or not (with a lease: refused at build), in memory a
+//! not, a penalty box on the rate limit or not (with a lease: refused at build; without one,
+//! sometimes dropped by every other reload and brought back by the next), in memory a
 //! delay on a GCRA limit without a lease or not) and runs it on 2 to 4
 //! replicas: `RateLimitLayer`s of their own over one in-memory backend (each through a
 //! `Leased` of its own when the limit is leased, as a Redis backend leases), one real
@@ -35,7 +36,9 @@
 //!   blocked one with 429 and one to the block's end (the refusal that starts a block says its
 //!   whole length, exactly), consuming nothing; a statically denylisted one with 403 and no
 //!   `Retry-After`, at every limit; the refusal that makes a penalty's count starts a block,
-//!   no other does; a peek of a blocked or denied key says nothing is left;
+//!   no other does; a block stands to its end after a reload dropped the penalty, and no
+//!   refusal counts toward one meanwhile; a peek of a blocked or denied key says nothing is
+//!   left;
 //! - an allowlisted request is marked so and counts nowhere; a request answered while Redis
 //!   is down is `Bypassed` and counts nowhere;
 //! - a leased GCRA limit that settles, and a leased limit with a penalty, are refused when
@@ -165,6 +168,9 @@ struct Shape {
     /// A penalty box on the rate limit: refusals, window, first block and longest block
     /// (µs). Refused when the layer is built if the limit is leased.
     penalty: Option<[Micros; 4]>,
+    /// Odd reload generations drop the penalty and even ones bring it back: a block that
+    /// started stands to its end, and refusals count toward a block only under the penalty.
+    penalty_in_even_only: bool,
     /// A static denylist: `bad` (and the allowlisted key, which the allowlist still admits),
     /// and `k2` in odd reload generations (a reload replaces the list).
     denylist: bool,
@@ -216,6 +222,7 @@ impl Shape {
                 rng.pick(&[block, 2 * block, 3 * block, 4 * block]),
             ]
         });
+        let penalty_in_even_only = penalty.is_some() && lease.is_none() && rng.chance(50);
         let denylist = rng.chance(30);
         let queue = queued.then(|| (rng.pick(&QUEUE_WAITS), 1 + rng.below(3) as u32));
         if queue.is_some() {
@@ -232,10 +239,17 @@ impl Shape {
             lease,
             delay,
             penalty,
+            penalty_in_even_only,
             denylist,
             queue,
             queue_on_rate,
         }
+    }
+
+    /// The rate limit's penalty in reload generation `generation`.
+    fn penalty_at(&self, generation: usize) -> Option<[Micros; 4]> {
+        self.penalty
+            .filter(|_| !self.penalty_in_even_only || generation % 2 == 0)
     }
 
     fn quota(n: u32) -> Quota {
@@ -258,7 +272,7 @@ impl Shape {
         if let Some(delay) = self.delay {
             limit = limit.delay_up_to(Duration::from_micros(delay))?;
         }
-        if let Some([after, within, block, max]) = self.penalty {
+        if let Some([after, within, block, max]) = self.penalty_at(generation) {
             limit = limit.penalty(
                 Penalty::after(after as u32)
                     .within(Duration::from_micros(within))
@@ -1043,7 +1057,7 @@ impl<B: Backend> Run<'_, B> {
         let expected = rate_ok && slots_ok;
         // A refusal of the rate limit's own algorithm counts toward its penalty (a refusal
         // for the slots alone does not), and may start a block.
-        let block = match (self.shape.penalty, rate_status) {
+        let block = match (self.shape.penalty_at(generation), rate_status) {
             (Some(penalty), Status::Denied { .. }) if !expected => {
                 let now = self.model.now;
                 let entry = self.model.keys.entry(r.key).or_default();
