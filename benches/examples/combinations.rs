@@ -249,7 +249,7 @@ impl Shape {
     /// The rate limit's penalty in reload generation `generation`.
     fn penalty_at(&self, generation: usize) -> Option<[Micros; 4]> {
         self.penalty
-            .filter(|_| !self.penalty_in_even_only || generation % 2 == 0)
+            .filter(|_| !self.penalty_in_even_only || generation.is_multiple_of(2))
     }
 
     fn quota(n: u32) -> Quota {
