@@ -102,6 +102,11 @@ impl Coalescer {
         }
     }
 
+    /// How many batches wait for the next call.
+    pub(crate) fn waiting(&self) -> usize {
+        self.lock().waiting.len()
+    }
+
     /// The batches for the next call (see [`take`]); `None` when nothing waits, and then the
     /// calling task must stop (it has been counted out).
     fn next_call(&self, now: Instant) -> Option<Call<Delivery>> {
@@ -213,6 +218,14 @@ impl<D> KeyedCoalescer<D> {
             hash_slot,
             stopped: false,
         }
+    }
+
+    /// How many batches wait for `hash_slot`'s next call.
+    pub(crate) fn waiting(&self, hash_slot: u16) -> usize {
+        self.lock()
+            .queues
+            .get(&hash_slot)
+            .map_or(0, |q| q.waiting.len())
     }
 
     fn next_call(&self, hash_slot: u16, now: Instant) -> Option<Call<D>> {

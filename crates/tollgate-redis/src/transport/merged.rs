@@ -116,10 +116,33 @@ impl Merged {
 /// if any of its requests holds the probe's permit.
 async fn send_merged(transport: Arc<Transport>) {
     let mut caller = transport.queues().all.caller();
-    while let Some(call) = caller.next_call(Instant::now()) {
+    loop {
+        gather(|| transport.queues().all.waiting()).await;
+        let Some(call) = caller.next_call(Instant::now()) else {
+            break;
+        };
         send_call(&transport, call).await;
     }
 }
+
+/// Yields to the runtime while more requests join the queue that `waiting` counts, at most
+/// [`GATHER_YIELDS`] times, before a sending task takes its next call: requests whose bytes
+/// have arrived but that the runtime has not polled yet join this call rather than wait for
+/// the next. A lone request pays one yield: the runtime polls its sockets once more.
+async fn gather(waiting: impl Fn() -> usize) {
+    let mut last = waiting();
+    for _ in 0..GATHER_YIELDS {
+        tokio::task::yield_now().await;
+        let now = waiting();
+        if now == last {
+            return;
+        }
+        last = now;
+    }
+}
+
+/// The most times a sending task yields for its queue to grow (see [`gather`]).
+const GATHER_YIELDS: usize = 8;
 
 /// Queues `batch`, whose keys are all in `hash_slot`, for that hash slot's next merged call
 /// now, and returns the wait for its answer: a request in several hash slots queues each group
@@ -205,7 +228,11 @@ where
 /// out in one write, and their answers come back in one read.
 async fn send_hash_slot_merged(transport: Arc<Transport>, hash_slot: u16) {
     let mut caller = transport.queues().by_hash_slot.caller(hash_slot);
-    while let Some(call) = caller.next_call(Instant::now()) {
+    loop {
+        gather(|| transport.queues().by_hash_slot.waiting(hash_slot)).await;
+        let Some(call) = caller.next_call(Instant::now()) else {
+            break;
+        };
         send_call(&transport, call).await;
     }
 }
@@ -235,7 +262,11 @@ pub(crate) fn queue_on_node(
 /// connection, until nothing does; as [`send_merged`].
 async fn send_node_merged(transport: Arc<Transport>, node: u16) {
     let mut caller = transport.queues().by_node.caller(node);
-    while let Some(call) = caller.next_call(Instant::now()) {
+    loop {
+        gather(|| transport.queues().by_node.waiting(node)).await;
+        let Some(call) = caller.next_call(Instant::now()) else {
+            break;
+        };
         send_node_call(&transport, node, call).await;
     }
 }
