@@ -39,11 +39,11 @@
 //!
 //! On a standalone server the batches of concurrent requests share calls: while a call is in
 //! flight, new batches wait, and the next call carries all of them (up to 64), each still
-//! all-or-nothing on its own and run in arrival order. Nothing waits for a timer, so a lone
-//! request goes out at once; under load, Redis runs one script per round trip instead of one
-//! per request. After a call that carried several requests, the task sending them lets the
-//! requests that are ready run first, so that those that arrived during the round trip join
-//! the next call. These calls go out one at a time on a connection of their own (for a
+//! all-or-nothing on its own and run in arrival order. Nothing waits for a timer: before it
+//! takes a call, the task sending them yields to the runtime while more requests join (at
+//! most 8 times), so that those whose bytes arrived during the last round trip go in this
+//! call; a lone request goes out after one such yield. Under load, Redis runs one script per
+//! round trip instead of one per request. These calls go out one at a time on a connection of their own (for a
 //! `redis://` URL: TLS and Unix sockets share the other connection), which writes the command
 //! and reads its one reply in place; settles, slot releases and operators' calls use a
 //! second, shared connection. Within a call, each GCRA or fixed-window key is read once and written once,
