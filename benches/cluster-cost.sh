@@ -152,16 +152,8 @@ for i in 0 1 2; do
 done
 redis-cli --cluster create "${PORTS[@]/#/127.0.0.1:}" --cluster-replicas 0 --cluster-yes \
     >"$OUT/create.log"
-for _ in $(seq 300); do
-    ok=0
-    for port in "${PORTS[@]}"; do
-        redis-cli -p "$port" cluster info | grep -q cluster_state:ok && ok=$((ok + 1))
-    done
-    ((ok == 3)) && break
-    sleep 0.2
-done
-URLS=$(printf 'redis://127.0.0.1:%s/,' "${PORTS[@]}")
-URLS=${URLS%,}
+cluster_up 300 0.2 "${PORTS[@]}"
+URLS=$(cluster_urls "${PORTS[@]}")
 
 if ((NATIVE)); then
     printf '%-24s %9s %6s %9s %14s %12s\n' server requests calls req/call "user us/req" "sys us/req"

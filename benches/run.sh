@@ -184,16 +184,8 @@ if ((uses_cluster)); then
     done
     redis-cli --cluster create "${CLUSTER_PORTS[@]/#/127.0.0.1:}" --cluster-replicas 0 \
         --cluster-yes >"$OUT/cluster-create.log"
-    for _ in $(seq 100); do
-        ok=0
-        for port in "${CLUSTER_PORTS[@]}"; do
-            redis-cli -p "$port" cluster info | grep -q cluster_state:ok && ok=$((ok + 1))
-        done
-        ((ok == 3)) && break
-        sleep 0.1
-    done
-    CLUSTER_URLS=$(printf 'redis://127.0.0.1:%s/,' "${CLUSTER_PORTS[@]}")
-    CLUSTER_URLS=${CLUSTER_URLS%,}
+    cluster_up 100 0.1 "${CLUSTER_PORTS[@]}"
+    CLUSTER_URLS=$(cluster_urls "${CLUSTER_PORTS[@]}")
     sleep 1 # every node must see the same slot owners before the first client asks
     say "redis cluster pids ${CLUSTER_PIDS[*]} on ports ${CLUSTER_PORTS[*]}"
 fi
