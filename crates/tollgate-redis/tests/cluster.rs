@@ -519,6 +519,45 @@ fn setslot(node: &tollgate_testsupport::RedisServer, slot: u16, state: &str, id:
         .unwrap();
 }
 
+/// The move of `redis_key`'s hash slot from its node to the next, in the steps a cluster
+/// operator takes: [`begin`](Self::begin) (`IMPORTING`, `MIGRATING`), [`migrate`] of the keys,
+/// [`finish`](Self::finish) (`NODE` on every node).
+struct SlotMove<'c> {
+    nodes: &'c [tollgate_testsupport::RedisServer],
+    slot: u16,
+    from: usize,
+    to: usize,
+    from_id: String,
+    to_id: String,
+}
+
+impl<'c> SlotMove<'c> {
+    fn of(cluster: &'c RedisCluster, redis_key: &str) -> Self {
+        let nodes = cluster.nodes();
+        let from = cluster.node_of_key(redis_key);
+        let to = (from + 1) % 3;
+        Self {
+            nodes,
+            slot: cluster.slot_of_key(redis_key),
+            from,
+            to,
+            from_id: node_id(&nodes[from]),
+            to_id: node_id(&nodes[to]),
+        }
+    }
+
+    fn begin(&self) {
+        setslot(&self.nodes[self.to], self.slot, "IMPORTING", &self.from_id);
+        setslot(&self.nodes[self.from], self.slot, "MIGRATING", &self.to_id);
+    }
+
+    fn finish(&self) {
+        for node in [self.to, self.from, 3 - self.to - self.from] {
+            setslot(&self.nodes[node], self.slot, "NODE", &self.to_id);
+        }
+    }
+}
+
 /// Has `backend` check a key of `limit` on node `node`, so that the scripts are loaded there.
 async fn load_scripts_on(
     cluster: &RedisCluster,
@@ -560,11 +599,8 @@ async fn a_slot_that_moves_mid_run_loses_and_doubles_no_request() {
     let limit = Limit::gcra("moving", Quota::per_hour(10).unwrap()).unwrap();
     let key = b"tenant";
     let redis_key = backend.key_for(&limit, key);
-    let slot = cluster.slot_of_key(&redis_key);
-    let from = cluster.node_of_key(&redis_key);
-    let to = (from + 1) % 3;
-    let nodes = cluster.nodes();
-    let (from_id, to_id) = (node_id(&nodes[from]), node_id(&nodes[to]));
+    let moving = SlotMove::of(&cluster, &redis_key);
+    let (nodes, slot, from, to) = (moving.nodes, moving.slot, moving.from, moving.to);
     load_scripts_on(&cluster, &backend, &limit, to).await;
 
     let mut total = 0;
@@ -573,8 +609,7 @@ async fn a_slot_that_moves_mid_run_loses_and_doubles_no_request() {
     total += before;
 
     // The move starts: the key is still on its node, which keeps serving it.
-    setslot(&nodes[to], slot, "IMPORTING", &from_id);
-    setslot(&nodes[from], slot, "MIGRATING", &to_id);
+    moving.begin();
     let migrating = admitted_at_once(&backend, &[&limit], key, 3).await;
     assert_eq!(migrating, 3);
     total += migrating;
@@ -595,9 +630,7 @@ async fn a_slot_that_moves_mid_run_loses_and_doubles_no_request() {
     assert!(nodes[to].calls("asking") >= 1);
 
     // The slot is the new node's: the old one answers MOVED.
-    for node in [to, from, 3 - to - from] {
-        setslot(&nodes[node], slot, "NODE", &to_id);
-    }
+    moving.finish();
     let after = admitted_at_once(&backend, &[&limit], key, 20).await;
     assert_eq!(after, 1);
     total += after;
@@ -622,11 +655,8 @@ async fn a_slot_that_moves_under_a_spread_load_loses_and_doubles_no_request() {
     let limit = Limit::gcra("spread", Quota::per_hour(4).unwrap()).unwrap();
     let mover = b"mover".to_vec();
     let redis_key = backend.key_for(&limit, &mover);
-    let slot = cluster.slot_of_key(&redis_key);
-    let from = cluster.node_of_key(&redis_key);
-    let to = (from + 1) % 3;
-    let nodes = cluster.nodes();
-    let (from_id, to_id) = (node_id(&nodes[from]), node_id(&nodes[to]));
+    let moving = SlotMove::of(&cluster, &redis_key);
+    let (nodes, slot, from, to) = (moving.nodes, moving.slot, moving.from, moving.to);
     // 30 more keys on the mover's node, in other slots.
     let mut keys: Vec<Vec<u8>> = (0..100_000)
         .map(|i| format!("client-{i}").into_bytes())
@@ -654,8 +684,7 @@ async fn a_slot_that_moves_under_a_spread_load_loses_and_doubles_no_request() {
     assert_eq!(total, 31);
 
     // The move starts: the keys are still on their node, which serves them in one call.
-    setslot(&nodes[to], slot, "IMPORTING", &from_id);
-    setslot(&nodes[from], slot, "MIGRATING", &to_id);
+    moving.begin();
     reset_stats(&cluster);
     let migrating = phase().await;
     assert_eq!(migrating, 31);
@@ -675,9 +704,7 @@ async fn a_slot_that_moves_under_a_spread_load_loses_and_doubles_no_request() {
     total += asked;
 
     // The slot is the new node's: the old one answers MOVED, and the slot map is read again.
-    for node in [to, from, 3 - to - from] {
-        setslot(&nodes[node], slot, "NODE", &to_id);
-    }
+    moving.finish();
     let moved = phase().await;
     assert_eq!(moved, 31);
     total += moved;
