@@ -57,7 +57,8 @@
 //!   slots. In memory Tokio's clock is paused and moves a millisecond at a time
 //!   (`Op::Pass`, and after each operation until nothing is due): a slot given back on a
 //!   replica must wake its first waiter at once. On Redis the same runs in real time, and a
-//!   waiter that another replica's poll serves may be any replica's first.
+//!   waiter that another replica's poll serves may be any replica's first; one whose wait ran
+//!   out may have found the slot held by a response the harness had not read yet.
 //!
 //! Deterministic for a seed but for Redis' timing. The last line is
 //! `combinations: K sequences, V violations`; the status is 1 when V > 0.
@@ -1053,7 +1054,12 @@ impl<B: Backend> Run<'_, B> {
                 .check(limit.algorithm(), r.key, (&quota, delay), cost);
         let rate_ok = rate_status == Status::Allowed;
         let held = self.model.keys.get(r.key).map_or(0, |k| k.held);
-        let slots_ok = self.shape.slots.is_none_or(|c| held < c);
+        let mut slots_ok = self.shape.slots.is_none_or(|c| held < c);
+        if slots_ok && rate_ok && !admitted && self.waiter_ran_out_racing(from, decision.as_ref()) {
+            // Its last check found the slot held by a response that the harness read (and
+            // so gave back) after that check, though it judged that response first.
+            slots_ok = false;
+        }
         let expected = rate_ok && slots_ok;
         // A refusal of the rate limit's own algorithm counts toward its penalty (a refusal
         // for the slots alone does not), and may start a block.
@@ -1171,6 +1177,23 @@ impl<B: Backend> Run<'_, B> {
         }
     }
 
+    /// On Redis, whether `from` is a waiter whose wait ran out and that its slots alone
+    /// refused: in real time its last check may come while another replica's admitted
+    /// response, whose answer came first, is not read yet, so holds its slot. In memory the
+    /// harness reads every response before time moves, and the model is exact.
+    fn waiter_ran_out_racing(&self, from: Option<Waited>, decision: Option<&Decision>) -> bool {
+        let slots_refused = decision.and_then(|d| d.get("slots")).is_some_and(|l| {
+            matches!(
+                l.outcome(),
+                Outcome::Denied {
+                    reason: DenyReason::InFlight,
+                    ..
+                }
+            )
+        });
+        self.kind != Kind::Memory && from.is_some_and(|w| w.last) && slots_refused
+    }
+
     /// Reads `res` to its end, or keeps it open.
     async fn end(&mut self, res: Response, r: Req, counts_slot: bool) {
         if r.hold && counts_slot {
@@ -1235,6 +1258,18 @@ impl<B: Backend> Run<'_, B> {
         }
     }
 
+    /// Between two looks at what a release or a settle sent without waiting has done: on
+    /// Redis 5 ms; in memory the tasks run, and Tokio's clock stands, as it moves only by the
+    /// harness (time passing here would let a waiter's wait run out, or its poll come, unseen
+    /// by the model).
+    async fn before_next_look(&self) {
+        if self.kind == Kind::Memory {
+            self.let_tasks_run().await;
+        } else {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
     /// Polls `peek` of the slots until it says the model's free slots of `key`.
     async fn expect_slots(&mut self, key: &'static str, when: &str) {
         let Some(slots) = self.shape.slots else {
@@ -1254,7 +1289,7 @@ impl<B: Backend> Run<'_, B> {
             if seen == Some(want) {
                 return;
             }
-            tokio::time::sleep(Duration::from_millis(5)).await;
+            self.before_next_look().await;
         }
         self.fail(format!(
             "{when}: {key} has {seen:?} slots free, the model says {want}"
@@ -1301,7 +1336,7 @@ impl<B: Backend> Run<'_, B> {
             if close {
                 return;
             }
-            tokio::time::sleep(Duration::from_millis(5)).await;
+            self.before_next_look().await;
         }
         self.fail(format!(
             "{when}: {key} (plan {plan:?}) has (remaining, reset s, window count) {seen:?}, \
