@@ -31,8 +31,10 @@
 //!   units admitted than the quota; fewer is the documented under-admission); a delayed
 //!   limit's admission says it waited exactly the model's `algorithm::gcra_wait`;
 //! - after a settle, the key's remaining units are the model's (the settle is sent without
-//!   waiting: up to 200 looks, 5 ms apart);
-//! - a key denied by hand is refused with 403 and a `Retry-After` to the deny's end, a
+//!   waiting: up to 200 looks, 5 ms apart on Redis; in memory the clock stands meanwhile);
+//! - a key denied by hand is refused with 403 and a `Retry-After` to the deny's end (with a
+//!   lease, a slice may admit it until the slice runs out, and a waiter's refusal by its
+//!   rate limit may come from its check before the deny), a
 //!   blocked one with 429 and one to the block's end (the refusal that starts a block says its
 //!   whole length, exactly), consuming nothing; a statically denylisted one with 403 and no
 //!   `Retry-After`, at every limit; the refusal that makes a penalty's count starts a block,
@@ -1030,6 +1032,22 @@ impl<B: Backend> Run<'_, B> {
                 }
                 let exact = self.kind == Kind::Memory;
                 self.expect_retry_after(r, retry_after, standing.left(), exact);
+                return self.end(res, r, false).await;
+            }
+            // With a lease the harness does not wait for a waiter's turn (`due` cannot tell a
+            // refusal there), so a waiter's refusal by its own rate limit may come from a
+            // check made before the deny, and be judged after it.
+            let refused_before = !self.shape.exact()
+                && from.is_some()
+                && matches!(
+                    rate,
+                    Some(Outcome::Denied {
+                        reason: DenyReason::OverLimit,
+                        ..
+                    })
+                );
+            if refused_before {
+                self.tally.refused += 1;
                 return self.end(res, r, false).await;
             }
             // A lease's slice on another replica may admit a denied key until it runs out.
