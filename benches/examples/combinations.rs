@@ -60,7 +60,8 @@
 //!   (`Op::Pass`, and after each operation until nothing is due): a slot given back on a
 //!   replica must wake its first waiter at once. On Redis the same runs in real time, and a
 //!   waiter that another replica's poll serves may be any replica's first; one whose wait ran
-//!   out may have found the slot held by a response the harness had not read yet.
+//!   out may have been checked a last time while a response the harness had not read yet
+//!   held its slot, and its units before their settle.
 //!
 //! Deterministic for a seed but for Redis' timing. The last line is
 //! `combinations: K sequences, V violations`; the status is 1 when V > 0.
@@ -838,6 +839,8 @@ struct Run<'a, B> {
     /// judged, which the model gives back after the batch.
     batch: Vec<&'static str>,
     after_batch: Vec<(&'static str, usize)>,
+    /// In memory, keys (and plans) whose settle is looked at once the waiters are settled.
+    after_settle: Vec<(&'static str, bool)>,
 }
 
 /// Reads the count of `key`'s fixed window that holds `now`, under `quota`, from Redis.
@@ -1067,17 +1070,24 @@ impl<B: Backend> Run<'_, B> {
         let limit = self.shape.rate(generation).unwrap();
         let quota = self.quota_at(r.pro, generation);
         let delay = self.shape.delay.unwrap_or(0);
-        let (rate_status, next, wait) =
+        let (mut rate_status, next, wait) =
             self.model
                 .check(limit.algorithm(), r.key, (&quota, delay), cost);
-        let rate_ok = rate_status == Status::Allowed;
         let held = self.model.keys.get(r.key).map_or(0, |k| k.held);
         let mut slots_ok = self.shape.slots.is_none_or(|c| held < c);
-        if slots_ok && rate_ok && !admitted && self.waiter_ran_out_racing(from, decision.as_ref()) {
-            // Its last check found the slot held by a response that the harness read (and
-            // so gave back) after that check, though it judged that response first.
-            slots_ok = false;
+        if let Some((rate_refused, slots_refused)) =
+            self.ran_out_racing(from, decision.as_ref(), admitted)
+        {
+            // Its last check came at its deadline, which the model cannot place: responses
+            // of its key whose answers the harness judged first may still have held their
+            // slots then (their bodies not read yet), and their units before their settles.
+            // Its refusal stands as it was made.
+            if rate_refused && rate_status == Status::Allowed {
+                rate_status = Status::Denied { retry_after: 0 };
+            }
+            slots_ok &= !slots_refused;
         }
+        let rate_ok = rate_status == Status::Allowed;
         let expected = rate_ok && slots_ok;
         // A refusal of the rate limit's own algorithm counts toward its penalty (a refusal
         // for the slots alone does not), and may start a block.
@@ -1160,16 +1170,19 @@ impl<B: Backend> Run<'_, B> {
             let entry = self.model.keys.entry(r.key).or_default();
             entry.admitted = (entry.admitted + u64::from(actual)).saturating_sub(u64::from(cost));
             self.end(res, r, counts_slot).await;
+            let waiting = self
+                .lines
+                .iter()
+                .any(|((_, k), l)| *k == r.key && !l.is_empty());
+            if !waiting {
+                self.expect_remaining(r.key, r.pro, "after a settle").await;
+            } else if self.kind == Kind::Memory {
+                // The settle may decide a waiter's turn now (and a refusal there may start a
+                // block): looked at once the model has judged what is due.
+                self.after_settle.push((r.key, r.pro));
+            }
             // On Redis a waiter of the key may take the slot this response gave back, and
             // units with it, while the harness looks: the end of the sequence compares.
-            let racing = self.kind != Kind::Memory
-                && self
-                    .lines
-                    .iter()
-                    .any(|((_, k), l)| *k == r.key && !l.is_empty());
-            if !racing {
-                self.expect_remaining(r.key, r.pro, "after a settle").await;
-            }
             if actual < cost {
                 self.let_caches_expire().await;
             }
@@ -1195,21 +1208,30 @@ impl<B: Backend> Run<'_, B> {
         }
     }
 
-    /// On Redis, whether `from` is a waiter whose wait ran out and that its slots alone
-    /// refused: in real time its last check may come while another replica's admitted
-    /// response, whose answer came first, is not read yet, so holds its slot. In memory the
-    /// harness reads every response before time moves, and the model is exact.
-    fn waiter_ran_out_racing(&self, from: Option<Waited>, decision: Option<&Decision>) -> bool {
-        let slots_refused = decision.and_then(|d| d.get("slots")).is_some_and(|l| {
-            matches!(
-                l.outcome(),
-                Outcome::Denied {
-                    reason: DenyReason::InFlight,
-                    ..
-                }
+    /// On Redis, for a refused waiter whose wait ran out: whether its rate limit refused it
+    /// for its own algorithm, and whether its slots did. In real time its last check may
+    /// come while other responses of its key, whose answers the harness judges first, still
+    /// hold their slots and their units. In memory the harness reads every response before
+    /// time moves, and the model is exact.
+    fn ran_out_racing(
+        &self,
+        from: Option<Waited>,
+        decision: Option<&Decision>,
+        admitted: bool,
+    ) -> Option<(bool, bool)> {
+        if admitted || self.kind == Kind::Memory || !from.is_some_and(|w| w.last) {
+            return None;
+        }
+        let refused = |name: &str, why: DenyReason| {
+            decision.and_then(|d| d.get(name)).is_some_and(
+                |l| matches!(l.outcome(), Outcome::Denied { reason, .. } if *reason == why),
             )
-        });
-        self.kind != Kind::Memory && from.is_some_and(|w| w.last) && slots_refused
+        };
+        let (rate, slots) = (
+            refused("rate", DenyReason::OverLimit),
+            refused("slots", DenyReason::InFlight),
+        );
+        (rate || slots).then_some((rate, slots))
     }
 
     /// Reads `res` to its end, or keeps it open.
@@ -1619,6 +1641,9 @@ impl<B: Backend> Run<'_, B> {
                 Op::Pass(by) => self.pass(by).await,
             }
             self.settle_waiters().await;
+            for (key, pro) in std::mem::take(&mut self.after_settle) {
+                self.expect_remaining(key, pro, "after a settle").await;
+            }
             if self.violations.len() > 3 {
                 return;
             }
@@ -1667,6 +1692,7 @@ async fn drive<B: Backend>(
         woken: Vec::new(),
         batch: Vec::new(),
         after_batch: Vec::new(),
+        after_settle: Vec::new(),
     };
     // Queues in memory: Tokio's clock moves only when the harness moves it.
     let paused = kind == Kind::Memory && run.shape.queue.is_some();
