@@ -843,6 +843,13 @@ struct Run<'a, B> {
     after_settle: Vec<(&'static str, bool)>,
 }
 
+/// Whether `decision` says the limit named `limit` refused the request for `why`.
+fn refused_for(decision: Option<&Decision>, limit: &str, why: DenyReason) -> bool {
+    decision
+        .and_then(|d| d.get(limit))
+        .is_some_and(|l| matches!(l.outcome(), Outcome::Denied { reason, .. } if *reason == why))
+}
+
 /// Reads the count of `key`'s fixed window that holds `now`, under `quota`, from Redis.
 type RawCount = Box<dyn Fn(&str, &Quota, Micros) -> Option<u64>>;
 
@@ -1042,13 +1049,7 @@ impl<B: Backend> Run<'_, B> {
             // check made before the deny, and be judged after it.
             let refused_before = !self.shape.exact()
                 && from.is_some()
-                && matches!(
-                    rate,
-                    Some(Outcome::Denied {
-                        reason: DenyReason::OverLimit,
-                        ..
-                    })
-                );
+                && refused_for(decision.as_ref(), "rate", DenyReason::OverLimit);
             if refused_before {
                 self.tally.refused += 1;
                 return self.end(res, r, false).await;
@@ -1170,19 +1171,15 @@ impl<B: Backend> Run<'_, B> {
             let entry = self.model.keys.entry(r.key).or_default();
             entry.admitted = (entry.admitted + u64::from(actual)).saturating_sub(u64::from(cost));
             self.end(res, r, counts_slot).await;
-            let waiting = self
-                .lines
-                .iter()
-                .any(|((_, k), l)| *k == r.key && !l.is_empty());
-            if !waiting {
+            // With waiters of the key, on Redis one may take the slot this response gave
+            // back, and units with it, while the harness looks: the end of the sequence
+            // compares. In memory the settle may decide a waiter's turn (and a refusal there
+            // may start a block): looked at once the model has judged what is due.
+            if !self.has_waiters(r.key) {
                 self.expect_remaining(r.key, r.pro, "after a settle").await;
             } else if self.kind == Kind::Memory {
-                // The settle may decide a waiter's turn now (and a refusal there may start a
-                // block): looked at once the model has judged what is due.
                 self.after_settle.push((r.key, r.pro));
             }
-            // On Redis a waiter of the key may take the slot this response gave back, and
-            // units with it, while the harness looks: the end of the sequence compares.
             if actual < cost {
                 self.let_caches_expire().await;
             }
@@ -1222,14 +1219,9 @@ impl<B: Backend> Run<'_, B> {
         if admitted || self.kind == Kind::Memory || !from.is_some_and(|w| w.last) {
             return None;
         }
-        let refused = |name: &str, why: DenyReason| {
-            decision.and_then(|d| d.get(name)).is_some_and(
-                |l| matches!(l.outcome(), Outcome::Denied { reason, .. } if *reason == why),
-            )
-        };
         let (rate, slots) = (
-            refused("rate", DenyReason::OverLimit),
-            refused("slots", DenyReason::InFlight),
+            refused_for(decision, "rate", DenyReason::OverLimit),
+            refused_for(decision, "slots", DenyReason::InFlight),
         );
         (rate || slots).then_some((rate, slots))
     }
@@ -1281,11 +1273,7 @@ impl<B: Backend> Run<'_, B> {
             // The first waiter of the key on this replica checks again at once; a waiter may
             // take the slot before a peek would see it free.
             self.woken.push((replica, key));
-            if self
-                .lines
-                .iter()
-                .any(|((_, k), l)| *k == key && !l.is_empty())
-            {
+            if self.has_waiters(key) {
                 return;
             }
         }

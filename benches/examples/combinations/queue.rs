@@ -17,11 +17,11 @@ use axum::http::header::RETRY_AFTER;
 use axum::http::StatusCode;
 use axum::response::Response;
 use tokio::time::Instant;
-use tollgate::{Decision, DenyReason, Outcome};
+use tollgate::{Decision, DenyReason};
 use tollgate_core::{Backend, Status};
 use tower::ServiceExt;
 
-use super::{Kind, Req, Run};
+use super::{refused_for, Kind, Req, Run};
 
 /// A request waiting in a queued limit's line, as the model sees it.
 #[derive(Debug, Clone, Copy)]
@@ -84,6 +84,13 @@ impl<B: Backend> Run<'_, B> {
         let algorithm = self.shape.algorithm;
         self.model.standing(r.key).is_none()
             && self.model.check(algorithm, r.key, (&quota, 0), cost).0 == Status::Allowed
+    }
+
+    /// Whether a request waits in a line of `key`, on any replica.
+    pub(crate) fn has_waiters(&self, key: &str) -> bool {
+        self.lines
+            .iter()
+            .any(|((_, k), l)| *k == key && !l.is_empty())
     }
 
     fn slot_free(&self, key: &str) -> bool {
@@ -311,15 +318,7 @@ impl<B: Backend> Run<'_, B> {
         if !full || !self.shape.exact() {
             return;
         }
-        let in_flight = slots.is_some_and(|l| {
-            matches!(
-                l.outcome(),
-                Outcome::Denied {
-                    reason: DenyReason::InFlight,
-                    ..
-                }
-            )
-        });
+        let in_flight = refused_for(decision, "slots", DenyReason::InFlight);
         let fields = res.status() == StatusCode::TOO_MANY_REQUESTS
             && res.headers().get(RETRY_AFTER).and_then(|v| v.to_str().ok()) == Some("1")
             && res.headers().contains_key("ratelimit")
