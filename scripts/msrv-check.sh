@@ -4,7 +4,7 @@
 # Cargo.lock pins them. Exits 1 naming the packages that need more, and how to fix it.
 #
 # What counts: the normal dependencies (not dev, not build), direct and transitive, of
-# tollgate-core, tollgate, tollgate-redis and tollgate-cli, with every feature on and on every
+# tollgate-engine, tollgate, tollgate-redis and tollgate-cli, with every feature on and on every
 # target platform: what some user of some feature on some platform compiles. Examples, tests
 # and benchmarks are not counted (they may need more; they are not published).
 set -euo pipefail
@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 cargo metadata --format-version 1 --all-features --quiet | python3 -c '
 import collections, json, sys
 
-PUBLISHED = ["tollgate-core", "tollgate", "tollgate-redis", "tollgate-cli"]
+PUBLISHED = ["tollgate-engine", "tollgate", "tollgate-redis", "tollgate-cli"]
 
 def version(text):
     parts = [int(p) for p in text.split(".")]

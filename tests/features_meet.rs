@@ -9,8 +9,8 @@ use std::time::Duration;
 use axum::body::Body;
 use axum::http::{HeaderName, Request, StatusCode};
 use axum::{routing::get, Extension, Router};
-use tollgate::core::Backend;
 use tollgate::cost::{Metered, Settle};
+use tollgate::engine::Backend;
 use tollgate::key::Tenant;
 use tollgate::{Decision, FakeClock, Limit, MemoryBackend, Outcome, Plan, Quota, RateLimitLayer};
 use tollgate_redis::RedisBackend;
@@ -268,7 +268,7 @@ async fn a_reset_reaches_another_replicas_cached_denial_within_the_ttl() {
 /// and a leased GCRA limit whose cost only comes from the request settles nothing.
 #[test]
 fn a_leased_gcra_limit_that_settles_is_refused_at_build_time() {
-    use tollgate::core::{ConfigError, Lease};
+    use tollgate::engine::{ConfigError, Lease};
     let leased = |limit: Limit| limit.with_lease(Lease::new(10).unwrap()).unwrap();
     let gcra = leased(Limit::gcra("tokens", Quota::per_minute(100).unwrap()).unwrap());
     let refused = RateLimitLayer::builder()

@@ -11,7 +11,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use service::{CountdownRequest, DemoClient, DemoServer, HelloRequest};
-use tollgate::core::Backend;
+use tollgate::engine::Backend;
 use tollgate::key::{ClientIp, Tenant};
 use tollgate::{FakeClock, Limit, MemoryBackend, Quota, RateLimitLayer};
 use tollgate_redis::RedisBackend;

@@ -14,8 +14,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{HeaderName, Request, Response, StatusCode};
 use http_body_util::Full;
-use tollgate::core::Backend;
 use tollgate::cost::{parse_units, Metered};
+use tollgate::engine::Backend;
 use tollgate::key::Global;
 use tollgate::{Decision, FakeClock, Limit, MemoryBackend, Quota, RateLimitLayer};
 use tollgate_redis::RedisBackend;
@@ -64,7 +64,7 @@ fn paced<B: Backend>(backend: B, delay: Duration) -> RateLimitLayer<B> {
         .unwrap()
 }
 
-async fn paced_peek(layer: &RateLimitLayer<RedisBackend>) -> tollgate::core::KeyState {
+async fn paced_peek(layer: &RateLimitLayer<RedisBackend>) -> tollgate::engine::KeyState {
     layer.peek("upstream", "").await.unwrap()
 }
 

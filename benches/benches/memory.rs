@@ -29,7 +29,7 @@ use criterion::{criterion_group, criterion_main, Criterion};
 use governor::{DefaultDirectRateLimiter, DefaultKeyedRateLimiter, RateLimiter};
 use tollgate::key::{ClientIp, KeyExtractor, RequestView};
 use tollgate_bench::{addrs, ip_key};
-use tollgate_core::{Check, Limit, MemoryBackend, Quota};
+use tollgate_engine::{Check, Limit, MemoryBackend, Quota};
 
 const KEYS: usize = 100_000;
 

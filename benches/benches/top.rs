@@ -15,7 +15,7 @@ use criterion::{criterion_group, criterion_main, Criterion};
 use http::{Request, Response, StatusCode};
 use tollgate::key::ClientIp;
 use tollgate::{Limit, Quota, RateLimitLayer};
-use tollgate_core::topk::SpaceSaving;
+use tollgate_engine::topk::SpaceSaving;
 use tower::{service_fn, Layer, Service};
 
 fn summary(c: &mut Criterion) {

@@ -22,7 +22,7 @@
 //! (memory), and restarts of Redis without persistence (standalone). Time does not pass for
 //! the model on Redis: quotas are per day, so the real seconds a sequence takes refill nothing.
 //!
-//! The model is the algorithms of `tollgate_core::algorithm` applied to the promises of the
+//! The model is the algorithms of `tollgate_engine::algorithm` applied to the promises of the
 //! docs: stacked limits all-or-nothing, a key's usage carried across plans and reloads,
 //! settles under the quota of their check, allowlisted requests never counted, bypassed ones
 //! never counted, slots given back once. What it checks, per operation and at the end:
@@ -85,9 +85,9 @@ use tollgate::{
     Allowlist, Decision, DenyReason, Denylist, Limit, Limits, Outcome, Penalty, Plan, Quota,
     RateLimitLayer,
 };
-use tollgate_core::algorithm::{self, WindowState};
-use tollgate_core::leased::Leased;
-use tollgate_core::{
+use tollgate_engine::algorithm::{self, WindowState};
+use tollgate_engine::leased::Leased;
+use tollgate_engine::{
     Algorithm, Backend, Check, ConfigError, FakeClock, KeyState, Lease, MemoryBackend, Micros,
     Status,
 };
@@ -1756,7 +1756,7 @@ async fn sequence(
     if verbose {
         println!("seed {seed}: {shape:?} on {replicas} replicas");
     }
-    let now = tollgate_core::Clock::now(&tollgate_core::SystemClock::new());
+    let now = tollgate_engine::Clock::now(&tollgate_engine::SystemClock::new());
     let violations = match kind {
         Kind::Memory => {
             let clock = FakeClock::new(now);
@@ -1765,7 +1765,7 @@ async fn sequence(
             let time = (Some(clock.clone()), now);
             let setup = (verbose, None);
             if shape.lease.is_some() {
-                // Each replica leases from the shared backend: core's `Leased`, as on Redis.
+                // Each replica leases from the shared backend: the engine's `Leased`, as on Redis.
                 let leased = || Leased::new(Arc::clone(&memory), clock.clone());
                 build_and_drive(on, leased, time, servers, &ops, setup).await
             } else {

@@ -20,7 +20,7 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use tollgate_core::{Backend, Check, Limit, Quota};
+use tollgate_engine::{Backend, Check, Limit, Quota};
 use tollgate_redis::RedisBackend;
 use tollgate_testsupport::{Sentinel, SENTINEL_MASTER};
 

@@ -1,5 +1,5 @@
 //! The accuracy of quota leases, simulated: replicas that lease a hot key's quota, each a
-//! `tollgate_core::leased::Leased` over one shared in-memory backend on a simulated clock
+//! `tollgate_engine::leased::Leased` over one shared in-memory backend on a simulated clock
 //! (`tollgate_testsupport::leases`; a test holds the Redis backend's leases to the same
 //! answers).
 //!
@@ -29,7 +29,7 @@
 
 use std::time::Duration;
 
-use tollgate_core::{algorithm, Algorithm, Check, FakeClock, Lease, Limit, Micros, Quota};
+use tollgate_engine::{algorithm, Algorithm, Check, FakeClock, Lease, Limit, Micros, Quota};
 use tollgate_testsupport::leases::{self, splitmix, Replica};
 
 const S: Micros = 1_000_000;

@@ -21,7 +21,7 @@
 
 use std::time::Duration;
 
-use tollgate_core::{Backend, Check, Limit, Quota};
+use tollgate_engine::{Backend, Check, Limit, Quota};
 use tollgate_redis::RedisBackend;
 
 fn main() {

@@ -18,7 +18,7 @@ use axum::http::StatusCode;
 use axum::response::Response;
 use tokio::time::Instant;
 use tollgate::{Decision, DenyReason};
-use tollgate_core::{Backend, Status};
+use tollgate_engine::{Backend, Status};
 use tower::ServiceExt;
 
 use super::{refused_for, Kind, Req, Run};

@@ -202,7 +202,7 @@ fn spread_keys() -> impl tollgate::key::KeyExtractor {
 
 /// A limit whose every reservation is settled after the answer: the `count_if` says no to the
 /// 200 every request gets, so each one gives its unit back.
-fn settled<B: tollgate::core::Backend>(backend: B) -> RateLimitLayer<B> {
+fn settled<B: tollgate::engine::Backend>(backend: B) -> RateLimitLayer<B> {
     RateLimitLayer::builder()
         .metered(
             Limit::gcra("per-ip", unreachable_quota()).unwrap(),
@@ -220,7 +220,7 @@ async fn hello() -> &'static str {
 
 /// The leased hot key: one global GCRA limit every request touches, on Redis.
 fn lease_hot(url: &str) -> RateLimitLayer<RedisBackend> {
-    let lease = tollgate::core::Lease::new(10_000)
+    let lease = tollgate::engine::Lease::new(10_000)
         .unwrap()
         .with_lifetime(Duration::from_secs(1))
         .unwrap();

@@ -19,7 +19,7 @@ use std::net::IpAddr;
 use std::num::NonZeroU32;
 
 use tollgate_bench::{addrs, ip_key, rss_bytes};
-use tollgate_core::{Check, Limit, MemoryBackend, Quota};
+use tollgate_engine::{Check, Limit, MemoryBackend, Quota};
 
 fn main() {
     let mut args = std::env::args().skip(1);

@@ -23,7 +23,7 @@
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
-use tollgate_core::{Check, Limit, MemoryBackend, Quota, Status};
+use tollgate_engine::{Check, Limit, MemoryBackend, Quota, Status};
 
 fn main() {
     let mut args = std::env::args().skip(1);

@@ -34,7 +34,9 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 use table::period;
-use tollgate::core::{Admin, Check, Clock, KeyState, Limit, Quota, Refused, Reports, SystemClock};
+use tollgate::engine::{
+    Admin, Check, Clock, KeyState, Limit, Quota, Refused, Reports, SystemClock,
+};
 use tollgate::key::{Identity, IdentityError};
 use tollgate::{Limits, LimitsFile};
 use tollgate_redis::{RedisBackend, DEFAULT_PREFIX};

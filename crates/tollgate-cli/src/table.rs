@@ -4,7 +4,7 @@
 use std::path::Path;
 use std::time::Duration;
 
-use tollgate::core::{FailurePolicy, Limit, MissingKeyPolicy, Quota};
+use tollgate::engine::{FailurePolicy, Limit, MissingKeyPolicy, Quota};
 use tollgate::{Algorithm, Limits};
 
 /// Prints `limits`, read from `file`.

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::Duration;
 
-use tollgate::core::{Backend, Check, Clock, Refused, Status, SystemClock};
+use tollgate::engine::{Backend, Check, Clock, Refused, Status, SystemClock};
 use tollgate::key::{ClientIp, KeyExtractor};
 use tollgate::{Limit, Quota};
 use tollgate_redis::RedisBackend;

@@ -9,7 +9,7 @@
 use std::sync::Arc;
 
 use redis::Value;
-use tollgate_core::{Algorithm, BackendError, BackendErrorKind, Check, KeyState, Limit, Quota};
+use tollgate_engine::{Algorithm, BackendError, BackendErrorKind, Check, KeyState, Limit, Quota};
 
 use crate::failure::map_error;
 use crate::keys::{self, BaseKey, Suffix};
@@ -54,7 +54,7 @@ impl Admin {
     /// its block (a deny stays).
     pub(crate) async fn reset(&self, check: &OwnedCheck) -> Result<(), BackendError> {
         if check.limit.algorithm() == Algorithm::Concurrency {
-            return Err(tollgate_core::unsupported("redis", "reset"));
+            return Err(tollgate_engine::unsupported("redis", "reset"));
         }
         self.call("reset", check).await?;
         self.sanction(check, "lift", 0).await

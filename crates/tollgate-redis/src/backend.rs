@@ -1,6 +1,6 @@
 //! The public backend: the quota leases over the Redis layers below them, and the public API.
 //!
-//! [`RedisBackend`] runs leased limits through `tollgate_core::leased::Leased`, timed by the
+//! [`RedisBackend`] runs leased limits through `tollgate_engine::leased::Leased`, timed by the
 //! server's clock, over [`Inner`] (see `inner`), which makes the calls; every other check goes
 //! to `Inner` as it is.
 
@@ -11,8 +11,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::time::Instant;
-use tollgate_core::leased::Leased;
-use tollgate_core::{
+use tollgate_engine::leased::Leased;
+use tollgate_engine::{
     Admin, AdminFuture, Backend, BackendError, Check, KeyState, Lifecycle, Limit, Micros, Refused,
     Reports, Settlement, Slots,
 };
@@ -68,7 +68,7 @@ impl RedisBackend {
     pub fn settle_at(
         &self,
         settlements: &[Settlement<'_>],
-        now: Option<tollgate_core::Micros>,
+        now: Option<tollgate_engine::Micros>,
     ) -> impl Future<Output = Result<(), BackendError>> + Send + 'static {
         self.inner().settles().now_or_at(settlements, now)
     }
@@ -88,8 +88,8 @@ impl RedisBackend {
     pub fn check_at(
         &self,
         checks: &[Check<'_>],
-        now: tollgate_core::Micros,
-    ) -> impl Future<Output = Result<tollgate_core::Verdicts, BackendError>> + Send + Unpin + 'static
+        now: tollgate_engine::Micros,
+    ) -> impl Future<Output = Result<tollgate_engine::Verdicts, BackendError>> + Send + Unpin + 'static
     {
         self.inner().checks().dispatch(checks, Some(now))
     }
@@ -102,9 +102,9 @@ impl RedisBackend {
         let digest = keys::digest(limit.name(), key);
         let base = keys::base_key(self.inner().prefix(), limit.name(), &digest);
         match limit.algorithm() {
-            tollgate_core::Algorithm::Gcra => base + ":v2",
-            tollgate_core::Algorithm::SlidingLog => base + ":log",
-            tollgate_core::Algorithm::Concurrency => base + ":slots",
+            tollgate_engine::Algorithm::Gcra => base + ":v2",
+            tollgate_engine::Algorithm::SlidingLog => base + ":log",
+            tollgate_engine::Algorithm::Concurrency => base + ":slots",
             _ => base,
         }
     }
@@ -153,7 +153,7 @@ impl Backend for RedisBackend {
     /// without I/O or allocation.
     ///
     /// A check of a leased limit is answered from the slice this backend holds when it can
-    /// (see [`tollgate_core::Lease`]): at once, without I/O.
+    /// (see [`tollgate_engine::Lease`]): at once, without I/O.
     fn check(&self, checks: &[Check<'_>]) -> ResponseFuture {
         ResponseFuture::new(self.leased.check(checks))
     }
@@ -164,14 +164,14 @@ impl Backend for RedisBackend {
     /// and the reservations stay as they were. Outside a Tokio runtime nothing is sent.
     ///
     /// A GCRA settlement whose receipt has a mark applies only while the key's TAT is the
-    /// mark (see [`Receipt`](tollgate_core::Receipt)).
+    /// mark (see [`Receipt`](tollgate_engine::Receipt)).
     fn settle(&self, settlements: &[Settlement<'_>]) {
         self.leased.settle(settlements);
     }
 
     /// Drops this replica's leased slice of the key, then one `EVAL` (from a task, without
     /// waiting) moves the key's TAT in Redis: every replica's next check of it waits.
-    fn pause(&self, check: &Check<'_>, micros: tollgate_core::Micros) {
+    fn pause(&self, check: &Check<'_>, micros: tollgate_engine::Micros) {
         self.leased.pause(check, micros);
     }
 
@@ -293,7 +293,7 @@ impl fmt::Debug for RedisBackend {
 mod tests {
     #![allow(clippy::unwrap_used)]
 
-    use tollgate_core::{Backend, Check, Limit, Quota};
+    use tollgate_engine::{Backend, Check, Limit, Quota};
     use tollgate_testsupport::RedisServer;
 
     use crate::RedisBackend;

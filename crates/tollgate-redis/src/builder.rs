@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tollgate_core::FakeClock;
+use tollgate_engine::FakeClock;
 
 use crate::backend::RedisBackend;
 use crate::error::BuildError;
@@ -203,7 +203,7 @@ impl RedisBackendBuilder {
 
     /// How long a check may take from when it is made, waiting for a merged call and connecting
     /// included (default 50 ms). A slower answer is a failure:
-    /// [`tollgate_core::BackendErrorKind::Timeout`].
+    /// [`tollgate_engine::BackendErrorKind::Timeout`].
     pub fn deadline(mut self, deadline: Duration) -> Self {
         self.deadline = deadline;
         self
@@ -243,7 +243,7 @@ impl RedisBackendBuilder {
 
     /// How long a denial is answered from the local deny cache before one request asks Redis
     /// again, however long the denial lasts (default [`DEFAULT_DENY_CACHE_TTL`], 1 s). It bounds
-    /// how long another replica's [`reset`](tollgate_core::Admin::reset), or a quota raised
+    /// how long another replica's [`reset`](tollgate_engine::Admin::reset), or a quota raised
     /// there, goes unseen here; a denial refused locally still says when it truly ends. A flood
     /// on one key costs Redis about one call per `ttl` per replica.
     pub fn deny_cache_ttl(mut self, ttl: Duration) -> Self {

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use tokio::time::Instant;
-use tollgate_core::{algorithm, Algorithm, BackendError, Micros, Receipt, Verdicts};
+use tollgate_engine::{algorithm, Algorithm, BackendError, Micros, Receipt, Verdicts};
 
 use crate::cluster::Cluster;
 use crate::deny_cache::DenyCache;

@@ -8,7 +8,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 
 use tokio::time::Instant;
-use tollgate_core::{BackendError, Micros};
+use tollgate_engine::{BackendError, Micros};
 
 use crate::deny_cache::DenyCache;
 use crate::failure::unavailable;

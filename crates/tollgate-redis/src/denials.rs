@@ -1,7 +1,7 @@
 //! What a batch and Redis' answers mean to the deny cache: a batch refused locally before
 //! Redis is asked, and the denials an answer foretells.
 
-use tollgate_core::{Algorithm, Check, Status, Verdict, Verdicts, MAX_CHECKS};
+use tollgate_engine::{Algorithm, Check, Status, Verdict, Verdicts, MAX_CHECKS};
 
 use crate::deny_cache::{DenyCache, Lookup};
 use crate::keys::KeyDigest;
@@ -105,7 +105,7 @@ impl DenyCache {
 /// unit depends on the whole log, so it foretells nothing. `None`: nothing to hold.
 fn foreseen_denial(
     algorithm: Algorithm,
-    (quota, delay): (&tollgate_core::Quota, tollgate_core::Micros),
+    (quota, delay): (&tollgate_engine::Quota, tollgate_engine::Micros),
     cost: u32,
     verdict: &Verdict,
 ) -> Option<Verdict> {
@@ -133,9 +133,9 @@ fn foreseen_denial(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tollgate_core::{algorithm, Quota};
+    use tollgate_engine::{algorithm, Quota};
 
-    /// Runs `step` (the core's maths on its stored state) until it refuses; returns the last
+    /// Runs `step` (the engine's maths on its stored state) until it refuses; returns the last
     /// admission and the refusal that followed.
     fn last_admission_then_refusal<S: Copy>(
         step: impl Fn(Option<S>) -> (Verdict, Option<S>),

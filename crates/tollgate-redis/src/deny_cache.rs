@@ -29,7 +29,7 @@ use std::time::Duration;
 
 use metrics::Counter;
 use tokio::time::Instant;
-use tollgate_core::{Micros, Quota, Status, Verdict};
+use tollgate_engine::{Micros, Quota, Status, Verdict};
 
 use crate::keys::KeyDigest;
 

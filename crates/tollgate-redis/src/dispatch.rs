@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use tollgate_core::{
+use tollgate_engine::{
     Algorithm, BackendError, BackendErrorKind, Check, Micros, Verdicts, MAX_CHECKS,
 };
 

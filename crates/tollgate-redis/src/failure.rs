@@ -1,7 +1,7 @@
 //! Failure mapping: what a Redis error or a full queue become, and which errors break a
 //! connection.
 
-use tollgate_core::{BackendError, BackendErrorKind};
+use tollgate_engine::{BackendError, BackendErrorKind};
 
 use redis::{ErrorKind, RedisError, ServerErrorKind};
 

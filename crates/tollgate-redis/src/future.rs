@@ -7,8 +7,8 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 
-use tollgate_core::leased::LeasedFuture;
-use tollgate_core::{BackendError, BackendErrorKind, Verdicts};
+use tollgate_engine::leased::LeasedFuture;
+use tollgate_engine::{BackendError, BackendErrorKind, Verdicts};
 
 use crate::checks::{Checks, Started};
 use crate::transport::merged::Merged;

@@ -4,14 +4,14 @@
 //! [`Inner`] holds the transport (connections, breaker, merged calls) and over it the checks
 //! (with the deny cache, the digests and the cluster's split), the concurrency slots, the
 //! settles and operators' calls. `RedisBackend` runs the quota leases over it
-//! (`tollgate_core::leased::Leased`).
+//! (`tollgate_engine::leased::Leased`).
 
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tollgate_core::{
+use tollgate_engine::{
     AdminFuture, Backend, BackendError, Check, FakeClock, KeyState, Lifecycle, Settlement,
 };
 
@@ -144,7 +144,7 @@ impl Backend for Inner {
 
     /// One `EVAL` from a task, without waiting; a failure is logged at debug level (the
     /// key is then not held back). Outside a Tokio runtime nothing is sent.
-    fn pause(&self, check: &Check<'_>, micros: tollgate_core::Micros) {
+    fn pause(&self, check: &Check<'_>, micros: tollgate_engine::Micros) {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
@@ -161,11 +161,11 @@ impl Backend for Inner {
         BACKEND
     }
 
-    fn slots(&self) -> Option<&dyn tollgate_core::Slots> {
+    fn slots(&self) -> Option<&dyn tollgate_engine::Slots> {
         Some(self)
     }
 
-    fn admin(&self) -> Option<&dyn tollgate_core::Admin> {
+    fn admin(&self) -> Option<&dyn tollgate_engine::Admin> {
         Some(self)
     }
 
@@ -174,7 +174,7 @@ impl Backend for Inner {
     }
 }
 
-impl tollgate_core::Slots for Inner {
+impl tollgate_engine::Slots for Inner {
     fn release(&self, checks: &[Check<'_>]) {
         let held = self
             .checks
@@ -196,7 +196,7 @@ impl tollgate_core::Slots for Inner {
     }
 }
 
-impl tollgate_core::Admin for Inner {
+impl tollgate_engine::Admin for Inner {
     fn peek(&self, check: &Check<'_>) -> AdminFuture<KeyState> {
         let admin = Arc::clone(&self.admin);
         let check = OwnedCheck::of(check);

@@ -6,7 +6,7 @@
 //! cluster spreads identities over its hash slots.
 
 use sha2::{Digest, Sha256};
-use tollgate_core::MAX_NAME_LEN;
+use tollgate_engine::MAX_NAME_LEN;
 
 /// The domain separator of version 1 of the key encoding.
 const DOMAIN: &[u8] = b"tollgate/v1\0";

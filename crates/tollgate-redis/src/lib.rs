@@ -1,13 +1,13 @@
 //! The Redis and Redis Cluster backend of tollgate: limits that hold across every replica.
 //!
-//! [`RedisBackend`] implements [`tollgate_core::Backend`] on a standalone Redis (or Valkey)
-//! server, a master that Redis Sentinel watches, or a Redis Cluster, with the maths of [`tollgate_core::algorithm`] in Lua.
+//! [`RedisBackend`] implements [`tollgate_engine::Backend`] on a standalone Redis (or Valkey)
+//! server, a master that Redis Sentinel watches, or a Redis Cluster, with the maths of [`tollgate_engine::algorithm`] in Lua.
 //!
 //! # Examples
 //!
 //! ```no_run
 //! use std::time::Duration;
-//! use tollgate_core::{Backend, Check, Limit, Quota};
+//! use tollgate_engine::{Backend, Check, Limit, Quota};
 //! use tollgate_redis::RedisBackend;
 //!
 //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
@@ -58,7 +58,7 @@
 //!   says when the later of them ends (`<tat>:<interval>:<until>`), and the key lives until
 //!   then: the commonest checks read a key's sanctions only when its value says so. A check under another interval (the key's plan
 //!   changed, or the limit was reloaded with another quota) first carries the units the key
-//!   used to its own interval, as `tollgate_core::algorithm::gcra_carry` does. Fixed windows
+//!   used to its own interval, as `tollgate_engine::algorithm::gcra_carry` does. Fixed windows
 //!   and sliding logs keep their state under keys of their own (below).
 //! - **Fixed window**: `INCRBY` on `<key>:<window index>`; the TTL is set by the first write of
 //!   the window only. The window is the one that holds the server's `TIME`, which the client
@@ -70,9 +70,9 @@
 //!   (`<now>-<seq>`, the sequence kept in `<key>:seq`, so two units in the same microsecond
 //!   are two members), trimmed when written. A check adds its members with one `ZADD` per
 //!   1,000 (a refund removes them likewise), and a log holds at most
-//!   [`MAX_LOG_UNITS`](tollgate_core::MAX_LOG_UNITS) members: a larger quota is refused when
+//!   [`MAX_LOG_UNITS`](tollgate_engine::MAX_LOG_UNITS) members: a larger quota is refused when
 //!   the limit is built, and a check costlier than its quota is refused as
-//!   [`CostTooHigh`](tollgate_core::Status::CostTooHigh) before anything is written.
+//!   [`CostTooHigh`](tollgate_engine::Status::CostTooHigh) before anything is written.
 //!
 //! # Keys
 //!
@@ -172,9 +172,9 @@
 //!
 //! # Settles
 //!
-//! [`Backend::settle`](tollgate_core::Backend::settle) (the layer's metered limits) gives back
+//! [`Backend::settle`](tollgate_engine::Backend::settle) (the layer's metered limits) gives back
 //! or consumes the difference between what admitted checks reserved and what they cost, with
-//! the arithmetic of the in-memory backend (see `tollgate_core::Settlement`), in one `SETTLE`
+//! the arithmetic of the in-memory backend (see `tollgate_engine::Settlement`), in one `SETTLE`
 //! call: on a standalone server merged with the settles that arrive while one is in flight
 //! (a lone settle is sent at once), in a cluster one call per hash slot. It is sent from a task
 //! and nobody waits for it; a settle that fails, or finds the breaker open, leaves the
@@ -187,7 +187,7 @@
 //!
 //! Every check has a deadline (default 50 ms, counted from when the check is made, waiting for
 //! a merged call and connecting included): a slow answer is a
-//! [`BackendErrorKind::Timeout`](tollgate_core::BackendErrorKind::Timeout); an unreachable or
+//! [`BackendErrorKind::Timeout`](tollgate_engine::BackendErrorKind::Timeout); an unreachable or
 //! unusable server is `Unavailable`; an answer that makes no sense is `Protocol`. Building the
 //! backend makes no connection: the first call connects in the background, and a broken
 //! connection is replaced on the next call, so an application boots while Redis is down and its
@@ -200,7 +200,7 @@
 //! admitted, which errs on the side of limiting.
 //!
 //! A check this process could not send in time is
-//! [`BackendErrorKind::Overloaded`](tollgate_core::BackendErrorKind::Overloaded): more than
+//! [`BackendErrorKind::Overloaded`](tollgate_engine::BackendErrorKind::Overloaded): more than
 //! 8,192 checks already waiting for a merged call, or a deadline that passed while the check
 //! waited for one (it is then not sent, so it consumes nothing). Redis was not asked, so
 //! neither the breaker nor `tollgate_backend_up` hears of it.
@@ -216,7 +216,7 @@
 //! When Redis denies an enforced check until T, later batches with that (limit, key) are
 //! refused locally until T: each check with a cached denial reports `Denied` with the time
 //! left (so the refusal's `Retry-After` is the longest of them), the other checks of the batch
-//! [`NotChecked`](tollgate_core::Status::NotChecked), and Redis is not called. A denial covers
+//! [`NotChecked`](tollgate_engine::Status::NotChecked), and Redis is not called. A denial covers
 //! requests of its cost and costlier ones, which wait longer by what each unit adds (a GCRA
 //! interval; nothing in a fixed window); a sliding log's costlier requests ask Redis. An
 //! admission that used the last unit of a GCRA or fixed-window limit foretells its denial, which
@@ -233,17 +233,17 @@
 //!
 //! # Quota leases
 //!
-//! A limit with a [`Lease`](tollgate_core::Lease) is leased to each replica in slices (by
-//! [`Leased`](tollgate_core::leased::Leased) over the Redis calls, timed by the estimate of
+//! A limit with a [`Lease`](tollgate_engine::Lease) is leased to each replica in slices (by
+//! [`Leased`](tollgate_engine::leased::Leased) over the Redis calls, timed by the estimate of
 //! the server's clock): a check that finds no slice in hand asks Redis for the request's cost
 //! and a slice more, in the same all-or-nothing `CHECK`, and later checks of the key are
 //! admitted from the slice without a call (marked by
-//! [`Verdicts::from_lease`](tollgate_core::Verdicts::from_lease)). Redis counts every unit
+//! [`Verdicts::from_lease`](tollgate_engine::Verdicts::from_lease)). Redis counts every unit
 //! before it is admitted, so over-admission is 0 across replicas; the shortfall is at most the
 //! units held in slices. A slice in hand answers before the deny cache and while Redis is down;
 //! a slice's answer never fills the deny cache. Unused units go back with a `SETTLE` refund
 //! when a slice expires (its lifetime, its fixed window's end, or the pace of its GCRA TAT)
-//! and at [`Lifecycle::shutdown`](tollgate_core::Lifecycle::shutdown), which resolves once
+//! and at [`Lifecycle::shutdown`](tollgate_engine::Lifecycle::shutdown), which resolves once
 //! Redis has answered them; a GCRA refund applies only while the key's TAT is still the one the
 //! take left (otherwise other slices, paced by TATs that count these units, could run ahead of
 //! the rate, and the units refill with the TAT instead). See `docs/leases.md` for the bound and

@@ -13,8 +13,8 @@
 use std::sync::Arc;
 
 use redis::Value;
-use tollgate_core::reports::{bucket_of, combine, REPORT_BUCKET};
-use tollgate_core::{BackendError, Micros, Refused};
+use tollgate_engine::reports::{bucket_of, combine, REPORT_BUCKET};
+use tollgate_engine::{BackendError, Micros, Refused};
 
 use crate::failure::map_error;
 use crate::scripts::top;

@@ -5,7 +5,7 @@
 use std::future::Future;
 use std::sync::{Arc, Mutex};
 
-use tollgate_core::{BackendError, BackendErrorKind, Micros, Settlement};
+use tollgate_engine::{BackendError, BackendErrorKind, Micros, Settlement};
 
 use crate::deny_cache::DenyCache;
 use crate::failure::unavailable;
@@ -113,7 +113,7 @@ impl Settles {
         }
     }
 
-    /// What [`Backend::settle`](tollgate_core::Backend::settle) does (see there), at `now` (a
+    /// What [`Backend::settle`](tollgate_engine::Backend::settle) does (see there), at `now` (a
     /// test's clock) or at the server's time: in flight until answered.
     pub(crate) fn later(self: &Arc<Self>, settlements: &[Settlement<'_>], now: Option<Micros>) {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {

@@ -15,7 +15,7 @@ use std::time::Duration;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use tollgate_core::{Algorithm, Check, Micros};
+use tollgate_engine::{Algorithm, Check, Micros};
 
 use crate::keys::{BaseKey, KeyDigest, Suffix};
 use crate::scripts::check::EncodedCheck;

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use tollgate_core::{Clock, FakeClock, Micros};
+use tollgate_engine::{Clock, FakeClock, Micros};
 
 use crate::transport::Transport;
 

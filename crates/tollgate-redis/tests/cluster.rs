@@ -9,7 +9,7 @@ use std::collections::HashSet;
 use std::time::Duration;
 
 use support::{admitted, check, check_at, concurrent_admissions, fixed, gcra, sliding};
-use tollgate_core::{Admin, Backend, Check, Limit, Quota, Slots, Status};
+use tollgate_engine::{Admin, Backend, Check, Limit, Quota, Slots, Status};
 use tollgate_testsupport::redis;
 use tollgate_testsupport::{until, RedisCluster};
 
@@ -271,7 +271,7 @@ async fn a_leased_keys_refund_applies_only_while_its_tat_is_unmoved() {
         .build()
         .unwrap();
     let hot = gcra("hot", 100)
-        .with_lease(tollgate_core::Lease::new(10).unwrap())
+        .with_lease(tollgate_engine::Lease::new(10).unwrap())
         .unwrap();
     let blocker = gcra("blocker", 1);
     let key = key_on_two_nodes(&cluster, &backend, &hot, &blocker);
@@ -336,7 +336,7 @@ async fn a_leased_keys_refund_applies_while_its_tat_is_unmoved() {
     let plain = Limit::gcra("hot", Quota::per_hour(100).unwrap()).unwrap();
     let hot = plain
         .clone()
-        .with_lease(tollgate_core::Lease::new(10).unwrap())
+        .with_lease(tollgate_engine::Lease::new(10).unwrap())
         .unwrap();
     let blocker = gcra("blocker", 1);
     let key = key_on_two_nodes(&cluster, &backend, &hot, &blocker);

@@ -8,7 +8,7 @@ mod support;
 use std::time::Duration;
 
 use support::{cluster, gcra, standalone, DEADLINE};
-use tollgate_core::{Backend, Check, Limit, Slots, Status};
+use tollgate_engine::{Backend, Check, Limit, Slots, Status};
 use tollgate_redis::RedisBackend;
 use tollgate_testsupport::{until, RedisCluster, RedisServer};
 

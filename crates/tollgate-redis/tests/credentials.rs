@@ -92,10 +92,11 @@ async fn a_wrong_password_is_refused_without_being_shown() {
     let url = format!("redis://app:not-the-pass@127.0.0.1:{}/", server.port());
     let backend = support::standalone(&url).build().unwrap();
     let limit = gcra("five", 5);
-    let e = tollgate_core::Backend::check(&backend, &[tollgate_core::Check::new(&limit, b"shop")])
-        .await
-        .unwrap_err();
-    assert_eq!(e.kind(), tollgate_core::BackendErrorKind::Unavailable);
+    let e =
+        tollgate_engine::Backend::check(&backend, &[tollgate_engine::Check::new(&limit, b"shop")])
+            .await
+            .unwrap_err();
+    assert_eq!(e.kind(), tollgate_engine::BackendErrorKind::Unavailable);
     let ping = backend.ping().await.unwrap_err();
     for shown in [
         e.to_string(),

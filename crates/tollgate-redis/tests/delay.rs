@@ -8,7 +8,7 @@ mod support;
 
 use std::time::Duration;
 
-use tollgate_core::{
+use tollgate_engine::{
     algorithm, Backend, Check, FakeClock, Limit, MemoryBackend, Quota, Receipt, Settlement, Verdict,
 };
 use tollgate_redis::RedisBackend;
@@ -138,7 +138,7 @@ async fn the_deny_cache_answers_only_checks_under_the_delay_it_learned_from() {
 
 #[tokio::test]
 async fn a_leased_limit_s_delayed_checks_reach_the_server() {
-    use tollgate_core::Lease;
+    use tollgate_engine::Lease;
     let server = RedisServer::start();
     let backend = support::standalone(&server.url()).build().unwrap();
     let limit = Limit::gcra("leased", Quota::per_minute(600).unwrap())

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use futures_util::FutureExt;
 use support::gcra;
-use tollgate_core::{Backend, BackendErrorKind, Check, Limit};
+use tollgate_engine::{Backend, BackendErrorKind, Check, Limit};
 use tollgate_redis::{BuildError, CircuitState, RedisBackend};
 use tollgate_testsupport::RedisServer;
 

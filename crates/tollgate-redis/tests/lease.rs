@@ -8,7 +8,7 @@ mod support;
 
 use std::time::Duration;
 
-use tollgate_core::{
+use tollgate_engine::{
     Admin, Backend, Check, FakeClock, Lease, Lifecycle, Limit, Micros, Quota, Status, Verdicts,
 };
 use tollgate_redis::RedisBackend;
@@ -431,14 +431,14 @@ async fn sliding_logs_and_slots_cannot_be_leased() {
     let log = Limit::sliding_log("log", Quota::per_minute(10).unwrap()).unwrap();
     assert!(matches!(
         log.with_lease(lease),
-        Err(tollgate_core::ConfigError::LeaseUnsupported(_))
+        Err(tollgate_engine::ConfigError::LeaseUnsupported(_))
     ));
     let slots = Limit::concurrency("slots", 4).unwrap();
     assert!(slots.with_lease(lease).is_err());
 }
 
 /// One sequential trace (three replicas, irregular times across expiries, window turns and
-/// refills, one replica shut down half-way) on a real Redis and through core's `Leased` over
+/// refills, one replica shut down half-way) on a real Redis and through the engine's `Leased` over
 /// the in-memory backend, which the accuracy simulation runs: every answer, every replica's
 /// holdings and the number of calls agree.
 #[tokio::test]
@@ -456,7 +456,7 @@ async fn a_trace_on_redis_matches_leases_over_memory() {
         let warm = Limit::gcra("warm", *limit.quota()).unwrap();
         at(&clock, &replicas[0], &[&warm], b"w", T0).await;
         replicas[0].settle_at(&[], Some(T0)).await.unwrap();
-        let settle = tollgate_core::Settlement {
+        let settle = tollgate_engine::Settlement {
             limit: &warm,
             key: b"w",
             reserved: 1,

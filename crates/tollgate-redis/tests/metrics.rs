@@ -7,7 +7,7 @@ mod support;
 
 use metrics_util::debugging::{DebugValue, DebuggingRecorder};
 use support::{admitted, gcra};
-use tollgate_core::{Backend, Check};
+use tollgate_engine::{Backend, Check};
 use tollgate_testsupport::RedisServer;
 
 /// A series: its name, its sorted labels and its value.
@@ -103,7 +103,7 @@ async fn settles_that_are_not_applied_are_counted() {
     let check = Check::new(&tokens, b"shop").with_cost(10);
     let verdicts = backend.check(&[check]).await.unwrap();
     server.stop();
-    let refund = tollgate_core::Settlement::of(&check, verdicts.receipt(0), 0);
+    let refund = tollgate_engine::Settlement::of(&check, verdicts.receipt(0), 0);
     assert!(backend.settle_at(&[refund], None).await.is_err());
     let series = snapshot(&snapshotter);
     let dropped: Vec<_> = series

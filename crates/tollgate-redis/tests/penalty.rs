@@ -9,7 +9,7 @@ mod support;
 
 use std::time::Duration;
 
-use tollgate_core::{Admin, Backend, Check, Limit, Penalty, Quota, Settlement, Status};
+use tollgate_engine::{Admin, Backend, Check, Limit, Penalty, Quota, Settlement, Status};
 use tollgate_redis::RedisBackend;
 use tollgate_testsupport::{RedisCluster, RedisServer};
 

@@ -12,7 +12,7 @@ use std::time::Duration;
 use proptest::prelude::*;
 use proptest::test_runner::TestRunner;
 use support::*;
-use tollgate_core::{Check, FakeClock, Limit, MemoryBackend, Quota};
+use tollgate_engine::{Check, FakeClock, Limit, MemoryBackend, Quota};
 use tollgate_testsupport::RedisServer;
 
 const START: u64 = 1_700_000_000_000_000;

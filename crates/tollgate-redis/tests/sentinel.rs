@@ -7,7 +7,7 @@ mod support;
 use std::time::Duration;
 
 use support::*;
-use tollgate_core::{Backend, BackendErrorKind, Check};
+use tollgate_engine::{Backend, BackendErrorKind, Check};
 use tollgate_redis::RedisBackend;
 use tollgate_testsupport::{server_info, RedisServer, Sentinel, SENTINEL_MASTER};
 
@@ -85,7 +85,7 @@ fn sentinel_needs_sentinels_and_a_master_name() {
 }
 
 /// Checks `key` until Redis answers; returns how many checks failed before it did.
-async fn until_answered(backend: &RedisBackend, limit: &tollgate_core::Limit, key: &[u8]) -> u64 {
+async fn until_answered(backend: &RedisBackend, limit: &tollgate_engine::Limit, key: &[u8]) -> u64 {
     let started = tokio::time::Instant::now();
     let mut failed = 0;
     loop {

@@ -5,7 +5,7 @@
 
 mod support;
 
-use tollgate_core::{
+use tollgate_engine::{
     Backend, Check, FakeClock, Limit, MemoryBackend, Micros, Quota, Settlement, Status, Verdicts,
 };
 use tollgate_redis::RedisBackend;
@@ -140,7 +140,7 @@ async fn scenarios(target: &Target) {
         key: b"shop",
         reserved: 3,
         actual: 0,
-        receipt: tollgate_core::Receipt { at, mark },
+        receipt: tollgate_engine::Receipt { at, mark },
         quota: *guarded.quota(),
     };
     target.check(&guarded, b"shop", 4, at).await;

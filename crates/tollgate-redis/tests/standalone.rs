@@ -8,7 +8,7 @@ mod support;
 use std::time::Duration;
 
 use support::{admitted, check, check_at, concurrent_admissions, fixed, gcra, sliding};
-use tollgate_core::{Backend, Check, Quota, Status};
+use tollgate_engine::{Backend, Check, Quota, Status};
 use tollgate_testsupport::redis;
 use tollgate_testsupport::RedisServer;
 
@@ -43,7 +43,7 @@ async fn concurrent_checks_on_two_backends_admit_exactly_the_limit() {
 }
 
 /// A GCRA, a fixed window and a sliding log, each far from its limit.
-fn one_of_each_algorithm() -> [tollgate_core::Limit; 3] {
+fn one_of_each_algorithm() -> [tollgate_engine::Limit; 3] {
     [
         gcra("burst", 1_000),
         fixed("hourly", Quota::per_hour(1_000).unwrap()),
@@ -390,7 +390,7 @@ async fn a_batch_of_more_than_max_checks_is_refused() {
     let limits: Vec<_> = (0..9).map(|i| gcra(&format!("l{i}"), 10)).collect();
     let checks: Vec<Check<'_>> = limits.iter().map(|l| Check::new(l, b"k")).collect();
     let err = backend.check(&checks).await.unwrap_err();
-    assert_eq!(err.kind(), tollgate_core::BackendErrorKind::Protocol);
+    assert_eq!(err.kind(), tollgate_engine::BackendErrorKind::Protocol);
     assert!(backend.check(&[]).await.unwrap().is_empty());
     assert_eq!(backend.kind(), "redis");
 }
@@ -412,7 +412,7 @@ async fn the_script_is_loaded_again_after_a_flush() {
 /// Runs one check of `limits` per key, all at once on this task, and counts the admissions.
 async fn at_once(
     backend: &tollgate_redis::RedisBackend,
-    limits: &[&tollgate_core::Limit],
+    limits: &[&tollgate_engine::Limit],
     keys: &[Vec<u8>],
 ) -> usize {
     let checks = keys
@@ -528,7 +528,7 @@ async fn a_limit_whose_algorithm_changes_under_its_name_keeps_working() {
     // then, on a slow run).
     let quota = Quota::per_day(2).unwrap();
     let as_log = sliding("shop", quota);
-    let as_gcra = tollgate_core::Limit::gcra("shop", quota).unwrap();
+    let as_gcra = tollgate_engine::Limit::gcra("shop", quota).unwrap();
     let as_window = fixed("shop", quota);
     // Old and new replicas side by side during a deploy, on the same identity, in one merged
     // call with an unrelated request: every algorithm finds only its own state.
@@ -554,7 +554,7 @@ async fn a_costly_sliding_log_check_adds_its_members_a_thousand_per_zadd() {
     let backend = support::standalone(&server.url()).build().unwrap();
     let limit = sliding(
         "log",
-        Quota::per_hour(tollgate_core::MAX_LOG_UNITS).unwrap(),
+        Quota::per_hour(tollgate_engine::MAX_LOG_UNITS).unwrap(),
     );
     let key = backend.key_for(&limit, b"k");
     let check = |cost| {
@@ -582,13 +582,13 @@ async fn a_check_costlier_than_any_log_holds_is_refused_and_writes_nothing() {
     let limits = [
         sliding(
             "log",
-            Quota::per_hour(tollgate_core::MAX_LOG_UNITS).unwrap(),
+            Quota::per_hour(tollgate_engine::MAX_LOG_UNITS).unwrap(),
         ),
         gcra("g", 10),
         fixed("w", Quota::per_minute(10).unwrap()),
     ];
     for limit in &limits {
-        for cost in [tollgate_core::MAX_LOG_UNITS + 1, u32::MAX] {
+        for cost in [tollgate_engine::MAX_LOG_UNITS + 1, u32::MAX] {
             let mut c = Check::new(limit, b"k");
             c.cost = cost;
             let v = backend.check(&[c]).await.unwrap()[0];
@@ -689,7 +689,7 @@ async fn a_url_with_a_user_a_password_and_a_database_is_honoured() {
     let err = wrong.check(&[Check::new(&limit, b"k")]).await.unwrap_err();
     assert_eq!(
         err.kind(),
-        tollgate_core::BackendErrorKind::Unavailable,
+        tollgate_engine::BackendErrorKind::Unavailable,
         "{err}"
     );
     let keys: u64 = redis::cmd("DBSIZE").query(&mut db3).unwrap();

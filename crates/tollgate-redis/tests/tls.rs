@@ -91,7 +91,7 @@ async fn a_server_signed_by_another_ca_is_refused() {
     // A check fails (its limit's failure policy applies) and counts nothing.
     let limit = gcra("five", 5);
     let check =
-        tollgate_core::Backend::check(&backend, &[tollgate_core::Check::new(&limit, b"shop")])
+        tollgate_engine::Backend::check(&backend, &[tollgate_engine::Check::new(&limit, b"shop")])
             .await;
     assert!(check.is_err());
     assert_eq!(server.dbsize(), 0);

@@ -5,7 +5,7 @@
 
 mod support;
 
-use tollgate_core::{Check, Limit, Verdict};
+use tollgate_engine::{Check, Limit, Verdict};
 use tollgate_testsupport::redis;
 use tollgate_testsupport::vectors::{self, Algo, Expected, State, Vector};
 use tollgate_testsupport::RedisServer;
@@ -103,7 +103,7 @@ async fn the_lua_scripts_reproduce_every_vector() {
 #[tokio::test]
 async fn an_admitted_vector_stores_what_the_core_would_store() {
     // After an admission the next check at the same `now` sees the new state: replaying every
-    // admitted vector twice must give the core's second answer too.
+    // admitted vector twice must give the engine's second answer too.
     let server = RedisServer::start();
     let lean = support::standalone(&server.url()).build().unwrap();
     let general = support::standalone(&server.url())
@@ -142,9 +142,9 @@ async fn an_admitted_vector_stores_what_the_core_would_store() {
     assert_eq!(replayed, 2 * 33);
 }
 
-/// The core's answer to the same check made twice at `now` on the vector's state.
+/// The engine's answer to the same check made twice at `now` on the vector's state.
 fn core_second(v: &Vector) -> Verdict {
-    use tollgate_core::algorithm::{self, WindowState};
+    use tollgate_engine::algorithm::{self, WindowState};
     let q = &v.quota();
     match &v.state {
         State::None | State::Tat(_) | State::TatUnder { .. } if v.algo == Algo::Gcra => {

@@ -1,4 +1,4 @@
-//! Quota leases in process: replicas, each a `tollgate_core::leased::Leased`, over one shared
+//! Quota leases in process: replicas, each a `tollgate_engine::leased::Leased`, over one shared
 //! `MemoryBackend` that counts every slice before any of its units is admitted. Each replica
 //! reaches the shared backend through its own [`Link`], which counts the calls it makes and
 //! the units its slices took, and can be cut.
@@ -11,8 +11,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tollgate_core::leased::Leased;
-use tollgate_core::{
+use tollgate_engine::leased::Leased;
+use tollgate_engine::{
     Admin, AdminFuture, Backend, BackendError, BackendErrorKind, Check, FakeClock, KeyState, Lease,
     Limit, MemoryBackend, Quota, Settlement, Verdicts,
 };

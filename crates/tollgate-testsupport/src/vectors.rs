@@ -1,12 +1,12 @@
 //! The shared test vectors of `tests/vectors.txt` (the format is described in the file's header).
 //!
-//! The core's tests and the Redis backend's tests each turn a [`Vector`] into their own calls,
+//! The engine's tests and the Redis backend's tests each turn a [`Vector`] into their own calls,
 //! and must both reproduce [`Vector::expected`].
 
 use std::fmt;
 use std::time::Duration;
 
-use tollgate_core::{Limit, Quota, Status, Verdict};
+use tollgate_engine::{Limit, Quota, Status, Verdict};
 
 /// The path of the vector file.
 pub const PATH: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/vectors.txt");

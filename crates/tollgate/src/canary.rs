@@ -37,7 +37,7 @@ use std::time::Duration;
 
 use tokio::task::JoinHandle;
 use tokio::time::{Instant, MissedTickBehavior};
-use tollgate_core::{Backend, BackendErrorKind, Check, Limit, Quota, Status, Verdict};
+use tollgate_engine::{Backend, BackendErrorKind, Check, Limit, Quota, Status, Verdict};
 
 /// The name of the canary's limit. Reserved: do not give it to a limit of your own.
 pub const CANARY_LIMIT: &str = "tollgate-canary";

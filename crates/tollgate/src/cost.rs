@@ -19,7 +19,7 @@
 //!   in the request's extensions (usable until the response body ends: a streamed answer knows
 //!   its count only at the end), or with a [`Charge`] in the response's extensions. Settling
 //!   consumes or refunds the difference; a cost above what was left puts the key into debt
-//!   (see [`Settlement`](tollgate_core::Settlement) for each algorithm). A handler that
+//!   (see [`Settlement`](tollgate_engine::Settlement) for each algorithm). A handler that
 //!   reports nothing keeps the reservation.
 //! - **A request dropped before it answered** (the client went away) keeps its reservation by
 //!   default, or gives it back under [`OnDrop::Refund`]. A response whose body is dropped
@@ -258,7 +258,7 @@ impl Metered {
     /// `503` with `Retry-After`, or `RateLimit` fields with nothing left: see
     /// [`MAX_UPSTREAM_PAUSE`](crate::MAX_UPSTREAM_PAUSE) for the forms read), the request's
     /// key of this GCRA limit is held back until then on every replica sharing the backend
-    /// ([`Backend::pause`](tollgate_core::Backend::pause): one write), and the calls that
+    /// ([`Backend::pause`](tollgate_engine::Backend::pause): one write), and the calls that
     /// follow wait for it in delay mode, or are refused with a `Retry-After` that says so.
     /// Nothing is retried.
     pub fn pause_from_upstream(mut self) -> Self {

@@ -1,7 +1,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tollgate_core::{Algorithm, BackendErrorKind, Quota, Status, Verdict};
+use tollgate_engine::{Algorithm, BackendErrorKind, Quota, Status, Verdict};
 
 /// Why a limit refused a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -17,7 +17,7 @@ pub enum DenyReason {
     BackendUnavailable,
     /// A concurrency limit: the key has as many requests in flight as the limit allows.
     InFlight,
-    /// The key is in the limit's penalty box ([`Penalty`](tollgate_core::Penalty)) until the
+    /// The key is in the limit's penalty box ([`Penalty`](tollgate_engine::Penalty)) until the
     /// refusal's `retry_after`, after refusals enough: every request is refused until then.
     Blocked,
 }
@@ -214,7 +214,7 @@ impl LimitDecision {
     }
 
     /// How long the request waited in this concurrency limit's queue for a free slot
-    /// ([`Limit::queue_up_to`](tollgate_core::Limit::queue_up_to)) before this outcome: on
+    /// ([`Limit::queue_up_to`](tollgate_engine::Limit::queue_up_to)) before this outcome: on
     /// an admission, how long it waited before the service was called; on a refusal, how
     /// long it waited in vain. `None` for a request that did not wait in this limit's queue.
     pub fn queued(&self) -> Option<Duration> {
@@ -229,7 +229,7 @@ impl LimitDecision {
     }
 
     /// How long this limit's admission lies ahead of the time the quota reserved for it: a
-    /// limit with a delay ([`Limit::delay_up_to`](tollgate_core::Limit::delay_up_to)) admitted
+    /// limit with a delay ([`Limit::delay_up_to`](tollgate_engine::Limit::delay_up_to)) admitted
     /// the request beyond its burst, and the layer waits this long before the service is
     /// called (a shadow limit only reports it). `None` for a request admitted at once, and for
     /// every other outcome. The outcome's `remaining` and `reset` show the quota after the
@@ -272,14 +272,14 @@ impl LimitDecision {
 
     /// Marks this as answered from a leased slice (see [`Verdicts::from_lease`]).
     ///
-    /// [`Verdicts::from_lease`]: tollgate_core::Verdicts::from_lease
+    /// [`Verdicts::from_lease`]: tollgate_engine::Verdicts::from_lease
     pub(crate) fn leased(mut self, from_lease: bool) -> Self {
         self.from_lease = from_lease;
         self
     }
 
     /// Whether the backend admitted this from a slice of a leased quota that this process
-    /// held (see [`tollgate_core::Lease`]): counted in the shared backend before, answered
+    /// held (see [`tollgate_engine::Lease`]): counted in the shared backend before, answered
     /// without asking it. Counted by `tollgate_lease_admissions_total`.
     pub fn is_from_lease(&self) -> bool {
         self.from_lease
@@ -364,7 +364,7 @@ impl LimitDecision {
 /// ```
 /// use std::time::Duration;
 /// use tollgate::{Decision, LimitDecision, Outcome, Source};
-/// use tollgate::core::Quota;
+/// use tollgate::engine::Quota;
 ///
 /// let d = Decision::new(vec![LimitDecision::new(
 ///     "burst".into(),
@@ -376,7 +376,7 @@ impl LimitDecision {
 /// assert!(d.is_admitted());
 /// assert_eq!(d.remaining(), Some(4));
 /// assert_eq!(d.get("burst").map(|l| l.label()), Some("allowed"));
-/// # Ok::<(), tollgate::core::ConfigError>(())
+/// # Ok::<(), tollgate::engine::ConfigError>(())
 /// ```
 #[derive(Clone)]
 pub struct Decision {

@@ -2,7 +2,7 @@
 
 use std::fmt;
 
-use tollgate_core::ConfigError;
+use tollgate_engine::ConfigError;
 
 use crate::key::{Cidr, ClientIp, Identity, KeyExtractor, RequestView};
 use crate::rules::Rules;

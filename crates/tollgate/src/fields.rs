@@ -16,7 +16,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::header::{HeaderMap, HeaderName, HeaderValue, RETRY_AFTER};
 
-use tollgate_core::{Quota, MAX_CHECKS};
+use tollgate_engine::{Quota, MAX_CHECKS};
 
 use crate::decision::{Decision, DenyReason, LimitDecision, Outcome};
 

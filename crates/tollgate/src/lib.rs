@@ -2,7 +2,7 @@
 //!
 //! A [`RateLimitLayer`] holds one or more [`Limit`]s, each counted per key that its
 //! [extractor](key) finds in the request: the client IP, a tenant, an authenticated principal,
-//! or anything else. Limits are counted in a [`Backend`](core::Backend): in memory by default
+//! or anything else. Limits are counted in a [`Backend`](engine::Backend): in memory by default
 //! ([`MemoryBackend`]), or in Redis / Redis Cluster (the `tollgate-redis` crate) so that a limit
 //! holds across every replica of a service.
 //!
@@ -21,7 +21,7 @@
 //! use tollgate::key::{ClientIp, Tenant};
 //! use tollgate::{Decision, Limit, Quota, RateLimitLayer};
 //!
-//! # fn main() -> Result<(), tollgate::core::ConfigError> {
+//! # fn main() -> Result<(), tollgate::engine::ConfigError> {
 //! let limits = RateLimitLayer::builder()
 //!     // 20 a minute per client address (IPv6 grouped by /64)...
 //!     .limit(Limit::gcra("burst", Quota::per_minute(20)?)?, ClientIp::peer())
@@ -108,7 +108,7 @@ mod rules;
 mod upstream;
 
 /// The parts that know nothing of HTTP: quotas, algorithms, clocks, backends.
-pub use tollgate_core as core;
+pub use tollgate_engine as engine;
 
 pub use allowlist::Allowlist;
 pub use canary::{Canary, CanaryHandle, CanaryStatus, CANARY_LIMIT};
@@ -129,8 +129,8 @@ pub use limits_file::error::LimitsFileError;
 pub use limits_file::LimitsFile;
 pub use plan::Plan;
 pub use rejection::{Rejection, RejectionKind};
-pub use tollgate_core::Refused;
-pub use tollgate_core::{
+pub use tollgate_engine::Refused;
+pub use tollgate_engine::{
     Algorithm, FailurePolicy, FakeClock, Limit, MemoryBackend, MissingKeyPolicy, Penalty, Quota,
     SystemClock,
 };

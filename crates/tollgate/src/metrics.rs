@@ -386,7 +386,7 @@ pub(crate) fn record_reload(ok: bool) {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
-    use tollgate_core::Quota;
+    use tollgate_engine::Quota;
 
     fn decision(outcome: Outcome, source: Source, shadow: bool) -> LimitDecision {
         LimitDecision::new(

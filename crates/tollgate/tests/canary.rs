@@ -10,7 +10,7 @@ use std::pin::Pin;
 use std::time::Duration;
 
 use support::{Flaky, Recorder};
-use tollgate::core::{Backend, BackendError, BackendErrorKind, Check, Verdicts};
+use tollgate::engine::{Backend, BackendError, BackendErrorKind, Check, Verdicts};
 use tollgate::{Canary, CanaryStatus, FakeClock, MemoryBackend};
 use tollgate_redis::RedisBackend;
 use tollgate_testsupport::RedisServer;
@@ -202,7 +202,7 @@ async fn a_backend_that_keeps_nothing_or_never_answers_fails() {
 
 #[tokio::test(start_paused = true)]
 async fn the_canary_never_touches_the_requests_counters() {
-    use tollgate::core::{Limit, Quota};
+    use tollgate::engine::{Limit, Quota};
     let _metrics = Recorder::install();
     let backend = MemoryBackend::new();
     let canary = Canary::new(backend.clone(), INTERVAL);
@@ -280,7 +280,7 @@ async fn against_redis_a_stop_fails_the_canary_and_a_restart_is_seen_as_lost_sta
 
 #[tokio::test(start_paused = true)]
 async fn the_canarys_name_and_key_are_its_own() {
-    use tollgate::core::{ConfigError, Limit, Quota};
+    use tollgate::engine::{ConfigError, Limit, Quota};
     use tollgate::key::key_fn;
     use tollgate::RateLimitLayer;
     use tower::{service_fn, Layer, ServiceExt};

@@ -56,7 +56,7 @@ impl http_body::Body for Streamed {
 /// Answers with the status in `x-status` (default 200); puts a `Charge` of `x-charge` in the
 /// response, or streams and reports `x-stream-charge` through the handle at the body's end;
 /// the body says the remaining units the decision saw.
-fn app<B: tollgate::core::Backend>(layer: RateLimitLayer<B>) -> Svc {
+fn app<B: tollgate::engine::Backend>(layer: RateLimitLayer<B>) -> Svc {
     let handler = service_fn(|req: Request<Body>| async move {
         let get = |name: &str| {
             req.headers()
@@ -218,7 +218,7 @@ async fn two_stacked_layers_charged_by_the_handler_share_one_handle() {
     for name in ["inner", "outer"] {
         let limit = Limit::gcra(name, Quota::per_hour(1000).unwrap()).unwrap();
         let v = backend
-            .check_now(&[tollgate::core::Check::new(&limit, b"global").with_cost(0)])
+            .check_now(&[tollgate::engine::Check::new(&limit, b"global").with_cost(0)])
             .unwrap();
         assert_eq!(v[0].remaining, 750, "{name}");
     }
@@ -411,7 +411,7 @@ mod on_redis {
     //! reads the backend until the settle it expects has landed, then checks the exact figure.
 
     use super::*;
-    use tollgate::core::{Backend, Check};
+    use tollgate::engine::{Backend, Check};
     use tollgate_redis::RedisBackend;
     use tollgate_testsupport::{RedisCluster, RedisServer};
 

@@ -330,7 +330,7 @@ async fn the_delay_applies_under_the_plan_s_quota() {
 #[tokio::test(start_paused = true)]
 async fn allowlisted_requests_and_a_failed_backend_never_wait() {
     use std::num::NonZeroU32;
-    use tollgate::core::BackendErrorKind;
+    use tollgate::engine::BackendErrorKind;
     use tollgate::Allowlist;
     // The backend fails: the fallback (its own share of the quota, checked without a delay)
     // admits the first and refuses the next two at once; the allowlisted tenant passes.
@@ -367,7 +367,7 @@ async fn allowlisted_requests_and_a_failed_backend_never_wait() {
 
 #[test]
 fn limits_without_an_emission_time_refuse_a_delay_when_built() {
-    use tollgate::core::{Algorithm, ConfigError};
+    use tollgate::engine::{Algorithm, ConfigError};
     let q = Quota::per_minute(10).unwrap();
     let d = Duration::from_secs(2);
     let errors = [

@@ -9,7 +9,7 @@ use std::time::Duration;
 use axum::body::Body;
 use axum::extract::ConnectInfo;
 use http::{Request, Response, StatusCode};
-use tollgate::core::{Backend, BackendError, BackendErrorKind, Check, Verdicts};
+use tollgate::engine::{Backend, BackendError, BackendErrorKind, Check, Verdicts};
 use tollgate::key::{key_fn, ClientIp, Global, Tenant};
 use tollgate::{
     Decision, DenyReason, FakeClock, Limit, MemoryBackend, MissingKeyPolicy, Outcome, Quota,

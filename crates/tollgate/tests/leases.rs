@@ -12,7 +12,7 @@ use std::time::Duration;
 use axum::body::Body;
 use http::{Request, Response, StatusCode};
 use support::Recorder;
-use tollgate::core::Lease;
+use tollgate::engine::Lease;
 use tollgate::key::Global;
 use tollgate::{Decision, Limit, Quota, RateLimitLayer};
 use tollgate_redis::RedisBackend;

@@ -15,7 +15,7 @@ use bytes::Bytes;
 use http::Request;
 use http_body_util::Full;
 use tokio::time::Instant;
-use tollgate::core::{DEFAULT_MAX_WAITING, DEFAULT_SLOT_TTL};
+use tollgate::engine::{DEFAULT_MAX_WAITING, DEFAULT_SLOT_TTL};
 use tollgate::{
     Algorithm, Decision, DenyReason, FakeClock, Limits, LimitsFile, LimitsFileError, MemoryBackend,
     Outcome, RateLimitLayer,

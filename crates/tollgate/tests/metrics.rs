@@ -13,7 +13,7 @@ use axum::body::Body;
 use axum::extract::ConnectInfo;
 use http::{Request, Response, StatusCode};
 use support::{Collector, Flaky, Recorder, KINDS};
-use tollgate::core::{Backend, BackendErrorKind};
+use tollgate::engine::{Backend, BackendErrorKind};
 use tollgate::key::{key_fn, ClientIp, Global, Tenant};
 use tollgate::{Limit, MemoryBackend, MissingKeyPolicy, Quota, RateLimitLayer};
 use tollgate_redis::RedisBackend;

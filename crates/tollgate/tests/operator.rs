@@ -11,7 +11,7 @@ use std::time::Duration;
 use axum::body::Body;
 use http::{Request, StatusCode};
 use support::clients::{app, from, Svc};
-use tollgate::core::{Backend, BackendErrorKind, KeyState};
+use tollgate::engine::{Backend, BackendErrorKind, KeyState};
 use tollgate::key::{ClientIp, MissingKey, Principal, Tenant};
 use tollgate::{
     AdminError, Allowlist, Decision, Limit, Limits, LimitsFile, Outcome, Quota, RateLimitLayer,

@@ -12,7 +12,7 @@ use std::time::Duration;
 use axum::body::Body;
 use http::{Request, Response, StatusCode};
 use tokio::sync::Semaphore;
-use tollgate::core::{Backend, BackendError, Check, Verdicts};
+use tollgate::engine::{Backend, BackendError, Check, Verdicts};
 use tollgate::key::Tenant;
 use tollgate::{
     Decision, FakeClock, Limit, Limits, LimitsFile, MemoryBackend, Plan, Quota, RateLimitLayer,

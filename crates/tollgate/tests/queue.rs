@@ -19,7 +19,7 @@ use bytes::Bytes;
 use http::Request;
 use http_body_util::Full;
 use tokio::time::Instant;
-use tollgate::core::{Admin, Backend, Check, Settlement, Slots};
+use tollgate::engine::{Admin, Backend, Check, Settlement, Slots};
 use tollgate::key::{Global, Tenant};
 use tollgate::{Decision, FakeClock, Limit, Limits, MemoryBackend, Quota, RateLimitLayer};
 use tower::{Service, ServiceExt};

@@ -10,7 +10,7 @@ use std::time::Duration;
 use axum::body::Body;
 use axum::extract::ConnectInfo;
 use http::{Request, Response, StatusCode};
-use tollgate::core::{Backend, Clock, FakeClock, MemoryBackend};
+use tollgate::engine::{Backend, Clock, FakeClock, MemoryBackend};
 use tollgate::key::ClientIp;
 use tollgate::{AdminError, Limit, Quota, RateLimitLayer, Refused};
 use tollgate_redis::RedisBackend;

@@ -2,8 +2,8 @@
 //! the server's `TIME`, so that the figures are the ones the next `CHECK` would compute.
 
 use redis::Value;
-use tollgate_core::algorithm::{self, WindowState};
-use tollgate_core::{
+use tollgate_engine::algorithm::{self, WindowState};
+use tollgate_engine::{
     Algorithm, BackendError, BackendErrorKind, Check, KeyState, Limit, Micros, Quota, Status,
     Verdict,
 };
@@ -28,7 +28,7 @@ pub(crate) const SANCTION: &str = concat!(include_str!("tat.lua"), include_str!(
 
 /// `KEYS[1]`: a GCRA key (`<base>:v2`). `ARGV`: the pause in microseconds, the emission
 /// interval, the burst. Moves the key's TAT to at least the pause's end plus the burst less
-/// one interval (see `tollgate_core::Backend::pause`). Answers the server's time.
+/// one interval (see `tollgate_engine::Backend::pause`). Answers the server's time.
 pub(crate) const PAUSE: &str = concat!(include_str!("tat.lua"), include_str!("pause.lua"));
 
 /// The `EVAL` of `op` (`peek` or `reset`) on `limit`'s key under `base`, whose fixed windows
@@ -49,7 +49,7 @@ pub(crate) fn command(
         Algorithm::FixedWindow => (base.clone(), "window"),
         Algorithm::SlidingLog => (base.clone().with(Suffix::Log), "log"),
         Algorithm::Concurrency => (base.clone().with(Suffix::Slots), "slots"),
-        _ => return Err(tollgate_core::unsupported("redis", op)),
+        _ => return Err(tollgate_engine::unsupported("redis", op)),
     };
     let period = quota.period_micros();
     let mut cmd = redis::cmd("EVAL");
@@ -142,7 +142,7 @@ pub(crate) fn key_state(
             let busy = limit.busy_retry_after_micros();
             algorithm::concurrency(quota, held, 1, busy).0
         }
-        _ => return Err(tollgate_core::unsupported("redis", "peek")),
+        _ => return Err(tollgate_engine::unsupported("redis", "peek")),
     };
     Ok(KeyState::from_probe(&probe, verdict))
 }

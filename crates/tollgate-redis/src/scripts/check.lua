@@ -1,5 +1,5 @@
 
--- tollgate_core::algorithm::gcra_carry: now + ceil((tat - now) / from) * to, at most
+-- tollgate_engine::algorithm::gcra_carry: now + ceil((tat - now) / from) * to, at most
 -- MAX_PERIOD ahead. Every figure below 2^53 is exact; a product above the cap may round, but
 -- never to the other side of it.
 local MAX_AHEAD = 3155760000000000
@@ -32,7 +32,7 @@ for l = 1, tonumber(ARGV[2]) do
   limits[l] = {algo, p1, p2, p3, penalty}
   a = a + 8
 end
--- Each key's sanctions (tollgate_core's `Sanction`), read once per call: refusals, the
+-- Each key's sanctions (tollgate_engine's `Sanction`), read once per call: refusals, the
 -- window's end, the block's end, strikes, until when they are remembered, the deny's end.
 local sanctions = {}
 local function sanction_of(key)

@@ -8,7 +8,7 @@
 
 use std::sync::{Arc, LazyLock};
 
-use tollgate_core::{algorithm, Algorithm, BackendError, BackendErrorKind, Check, Micros, Quota};
+use tollgate_engine::{algorithm, Algorithm, BackendError, BackendErrorKind, Check, Micros, Quota};
 
 use crate::keys::{KeyDigest, Suffix};
 use crate::scripts::{slot_id, Script};
@@ -38,7 +38,7 @@ use crate::scripts::{slot_id, Script};
 /// `ARGV[2]`: the number `L` of distinct limits in the call, then 8 arguments per limit:
 /// algorithm (1 GCRA, 2 fixed window, 3 sliding log, 4 concurrency), three parameters (GCRA: emission
 /// interval, tolerance (the burst's span, and the check's delay: see
-/// `tollgate_core::algorithm::gcra_delayed`), burst; fixed window: period, limit, the index of the client's current
+/// `tollgate_engine::algorithm::gcra_delayed`), burst; fixed window: period, limit, the index of the client's current
 /// window; sliding log: period, limit, 0) and the limit's penalty (refusals, window, first
 /// and longest block; zeros for none). If the window that holds `now` is neither the
 /// client's current one nor the next, the script writes nothing and answers the error
@@ -62,7 +62,7 @@ use crate::scripts::{slot_id, Script};
 ///   (what a refund needs).
 ///
 /// The client computes a GCRA or fixed-window verdict from that state with
-/// `tollgate_core::algorithm` and checks the status against it: the script only decides,
+/// `tollgate_engine::algorithm` and checks the status against it: the script only decides,
 /// which spares it the arithmetic of the figures and half the reply. A sliding log's figures
 /// need the log, so the script sends them. One string rather than an array of integers:
 /// packing it is one call in Lua, and the client reads it without a parser per item.
@@ -140,12 +140,12 @@ pub(crate) struct EncodedCheck {
     pub(crate) slice: bool,
     /// The limit is leased: a GCRA refund of this check applies only while the key's TAT is
     /// still the one the check left (other replicas' slices are paced by it: see
-    /// `tollgate_core::leased`).
+    /// `tollgate_engine::leased`).
     pub(crate) guarded: bool,
     /// A GCRA check's delay ([`Check::delay`]), in microseconds: its tolerance, as the script
     /// gets it, is the burst's span and this.
     pub(crate) delay: Micros,
-    /// The limit's penalty ([`tollgate_core::Penalty::figures`]), zeros for none.
+    /// The limit's penalty ([`tollgate_engine::Penalty::figures`]), zeros for none.
     pub(crate) penalty: [u64; 4],
 }
 
@@ -344,7 +344,7 @@ fn protocol(msg: impl Into<String>) -> BackendError {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tollgate_core::Limit;
+    use tollgate_engine::Limit;
 
     use crate::keys;
 

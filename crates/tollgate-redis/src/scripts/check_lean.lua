@@ -67,7 +67,7 @@ for r = 1, n do
   end
   if status == 0 and not wrote then
     -- Written under another quota (a plan, a reload): carry what the key used, as
-    -- `tollgate_core::algorithm::gcra_carry` does.
+    -- `tollgate_engine::algorithm::gcra_carry` does.
     if tat and tat > now and from ~= interval and from ~= 0 then
       local d = tat - now
       local used = floor(d / from)

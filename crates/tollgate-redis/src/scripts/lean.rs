@@ -8,7 +8,7 @@
 //! The lean script takes one argument and the keys, one per request, and answers exactly as
 //! the general one does (the same reply, read by [`reply`](super::reply)), so a call is sent in
 //! the lean form whenever it fits and in the general one otherwise. `tests/vectors.txt`
-//! checks both against `tollgate_core::algorithm`.
+//! checks both against `tollgate_engine::algorithm`.
 //!
 //! `ARGV[1]`: one string of little-endian doubles (integers below 2^53, as the general
 //! script's): `now` (-1 for the server's `TIME`), the limit's emission interval, tolerance and
@@ -22,7 +22,7 @@ use std::sync::LazyLock;
 
 use crate::scripts::check::{EncodedCheck, Form};
 use crate::scripts::Script;
-use tollgate_core::Micros;
+use tollgate_engine::Micros;
 
 use crate::transport::args::Args;
 

@@ -1,4 +1,4 @@
--- Holds a GCRA key back (tollgate_core's `Backend::pause`): its TAT moves to at least
+-- Holds a GCRA key back (tollgate_engine's `Backend::pause`): its TAT moves to at least
 -- now + ARGV[1] + (ARGV[3] - 1) × ARGV[2] (the pause, the burst less one, the emission
 -- interval), carried to that interval first, never back. KEYS[1]: the key's `:v2`.
 -- Answers the server's time.

@@ -1,7 +1,7 @@
 //! `refund.lua`: undoes what one `CHECK` call wrote, for a Redis Cluster batch split over
 //! several hash slots of which one refused.
 
-use tollgate_core::{algorithm, Micros};
+use tollgate_engine::{algorithm, Micros};
 
 use std::sync::LazyLock;
 

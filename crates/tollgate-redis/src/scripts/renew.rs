@@ -2,7 +2,7 @@
 
 use std::sync::LazyLock;
 
-use tollgate_core::Micros;
+use tollgate_engine::Micros;
 
 use crate::scripts::{slot_id, Script};
 

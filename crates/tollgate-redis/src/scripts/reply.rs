@@ -1,7 +1,7 @@
 //! The `CHECK` reply: one string of figures, read into each check's answer.
 
-use tollgate_core::algorithm::{self, WindowState};
-use tollgate_core::{Algorithm, BackendError, BackendErrorKind, Micros, Status, Verdict};
+use tollgate_engine::algorithm::{self, WindowState};
+use tollgate_engine::{Algorithm, BackendError, BackendErrorKind, Micros, Status, Verdict};
 
 use crate::scripts::check::EncodedCheck;
 
@@ -86,7 +86,7 @@ fn answer_len(p: &EncodedCheck) -> usize {
 /// Decodes a `CHECK` reply for the requests of `batches`, in order: `None` for a request the
 /// lean script did not run (status 5), because the node does not serve its key.
 ///
-/// A GCRA or fixed-window check's verdict is computed here, by `tollgate_core::algorithm`,
+/// A GCRA or fixed-window check's verdict is computed here, by `tollgate_engine::algorithm`,
 /// from the state the script read for it; the script's status must agree with it.
 ///
 /// # Errors
@@ -274,7 +274,7 @@ fn figure(x: f64) -> Result<u64, BackendError> {
 mod tests {
     use super::*;
     use redis::Value;
-    use tollgate_core::{Check, Limit, Quota};
+    use tollgate_engine::{Check, Limit, Quota};
 
     fn packed(figures: &[f64]) -> Value {
         Value::BulkString(figures.iter().flat_map(|f| f.to_le_bytes()).collect())

@@ -1,6 +1,6 @@
 //! `settle.lua`: what admitted checks reserved, given back or charged to what they cost.
 
-use tollgate_core::{Algorithm, BackendError, Check, Settlement};
+use tollgate_engine::{Algorithm, BackendError, Check, Settlement};
 
 use std::sync::LazyLock;
 
@@ -9,7 +9,7 @@ use crate::scripts::check::EncodedCheck;
 use crate::scripts::Script;
 
 /// Settles checks admitted earlier: gives back or consumes the difference between what each
-/// reserved and what it should have cost (see `tollgate_core::Settlement` for each algorithm).
+/// reserved and what it should have cost (see `tollgate_engine::Settlement` for each algorithm).
 ///
 /// `KEYS`: per settlement, its key (a GCRA TAT at `<base>:v2`, a fixed window's
 /// `<base>:<index>`), or two for
@@ -43,7 +43,7 @@ pub(crate) struct Settling {
 impl Settling {
     /// `s` encoded. A GCRA settle whose receipt has a mark is guarded: it applies only while
     /// the key's TAT is exactly the mark (a lease's give-back, see
-    /// [`Receipt`](tollgate_core::Receipt)).
+    /// [`Receipt`](tollgate_engine::Receipt)).
     pub(crate) fn new(s: &Settlement<'_>) -> Result<Option<Self>, BackendError> {
         // A concurrency slot is one request: nothing to settle.
         if s.actual == s.reserved || s.limit.algorithm() == Algorithm::Concurrency {

@@ -2,7 +2,7 @@
 //! a hash of when each was seen; merged into by replicas, read by operators.
 
 use redis::Value;
-use tollgate_core::{BackendError, BackendErrorKind, Micros, Refused};
+use tollgate_engine::{BackendError, BackendErrorKind, Micros, Refused};
 
 use super::admin::text;
 

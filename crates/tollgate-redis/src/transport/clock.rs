@@ -2,7 +2,7 @@
 
 use std::sync::atomic::{AtomicI64, Ordering};
 
-use tollgate_core::Micros;
+use tollgate_engine::Micros;
 
 /// The server's `TIME` minus the local monotonic clock, in microseconds, as last seen.
 ///

@@ -19,7 +19,7 @@ use std::sync::Mutex;
 
 use tokio::sync::oneshot;
 use tokio::time::Instant;
-use tollgate_core::BackendError;
+use tollgate_engine::BackendError;
 
 use crate::scripts::check::EncodedCheck;
 use crate::scripts::reply::Reply;

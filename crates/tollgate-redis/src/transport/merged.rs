@@ -11,7 +11,7 @@ use std::task::{ready, Context, Poll};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
-use tollgate_core::{BackendError, BackendErrorKind};
+use tollgate_engine::{BackendError, BackendErrorKind};
 
 use crate::failure::{overloaded, unavailable};
 use crate::scripts::check::{EncodedCheck, Form};

@@ -22,7 +22,7 @@ use std::time::Duration;
 
 use redis::{ErrorKind, ServerErrorKind};
 use tokio::time::Instant;
-use tollgate_core::{BackendError, BackendErrorKind, Micros};
+use tollgate_engine::{BackendError, BackendErrorKind, Micros};
 
 use crate::failure::{breaks_connection, map_error};
 use crate::keys::{self, Suffix};

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use tollgate_core::{Backend, Check, Limit, Quota, Verdicts};
+use tollgate_engine::{Backend, Check, Limit, Quota, Verdicts};
 use tollgate_redis::{RedisBackend, RedisBackendBuilder};
 
 /// A deadline generous enough for a loaded CI machine: these tests count, they do not time.

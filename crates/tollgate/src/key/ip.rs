@@ -3,7 +3,7 @@
 use std::net::IpAddr;
 use std::sync::Arc;
 
-use tollgate_core::ConfigError;
+use tollgate_engine::ConfigError;
 
 use super::forwarded::{cf_connecting_ip, x_forwarded_for, ForwardedHeader};
 use super::peer::{peer_ip, PeerFn};

@@ -2,7 +2,7 @@
 //!
 //! A [`KeyExtractor`] reads a request (through a [`RequestView`]) and returns a [`Key`] or
 //! says why there is none ([`MissingKey`]); the limit's
-//! [`MissingKeyPolicy`](tollgate_core::MissingKeyPolicy) decides what happens then.
+//! [`MissingKeyPolicy`](tollgate_engine::MissingKeyPolicy) decides what happens then.
 //!
 //! Ready-made extractors:
 //! - [`ClientIp`]: the client address, from the socket peer, or from `cf-connecting-ip` /

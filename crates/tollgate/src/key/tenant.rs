@@ -4,7 +4,7 @@ use std::fmt;
 
 use http::header::HeaderName;
 use http::Extensions;
-use tollgate_core::ConfigError;
+use tollgate_engine::ConfigError;
 
 use super::{Key, KeyExtractor, MissingKey, RequestView, MAX_KEY_LEN};
 

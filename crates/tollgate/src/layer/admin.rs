@@ -5,7 +5,7 @@
 use std::fmt;
 use std::time::Duration;
 
-use tollgate_core::{Backend, BackendError, BackendErrorKind, Check, KeyState, Refused};
+use tollgate_engine::{Backend, BackendError, BackendErrorKind, Check, KeyState, Refused};
 
 use super::layer::RateLimitLayer;
 use super::refused::named;
@@ -105,7 +105,7 @@ impl<B: Backend> RateLimitLayer<B> {
     /// positive, say): its next request finds the whole quota. The backend's state of the key
     /// is removed, and so is this replica's cached denial of it (a Redis backend's deny
     /// cache; other replicas' expire on their own, within the cache's lease). A block of the
-    /// limit's [penalty box](tollgate_core::Penalty) is lifted; a [`deny`](Self::deny) is not.
+    /// limit's [penalty box](tollgate_engine::Penalty) is lifted; a [`deny`](Self::deny) is not.
     ///
     /// A concurrency limit cannot be reset: its slots are requests still in flight, given back
     /// as they end.
@@ -113,7 +113,7 @@ impl<B: Backend> RateLimitLayer<B> {
     /// # Errors
     ///
     /// As [`peek`](Self::peek); `AdminError::Backend` with
-    /// [`BackendErrorKind::Unsupported`](tollgate_core::BackendErrorKind::Unsupported) for
+    /// [`BackendErrorKind::Unsupported`](tollgate_engine::BackendErrorKind::Unsupported) for
     /// a concurrency limit.
     pub async fn reset(
         &self,
@@ -155,7 +155,7 @@ impl<B: Backend> RateLimitLayer<B> {
     /// # Errors
     ///
     /// As [`peek`](Self::peek); `AdminError::Backend` with
-    /// [`BackendErrorKind::Unsupported`](tollgate_core::BackendErrorKind::Unsupported) for a
+    /// [`BackendErrorKind::Unsupported`](tollgate_engine::BackendErrorKind::Unsupported) for a
     /// backend that keeps no denies.
     pub async fn deny(
         &self,
@@ -226,19 +226,19 @@ impl<B: Backend> RateLimitLayer<B> {
     }
 }
 
-/// The answer of a backend that offers no [`Admin`](tollgate_core::Admin).
-fn unsupported_now<T: Send + 'static>(kind: &str, what: &str) -> tollgate_core::AdminFuture<T> {
-    Box::pin(std::future::ready(Err(tollgate_core::unsupported(
+/// The answer of a backend that offers no [`Admin`](tollgate_engine::Admin).
+fn unsupported_now<T: Send + 'static>(kind: &str, what: &str) -> tollgate_engine::AdminFuture<T> {
+    Box::pin(std::future::ready(Err(tollgate_engine::unsupported(
         kind, what,
     ))))
 }
 
 impl<B: Backend> RateLimitLayer<B> {
     /// The `n` identities the limit named `limit` refused most, most refused first: over the
-    /// current bucket of [`REPORT_BUCKET`](tollgate_core::reports::REPORT_BUCKET) and the
+    /// current bucket of [`REPORT_BUCKET`](tollgate_engine::reports::REPORT_BUCKET) and the
     /// previous one, across every replica that shares the backend. This replica's refusals
     /// not yet handed to the backend are handed first; other replicas' reach it within a
-    /// [`REPORT_TICK`](tollgate_core::reports::REPORT_TICK) of their next
+    /// [`REPORT_TICK`](tollgate_engine::reports::REPORT_TICK) of their next
     /// refusal.
     ///
     /// Each entry names the client as requests carry it (an address, an IPv6 `/64` network, a

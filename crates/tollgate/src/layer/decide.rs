@@ -5,7 +5,7 @@ use bytes::Bytes;
 use http::{Request, Response};
 use std::time::Duration;
 
-use tollgate_core::{
+use tollgate_engine::{
     algorithm, Algorithm, Backend, BackendError, BackendErrorKind, Limit, Micros, Receipt,
     Verdicts, MAX_CHECKS,
 };

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use tollgate_core::{Backend, BackendError, Check, FailurePolicy, Receipt, MAX_CHECKS};
+use tollgate_engine::{Backend, BackendError, Check, FailurePolicy, Receipt, MAX_CHECKS};
 
 use super::prepare::{Facts, KeptKeys};
 use super::state::Shared;

@@ -10,7 +10,7 @@ use http::{Request, Response};
 use http_body::Body;
 use pin_project_lite::pin_project;
 use tokio::time::{Instant, Sleep};
-use tollgate_core::Backend;
+use tollgate_engine::Backend;
 use tower_service::Service;
 
 use super::body::ResponseBody;
@@ -438,7 +438,7 @@ mod tests {
     use super::*;
     use crate::layer::settle::Item;
     use http_body_util::Full;
-    use tollgate_core::MemoryBackend;
+    use tollgate_engine::MemoryBackend;
 
     type Handler = tower::util::ServiceFn<
         fn(Request<Full<Bytes>>) -> std::future::Ready<Result<Response<Full<Bytes>>, ()>>,

@@ -9,8 +9,8 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use bytes::Bytes;
 use http::Response;
-use tollgate_core::topk::DEFAULT_TOP_K;
-use tollgate_core::{Backend, Clock, ConfigError, Limit, MemoryBackend, SystemClock};
+use tollgate_engine::topk::DEFAULT_TOP_K;
+use tollgate_engine::{Backend, Clock, ConfigError, Limit, MemoryBackend, SystemClock};
 use tower_layer::Layer;
 
 use super::limits::Limits;
@@ -42,7 +42,7 @@ use crate::rejection::Rejection;
 /// use tollgate::key::{ClientIp, Global};
 /// use tollgate::{Decision, Limit, Quota, RateLimitLayer};
 ///
-/// # fn main() -> Result<(), tollgate::core::ConfigError> {
+/// # fn main() -> Result<(), tollgate::engine::ConfigError> {
 /// let layer = RateLimitLayer::builder()
 ///     .limit(Limit::gcra("per-ip", Quota::per_minute(60)?)?, ClientIp::peer())
 ///     .limit(Limit::fixed_window("everyone", Quota::per_day(100_000)?)?, Global)
@@ -110,11 +110,11 @@ impl<B> RateLimitLayer<B> {
 }
 
 impl<B: Backend> RateLimitLayer<B> {
-    /// Gives back what the backend holds of shared quotas ([`Lifecycle::shutdown`](tollgate_core::Lifecycle::shutdown): the unused
+    /// Gives back what the backend holds of shared quotas ([`Lifecycle::shutdown`](tollgate_engine::Lifecycle::shutdown): the unused
     /// units of leased slices), for a graceful shutdown: call it once the server has stopped
     /// taking requests. Requests checked afterwards are checked without leases. Resolves once
     /// the backend has answered (or could not be reached: the units then come back when
-    /// their slices expire, see [`tollgate_core::Lease`]).
+    /// their slices expire, see [`tollgate_engine::Lease`]).
     pub async fn shutdown(&self) {
         if let Some(lifecycle) = self.shared.backend.lifecycle() {
             lifecycle.shutdown().await;
@@ -196,7 +196,7 @@ impl<B: Backend> RateLimitLayerBuilder<B> {
     /// use tollgate::key::ClientIp;
     /// use tollgate::{Limit, Quota, RateLimitLayer};
     ///
-    /// # fn main() -> Result<(), tollgate::core::ConfigError> {
+    /// # fn main() -> Result<(), tollgate::engine::ConfigError> {
     /// // Five failed logins a minute: only 401s count.
     /// let layer = RateLimitLayer::builder()
     ///     .metered(
@@ -222,7 +222,7 @@ impl<B: Backend> RateLimitLayerBuilder<B> {
     /// use tollgate::key::Global;
     /// use tollgate::{Limit, Plan, Quota, RateLimitLayer};
     ///
-    /// # fn main() -> Result<(), tollgate::core::ConfigError> {
+    /// # fn main() -> Result<(), tollgate::engine::ConfigError> {
     /// let limit = Limit::gcra("api", Quota::per_minute(10)?)?.plan("partner", Quota::per_minute(100)?)?;
     /// let layer = RateLimitLayer::builder()
     ///     .limit(limit, Global)
@@ -370,7 +370,7 @@ impl<B: Backend> RateLimitLayerBuilder<B> {
     /// # Errors
     ///
     /// [`ConfigError::NoLimits`], [`ConfigError::TooManyLimits`] (more than
-    /// [`MAX_CHECKS`](tollgate_core::MAX_CHECKS)), [`ConfigError::DuplicateName`], or [`ConfigError::ReservedName`] for a
+    /// [`MAX_CHECKS`](tollgate_engine::MAX_CHECKS)), [`ConfigError::DuplicateName`], or [`ConfigError::ReservedName`] for a
     /// limit named [`CANARY_LIMIT`](crate::CANARY_LIMIT), which only the canary may use.
     pub fn build(self) -> Result<RateLimitLayer<B>, ConfigError> {
         let set = self.limits.compile(self.top_refused_k > 0)?;

@@ -5,7 +5,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use http::HeaderValue;
-use tollgate_core::{Algorithm, ConfigError, FailurePolicy, Limit, MAX_CHECKS};
+use tollgate_engine::{Algorithm, ConfigError, FailurePolicy, Limit, MAX_CHECKS};
 
 use crate::allowlist::Allowlist;
 use crate::canary::CANARY_LIMIT;

@@ -19,8 +19,8 @@
 //! request that a queued concurrency limit's full key refused waits in its key's line
 //! (`queue.rs`) and is checked again, whole, when its turn comes (`queued.rs`).
 //!
-//! [`MissingKeyPolicy`]: tollgate_core::MissingKeyPolicy
-//! [`FailurePolicy`]: tollgate_core::FailurePolicy
+//! [`MissingKeyPolicy`]: tollgate_engine::MissingKeyPolicy
+//! [`FailurePolicy`]: tollgate_engine::FailurePolicy
 
 pub(crate) mod admin;
 pub(crate) mod body;

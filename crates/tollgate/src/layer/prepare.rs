@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use http::{Request, Response};
-use tollgate_core::{Backend, Check, MissingKeyPolicy, MAX_CHECKS};
+use tollgate_engine::{Backend, Check, MissingKeyPolicy, MAX_CHECKS};
 
 use super::limits::{Entry, LimitSet};
 use super::queue::{Queueing, Ticket};
@@ -39,7 +39,7 @@ pub(crate) struct Facts {
     pub(crate) limit_of: [usize; MAX_CHECKS],
     /// Per limit, the index of the quota the request got ([`Limit::quota_of`]).
     ///
-    /// [`Limit::quota_of`]: tollgate_core::Limit::quota_of
+    /// [`Limit::quota_of`]: tollgate_engine::Limit::quota_of
     pub(crate) quota_of: [u8; MAX_CHECKS],
     /// Per limit, the request's cost.
     pub(crate) cost: [u32; MAX_CHECKS],

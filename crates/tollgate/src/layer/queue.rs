@@ -14,7 +14,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Waker};
 
-use tollgate_core::{Limit, Micros, MAX_WAITERS_PER_LIMIT};
+use tollgate_engine::{Limit, Micros, MAX_WAITERS_PER_LIMIT};
 
 /// One request's place in a line.
 #[derive(Debug)]

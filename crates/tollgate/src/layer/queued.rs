@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use http::Request;
 use tokio::time::{Instant, Sleep};
-use tollgate_core::{Backend, Check, Micros, MAX_CHECKS};
+use tollgate_engine::{Backend, Check, Micros, MAX_CHECKS};
 
 use super::decide::Decided;
 use super::prepare::{Facts, KeptKeys};
@@ -192,7 +192,7 @@ mod tests {
     use bytes::Bytes;
     use http::Response;
     use http_body_util::Full;
-    use tollgate_core::MemoryBackend;
+    use tollgate_engine::MemoryBackend;
 
     type Handler = tower::util::ServiceFn<
         fn(Request<Full<Bytes>>) -> std::future::Ready<Result<Response<Full<Bytes>>, ()>>,

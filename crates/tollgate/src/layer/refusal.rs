@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Request, Response};
-use tollgate_core::Backend;
+use tollgate_engine::Backend;
 
 use super::limits::{Entry, LimitSet};
 use super::respond::{policy_for, put_decision};
@@ -143,7 +143,7 @@ impl<B: Backend> Shared<B> {
 mod tests {
     use http::header::{CONTENT_TYPE, RETRY_AFTER};
     use http::StatusCode;
-    use tollgate_core::{Limit, Quota};
+    use tollgate_engine::{Limit, Quota};
 
     use super::*;
     use crate::decision::DenyReason;

@@ -1,6 +1,6 @@
 //! Who is being refused: per enforced limit, a Space-Saving summary of the keys it refused,
 //! counted in this process on the refusal path (`report.rs`) and handed to the backend's
-//! [`Reports`](tollgate_core::Reports) at most once per [`REPORT_TICK`];
+//! [`Reports`](tollgate_engine::Reports) at most once per [`REPORT_TICK`];
 //! `RateLimitLayer::top_refused` (`admin.rs`) hands what is left and reads the reports.
 //!
 //! A refusal costs one lookup of its limit's summary (a read lock), one mutex and one
@@ -12,9 +12,9 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 
-use tollgate_core::reports::REPORT_TICK;
-use tollgate_core::topk::{Counter, SpaceSaving};
-use tollgate_core::{Clock, Micros, Refused};
+use tollgate_engine::reports::REPORT_TICK;
+use tollgate_engine::topk::{Counter, SpaceSaving};
+use tollgate_engine::{Clock, Micros, Refused};
 
 use super::limits::Entry;
 

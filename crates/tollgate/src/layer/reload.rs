@@ -4,7 +4,7 @@ use std::fmt;
 use std::path::Path;
 use std::sync::{Arc, PoisonError};
 
-use tollgate_core::{Backend, ConfigError};
+use tollgate_engine::{Backend, ConfigError};
 
 use super::limits::Limits;
 use super::state::Shared;

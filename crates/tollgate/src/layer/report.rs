@@ -3,8 +3,8 @@
 
 use std::task::{Context, Poll, Waker};
 
-use tollgate_core::topk::Counter;
-use tollgate_core::{AdminFuture, Backend, Micros};
+use tollgate_engine::topk::Counter;
+use tollgate_engine::{AdminFuture, Backend, Micros};
 
 use super::limits::Entry;
 use super::prepare::{Facts, KeptKeys};

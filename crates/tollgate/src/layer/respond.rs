@@ -3,7 +3,7 @@
 use std::borrow::Cow;
 
 use http::{HeaderValue, Response};
-use tollgate_core::Backend;
+use tollgate_engine::Backend;
 
 use super::limits::LimitSet;
 use super::state::Shared;

@@ -9,7 +9,7 @@ use std::task::{Context, Poll, Waker};
 use bytes::Bytes;
 use http::{Request, Response};
 use http_body::Body;
-use tollgate_core::{Backend, MemoryBackend};
+use tollgate_engine::{Backend, MemoryBackend};
 use tower_service::Service;
 
 use super::body::ResponseBody;

@@ -8,7 +8,7 @@
 use std::sync::Arc;
 
 use http::Response;
-use tollgate_core::{Algorithm, Backend, Quota, Receipt, Settlement, MAX_CHECKS};
+use tollgate_engine::{Algorithm, Backend, Quota, Receipt, Settlement, MAX_CHECKS};
 
 use super::limits::LimitSet;
 use super::state::Shared;
@@ -299,13 +299,13 @@ impl<B: Backend> Settler for SetSink<B> {
         );
         match (held.fallback, &entry.local) {
             (false, _) => {
-                let check = tollgate_core::Check::new(&entry.limit, held.key.as_bytes())
+                let check = tollgate_engine::Check::new(&entry.limit, held.key.as_bytes())
                     .with_quota(held.quota);
                 self.shared.backend.pause(&check, micros);
             }
             (true, Some(local)) => {
                 let check =
-                    tollgate_core::Check::new(local, held.key.as_bytes()).with_quota(held.quota);
+                    tollgate_engine::Check::new(local, held.key.as_bytes()).with_quota(held.quota);
                 self.shared.fallback.pause(&check, micros);
             }
             (true, None) => {}

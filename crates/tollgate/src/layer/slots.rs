@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use tollgate_core::{Backend, Check, MAX_CHECKS};
+use tollgate_engine::{Backend, Check, MAX_CHECKS};
 
 use super::limits::LimitSet;
 use super::state::Shared;

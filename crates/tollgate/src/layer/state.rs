@@ -8,7 +8,7 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use bytes::Bytes;
 use http::Response;
-use tollgate_core::{Backend, Clock, MemoryBackend};
+use tollgate_engine::{Backend, Clock, MemoryBackend};
 
 use super::limits::LimitSet;
 use super::queue::Queues;

@@ -11,7 +11,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use tollgate_core::{Limit, MAX_CHECKS, MAX_WAITERS_PER_LIMIT};
+use tollgate_engine::{Limit, MAX_CHECKS, MAX_WAITERS_PER_LIMIT};
 
 /// The waiters of one limit.
 #[derive(Debug, Default)]
@@ -143,7 +143,7 @@ impl Drop for Places {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tollgate_core::Quota;
+    use tollgate_engine::Quota;
 
     #[test]
     fn a_key_holds_at_most_its_bound_and_leaves_when_its_last_place_is_given_back() {

@@ -3,7 +3,7 @@
 use std::fmt;
 use std::ops::Range;
 
-use tollgate_core::ConfigError;
+use tollgate_engine::ConfigError;
 
 /// A mistake in a file, where it is: what `parse` turns into a [`LimitsFileError`].
 pub(super) struct Mistake {

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use http::HeaderName;
-use tollgate_core::{
+use tollgate_engine::{
     Algorithm, ConfigError, Limit, MissingKeyPolicy, Quota, DEFAULT_SLOT_TTL, MAX_CHECKS,
 };
 use toml::Spanned;

@@ -5,7 +5,7 @@
 use std::ops::Range;
 use std::time::Duration;
 
-use tollgate_core::{ConfigError, Limit, Penalty, DEFAULT_MAX_WAITING, MAX_PERIOD};
+use tollgate_engine::{ConfigError, Limit, Penalty, DEFAULT_MAX_WAITING, MAX_PERIOD};
 use toml::Spanned;
 
 use super::error::Mistake;

@@ -7,7 +7,7 @@ use std::net::{IpAddr, SocketAddr};
 use axum::body::Body;
 use axum::extract::ConnectInfo;
 use http::{Request, Response};
-use tollgate::core::Backend;
+use tollgate::engine::Backend;
 use tollgate::{Decision, RateLimitLayer};
 use tower::{service_fn, Layer, ServiceExt};
 

@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 
 use metrics::{Counter, Gauge, Histogram, Key, KeyName, Metadata, SharedString, Unit};
 use metrics_util::registry::{AtomicStorage, Registry};
-use tollgate::core::{Backend, BackendError, BackendErrorKind, Check, Verdicts};
+use tollgate::engine::{Backend, BackendError, BackendErrorKind, Check, Verdicts};
 use tollgate::MemoryBackend;
 
 pub mod clients;

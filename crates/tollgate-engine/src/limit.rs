@@ -53,14 +53,14 @@ pub enum MissingKeyPolicy {
 /// # Examples
 ///
 /// ```
-/// use tollgate_core::{Limit, Quota};
+/// use tollgate_engine::{Limit, Quota};
 ///
 /// let daily = Limit::fixed_window("daily", Quota::per_day(1_000)?)?
 ///     .fail_closed()
 ///     .with_cost(10)?;
 /// assert_eq!(daily.name(), "daily");
 /// assert!(Limit::gcra("has space", Quota::per_minute(1)?).is_err());
-/// # Ok::<(), tollgate_core::ConfigError>(())
+/// # Ok::<(), tollgate_engine::ConfigError>(())
 /// ```
 #[derive(Debug, Clone)]
 pub struct Limit {
@@ -150,11 +150,11 @@ impl Limit {
     /// # Examples
     ///
     /// ```
-    /// use tollgate_core::Limit;
+    /// use tollgate_engine::Limit;
     ///
     /// let in_flight = Limit::concurrency("in-flight", 4)?;
     /// assert_eq!(in_flight.quota().limit(), 4);
-    /// # Ok::<(), tollgate_core::ConfigError>(())
+    /// # Ok::<(), tollgate_engine::ConfigError>(())
     /// ```
     pub fn concurrency(name: &str, max_in_flight: u32) -> Result<Self, ConfigError> {
         let quota = Quota::new(max_in_flight, DEFAULT_SLOT_TTL)?;
@@ -243,14 +243,14 @@ impl Limit {
     /// # Examples
     ///
     /// ```
-    /// use tollgate_core::{Limit, Quota};
+    /// use tollgate_engine::{Limit, Quota};
     ///
     /// let per_token = Limit::fixed_window("per-token", Quota::per_minute(5)?)?
     ///     .plan("pro", Quota::per_minute(50)?)?;
     /// assert_eq!(per_token.quota_of(Some("pro")).1.limit(), 50);
     /// assert_eq!(per_token.quota_of(Some("other")).1.limit(), 5);
     /// assert_eq!(per_token.quota_of(None).1.limit(), 5);
-    /// # Ok::<(), tollgate_core::ConfigError>(())
+    /// # Ok::<(), tollgate_engine::ConfigError>(())
     /// ```
     pub fn plan(mut self, plan: &str, quota: Quota) -> Result<Self, ConfigError> {
         if !valid_name(plan)

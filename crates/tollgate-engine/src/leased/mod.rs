@@ -59,8 +59,8 @@ use table::{GiveBack, Table};
 ///
 /// ```
 /// use std::sync::Arc;
-/// use tollgate_core::leased::Leased;
-/// use tollgate_core::{Backend, Check, FakeClock, Lease, Limit, MemoryBackend, Quota};
+/// use tollgate_engine::leased::Leased;
+/// use tollgate_engine::{Backend, Check, FakeClock, Lease, Limit, MemoryBackend, Quota};
 ///
 /// let clock = FakeClock::new(1_000_000);
 /// let shared = Arc::new(MemoryBackend::builder().clock(clock.clone()).build());
@@ -72,7 +72,7 @@ use table::{GiveBack, Table};
 /// assert_eq!(replica.leased_units(), 4); // 5 units taken: the request's and 4 more
 /// let second = replica.check_now(&[Check::new(&limit, b"shop-1")]).unwrap();
 /// assert!(second.from_lease(0)); // answered without asking `shared`
-/// # Ok::<(), tollgate_core::ConfigError>(())
+/// # Ok::<(), tollgate_engine::ConfigError>(())
 /// ```
 pub struct Leased<B, C: Clock = SystemClock> {
     shared: Arc<Shared<B, C>>,

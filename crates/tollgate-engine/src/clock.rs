@@ -25,7 +25,7 @@ pub trait Clock: Send + Sync + 'static {
 ///
 /// ```
 /// use std::time::Duration;
-/// use tollgate_core::{Clock, FakeClock};
+/// use tollgate_engine::{Clock, FakeClock};
 ///
 /// let clock = FakeClock::new(1_000);
 /// clock.advance(Duration::from_millis(2));

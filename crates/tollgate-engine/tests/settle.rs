@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use tollgate_core::{Check, FakeClock, Limit, MemoryBackend, Quota, Settlement, Status, Verdict};
+use tollgate_engine::{Check, FakeClock, Limit, MemoryBackend, Quota, Settlement, Status, Verdict};
 
 const T0: u64 = 1_700_000_000_000_000;
 

@@ -5,7 +5,7 @@
 use std::sync::Barrier;
 use std::time::Duration;
 
-use tollgate_core::{Check, FakeClock, Limit, MemoryBackend, Quota, Status};
+use tollgate_engine::{Check, FakeClock, Limit, MemoryBackend, Quota, Status};
 
 #[test]
 fn a_spray_of_a_million_unique_keys_stays_under_the_cap() {
@@ -205,7 +205,7 @@ fn a_sliding_log_refused_by_another_limit_reports_its_untouched_reset() {
 fn the_longest_periods_admit_once_and_survive_sweeps() {
     let clock = FakeClock::new(1_700_000_000_000_000);
     let backend = MemoryBackend::builder().clock(clock.clone()).build();
-    let quota = Quota::new(1, tollgate_core::MAX_PERIOD).unwrap();
+    let quota = Quota::new(1, tollgate_engine::MAX_PERIOD).unwrap();
     let limits = [
         Limit::gcra("once", quota).unwrap(),
         Limit::fixed_window("once-window", quota).unwrap(),

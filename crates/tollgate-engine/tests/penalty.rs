@@ -6,7 +6,7 @@ use std::future::Future;
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
-use tollgate_core::{
+use tollgate_engine::{
     Admin, Check, ConfigError, FakeClock, Lease, Limit, MemoryBackend, Micros, Penalty, Quota,
     Status,
 };

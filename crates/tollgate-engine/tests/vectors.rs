@@ -1,10 +1,10 @@
-//! The core's pure functions reproduce every line of the shared vector file
+//! The engine's pure functions reproduce every line of the shared vector file
 //! (`tests/vectors.txt` at the workspace root).
 
 #![allow(clippy::unwrap_used)]
 
-use tollgate_core::algorithm::{self, WindowState};
-use tollgate_core::Verdict;
+use tollgate_engine::algorithm::{self, WindowState};
+use tollgate_engine::Verdict;
 use tollgate_testsupport::vectors::{self, Algo, State, Vector};
 
 fn run(v: &Vector) -> Verdict {

@@ -25,7 +25,7 @@ use crate::verdict::Status;
 ///
 /// ```
 /// use std::time::Duration;
-/// use tollgate_core::{Limit, Penalty, Quota};
+/// use tollgate_engine::{Limit, Penalty, Quota};
 ///
 /// let login = Limit::gcra("login", Quota::per_minute(5)?)?.penalty(
 ///     Penalty::after(3)
@@ -33,7 +33,7 @@ use crate::verdict::Status;
 ///         .block_for(Duration::from_secs(600)),
 /// )?;
 /// assert_eq!(login.penalty_box().map(|p| p.block()), Some(Duration::from_secs(600)));
-/// # Ok::<(), tollgate_core::ConfigError>(())
+/// # Ok::<(), tollgate_engine::ConfigError>(())
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Penalty {

@@ -53,14 +53,14 @@ pub const MAX_SLICE: u32 = 100_000;
 ///
 /// ```
 /// use std::time::Duration;
-/// use tollgate_core::{Lease, Limit, Quota};
+/// use tollgate_engine::{Lease, Limit, Quota};
 ///
 /// let lease = Lease::new(50)?.with_divisor(8)?.with_lifetime(Duration::from_secs(1))?;
 /// let global = Limit::gcra("global", Quota::per_day(5_000)?)?.with_lease(lease)?;
 /// assert_eq!(global.lease().map(|l| l.max_slice()), Some(50));
 /// // Sliding logs keep every admission's time: they cannot be leased.
 /// assert!(Limit::sliding_log("log", Quota::per_minute(10)?)?.with_lease(lease).is_err());
-/// # Ok::<(), tollgate_core::ConfigError>(())
+/// # Ok::<(), tollgate_engine::ConfigError>(())
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Lease {
@@ -142,13 +142,13 @@ impl Lease {
     /// limit every request is checked in the backend, without a slice.
     ///
     /// ```
-    /// use tollgate_core::Lease;
+    /// use tollgate_engine::Lease;
     ///
     /// let lease = Lease::new(50)?; // divisor 8
     /// assert_eq!(lease.take_for(1_000, 1), 50);
     /// assert_eq!(lease.take_for(80, 1), 10);
     /// assert_eq!(lease.take_for(15, 1), 1);
-    /// # Ok::<(), tollgate_core::ConfigError>(())
+    /// # Ok::<(), tollgate_engine::ConfigError>(())
     /// ```
     pub fn take_for(&self, remaining: u64, cost: u32) -> u32 {
         let share = (remaining / u64::from(self.divisor)).min(u64::from(self.max_slice)) as u32;

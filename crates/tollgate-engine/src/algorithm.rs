@@ -20,14 +20,14 @@ use crate::verdict::{Status, Verdict};
 /// # Examples
 ///
 /// ```
-/// use tollgate_core::{algorithm, Quota};
+/// use tollgate_engine::{algorithm, Quota};
 ///
 /// let q = Quota::per_minute(5)?; // one request every 12 s, burst of 5
 /// let (v, tat) = algorithm::gcra(&q, None, 0, 1);
 /// assert!(v.is_allowed());
 /// assert_eq!(v.remaining, 4);
 /// assert_eq!(tat, Some(12_000_000));
-/// # Ok::<(), tollgate_core::ConfigError>(())
+/// # Ok::<(), tollgate_engine::ConfigError>(())
 /// ```
 #[inline]
 pub fn gcra(
@@ -50,7 +50,7 @@ pub fn gcra(
 /// # Examples
 ///
 /// ```
-/// use tollgate_core::{algorithm, Quota};
+/// use tollgate_engine::{algorithm, Quota};
 ///
 /// let q = Quota::per_minute(5)?.with_burst(1)?; // one every 12 s, a burst of one
 /// let (mut tat, mut waits) = (None, vec![]);
@@ -62,7 +62,7 @@ pub fn gcra(
 /// // The fourth would wait 36 s > 30 s: refused, until 6 s later.
 /// let (v, _) = algorithm::gcra_delayed(&q, tat, 0, 1, 30_000_000);
 /// assert_eq!(v.retry_after(), Some(std::time::Duration::from_secs(6)));
-/// # Ok::<(), tollgate_core::ConfigError>(())
+/// # Ok::<(), tollgate_engine::ConfigError>(())
 /// ```
 #[inline]
 pub fn gcra_delayed(
@@ -125,7 +125,7 @@ pub fn gcra_wait(quota: &Quota, verdict: &Verdict) -> Micros {
 /// # Examples
 ///
 /// ```
-/// use tollgate_core::{algorithm, Quota};
+/// use tollgate_engine::{algorithm, Quota};
 ///
 /// // 5 a minute used up (a TAT a minute ahead), raised to 10 a minute: 5 units used, 30 s.
 /// let (five, ten) = (Quota::per_minute(5)?, Quota::per_minute(10)?);
@@ -133,7 +133,7 @@ pub fn gcra_wait(quota: &Quota, verdict: &Verdict) -> Micros {
 /// let tat = algorithm::gcra_carry(now + 60_000_000, now, five.emission_interval(), ten.emission_interval());
 /// assert_eq!(tat, now + 30_000_000);
 /// assert_eq!(algorithm::gcra(&ten, Some(tat), now, 1).0.remaining, 4);
-/// # Ok::<(), tollgate_core::ConfigError>(())
+/// # Ok::<(), tollgate_engine::ConfigError>(())
 /// ```
 #[inline]
 pub fn gcra_carry(tat: Micros, now: Micros, from: Micros, to: Micros) -> Micros {
@@ -364,7 +364,7 @@ pub fn unconsumed(algorithm: Algorithm, quota: &Quota, verdict: Verdict, cost: u
 /// # Examples
 ///
 /// ```
-/// use tollgate_core::{algorithm, Quota};
+/// use tollgate_engine::{algorithm, Quota};
 ///
 /// let q = Quota::per_minute(2)?;
 /// let (v, held) = algorithm::concurrency(&q, 1, 1, 1_000_000);
@@ -373,7 +373,7 @@ pub fn unconsumed(algorithm: Algorithm, quota: &Quota, verdict: Verdict, cost: u
 /// let (v, held) = algorithm::concurrency(&q, 2, 1, 1_000_000);
 /// assert_eq!(v.retry_after(), Some(std::time::Duration::from_secs(1)));
 /// assert_eq!(held, None);
-/// # Ok::<(), tollgate_core::ConfigError>(())
+/// # Ok::<(), tollgate_engine::ConfigError>(())
 /// ```
 #[inline]
 pub fn concurrency(

@@ -39,7 +39,7 @@ pub struct Counter<K> {
 /// A bounded summary of the most frequent keys (see the [module](self) documentation).
 ///
 /// ```
-/// use tollgate_core::topk::SpaceSaving;
+/// use tollgate_engine::topk::SpaceSaving;
 ///
 /// let mut top = SpaceSaving::<String>::new(2);
 /// for key in ["a", "b", "a", "c", "a"] {

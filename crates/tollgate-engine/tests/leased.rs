@@ -8,7 +8,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
-use tollgate_core::{
+use tollgate_engine::{
     Admin, Backend, BackendErrorKind, Check, FakeClock, Lease, Lifecycle, Limit, Micros, Quota,
     Settlement, Status, Verdicts,
 };
@@ -191,13 +191,13 @@ fn over_time_four_replicas_never_admit_more_than_the_quota() {
                 total += 1;
                 local += usize::from(v.from_lease(0));
                 *per_window.entry(now / S).or_default() += 1;
-                if plain.algorithm() == tollgate_core::Algorithm::Gcra {
+                if plain.algorithm() == tollgate_engine::Algorithm::Gcra {
                     let refilled = (now - T0) / quota.emission_interval();
                     assert!(total <= 20 + refilled, "{total} by +{} µs", now - T0);
                 }
             }
         }
-        if plain.algorithm() == tollgate_core::Algorithm::FixedWindow {
+        if plain.algorithm() == tollgate_engine::Algorithm::FixedWindow {
             assert!(per_window.values().all(|&n| n <= 20), "{per_window:?}");
         }
         assert!(
@@ -526,7 +526,7 @@ fn the_memory_backend_applies_a_guarded_gcra_refund_only_at_its_tat() {
     let v = w.memory.check_now(&[c]).unwrap();
     let tat = v.receipt(0).at + v[0].reset;
     let guarded = |mark| Settlement {
-        receipt: tollgate_core::Receipt {
+        receipt: tollgate_engine::Receipt {
             at: v.receipt(0).at,
             mark,
         },

@@ -66,14 +66,14 @@ use inner::Inner;
 /// # Examples
 ///
 /// ```
-/// use tollgate_core::{Check, Limit, MemoryBackend, Quota};
+/// use tollgate_engine::{Check, Limit, MemoryBackend, Quota};
 ///
 /// let backend = MemoryBackend::builder().max_keys(10_000).build();
 /// let limit = Limit::fixed_window("daily", Quota::per_day(100)?)?;
 /// let verdicts = backend.check_now(&[Check::new(&limit, b"shop-1")]).unwrap();
 /// assert_eq!(verdicts[0].remaining, 99);
 /// assert_eq!(backend.stats().tracked_keys, 1);
-/// # Ok::<(), tollgate_core::ConfigError>(())
+/// # Ok::<(), tollgate_engine::ConfigError>(())
 /// ```
 #[derive(Clone)]
 pub struct MemoryBackend<C: Clock = SystemClock> {

@@ -38,7 +38,7 @@ impl Limit {
     ///
     /// ```
     /// use std::time::Duration;
-    /// use tollgate_core::{Limit, Quota};
+    /// use tollgate_engine::{Limit, Quota};
     ///
     /// let chat = Limit::gcra("chat", Quota::per_second(5)?)?
     ///     .delay_up_to(Duration::from_secs(2))?
@@ -47,7 +47,7 @@ impl Limit {
     /// assert!(Limit::fixed_window("daily", Quota::per_day(10)?)?
     ///     .delay_up_to(Duration::from_secs(2))
     ///     .is_err());
-    /// # Ok::<(), tollgate_core::ConfigError>(())
+    /// # Ok::<(), tollgate_engine::ConfigError>(())
     /// ```
     pub fn delay_up_to(mut self, delay: Duration) -> Result<Self, ConfigError> {
         if self.algorithm != Algorithm::Gcra {
@@ -116,14 +116,14 @@ impl Limit {
     ///
     /// ```
     /// use std::time::Duration;
-    /// use tollgate_core::{Limit, Quota};
+    /// use tollgate_engine::{Limit, Quota};
     ///
     /// let export = Limit::concurrency("exports", 2)?.queue_up_to(Duration::from_secs(10), 8)?;
     /// assert_eq!((export.queue(), export.waiting_bound()), (Duration::from_secs(10), 8));
     /// assert!(Limit::gcra("chat", Quota::per_second(5)?)?
     ///     .queue_up_to(Duration::from_secs(10), 8)
     ///     .is_err());
-    /// # Ok::<(), tollgate_core::ConfigError>(())
+    /// # Ok::<(), tollgate_engine::ConfigError>(())
     /// ```
     pub fn queue_up_to(mut self, wait: Duration, max_waiting: u32) -> Result<Self, ConfigError> {
         if self.algorithm != Algorithm::Concurrency {

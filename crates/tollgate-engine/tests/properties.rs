@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use proptest::prelude::*;
-use tollgate_core::{Check, FakeClock, Limit, MemoryBackend, Quota, Status};
+use tollgate_engine::{Check, FakeClock, Limit, MemoryBackend, Quota, Status};
 
 const START: u64 = 1_700_000_000_000_000;
 

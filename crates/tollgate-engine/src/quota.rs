@@ -17,13 +17,13 @@ use crate::error::ConfigError;
 ///
 /// ```
 /// use std::time::Duration;
-/// use tollgate_core::Quota;
+/// use tollgate_engine::Quota;
 ///
 /// let q = Quota::per_minute(100)?;
 /// assert_eq!(q.limit(), 100);
 /// assert_eq!(q.period(), Duration::from_secs(60));
 /// assert!(Quota::per_minute(0).is_err());
-/// # Ok::<(), tollgate_core::ConfigError>(())
+/// # Ok::<(), tollgate_engine::ConfigError>(())
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Quota {

@@ -13,7 +13,7 @@
 //! # Examples
 //!
 //! ```
-//! use tollgate_core::{Backend, Check, FakeClock, Limit, MemoryBackend, Quota};
+//! use tollgate_engine::{Backend, Check, FakeClock, Limit, MemoryBackend, Quota};
 //!
 //! let clock = FakeClock::new(0);
 //! let backend = MemoryBackend::builder().clock(clock.clone()).build();
@@ -24,7 +24,7 @@
 //! assert!(check(b"alice").is_allowed());
 //! assert!(!check(b"alice").is_allowed()); // the third within a minute
 //! assert!(check(b"bob").is_allowed()); // keys are independent
-//! # Ok::<(), tollgate_core::ConfigError>(())
+//! # Ok::<(), tollgate_engine::ConfigError>(())
 //! ```
 
 pub mod algorithm;
