@@ -58,6 +58,13 @@ const DEFAULT_TIMEOUT: Duration = Duration::from_secs(5);
 /// The name of the gauge the canary sets.
 const GAUGE: &str = "tollgate_canary_ok";
 
+/// The gauge of when the last check ended (seconds since the Unix epoch), whatever it found:
+/// a canary that stops checking is seen by its age, even while `GAUGE` still reads 1.
+const CHECKED: &str = "tollgate_canary_last_check_timestamp_seconds";
+
+/// The gauge of the canary's interval in seconds, for an alert on a check older than two.
+const INTERVAL: &str = "tollgate_canary_interval_seconds";
+
 /// What one canary check found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
@@ -104,8 +111,11 @@ impl fmt::Display for CanaryStatus {
 /// Opt-in: build one for the backend your layer uses, [`spawn`](Canary::spawn) it, and keep the
 /// returned [`CanaryHandle`] for as long as the application runs. It sets
 /// `tollgate_canary_ok{backend}` to 1 after every check that was answered and denied, and to 0
-/// otherwise. Its failures never reach requests: it runs in its own task, and only logs and
-/// sets its gauge.
+/// otherwise; after every check, whatever it found, it sets
+/// `tollgate_canary_last_check_timestamp_seconds{backend}` to the time (seconds since the Unix
+/// epoch) and `tollgate_canary_interval_seconds{backend}` to its interval, so that a canary
+/// that stopped checking shows by its age. Its failures never reach requests: it runs in its
+/// own task, and only logs and sets its gauges.
 ///
 /// Run one canary per backend and process: canaries on backends of the same
 /// [`kind`](Backend::kind) set the same gauge.
@@ -182,8 +192,8 @@ impl<B: Backend> Canary<B> {
         self.interval
     }
 
-    /// Checks the synthetic key once, sets `tollgate_canary_ok{backend}` and returns what it
-    /// found.
+    /// Checks the synthetic key once, sets `tollgate_canary_ok{backend}` (and the time of the
+    /// check and the interval) and returns what it found.
     ///
     /// [`spawn`](Canary::spawn) calls it every interval; call it yourself from a health
     /// endpoint or a test.
@@ -286,6 +296,9 @@ impl<B: Backend> Canary<B> {
         // Looked up at every check (once an interval): a recorder installed after the canary
         // was built still gets the gauge.
         metrics::gauge!(GAUGE, "backend" => kind).set(if ok { 1.0 } else { 0.0 });
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
+        metrics::gauge!(CHECKED, "backend" => kind).set(now.map_or(0.0, |d| d.as_secs_f64()));
+        metrics::gauge!(INTERVAL, "backend" => kind).set(self.interval.as_secs_f64());
         let was_ok = {
             let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
             state.last_ok.replace(ok)

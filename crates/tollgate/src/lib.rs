@@ -81,9 +81,11 @@
 //! - A `tollgate.check` debug span per request (fields `limits`, `outcome`, `decision`);
 //!   bypasses and capacity refusals are `warn` events, at most one per limit every 10 s.
 //! - The [`Canary`]: a synthetic key that must be denied, checked periodically through the real
-//!   backend; `tollgate_canary_ok{backend}` is 1 only while it is.
+//!   backend; `tollgate_canary_ok{backend}` is 1 only while it is, and
+//!   `tollgate_canary_last_check_timestamp_seconds{backend}` says when it last checked.
 //!
-//! `docs/operations.md` says what each metric means and gives ready Prometheus alerts.
+//! `docs/operations.md` says what each metric means and what to do when an alert fires; the
+//! Prometheus alert rules and a Grafana dashboard are in the repository's `deploy/`.
 
 pub mod key;
 

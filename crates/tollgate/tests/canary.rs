@@ -75,6 +75,48 @@ async fn the_gauge_follows_the_backend_within_one_interval() {
     assert_eq!(backend.calls(), 5, "no check after the handle was dropped");
 }
 
+/// Seconds since the Unix epoch, by the wall clock (the canary stamps its checks with it).
+fn wall() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64()
+}
+
+#[tokio::test(start_paused = true)]
+async fn every_check_stamps_its_time_and_the_interval_whatever_it_found() {
+    let metrics = Recorder::install();
+    let checked = || {
+        metrics.snapshot().gauge(
+            "tollgate_canary_last_check_timestamp_seconds",
+            &[("backend", "flaky")],
+        )
+    };
+    let backend = Flaky::new();
+    let canary = Canary::new(backend.clone(), INTERVAL);
+    assert_eq!(checked(), None, "no check, no stamp");
+
+    let before = wall();
+    assert_eq!(canary.check_once().await, CanaryStatus::Denied);
+    let first = checked().unwrap();
+    assert!(before <= first && first <= wall(), "{before} {first}");
+    assert_eq!(
+        metrics
+            .snapshot()
+            .gauge("tollgate_canary_interval_seconds", &[("backend", "flaky")]),
+        Some(30.0)
+    );
+
+    // A failed check is a check: the stamp moves on while the canary's gauge reads 0.
+    backend.fail(Some(BackendErrorKind::Unavailable));
+    let before = wall();
+    assert!(!canary.check_once().await.is_ok());
+    let second = checked().unwrap();
+    assert!(before <= second && second <= wall(), "{before} {second}");
+    assert!(second >= first);
+    assert_eq!(ok(&metrics, "flaky"), Some(0.0));
+}
+
 #[tokio::test(start_paused = true)]
 async fn only_an_answered_denial_is_ok() {
     let metrics = Recorder::install();
