@@ -57,7 +57,7 @@ use axum::body::Bytes;
 use axum::http::header::{CONTENT_LENGTH, CONTENT_TYPE};
 use axum::http::{HeaderName, StatusCode};
 use axum::{routing::get, routing::post, Extension, Router};
-use metrics_exporter_prometheus::PrometheusBuilder;
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use tollgate::cost::{parse_units, Metered, Settle};
 use tollgate::key::Tenant;
 use tollgate::{Decision, Limit, Quota, RateLimitLayer};
@@ -240,10 +240,9 @@ async fn run() -> Result<(), String> {
     if let Err(e) = backend.ping().await {
         tracing::warn!(error = %e, "{} does not answer yet", settings.redis.describe());
     }
-    let app =
-        chat_routes(limits).route("/metrics", get(move || async move { prometheus.render() }));
+    let app = app(limits, prometheus);
     // A synthetic key that must always be denied: the gauge drops if Redis dies or forgets.
-    let _canary = tollgate::Canary::new(backend, Duration::from_secs(10)).spawn();
+    let _canary = tollgate::Canary::new(backend, CANARY_INTERVAL).spawn();
 
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", settings.port))
         .await
@@ -323,6 +322,15 @@ pub(crate) fn limits(
         .backend(backend)
         .build()
         .map_err(|e| format!("the limits: {e}"))
+}
+
+/// How often the canary checks Redis.
+pub(crate) const CANARY_INTERVAL: Duration = Duration::from_secs(10);
+
+/// The server's routes: `POST /api/chat` behind `limits`, and `GET /metrics` as `prometheus`
+/// renders them.
+pub(crate) fn app(limits: RateLimitLayer<RedisBackend>, prometheus: PrometheusHandle) -> Router {
+    chat_routes(limits).route("/metrics", get(move || async move { prometheus.render() }))
 }
 
 /// `POST /api/chat` behind `limits`.
