@@ -269,10 +269,30 @@ async fn every_metric_the_rules_and_the_dashboard_name_is_in_a_scrape_of_llm_cha
         "tollgate_canary_interval_seconds{backend=\"redis\"} 10",
         "tollgate_config_reloads_total{result=\"error\"} 1",
         "tollgate_backend_up{backend=\"redis\"} 0",
+        // Admissions that left at most 20 % of the burst of 30: remaining 6 down to 0.
+        "tollgate_near_limit_total{limit=\"chat-per-shop\"} 7",
+        "tollgate_lease_admissions_total{limit=\"chat-per-shop\"} 0",
+        "tollgate_capacity_refusals_total{limit=\"chat-per-shop\"} 0",
+        "tollgate_delay_seconds_count{limit=\"chat-in-flight\"} 0",
     ] {
         assert!(text.lines().any(|l| l == line), "no {line:?} in\n{text}");
     }
 
+    // Exactly one settle dropped: the tokens' (its reason, `failed` or `circuit_open`, is
+    // whichever the stopped server's first failure made it).
+    let dropped: f64 = text
+        .lines()
+        .filter(|l| l.starts_with("tollgate_settles_dropped_total{limit=\"tokens-per-shop\""))
+        .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
+        .sum();
+    assert_eq!(dropped, 1.0, "{text}");
+    assert!(!text.contains("tollgate_settles_dropped_total{limit=\"chat"));
+
+    // Three families the example never increments are in the scrape all the same, at 0: the
+    // layer registers them with a limit's first request. llm_chat has no lease
+    // (`tollgate_lease_admissions_total`), no in-memory key cap
+    // (`tollgate_capacity_refusals_total`) and no delayed or queued limit
+    // (`tollgate_delay_seconds`, a summary: its quantiles, `_sum` and `_count`).
     let scraped = scraped_names(&text);
     let mut missing = Vec::new();
     for (path, file) in deploy_texts() {
