@@ -4,13 +4,11 @@
 //! held to figures that neither computed.
 //!
 //! The section is the text [`section`] returns, from chosen edges and from a seeded
-//! generator. To regenerate it after a change here:
+//! generator. After a change here, this rewrites it in place (the test fails until then):
 //!
 //! ```text
-//! cargo test -p tollgate-engine --test reference -- --ignored --nocapture print_generated_vectors
+//! TOLLGATE_WRITE_VECTORS=1 cargo test -p tollgate-engine --test reference generated_section
 //! ```
-//!
-//! and replace the file's text from [`HEADER`] on with what it prints.
 
 use tollgate_engine::{Status, Verdict};
 use tollgate_testsupport::vectors::{self, Algo, State, Vector};
@@ -238,9 +236,9 @@ fn seeded() -> Vec<String> {
 pub(crate) fn section() -> String {
     let mut text = format!(
         "{HEADER}\n\
-         # (crates/tollgate-engine/tests/reference/generate.rs; to regenerate:\n\
-         #   cargo test -p tollgate-engine --test reference -- --ignored --nocapture print_generated_vectors\n\
-         # and replace this section with what it prints).\n"
+         # (crates/tollgate-engine/tests/reference/generate.rs). It ends the file; after a change\n\
+         # to generate.rs, rewrite it with\n\
+         #   TOLLGATE_WRITE_VECTORS=1 cargo test -p tollgate-engine --test reference generated_section\n"
     );
     for (title, inputs) in chosen() {
         text.push_str(&format!("# {title}\n"));
@@ -274,11 +272,10 @@ fn the_references_reproduce_every_shared_vector() {
 fn the_generated_section_is_what_the_references_generate() {
     let text = std::fs::read_to_string(vectors::PATH).unwrap();
     let at = text.find(HEADER).expect("the generated section's header");
-    assert_eq!(&text[at..], section());
-}
-
-#[test]
-#[ignore = "prints the generated section of tests/vectors.txt"]
-fn print_generated_vectors() {
-    print!("{}", section());
+    let section = section();
+    if std::env::var_os("TOLLGATE_WRITE_VECTORS").is_some() {
+        std::fs::write(vectors::PATH, format!("{}{section}", &text[..at])).unwrap();
+        return;
+    }
+    assert_eq!(&text[at..], section);
 }

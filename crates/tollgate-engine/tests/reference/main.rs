@@ -42,9 +42,16 @@ fn gcra_quota() -> impl Strategy<Value = Quota> {
     })
 }
 
-/// A quota for a window or a log: a limit of 1 to 12 per 1 µs to 90 s.
-fn window_quota() -> impl Strategy<Value = Quota> {
-    let period = prop_oneof![1u64..=50, 1_000u64..=90_000_000, Just(60_000_000u64)];
+/// A quota for a window or a log: a limit of 1 to 12 per 1 µs to 90 s, a UTC hour or a UTC
+/// day (windows are aligned to the epoch, so these are calendar hours and days).
+pub(crate) fn window_quota() -> impl Strategy<Value = Quota> {
+    let period = prop_oneof![
+        1u64..=50,
+        1_000u64..=90_000_000,
+        Just(60_000_000u64),
+        Just(3_600_000_000u64),
+        Just(86_400_000_000u64),
+    ];
     (1u32..=12, period).prop_map(|(limit, period)| {
         Quota::new(limit, Duration::from_micros(period.max(u64::from(limit)))).unwrap()
     })
@@ -202,7 +209,7 @@ proptest! {
         let period = q.period_micros();
         let quotas: Vec<Quota> = limits
             .iter()
-            .map(|&l| Quota::new(l.min(period as u32), q.period()).unwrap())
+            .map(|&l| Quota::new(l.min(u32::try_from(period).unwrap_or(u32::MAX)), q.period()).unwrap())
             .collect();
         let (mut now, mut state, mut model) = (1_699_999_999_999_999u64, None, Windows::default());
         for (i, &(kind, r, cost, plan)) in steps.iter().enumerate() {
@@ -232,7 +239,7 @@ proptest! {
         let period = q.period_micros();
         let quotas: Vec<Quota> = limits
             .iter()
-            .map(|&l| Quota::new(l.min(period as u32), q.period()).unwrap())
+            .map(|&l| Quota::new(l.min(u32::try_from(period).unwrap_or(u32::MAX)), q.period()).unwrap())
             .collect();
         prop_assert_eq!(sliding(&quotas, &steps), Ok(()));
     }
@@ -247,8 +254,9 @@ proptest! {
     /// period no longer counts them. With plans of 10 per 1 s and 10 per 60 s: 5 units at
     /// `t` under the 60 s plan, 1 unit at `t + 2 s` under the 1 s plan, then a unit at `t + 2 s`
     /// under the 60 s plan is admitted with `remaining` 8, where 6 units of the last 60 s
-    /// leave 3. Keeping the units for the longest period of the limit's plans needs the limit,
-    /// which the algorithm is not given.
+    /// leave 3. The Redis script trims (and expires) a log by its check's period the same way
+    /// (`check.lua`). Keeping the units for the longest period of the limit's plans needs the
+    /// limit, which the algorithm is not given.
     #[test]
     #[ignore = "an admission under a short-period plan forgets units a longer plan counts"]
     fn sliding_logs_count_the_units_of_each_plans_period(

@@ -153,7 +153,10 @@ proptest! {
 
     /// Over any sequence of one GCRA quota, with delays, refunds and charges: in any span of
     /// time `t`, at most `burst + ⌊t / T⌋` units start (a delayed request starts when its
-    /// wait ends), plus the units refunded in that span. No reference needed.
+    /// wait ends), plus the units refunded in that span. No reference needed. The rate is
+    /// `1 / T`, the emission interval rounded down to whole microseconds: up to 1% above
+    /// `limit / period` (a limit whose rounding costs more is refused,
+    /// `ConfigError::ImpreciseRate`), so `burst + ⌊t × limit / period⌋` is not a bound.
     #[test]
     fn no_span_of_time_starts_more_than_the_burst_and_the_rate(
         q in limit_quota(),
@@ -280,19 +283,13 @@ fn windows_with_settles(
     Ok(())
 }
 
-fn window_quota() -> impl Strategy<Value = Quota> {
-    (1u32..=12, prop_oneof![1u64..=50, 1_000u64..=90_000_000]).prop_map(|(limit, period)| {
-        Quota::new(limit, Duration::from_micros(period.max(u64::from(limit)))).unwrap()
-    })
-}
-
 proptest! {
     #![proptest_config(crate::config())]
 
     /// A fixed window's settle changes its own window only, while it lasts: a refund takes
     /// units back (never below 0), a charge adds them (at most twice the limit at a time).
     #[test]
-    fn fixed_window_settles_follow_the_reference(q in window_quota(), steps in window_steps()) {
+    fn fixed_window_settles_follow_the_reference(q in crate::window_quota(), steps in window_steps()) {
         prop_assert_eq!(windows_with_settles(q, false, &steps, true), Ok(()));
     }
 
@@ -300,7 +297,7 @@ proptest! {
     /// records a charge's units at the time of the settle (the log holding at most twice the
     /// limit).
     #[test]
-    fn sliding_log_settles_follow_the_reference(q in window_quota(), steps in window_steps()) {
+    fn sliding_log_settles_follow_the_reference(q in crate::window_quota(), steps in window_steps()) {
         prop_assert_eq!(windows_with_settles(q, true, &steps, false), Ok(()));
     }
 
@@ -314,7 +311,7 @@ proptest! {
     #[test]
     #[ignore = "the in-memory backend's late refund removes a later check's units"]
     fn sliding_log_settles_after_the_period_follow_the_reference(
-        q in window_quota(),
+        q in crate::window_quota(),
         steps in window_steps(),
     ) {
         prop_assert_eq!(windows_with_settles(q, true, &steps, true), Ok(()));
@@ -381,4 +378,29 @@ fn a_refund_after_the_units_left_removes_nobody_elses() {
             retry_after: 10_000_000
         }
     );
+}
+
+/// What the bound above allows and `burst + ⌊t × limit / period⌋` would not: 3 per second has
+/// an interval of 333,333 µs, and 6 units start within 999,999 µs (3 at once, then one an
+/// interval apart), where `3 + ⌊0.999999 × 3⌋` is 5.
+#[test]
+fn the_rounded_interval_lets_six_units_of_3_per_second_start_within_999_999_us() {
+    let q = Quota::per_second(3).unwrap();
+    assert_eq!(q.emission_interval(), 333_333);
+    let mut tat = None;
+    let mut started = 0;
+    for now in [
+        START,
+        START,
+        START,
+        START + 333_333,
+        START + 666_666,
+        START + 999_999,
+    ] {
+        let (v, next) = algorithm::gcra(&q, tat, now, 1);
+        assert!(v.is_allowed(), "at {now}");
+        (tat, started) = (next, started + 1);
+    }
+    assert_eq!(started, 6);
+    assert!(!algorithm::gcra(&q, tat, START + 999_999, 1).0.is_allowed());
 }
