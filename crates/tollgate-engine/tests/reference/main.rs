@@ -24,8 +24,9 @@ use model::{Gcra, Log, Windows};
 /// Cases per property: the whole suite runs in a few seconds in a debug build.
 const CASES: u32 = 512;
 
-/// A GCRA quota: a limit of 1 to 20, a period from a few microseconds (an interval that does
-/// not divide it, a rounding of up to half the interval) to two minutes, a burst of 1 to 24.
+/// A GCRA quota: a limit of 1 to 20, a period from a few microseconds (where the limit seldom
+/// divides the period, and the interval's rounding is large: a `Limit` would refuse it, the
+/// algorithm takes any quota) to two minutes, a burst of 1 to 24.
 fn gcra_quota() -> impl Strategy<Value = Quota> {
     let period = prop_oneof![
         1u64..=2_000,
