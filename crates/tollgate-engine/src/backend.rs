@@ -19,6 +19,10 @@ use crate::verdicts::Verdicts;
 /// rarely and a backend can then answer with any future.
 pub type AdminFuture<T> = Pin<Box<dyn Future<Output = Result<T, BackendError>> + Send + 'static>>;
 
+/// The answer of [`Slots::release_landing`]: resolves once the backend has the release, or
+/// has given up on its first attempt (by the backend's deadline).
+pub type Landing = Pin<Box<dyn Future<Output = ()> + Send + Sync + 'static>>;
+
 /// Where limits are counted.
 ///
 /// A backend checks every limit of one request in one call, and the call is all-or-nothing:
@@ -101,6 +105,18 @@ pub trait Slots: Send + Sync {
     /// per admitted request that holds slots, with the same checks (and slot ids) as the
     /// check. Returns at once; a networked backend sends the release in the background.
     fn release(&self, checks: &[Check<'_>]);
+
+    /// Gives back the slots as [`release`](Self::release) does, and tells when the backend
+    /// has the release: `None` when it had it before this returned (a backend in the process),
+    /// else a future that resolves once the release has landed or its first attempt failed
+    /// (by the backend's deadline; a slot whose release failed expires with its lifetime).
+    /// The layer holds a response's end until then, so that a client that read the end of
+    /// its response never finds its own slot still taken, on any replica. The default calls
+    /// `release` and answers `None`.
+    fn release_landing(&self, checks: &[Check<'_>]) -> Option<Landing> {
+        self.release(checks);
+        None
+    }
 
     /// Extends the life of the slots `checks` hold, for a backend whose slots expire
     /// ([`expire`](Self::expire)): the layer calls it every third of a slot's lifetime while a

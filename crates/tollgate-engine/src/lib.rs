@@ -49,8 +49,8 @@ mod verdict;
 mod verdicts;
 
 pub use backend::{
-    unsupported, Admin, AdminFuture, Backend, BackendError, BackendErrorKind, KeyState, Lifecycle,
-    Reports, Slots,
+    unsupported, Admin, AdminFuture, Backend, BackendError, BackendErrorKind, KeyState, Landing,
+    Lifecycle, Reports, Slots,
 };
 pub use bounds::{
     DEFAULT_MAX_WAITING, MAX_CHECKS, MAX_LOG_UNITS, MAX_NAME_LEN, MAX_PERIOD, MAX_PLANS,

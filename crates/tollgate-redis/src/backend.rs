@@ -225,6 +225,12 @@ impl Slots for RedisBackend {
         self.inner().release(checks);
     }
 
+    /// As [`release`](Self::release); resolves once each slot's first `ZREM` is answered
+    /// (or failed, by the deadline).
+    fn release_landing(&self, checks: &[Check<'_>]) -> Option<tollgate_engine::Landing> {
+        self.inner().release_landing(checks)
+    }
+
     fn renew(&self, checks: &[Check<'_>]) {
         self.inner().renew(checks);
     }

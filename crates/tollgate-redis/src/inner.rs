@@ -180,7 +180,18 @@ impl tollgate_engine::Slots for Inner {
             .checks
             .slots()
             .of_checks(checks, |n, k| self.checks.digest(n, k));
-        self.checks.slots().release(held);
+        let _ = self.checks.slots().release(held);
+    }
+
+    fn release_landing(&self, checks: &[Check<'_>]) -> Option<tollgate_engine::Landing> {
+        let held = self
+            .checks
+            .slots()
+            .of_checks(checks, |n, k| self.checks.digest(n, k));
+        let landing = self.checks.slots().release(held)?;
+        Some(Box::pin(async move {
+            let _ = landing.await;
+        }))
     }
 
     fn renew(&self, checks: &[Check<'_>]) {

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::Notify;
+use tokio::sync::{oneshot, Notify};
 use tokio::time::Instant;
 
 use tollgate_engine::{Algorithm, Check, Micros};
@@ -101,16 +101,15 @@ impl Slots {
 
     /// `ZREM`s `held` in a spawned task, again and again while Redis fails, until each slot
     /// would have expired anyway. Counted in [`Releases`] until each slot's first attempt is
-    /// answered. Without a runtime (a process shutting down), nothing is sent: the slots
-    /// expire.
-    pub(crate) fn release(self: &Arc<Self>, held: Vec<Held>) {
+    /// answered (or failed, by the deadline): the receiver answers then. Without a runtime (a
+    /// process shutting down), nothing is sent: the slots expire.
+    pub(crate) fn release(self: &Arc<Self>, held: Vec<Held>) -> Option<oneshot::Receiver<()>> {
         if held.is_empty() {
-            return;
+            return None;
         }
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
-        let in_flight = InFlight::new(self);
+        let runtime = tokio::runtime::Handle::try_current().ok()?;
+        let (landed, landing) = oneshot::channel();
+        let in_flight = InFlight::new(self, landed);
         let slots = Arc::clone(self);
         runtime.spawn(async move {
             let mut failed = Vec::new();
@@ -125,6 +124,7 @@ impl Slots {
                 slots.retry(&cmd, ttl).await;
             }
         });
+        Some(landing)
     }
 
     /// Renews `held` in a spawned task (one attempt per slot, within the deadline: the next
@@ -225,20 +225,27 @@ impl Releases {
     }
 }
 
-/// One release in flight, counted until dropped (also when its task is cancelled).
-struct InFlight(Arc<Slots>);
+/// One release in flight, counted until dropped (also when its task is cancelled); its
+/// sender, dropped with it, tells the layer that the release has landed.
+struct InFlight {
+    slots: Arc<Slots>,
+    _landed: oneshot::Sender<()>,
+}
 
 impl InFlight {
-    fn new(slots: &Arc<Slots>) -> Self {
+    fn new(slots: &Arc<Slots>, landed: oneshot::Sender<()>) -> Self {
         slots.releases.pending.fetch_add(1, Ordering::AcqRel);
-        Self(Arc::clone(slots))
+        Self {
+            slots: Arc::clone(slots),
+            _landed: landed,
+        }
     }
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        if self.0.releases.pending.fetch_sub(1, Ordering::AcqRel) == 1 {
-            self.0.releases.done.notify_waiters();
+        if self.slots.releases.pending.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.slots.releases.done.notify_waiters();
         }
     }
 }

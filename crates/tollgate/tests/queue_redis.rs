@@ -132,3 +132,46 @@ async fn two_replicas_share_one_slot_on_a_cluster() {
     assert!(queued >= N / 2, "{queued}");
     eprintln!("cluster: {N} requests, {queued} queued");
 }
+
+/// A client of one request at a time, alternating between two replicas that share a
+/// concurrency limit of 1 (no queue), which reads each response to its end before it sends the
+/// next: the end comes only once Redis has the release, so its next request, on the other
+/// replica, always finds the slot free. Exactly 40 of 40 admitted. (The deadline, which bounds
+/// how long an end waits for its release, is long enough for a loaded machine.)
+#[tokio::test]
+async fn a_client_that_reads_each_end_is_never_refused_for_its_own_slot_on_either_replica() {
+    use http_body_util::BodyExt;
+
+    let server = RedisServer::start();
+    let replica = || {
+        let backend = RedisBackend::builder()
+            .url(server.url().as_str())
+            .deadline(Duration::from_secs(5))
+            .build()
+            .unwrap();
+        RateLimitLayer::builder()
+            .limit(
+                Limit::concurrency("one", 1).unwrap(),
+                Tenant::header("x-tenant"),
+            )
+            .backend(backend)
+            .build()
+            .unwrap()
+            .layer(service_fn(|_req: Request<Full<Bytes>>| async {
+                Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"ok"))))
+            }))
+    };
+    let replicas = [replica(), replica()];
+    let mut status = Vec::new();
+    for i in 0..N {
+        let req = Request::builder()
+            .header("x-tenant", "shop")
+            .body(Full::new(Bytes::new()))
+            .unwrap();
+        let res = replicas[i % 2].clone().oneshot(req).await.unwrap();
+        status.push(res.status().as_u16());
+        let body = res.into_body().collect().await.unwrap().to_bytes();
+        assert!(!body.is_empty());
+    }
+    assert_eq!(status, [200; N]);
+}

@@ -1,9 +1,10 @@
 use std::pin::Pin;
-use std::task::{Context, Poll};
+use std::task::{ready, Context, Poll};
 
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
+use tollgate_engine::Landing;
 
 use super::settle::Owed;
 
@@ -20,10 +21,21 @@ pin_project! {
         // A reservation that settles when the body ends or is dropped, with the cost the
         // handler reported by then.
         owed: Option<Box<Owed>>,
-        // What the request holds until its body ends (concurrency slots): dropped then, or
-        // with the body.
-        hold: Option<Box<dyn Send + Sync>>,
+        // What the request holds until its body ends (concurrency slots): finished then, or
+        // dropped with the body.
+        hold: Option<Box<dyn Hold>>,
+        // The body's end (its last frame, or `None`), held back until the backend has the
+        // release of the request's slots.
+        landing: Option<(Option<Frame<Bytes>>, Landing)>,
     }
+}
+
+/// What an admitted request holds until its response ends.
+pub(crate) trait Hold: Send + Sync {
+    /// Gives it back at the response's end: what the backend's answer will be awaited on
+    /// (see [`Slots::release_landing`](tollgate_engine::Slots::release_landing)), if it has to
+    /// be.
+    fn finish(self: Box<Self>) -> Option<Landing>;
 }
 
 pin_project! {
@@ -45,6 +57,7 @@ impl<B> ResponseBody<B> {
             kind: Kind::Inner { body },
             owed: None,
             hold: None,
+            landing: None,
         }
     }
 
@@ -53,11 +66,12 @@ impl<B> ResponseBody<B> {
             kind: Kind::Inner { body },
             owed: Some(owed),
             hold: None,
+            landing: None,
         }
     }
 
     /// This body, holding `hold` until it ends or is dropped.
-    pub(crate) fn holding(mut self, hold: Option<Box<dyn Send + Sync>>) -> Self {
+    pub(crate) fn holding(mut self, hold: Option<Box<dyn Hold>>) -> Self {
         self.hold = hold;
         self
     }
@@ -69,6 +83,7 @@ impl<B> ResponseBody<B> {
             },
             owed: None,
             hold: None,
+            landing: None,
         }
     }
 
@@ -90,27 +105,46 @@ where
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
         let this = self.project();
+        if let Some((_, landing)) = this.landing.as_mut() {
+            ready!(landing.as_mut().poll(cx));
+            return Poll::Ready(this.landing.take().and_then(|(end, _)| end).map(Ok));
+        }
         match this.kind.project() {
             KindProj::Inner { mut body } => {
-                let frame = body.as_mut().poll_frame(cx);
+                let frame = ready!(body.as_mut().poll_frame(cx));
                 // The end of the body (or its failure): the handler has reported all it will,
                 // and what the request held goes now, not when the connection drops the body.
                 let ended = match &frame {
-                    Poll::Ready(None | Some(Err(_))) => true,
-                    Poll::Ready(Some(Ok(_))) => body.is_end_stream(),
-                    Poll::Pending => false,
+                    None | Some(Err(_)) => true,
+                    Some(Ok(_)) => body.is_end_stream() || body.size_hint().exact() == Some(0),
                 };
-                if ended {
-                    drop(this.owed.take());
-                    drop(this.hold.take());
+                if !ended {
+                    return Poll::Ready(frame);
                 }
-                frame
+                drop(this.owed.take());
+                let Some(mut landing) = this.hold.take().and_then(|hold| hold.finish()) else {
+                    return Poll::Ready(frame);
+                };
+                match frame {
+                    // The end, held back until the backend has the release: a client that
+                    // read it and sends its next request to another replica finds its slot
+                    // free there. A failed body ends at once (the client sees no clean end).
+                    None | Some(Ok(_)) if landing.as_mut().poll(cx).is_pending() => {
+                        *this.landing = Some((frame.and_then(Result::ok), landing));
+                        Poll::Pending
+                    }
+                    frame => Poll::Ready(frame),
+                }
             }
             KindProj::Refusal { bytes } => Poll::Ready(bytes.take().map(|b| Ok(Frame::data(b)))),
         }
     }
 
     fn is_end_stream(&self) -> bool {
+        if self.hold.is_some() || self.landing.is_some() {
+            // Not before what the request holds is given back (see `poll_frame`).
+            return false;
+        }
         match &self.kind {
             Kind::Inner { body, .. } => body.is_end_stream(),
             Kind::Refusal { bytes } => bytes.is_none(),
@@ -119,6 +153,13 @@ where
 
     fn size_hint(&self) -> SizeHint {
         match &self.kind {
+            // An empty body that holds slots says it may have data: else HTTP/1 sends its
+            // end without polling it, before the slots are given back.
+            Kind::Inner { body, .. }
+                if self.hold.is_some() && body.size_hint().exact() == Some(0) =>
+            {
+                SizeHint::new()
+            }
             Kind::Inner { body, .. } => body.size_hint(),
             Kind::Refusal { bytes } => {
                 SizeHint::with_exact(bytes.as_ref().map_or(0, |b| b.len() as u64))

@@ -13,7 +13,7 @@ use tokio::time::{Instant, Sleep};
 use tollgate_engine::Backend;
 use tower_service::Service;
 
-use super::body::ResponseBody;
+use super::body::{Hold, ResponseBody};
 use super::decide::{Decided, Wait};
 use super::limits::LimitSet;
 use super::prepare::{Facts, KeptKeys};
@@ -387,7 +387,7 @@ where
                         }
                     };
                     // The slots stay held until the body ends or is dropped.
-                    let hold = slots.take().map(|s| Box::new(s) as Box<dyn Send + Sync>);
+                    let hold = slots.take().map(|s| Box::new(s) as Box<dyn Hold>);
                     let Some(mut owed) = owed.take() else {
                         if let Some((decision, shared)) = finish.take() {
                             shared.finish(&mut response, decision);

@@ -4,7 +4,9 @@
 //! future and then the response body, and gives its slots back when it is dropped: when the
 //! body ends, when the body is dropped unfinished, or when the future is dropped before the
 //! service answered (the client went away, the handler panicked). Ownership makes "exactly
-//! once" structural: one value, one `Drop`.
+//! once" structural: one value, given back by its `Drop` unless the body's end gave it back
+//! first ([`Hold::finish`], which also tells the body when the backend has the release: the
+//! body holds its end until then).
 
 use std::collections::hash_map::RandomState;
 use std::hash::BuildHasher;
@@ -12,8 +14,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use tollgate_engine::{Backend, Check, MAX_CHECKS};
+use tollgate_engine::{Backend, Check, Landing, MAX_CHECKS};
 
+use super::body::Hold;
 use super::limits::LimitSet;
 use super::state::Shared;
 use crate::decision::Source;
@@ -77,6 +80,8 @@ impl<B: Backend> Held<B> {
 pub(crate) struct Slots<B: Backend> {
     held: Arc<Held<B>>,
     renewing: Option<tokio::task::AbortHandle>,
+    /// Whether the slots were given back already (by [`Hold::finish`]).
+    given: bool,
 }
 
 impl<B: Backend> Slots<B> {
@@ -114,7 +119,53 @@ impl<B: Backend> Slots<B> {
             });
             Some(task.abort_handle())
         });
-        Self { held, renewing }
+        Self {
+            held,
+            renewing,
+            given: false,
+        }
+    }
+
+    /// Gives the slots back (once): the backend's through `release_landing` when `landing`,
+    /// else through `release`; the fallback's now. What the backend's landing answers, if it
+    /// has to wait for it.
+    fn give_back(&mut self, landing: bool) -> Option<Landing> {
+        if std::mem::replace(&mut self.given, true) {
+            return None;
+        }
+        if let Some(task) = self.renewing.take() {
+            task.abort();
+        }
+        let held = &self.held;
+        let mut landed = None;
+        held.with_checks(Source::Backend, |checks| {
+            if let Some(slots) = held.shared.backend.slots() {
+                if landing {
+                    landed = slots.release_landing(checks);
+                } else {
+                    slots.release(checks);
+                }
+            }
+        });
+        held.with_checks(Source::Fallback, |checks| {
+            held.shared.fallback.release_now(checks);
+        });
+        // The first request waiting for a slot of each key, if any, checks again.
+        if held.set.queues {
+            for (i, key, source) in &held.items {
+                let limit = &held.set.limits[*i].limit;
+                if *source == Source::Backend && limit.queue_micros() > 0 {
+                    held.shared.queues.wake(limit.id(), key.as_bytes());
+                }
+            }
+        }
+        landed
+    }
+}
+
+impl<B: Backend> Hold for Slots<B> {
+    fn finish(mut self: Box<Self>) -> Option<Landing> {
+        self.give_back(true)
     }
 }
 
@@ -133,27 +184,7 @@ fn renew_every<B: Backend>(held: &Held<B>) -> Option<Duration> {
 
 impl<B: Backend> Drop for Slots<B> {
     fn drop(&mut self) {
-        if let Some(task) = self.renewing.take() {
-            task.abort();
-        }
-        let held = &self.held;
-        held.with_checks(Source::Backend, |checks| {
-            if let Some(slots) = held.shared.backend.slots() {
-                slots.release(checks);
-            }
-        });
-        held.with_checks(Source::Fallback, |checks| {
-            held.shared.fallback.release_now(checks);
-        });
-        // The first request waiting for a slot of each key, if any, checks again.
-        if held.set.queues {
-            for (i, key, source) in &held.items {
-                let limit = &held.set.limits[*i].limit;
-                if *source == Source::Backend && limit.queue_micros() > 0 {
-                    held.shared.queues.wake(limit.id(), key.as_bytes());
-                }
-            }
-        }
+        let _ = self.give_back(false);
     }
 }
 
