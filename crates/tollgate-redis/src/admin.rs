@@ -50,14 +50,18 @@ impl Admin {
         admin::key_state(&check.limit, &check.key, &check.quota, &reply)
     }
 
-    /// Deletes `check`'s key in Redis (a fixed window's current and next window), then lifts
-    /// its block (a deny stays).
+    /// Deletes `check`'s key in Redis (a fixed window's current and next window) and lifts
+    /// its block (a deny stays), in one call: no moment, and no failure between two calls,
+    /// leaves a denied GCRA key without the deny's end in its value.
     pub(crate) async fn reset(&self, check: &OwnedCheck) -> Result<(), BackendError> {
-        if check.limit.algorithm() == Algorithm::Concurrency {
-            return Err(tollgate_engine::unsupported("redis", "reset"));
-        }
-        self.call("reset", check).await?;
-        self.sanction(check, "lift", 0).await
+        let digest = keys::digest(check.limit.name(), &check.key);
+        let base = BaseKey::new(&self.prefix, check.limit.name(), &digest);
+        let algorithm = check.limit.algorithm();
+        self.call_for("reset", |now| {
+            admin::reset_command(&base, algorithm, &check.quota, now)
+        })
+        .await
+        .map(|_| ())
     }
 
     /// One `EVAL` of `pause.lua` on `check`'s GCRA key (other algorithms: nothing).
@@ -121,9 +125,22 @@ impl Admin {
     async fn call(&self, op: &str, check: &OwnedCheck) -> Result<Value, BackendError> {
         let digest = keys::digest(check.limit.name(), &check.key);
         let base = BaseKey::new(&self.prefix, check.limit.name(), &digest);
+        self.call_for(op, |now| {
+            admin::command(op, &base, check.limit.algorithm(), &check.quota, now)
+        })
+        .await
+    }
+
+    /// One `EVAL` of what `command` makes for the server's time (the client's estimate), made
+    /// once more for the server's time if its fixed window was not the one declared.
+    async fn call_for(
+        &self,
+        op: &str,
+        command: impl Fn(u64) -> Result<redis::Cmd, BackendError>,
+    ) -> Result<Value, BackendError> {
         let mut server_now = self.transport.server_time();
         for _ in 0..2 {
-            let cmd = admin::command(op, &base, check.limit.algorithm(), &check.quota, server_now)?;
+            let cmd = command(server_now)?;
             let answer = self
                 .transport
                 .within_deadline(

@@ -334,3 +334,69 @@ async fn a_deny_outlives_a_refund_and_a_reset_of_its_key() {
     let d = support::standalone(&server.url()).build().unwrap();
     assert_eq!(check(&d).await[0].status, Status::Allowed);
 }
+
+/// A reset is one script call (its values deleted and its sanctions lifted at once), so no
+/// moment, and no failed second call, leaves a denied GCRA key's value without the deny's end
+/// that the lean check reads: a denied key stays refused, a blocked or spent one of each
+/// algorithm has its whole quota again.
+#[tokio::test]
+async fn a_reset_is_one_call_that_keeps_a_deny_and_lifts_a_block() {
+    let server = RedisServer::start();
+    let fresh = || support::standalone(&server.url()).build().unwrap();
+    let status = |backend: RedisBackend, limit: &Limit, key: &'static [u8]| {
+        let f = backend.check(&[Check::new(limit, key)]);
+        async move { f.await.unwrap()[0].status }
+    };
+    let admin = fresh();
+    let reset = |limit: &Limit, key: &'static [u8]| {
+        let calls = server.calls("eval");
+        let f = admin.reset(&Check::new(limit, key));
+        let server = &server;
+        async move {
+            f.await.unwrap();
+            server.calls("eval") - calls
+        }
+    };
+    // A denied GCRA key: after the reset, still refused by a replica that never saw it.
+    let api = Limit::gcra("api", Quota::per_minute(100).unwrap()).unwrap();
+    assert_eq!(status(fresh(), &api, b"t").await, Status::Allowed);
+    admin
+        .deny(&Check::new(&api, b"t"), Duration::from_secs(3600))
+        .await
+        .unwrap();
+    assert_eq!(reset(&api, b"t").await, 1);
+    assert!(matches!(
+        status(fresh(), &api, b"t").await,
+        Status::Denylisted { .. }
+    ));
+    // A blocked GCRA key: its block and its usage go.
+    let login = login();
+    let mut refused = 0;
+    for _ in 0..8 {
+        refused += usize::from(status(fresh(), &login, b"ip").await != Status::Allowed);
+    }
+    assert_eq!(refused, 3);
+    assert_eq!(reset(&login, b"ip").await, 1);
+    let mut admitted = 0;
+    for _ in 0..6 {
+        admitted += usize::from(status(fresh(), &login, b"ip").await == Status::Allowed);
+    }
+    assert_eq!(admitted, 5);
+    // A spent fixed window and a spent sliding log: whole again.
+    for limit in [
+        Limit::fixed_window("win", Quota::per_minute(2).unwrap()).unwrap(),
+        Limit::sliding_log("log", Quota::per_minute(2).unwrap()).unwrap(),
+    ] {
+        let mut admitted = 0;
+        for _ in 0..3 {
+            admitted += usize::from(status(fresh(), &limit, b"k").await == Status::Allowed);
+        }
+        assert_eq!(admitted, 2);
+        assert_eq!(reset(&limit, b"k").await, 1);
+        let mut admitted = 0;
+        for _ in 0..3 {
+            admitted += usize::from(status(fresh(), &limit, b"k").await == Status::Allowed);
+        }
+        assert_eq!(admitted, 2, "{}", limit.name());
+    }
+}

@@ -14,15 +14,7 @@ if alg == 'window' then
   if k < 1 or k > 3 then
     return redis.error_reply('TOLLGATE_WINDOW ' .. fmt(now))
   end
-  if op == 'reset' then
-    redis.call('DEL', KEYS[k], KEYS[k + 1])
-    return {fmt(now)}
-  end
   return {fmt(now), redis.call('GET', KEYS[k]), sc}
-end
-if op == 'reset' then
-  redis.call('DEL', key)
-  return {fmt(now)}
 end
 if alg == 'log' then
   return {fmt(now), redis.call('ZRANGEBYSCORE', key, '(' .. fmt(now - period), '+inf', 'WITHSCORES'), sc}

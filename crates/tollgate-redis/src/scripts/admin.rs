@@ -1,5 +1,6 @@
-//! `admin.lua`: one key's state read without consuming (`peek`), or deleted (`reset`), with
-//! the server's `TIME`, so that the figures are the ones the next `CHECK` would compute.
+//! `admin.lua`: one key's state read without consuming (`peek`), with the server's `TIME`, so
+//! that the figures are the ones the next `CHECK` would compute; `reset.lua` and
+//! `sanction.lua`: a key forgotten, or its sanctions changed.
 
 use redis::Value;
 use tollgate_engine::algorithm::{self, WindowState};
@@ -13,12 +14,60 @@ use crate::keys::{BaseKey, Suffix};
 /// `KEYS[1]`: the key; for a fixed window, `KEYS[1..4]` are the windows `ARGV[4]` to
 /// `ARGV[4] + 3` (the client's estimate of the server's window, less one, and the next three:
 /// the script touches only keys it is given); a peek declares the key's sanctions last.
-/// `ARGV`: `peek` or `reset`, the algorithm (`gcra`, `window`, `log`, `slots`), the period in
+/// `ARGV`: `peek`, the algorithm (`gcra`, `window`, `log`, `slots`), the period in
 /// microseconds, the first window's index, and for a peek `pb`. Answers the server's time,
 /// then for a peek what it read: a GCRA value, a window's count, a log's scores, the slots
 /// held, and the sanctions. A fixed window whose current window is not among those given
 /// answers the error `TOLLGATE_WINDOW <now>`.
 pub(crate) const ADMIN: &str = include_str!("admin.lua");
+
+/// A reset, one call: `reset.lua` deletes the key's values, then `sanction.lua` lifts its
+/// sanctions (see [`reset_command`]).
+pub(crate) const RESET: &str = concat!(
+    include_str!("tat.lua"),
+    include_str!("reset.lua"),
+    include_str!("sanction.lua")
+);
+
+/// The `EVAL` of a reset of `algorithm`'s key under `base`, whose fixed windows are declared
+/// for the server's time `server_now` (the client's estimate): `KEYS` are the key's sanctions,
+/// then its values (a GCRA value, a log, or four windows from the one before the estimate's).
+///
+/// # Errors
+///
+/// `Unsupported` for a concurrency limit (its slots are requests in flight) or an algorithm
+/// the script does not know.
+pub(crate) fn reset_command(
+    base: &BaseKey,
+    algorithm: Algorithm,
+    quota: &Quota,
+    server_now: Micros,
+) -> Result<redis::Cmd, BackendError> {
+    let period = quota.period_micros();
+    let first = (server_now / period).saturating_sub(1);
+    let values: Vec<BaseKey> = match algorithm {
+        Algorithm::Gcra => vec![base.clone().with(Suffix::Tat)],
+        Algorithm::FixedWindow => (first..first + 4)
+            .map(|i| base.clone().with(Suffix::Window(i)))
+            .collect(),
+        Algorithm::SlidingLog => vec![base.clone().with(Suffix::Log)],
+        _ => return Err(tollgate_engine::unsupported("redis", "reset")),
+    };
+    let alg = match algorithm {
+        Algorithm::Gcra => "gcra",
+        Algorithm::FixedWindow => "window",
+        _ => "log",
+    };
+    let mut cmd = redis::cmd("EVAL");
+    cmd.arg(RESET)
+        .arg(1 + values.len())
+        .arg(base.clone().with(Suffix::Sanction).as_bytes());
+    for key in &values {
+        cmd.arg(key.as_bytes());
+    }
+    cmd.arg("lift").arg(0).arg(alg).arg(period).arg(first);
+    Ok(cmd)
+}
 
 /// `KEYS[1]`: a key's sanctions (`<base>:pb`); `KEYS[2]`, for a GCRA limit, its value
 /// (`<base>:v2`), which says until when the sanctions last. `ARGV`: `lift` (a reset's: the

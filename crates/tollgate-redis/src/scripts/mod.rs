@@ -11,7 +11,9 @@
 //!   several hash slots, one of which refused).
 //! - `settle.lua` ([`settle`]): gives back or charges what a metered check reserved.
 //! - `renew.lua` ([`renew`]): moves a concurrency slot's deadline.
-//! - `admin.lua` ([`admin`]): operators' `peek` and `reset` of one key.
+//! - `admin.lua` ([`admin`]): operators' `peek` of one key; `reset.lua` then `sanction.lua`,
+//!   one script: its `reset` (values deleted, sanctions lifted, a deny kept); `sanction.lua`
+//!   alone: a deny or an undeny.
 //! - `top.lua` ([`top`]): the reports of refused identities, merged and read.
 //!
 //! Every script but `admin.lua` starts with `prelude.lua`: helpers, and `now` (the server's
