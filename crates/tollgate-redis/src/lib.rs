@@ -84,8 +84,17 @@
 //! backend), so a client that comes back is not digested again.
 //! Each algorithm keeps its state under keys of its own (above), so a limit whose algorithm
 //! changes under the same name starts afresh instead of finding a key of another type.
-//! Every key a script touches is declared in its `KEYS`, and all of a check's keys share the
-//! hash tag, so a cluster routes them to one hash slot.
+//! All of a key's keys share the hash tag, so a cluster routes them to one hash slot. Every
+//! key a script touches is declared in its `KEYS` (in the cross-slot form below, passed as
+//! arguments), but one: a key's sanctions, `<key>:pb` (refusals toward a penalty, a block, a
+//! deny), which the checks (`check.lua`, and `check_lean.lua` when the key's value says it has
+//! sanctions) read and write without declaring it. It shares the key's hash slot; declaring
+//! it would make every check of a key whose hash slot is migrating answer `TRYAGAIN` (the node
+//! rarely holds a `:pb`, and Redis refuses a call that declares keys it has only in part),
+//! whereas undeclared, such a check goes on without the sanctions for that moment (see
+//! docs/operations.md). Redis lets a script touch a key it does not declare in the node's hash
+//! slots; a server that refuses undeclared keys cannot run the checks. The operators' scripts
+//! (a peek, a reset, a deny, an undeny) declare it.
 //!
 //! # Redis Cluster
 //!

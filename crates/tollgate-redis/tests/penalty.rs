@@ -338,23 +338,20 @@ async fn a_deny_outlives_a_refund_and_a_reset_of_its_key() {
 /// A reset is one script call (its values deleted and its sanctions lifted at once), so no
 /// moment, and no failed second call, leaves a denied GCRA key's value without the deny's end
 /// that the lean check reads: a denied key stays refused, a blocked or spent one of each
-/// algorithm has its whole quota again.
-#[tokio::test]
-async fn a_reset_is_one_call_that_keeps_a_deny_and_lifts_a_block() {
-    let server = RedisServer::start();
-    let fresh = || support::standalone(&server.url()).build().unwrap();
+/// algorithm has its whole quota again. `evals` counts the `EVAL`s Redis ran.
+async fn a_reset_is_one_call(fresh: impl Fn() -> RedisBackend, evals: impl Fn() -> u64) {
     let status = |backend: RedisBackend, limit: &Limit, key: &'static [u8]| {
         let f = backend.check(&[Check::new(limit, key)]);
         async move { f.await.unwrap()[0].status }
     };
     let admin = fresh();
     let reset = |limit: &Limit, key: &'static [u8]| {
-        let calls = server.calls("eval");
+        let before = evals();
         let f = admin.reset(&Check::new(limit, key));
-        let server = &server;
+        let evals = &evals;
         async move {
             f.await.unwrap();
-            server.calls("eval") - calls
+            evals() - before
         }
     };
     // A denied GCRA key: after the reset, still refused by a replica that never saw it.
@@ -376,6 +373,10 @@ async fn a_reset_is_one_call_that_keeps_a_deny_and_lifts_a_block() {
         refused += usize::from(status(fresh(), &login, b"ip").await != Status::Allowed);
     }
     assert_eq!(refused, 3);
+    assert!(matches!(
+        status(fresh(), &login, b"ip").await,
+        Status::Blocked { .. }
+    ));
     assert_eq!(reset(&login, b"ip").await, 1);
     let mut admitted = 0;
     for _ in 0..6 {
@@ -399,4 +400,27 @@ async fn a_reset_is_one_call_that_keeps_a_deny_and_lifts_a_block() {
         }
         assert_eq!(admitted, 2, "{}", limit.name());
     }
+}
+
+#[tokio::test]
+async fn a_reset_is_one_call_that_keeps_a_deny_and_lifts_a_block() {
+    let server = RedisServer::start();
+    a_reset_is_one_call(
+        || support::standalone(&server.url()).build().unwrap(),
+        || server.calls("eval"),
+    )
+    .await;
+}
+
+/// The penalty box's round trip on a cluster, every script on the key's node: refusals, a
+/// block, a deny (`sanction.lua` declares the key's sanctions and its value), a reset (one call
+/// that declares the sanctions and the values, all in the key's hash slot).
+#[tokio::test]
+async fn a_reset_on_a_cluster_is_one_call_on_the_keys_node() {
+    let cluster = RedisCluster::start(3);
+    a_reset_is_one_call(
+        || support::cluster(cluster.urls()).build().unwrap(),
+        || cluster.nodes().iter().map(|n| n.calls("eval")).sum(),
+    )
+    .await;
 }
