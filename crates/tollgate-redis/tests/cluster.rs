@@ -719,3 +719,69 @@ async fn a_slot_that_moves_under_a_spread_load_loses_and_doubles_no_request() {
         .unwrap();
     assert!(tat.is_some());
 }
+
+/// A sliding log's two keys (`:log`, `:seq`) move one at a time. While the mover's `:seq`
+/// has moved and its `:log` has not, a merged call (the cross-slot form) that carries it among
+/// 30 other sliding logs of the node fails before it writes anything (it reads every key it
+/// would write first), and is sent again by hash slot: each other key counts its unit once,
+/// and the mover none. Exact counts per key, in each key's log.
+#[tokio::test]
+async fn a_sliding_log_whose_sequence_moved_first_counts_no_unit_twice() {
+    let cluster = RedisCluster::start(3);
+    let backend = support::cluster(cluster.urls())
+        .deny_cache_capacity(0)
+        .build()
+        .unwrap();
+    let limit = Limit::sliding_log("log-move", Quota::per_hour(10).unwrap()).unwrap();
+    let mover = b"mover".to_vec();
+    let log_key = backend.key_for(&limit, &mover);
+    let seq_key = format!("{}:seq", log_key.strip_suffix(":log").unwrap());
+    let moving = SlotMove::of(&cluster, &log_key);
+    let (nodes, slot, from, to) = (moving.nodes, moving.slot, moving.from, moving.to);
+    let mut keys: Vec<Vec<u8>> = (0..100_000)
+        .map(|i| format!("client-{i}").into_bytes())
+        .filter(|k| {
+            let key = backend.key_for(&limit, k);
+            cluster.node_of_key(&key) == from && cluster.slot_of_key(&key) != slot
+        })
+        .take(30)
+        .collect();
+    // Last: the others' writes come before the mover's in the merged call.
+    keys.push(mover.clone());
+    load_scripts_on(&cluster, &backend, &limit, to).await;
+    let phase = || async {
+        let answers = futures_util::future::join_all(
+            keys.iter()
+                .map(|k| backend.check(std::slice::from_ref(&Check::new(&limit, k)))),
+        )
+        .await;
+        answers
+            .iter()
+            .map(|v| v.as_ref().is_ok_and(|v| v[0].is_allowed()))
+            .collect::<Vec<bool>>()
+    };
+    let units = |node: usize, key: &[u8]| -> u64 {
+        redis::cmd("ZCARD")
+            .arg(backend.key_for(&limit, key))
+            .query(&mut nodes[node].client())
+            .unwrap()
+    };
+    let others = |node: usize| -> Vec<u64> { keys[..30].iter().map(|k| units(node, k)).collect() };
+
+    assert_eq!(phase().await, [true; 31]);
+    moving.begin();
+    // Only the mover's sequence has moved: its request is not run, the others' once each.
+    migrate(&nodes[from], &nodes[to], &seq_key);
+    let mut expected = [true; 31];
+    expected[30] = false;
+    assert_eq!(phase().await, expected);
+    assert_eq!(others(from), [2; 30]);
+    assert_eq!(units(from, &mover), 1);
+    // The log follows: the mover is checked on its new node (after ASK).
+    migrate(&nodes[from], &nodes[to], &log_key);
+    assert_eq!(phase().await, [true; 31]);
+    moving.finish();
+    assert_eq!(phase().await, [true; 31]);
+    assert_eq!(others(from), [4; 30]);
+    assert_eq!(units(to, &mover), 3);
+}

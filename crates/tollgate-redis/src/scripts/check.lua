@@ -104,8 +104,9 @@ local w_algo, w_key, w_val, w_ttl, w_seq = {}, {}, {}, {}, {}
 -- Keys of several slots (the cross-slot form): a key whose slot this node does not serve
 -- (the slot moved, or is moving and the key is not here) fails the command that reads it, and
 -- with it the call. Every key is read first, before anything is written, so that such a call
--- has written nothing and its checks can be sent again. GCRA and fixed-window keys are read
--- here for the checks below; other keys cost one `EXISTS`.
+-- has written nothing and its checks can be sent again: every key the call may write is
+-- read. GCRA and fixed-window keys are read here for the checks below; other keys cost one
+-- `EXISTS` each (a sliding log two: its log and its sequence).
 if verify then
   local v, seen = 1, {}
   while v <= figures do
@@ -129,6 +130,8 @@ if verify then
           read(K[k + limit[4]], 0)
         else
           redis.call('EXISTS', key)
+          -- A sliding log also writes its sequence, which may have moved on its own.
+          if algo == 3 then redis.call('EXISTS', K[k + 1]) end
         end
       end
     end
