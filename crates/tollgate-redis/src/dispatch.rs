@@ -2,9 +2,7 @@
 
 use std::sync::Arc;
 
-use tollgate_engine::{
-    Algorithm, BackendError, BackendErrorKind, Check, Micros, Verdicts, MAX_CHECKS,
-};
+use tollgate_engine::{BackendError, BackendErrorKind, Check, Micros, Verdicts, MAX_CHECKS};
 
 use crate::checks::Checks;
 use crate::future::CheckFuture;
@@ -54,13 +52,14 @@ impl Checks {
                 "Redis failed recently; the circuit breaker is open",
             )));
         };
-        if self.slots().releasing() && batch.iter().any(|p| p.algorithm == Algorithm::Concurrency) {
-            // A slot this replica gave back must be free before a check of its limit counts
-            // the slots held (see `slots::Releases`).
+        let releasing = self.slots().releasing(&batch);
+        if !releasing.is_empty() {
+            // A slot of its key this replica gave back must be free before a check counts the
+            // key's slots held (see `slots::Releases`); other keys' releases do not matter.
             let checks = Arc::clone(self);
             let until = tokio::time::Instant::now() + checks.transport().deadline();
             return CheckFuture::call(async move {
-                checks.slots().released(until).await;
+                checks.slots().released(&releasing, until).await;
                 send(&checks, batch, now, permit).await
             });
         }

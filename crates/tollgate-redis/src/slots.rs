@@ -8,8 +8,9 @@
 //! (the call timed out after it was sent, or the caller went away) is released by id too, once
 //! Redis answers again: a pause of Redis does not leak slots until they expire.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use tokio::sync::{oneshot, Notify};
@@ -17,6 +18,8 @@ use tokio::time::Instant;
 
 use tollgate_engine::{Algorithm, Check, Micros};
 
+#[cfg(test)]
+use crate::keys::DIGEST_LEN;
 use crate::keys::{BaseKey, KeyDigest, Suffix};
 use crate::scripts::check::EncodedCheck;
 use crate::scripts::{renew, slot_id};
@@ -34,6 +37,7 @@ pub(crate) struct Slots {
 #[derive(Debug, Clone)]
 pub(crate) struct Held {
     key: Vec<u8>,
+    digest: KeyDigest,
     slot: u128,
     ttl: Micros,
 }
@@ -53,6 +57,7 @@ impl Slots {
                 .with(Suffix::Slots)
                 .as_bytes()
                 .to_vec(),
+            digest: *digest,
             slot,
             ttl,
         }
@@ -89,14 +94,21 @@ impl Slots {
             })
     }
 
-    /// Whether a release is in flight.
-    pub(crate) fn releasing(&self) -> bool {
-        self.releases.pending()
+    /// The digests of `batch`'s concurrency keys that have a release in flight: a check of
+    /// them waits for it ([`released`](Self::released)).
+    pub(crate) fn releasing(&self, batch: &[EncodedCheck]) -> Vec<KeyDigest> {
+        let mut digests: Vec<KeyDigest> = Vec::new();
+        for p in batch {
+            if p.algorithm == Algorithm::Concurrency && self.releases.pending(&[p.digest]) {
+                digests.push(p.digest);
+            }
+        }
+        digests
     }
 
-    /// Resolves once no release is in flight, or at `until`.
-    pub(crate) async fn released(&self, until: Instant) {
-        self.releases.answered(until).await;
+    /// Resolves once no release of `digests` is in flight, or at `until`.
+    pub(crate) async fn released(&self, digests: &[KeyDigest], until: Instant) {
+        self.releases.answered(digests, until).await;
     }
 
     /// `ZREM`s `held` in a spawned task, again and again while Redis fails, until each slot
@@ -109,7 +121,7 @@ impl Slots {
         }
         let runtime = tokio::runtime::Handle::try_current().ok()?;
         let (landed, landing) = oneshot::channel();
-        let in_flight = InFlight::new(self, landed);
+        let in_flight = InFlight::new(self, &held, landed);
         let slots = Arc::clone(self);
         runtime.spawn(async move {
             let mut failed = Vec::new();
@@ -191,31 +203,71 @@ impl Drop for Unclaimed {
     }
 }
 
-/// The slot releases this replica has sent and Redis has not answered yet.
+/// The slot releases this replica has sent and Redis has not answered yet, per key.
 ///
 /// A release travels on the shared connection, a check on the checks' own: without this, the
-/// next request of a client that read its response to the end could reach Redis before the
-/// release of the slot it held, and find it still taken. A check of a concurrency limit made
-/// while releases are in flight waits for their first attempt (at most its deadline).
+/// next request of a client that did not wait for the end of its response (or a check made
+/// while another request's response ends) could reach Redis before the release of a slot of
+/// its key, and find it still taken. A check of a concurrency limit made while releases of
+/// one of its keys are in flight waits for their first attempt (at most its deadline); a
+/// release of another key does not hold it.
 #[derive(Debug, Default)]
 struct Releases {
+    /// Releases in flight, of every key: none is the commonest case, and costs no lock.
     pending: AtomicUsize,
+    /// Releases in flight per key (by digest); a key leaves at none.
+    keys: Mutex<HashMap<KeyDigest, usize>>,
+    /// Woken whenever a release's first attempt ends.
     done: Notify,
 }
 
 impl Releases {
-    /// Whether a release is in flight.
-    fn pending(&self) -> bool {
-        self.pending.load(Ordering::Acquire) > 0
+    fn lock(&self) -> MutexGuard<'_, HashMap<KeyDigest, usize>> {
+        self.keys.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Resolves once no release is in flight, or at `until`.
-    async fn answered(&self, until: Instant) {
+    /// Counts the releases of `digests` as in flight.
+    fn begin(&self, digests: &[KeyDigest]) {
+        let mut keys = self.lock();
+        for d in digests {
+            *keys.entry(*d).or_insert(0) += 1;
+        }
+        self.pending.fetch_add(digests.len(), Ordering::AcqRel);
+    }
+
+    /// The releases of `digests` have had their first attempt.
+    fn end(&self, digests: &[KeyDigest]) {
+        {
+            let mut keys = self.lock();
+            for d in digests {
+                if let Some(n) = keys.get_mut(d) {
+                    *n -= 1;
+                    if *n == 0 {
+                        keys.remove(d);
+                    }
+                }
+            }
+            self.pending.fetch_sub(digests.len(), Ordering::AcqRel);
+        }
+        self.done.notify_waiters();
+    }
+
+    /// Whether a release of one of `digests` is in flight.
+    fn pending(&self, digests: &[KeyDigest]) -> bool {
+        if self.pending.load(Ordering::Acquire) == 0 {
+            return false;
+        }
+        let keys = self.lock();
+        digests.iter().any(|d| keys.contains_key(d))
+    }
+
+    /// Resolves once no release of `digests` is in flight, or at `until`.
+    async fn answered(&self, digests: &[KeyDigest], until: Instant) {
         loop {
             let done = self.done.notified();
             tokio::pin!(done);
             done.as_mut().enable();
-            if !self.pending() {
+            if !self.pending(digests) {
                 return;
             }
             if tokio::time::timeout_at(until, done).await.is_err() {
@@ -229,14 +281,17 @@ impl Releases {
 /// sender, dropped with it, tells the layer that the release has landed.
 struct InFlight {
     slots: Arc<Slots>,
+    digests: Vec<KeyDigest>,
     _landed: oneshot::Sender<()>,
 }
 
 impl InFlight {
-    fn new(slots: &Arc<Slots>, landed: oneshot::Sender<()>) -> Self {
-        slots.releases.pending.fetch_add(1, Ordering::AcqRel);
+    fn new(slots: &Arc<Slots>, held: &[Held], landed: oneshot::Sender<()>) -> Self {
+        let digests: Vec<KeyDigest> = held.iter().map(|h| h.digest).collect();
+        slots.releases.begin(&digests);
         Self {
             slots: Arc::clone(slots),
+            digests,
             _landed: landed,
         }
     }
@@ -244,9 +299,7 @@ impl InFlight {
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        if self.slots.releases.pending.fetch_sub(1, Ordering::AcqRel) == 1 {
-            self.slots.releases.done.notify_waiters();
-        }
+        self.slots.releases.end(&self.digests);
     }
 }
 
@@ -254,4 +307,40 @@ fn zrem(slot: &Held) -> redis::Cmd {
     let mut cmd = redis::cmd("ZREM");
     cmd.arg(&slot.key[..]).arg(slot_id::member(slot.slot));
     cmd
+}
+
+#[cfg(test)]
+mod tests {
+    use futures_util::FutureExt;
+
+    use super::*;
+
+    /// A check waits for the releases of its own keys only: one of another key in flight
+    /// does not hold it, and a key's wait ends when the last of its releases is answered.
+    #[tokio::test(start_paused = true)]
+    async fn a_check_waits_only_for_the_releases_of_its_own_keys() {
+        let releases = Releases::default();
+        let (a, b) = ([1u8; DIGEST_LEN], [2u8; DIGEST_LEN]);
+        let until = Instant::now() + Duration::from_millis(50);
+        releases.begin(&[a, a]);
+        assert!(!releases.pending(&[b]));
+        assert_eq!(releases.answered(&[b], until).now_or_never(), Some(()));
+        assert!(releases.pending(&[b, a]));
+        let keys = [a];
+        let mut waiting = Box::pin(releases.answered(&keys, until));
+        assert_eq!((&mut waiting).now_or_never(), None);
+        releases.end(&[a]);
+        assert_eq!((&mut waiting).now_or_never(), None);
+        releases.end(&[a]);
+        assert_eq!((&mut waiting).now_or_never(), Some(()));
+        assert!(releases.lock().is_empty());
+        assert_eq!(releases.pending.load(Ordering::Acquire), 0);
+        // A release never answered holds a check of its key until the check's deadline.
+        releases.begin(&[b]);
+        let start = Instant::now();
+        releases
+            .answered(&[b], start + Duration::from_millis(50))
+            .await;
+        assert_eq!(start.elapsed(), Duration::from_millis(50));
+    }
 }
