@@ -370,3 +370,51 @@ async fn checks_whose_deadline_passed_in_the_queue_are_overloaded_not_a_redis_fa
     assert_eq!(backend.circuit_state(), CircuitState::Closed);
     server.resume();
 }
+
+/// After a stall, a merged call carries one request whose deadline is 10 ms away and nine
+/// fresh ones, and Redis answers 200 ms later (a client pause holds the call): the late
+/// request fails alone, by its own deadline, the nine are answered, and the call counts no
+/// breaker failure. Three such calls leave the breaker closed.
+#[tokio::test]
+async fn a_late_request_fails_alone_and_counts_no_breaker_failure() {
+    let server = RedisServer::start();
+    let backend = support::standalone(&server.url())
+        .deadline(Duration::from_secs(1))
+        .breaker_threshold(3)
+        .build()
+        .unwrap();
+    let limit = Limit::gcra("api", tollgate_engine::Quota::per_hour(1000).unwrap()).unwrap();
+    let admitted = |v: &Result<tollgate_engine::Verdicts, _>| {
+        v.as_ref()
+            .is_ok_and(|v: &tollgate_engine::Verdicts| v[0].is_allowed())
+    };
+    // Connected, its script loaded.
+    assert!(admitted(
+        &backend.check(&[Check::new(&limit, b"warm")]).await
+    ));
+    let keys: Vec<Vec<u8>> = (0..9).map(|i| format!("k{i}").into_bytes()).collect();
+    for _ in 0..3 {
+        let late = backend.check(&[Check::new(&limit, b"late")]);
+        // The stall, on tokio's clock: the late request has 10 ms left.
+        tokio::time::pause();
+        tokio::time::advance(Duration::from_millis(990)).await;
+        tokio::time::resume();
+        let fresh: Vec<_> = keys
+            .iter()
+            .map(|k| backend.check(&[Check::new(&limit, k)]))
+            .collect();
+        let _: () = redis::cmd("CLIENT")
+            .arg("PAUSE")
+            .arg(200)
+            .arg("ALL")
+            .query(&mut server.client())
+            .unwrap();
+        let (late, fresh) = tokio::join!(late, futures_util::future::join_all(fresh));
+        assert_eq!(late.unwrap_err().kind(), BackendErrorKind::Timeout);
+        assert_eq!(fresh.iter().filter(|v| admitted(v)).count(), 9);
+    }
+    assert_eq!(backend.circuit_state(), CircuitState::Closed);
+    assert!(admitted(
+        &backend.check(&[Check::new(&limit, b"after")]).await
+    ));
+}

@@ -11,8 +11,9 @@
 //! other), so merging changes nothing a caller can see but the number of calls. A waiting
 //! request carries its deadline, and the sending task keeps it: a request whose deadline
 //! passed before its batch was sent gets a timeout and is not sent, so it consumes nothing,
-//! and a call times out at the earliest deadline of its requests. One timer per call, not one
-//! per request. A request whose caller went away is dropped from the queue.
+//! a call times out at the latest deadline of its requests, and a request whose own deadline
+//! passes during the call is answered a timeout then, alone. One timer per call, not one per
+//! request. A request whose caller went away is dropped from the queue.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;

@@ -111,8 +111,9 @@ impl Merged {
 ///
 /// Every request gets its answer by its deadline: one whose deadline passed while it waited is
 /// not sent (so it consumes nothing) and is answered `Overloaded`, a process that could not
-/// send its checks in time, which says nothing of Redis; and a call times out at the earliest
-/// deadline of the requests it carries. Each call is reported to the breaker once, as a probe
+/// send its checks in time, which says nothing of Redis; a call times out at the latest
+/// deadline of the requests it carries, and a request whose own deadline passes during the
+/// call is answered a timeout alone, then. Each call is reported to the breaker once, as a probe
 /// if any of its requests holds the probe's permit.
 async fn send_merged(transport: Arc<Transport>) {
     let mut caller = transport.queues().all.caller();
@@ -277,25 +278,22 @@ async fn send_node_merged(transport: Arc<Transport>, node: u16) {
 /// requests; the general one, and a node that cannot run the cross-slot form, run none.
 async fn send_node_call(transport: &Arc<Transport>, node: u16, call: Call<NodeDelivery>) {
     answer_late(transport, call.late);
-    let waiters = call.send;
-    let carried = waiters.len();
-    let Some(deadline) = waiters.iter().map(|w| w.deadline).min() else {
+    let Some(mut call) = Carried::of(call.send) else {
         return;
     };
+    let carried = call.batches.len();
     let Some(direct) = transport.node(node) else {
-        for w in waiters {
-            let _ = w.reply.send(Ok((w.batch, None)));
-        }
+        call.answer(|batch, _| Ok((batch, None)));
         return;
     };
-    let permit = Permit::any(waiters.iter().map(|w| w.permit));
-    let batches: Vec<&[EncodedCheck]> = waiters.iter().map(|w| w.batch.as_slice()).collect();
-    let call = transport.eval_checks_on(&batches, None, Some(&direct), Form::CrossSlot);
-    let result = transport
-        .until(deadline, async { Ok(call.await) }, "from Redis")
-        .await
-        .map_err(CheckError::Backend)
-        .and_then(|r| r);
+    let batches: Vec<&[EncodedCheck]> = call.batches.iter().map(Vec::as_slice).collect();
+    let eval = transport.eval_checks_on(&batches, None, Some(&direct), Form::CrossSlot);
+    let result = until_each(transport, &call.deadlines, &mut call.replies, async {
+        Ok(eval.await)
+    })
+    .await
+    .map_err(CheckError::Backend)
+    .and_then(|r| r);
     let result = match result {
         Ok(replies) => {
             if replies.iter().any(Option::is_none) {
@@ -309,29 +307,108 @@ async fn send_node_call(transport: &Arc<Transport>, node: u16, call: Call<NodeDe
         }
         Err(e) => Err(e.into_backend()),
     };
-    transport.report(result.as_ref().map(|_| ()), permit);
+    transport.report(result.as_ref().map(|_| ()), call.permit);
     match result {
         Ok(Some(replies)) => {
-            for (w, reply) in waiters.into_iter().zip(replies) {
-                let _ = w.reply.send(Ok((w.batch, reply)));
-            }
+            let mut replies = replies.into_iter();
+            call.answer(|batch, _| Ok((batch, replies.next().flatten())));
         }
-        Ok(None) => {
-            for w in waiters {
-                let _ = w.reply.send(Ok((w.batch, None)));
-            }
-        }
+        Ok(None) => call.answer(|batch, _| Ok((batch, None))),
         Err(e) => {
             // The node may have failed over, or left: the map is read again.
             transport.refresh_nodes();
-            for w in waiters {
-                let _ = w.reply.send(Err(e.clone()));
-            }
+            call.answer(|_, _| Err(e.clone()));
         }
     }
     if carried > 1 {
         tokio::task::yield_now().await;
     }
+}
+
+/// The requests one merged call carries, in order: their batches, the senders of their
+/// answers (taken once answered), their deadlines, and the breaker's permit for the call.
+struct Carried<D> {
+    batches: Vec<Vec<EncodedCheck>>,
+    replies: Vec<Option<oneshot::Sender<Result<D, BackendError>>>>,
+    deadlines: Vec<Instant>,
+    permit: Permit,
+}
+
+impl<D> Carried<D> {
+    /// The call of `waiters`; `None` for none.
+    fn of(waiters: Vec<Waiter<Result<D, BackendError>>>) -> Option<Self> {
+        if waiters.is_empty() {
+            return None;
+        }
+        let permit = Permit::any(waiters.iter().map(|w| w.permit));
+        let mut call = Self {
+            batches: Vec::with_capacity(waiters.len()),
+            replies: Vec::with_capacity(waiters.len()),
+            deadlines: Vec::with_capacity(waiters.len()),
+            permit,
+        };
+        for w in waiters {
+            call.batches.push(w.batch);
+            call.replies.push(Some(w.reply));
+            call.deadlines.push(w.deadline);
+        }
+        Some(call)
+    }
+
+    /// Answers each request not answered yet (one whose own deadline passed during the call
+    /// was) with what `answer` makes of its batch and its place in the call.
+    fn answer(self, mut answer: impl FnMut(Vec<EncodedCheck>, usize) -> Result<D, BackendError>) {
+        for (i, (batch, reply)) in self.batches.into_iter().zip(self.replies).enumerate() {
+            let answered = answer(batch, i);
+            if let Some(reply) = reply {
+                let _ = reply.send(answered);
+            }
+        }
+    }
+}
+
+/// `call`'s answer, or a timeout at the latest of the requests' `deadlines`: a request whose
+/// own deadline passes first is answered a timeout then, through its sender in `replies`, and
+/// fails alone. One timer for the call, moved from one deadline to the next.
+async fn until_each<T, D>(
+    transport: &Transport,
+    deadlines: &[Instant],
+    replies: &mut [Option<oneshot::Sender<Result<D, BackendError>>>],
+    call: impl Future<Output = Result<T, BackendError>>,
+) -> Result<T, BackendError> {
+    let Some(latest) = deadlines.iter().copied().max() else {
+        return call.await;
+    };
+    let mut order: Vec<usize> = (0..deadlines.len()).collect();
+    order.sort_by_key(|&i| deadlines[i]);
+    // Only the requests due before the latest deadline have a timer of their own.
+    order.retain(|&i| deadlines[i] < latest);
+    let call = transport.until(latest, call, "from Redis");
+    let mut call = std::pin::pin!(call);
+    let mut next = 0;
+    let mut timer = std::pin::pin!(tokio::time::sleep_until(
+        order.first().map_or(latest, |&i| deadlines[i])
+    ));
+    std::future::poll_fn(|cx| {
+        if let Poll::Ready(answer) = call.as_mut().poll(cx) {
+            return Poll::Ready(answer);
+        }
+        while let Some(&i) = order.get(next) {
+            ready!(timer.as_mut().poll(cx));
+            if let Some(reply) = replies[i].take() {
+                let _ = reply.send(Err(BackendError::new(
+                    BackendErrorKind::Timeout,
+                    format!("no answer from Redis within {:?}", transport.deadline()),
+                )));
+            }
+            next += 1;
+            if let Some(&j) = order.get(next) {
+                timer.as_mut().reset(deadlines[j]);
+            }
+        }
+        Poll::Pending
+    })
+    .await
 }
 
 /// Answers the requests whose deadline passed while they waited for a call: `Overloaded`, a
@@ -346,30 +423,30 @@ fn answer_late<T>(transport: &Transport, late: Vec<Waiter<Result<T, BackendError
 }
 
 /// One merged call: its late requests answered `Overloaded`, the others sent together by the
-/// earliest of their deadlines, and the call reported once.
+/// latest of their deadlines (a request whose own deadline passes first fails alone, and
+/// counts nothing toward the breaker), and the call reported once.
 async fn send_call(transport: &Transport, call: Call) {
     answer_late(transport, call.late);
-    let waiters = call.send;
-    let carried = waiters.len();
-    let Some(deadline) = waiters.iter().map(|w| w.deadline).min() else {
+    let Some(mut call) = Carried::of(call.send) else {
         return;
     };
-    let permit = Permit::any(waiters.iter().map(|w| w.permit));
-    let batches: Vec<&[EncodedCheck]> = waiters.iter().map(|w| w.batch.as_slice()).collect();
-    let call = transport.eval_checks(&batches, None);
-    let result = transport.until(deadline, call, "from Redis").await;
-    transport.report(result.as_ref().map(|_| ()), permit);
+    let carried = call.batches.len();
+    let batches: Vec<&[EncodedCheck]> = call.batches.iter().map(Vec::as_slice).collect();
+    let eval = transport.eval_checks(&batches, None);
+    let result = until_each(transport, &call.deadlines, &mut call.replies, eval).await;
+    transport.report(result.as_ref().map(|_| ()), call.permit);
     match result {
         Ok(replies) => {
-            for (w, reply) in waiters.into_iter().zip(replies) {
-                let _ = w.reply.send(Ok((w.batch, reply)));
-            }
+            let mut replies = replies.into_iter();
+            call.answer(|batch, _| match replies.next() {
+                Some(reply) => Ok((batch, reply)),
+                None => Err(BackendError::new(
+                    BackendErrorKind::Protocol,
+                    "a merged call's reply has fewer answers than requests",
+                )),
+            });
         }
-        Err(e) => {
-            for w in waiters {
-                let _ = w.reply.send(Err(e.clone()));
-            }
-        }
+        Err(e) => call.answer(|_, _| Err(e.clone())),
     }
     // Under concurrent load (this call carried several requests), let the tasks that are
     // ready run before the next call is taken: the requests that arrived during the round
