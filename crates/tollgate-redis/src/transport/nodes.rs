@@ -36,14 +36,18 @@ pub(crate) enum Route {
     Node(u16),
 }
 
-/// One node: its address and its connection.
+/// One node: its address, its connection, and whether the last map names it.
 pub(crate) struct Node {
     pub(crate) direct: Arc<Direct>,
     host: String,
     port: u16,
+    present: bool,
 }
 
 /// The slot map, and every node ever seen (by number: a node keeps its number across maps).
+/// A node that leaves the map loses its connection (the table holds a new, unconnected one in
+/// its place, made only if it comes back; the old closes once no call holds it), and has no
+/// merged calls until it is back.
 pub(crate) struct Nodes {
     login: Login,
     connect_timeout: Duration,
@@ -98,11 +102,13 @@ impl Nodes {
         groups
     }
 
-    /// Node `number`'s connection.
+    /// Node `number`'s connection; `None` for a node the last map does not name (its calls
+    /// go by hash slot).
     pub(crate) fn node(&self, number: u16) -> Option<Arc<Direct>> {
         let known = self.known.lock().unwrap_or_else(|e| e.into_inner());
         known
             .get(usize::from(number))
+            .filter(|n| n.present)
             .map(|n| Arc::clone(&n.direct))
     }
 
@@ -132,30 +138,46 @@ impl Nodes {
         if let Some(ranges) = slots.and_then(parse_slots) {
             let mut owner = vec![NO_NODE; HASH_SLOTS];
             let mut known = self.known.lock().unwrap_or_else(|e| e.into_inner());
+            let mut present = vec![false; known.len()];
             for (from, to, host, port) in ranges {
                 let number = match known.iter().position(|n| n.host == host && n.port == port) {
                     Some(i) => i,
                     None if known.len() < usize::from(NO_NODE) => {
-                        let direct = Direct::for_node(
-                            &host,
-                            port,
-                            &self.login,
-                            self.connect_timeout,
-                            cross_slot_script(),
-                        );
+                        let direct = self.connection(&host, port);
                         known.push(Arc::new(Node {
                             direct: Arc::new(direct),
                             host,
                             port,
+                            present: true,
                         }));
+                        present.push(true);
                         known.len() - 1
                     }
                     None => continue,
                 };
+                present[number] = true;
                 for slot in &mut owner[from..=to] {
                     // At most `NO_NODE` nodes are numbered, so the number fits.
                     *slot = u16::try_from(number).unwrap_or(NO_NODE);
                 }
+            }
+            for (node, present) in known.iter_mut().zip(present) {
+                if node.present == present {
+                    continue;
+                }
+                // A node that left gets a new connection in place of its own, which closes
+                // once no call holds it; one that came back keeps that one.
+                let direct = if present {
+                    Arc::clone(&node.direct)
+                } else {
+                    Arc::new(self.connection(&node.host, node.port))
+                };
+                *node = Arc::new(Node {
+                    direct,
+                    host: node.host.clone(),
+                    port: node.port,
+                    present,
+                });
             }
             let map = SlotMap {
                 owner,
@@ -164,6 +186,17 @@ impl Nodes {
             *self.map.write().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(map));
         }
         self.refreshing.store(false, Ordering::Release);
+    }
+
+    /// A connection to the node at `host`:`port`, made at its first call.
+    fn connection(&self, host: &str, port: u16) -> Direct {
+        Direct::for_node(
+            host,
+            port,
+            &self.login,
+            self.connect_timeout,
+            cross_slot_script(),
+        )
     }
 
     /// Drops every node's connection (the breaker opened): the next call connects again.
@@ -277,6 +310,47 @@ mod tests {
 
     fn bulk(s: &str) -> Value {
         Value::BulkString(s.as_bytes().to_vec())
+    }
+
+    /// A `CLUSTER SLOTS` answer: the hash slots evenly over masters at `ports`.
+    fn slots_of(ports: &[i64]) -> Value {
+        let share = HASH_SLOTS as i64 / ports.len() as i64;
+        let ranges = ports.iter().enumerate().map(|(i, &port)| {
+            let from = i as i64 * share;
+            let to = if i + 1 == ports.len() {
+                HASH_SLOTS as i64 - 1
+            } else {
+                from + share - 1
+            };
+            Value::Array(vec![
+                Value::Int(from),
+                Value::Int(to),
+                Value::Array(vec![bulk("127.0.0.1"), Value::Int(port)]),
+            ])
+        });
+        Value::Array(ranges.collect())
+    }
+
+    /// A node that leaves the map loses its connection, which the table no longer holds, and
+    /// has none to lend; back, it gets a new one, under its old number.
+    #[test]
+    fn a_departed_node_loses_its_connection_and_a_returning_one_gets_a_new_one() {
+        let nodes = Nodes::new(Login::default(), Duration::from_secs(1));
+        nodes.finish_refresh(Some(&slots_of(&[7000, 7001, 7002])));
+        let held = nodes.node(2).unwrap();
+        assert_eq!(
+            Arc::strong_count(&held),
+            2,
+            "the table's node and this test"
+        );
+        nodes.finish_refresh(Some(&slots_of(&[7000, 7001])));
+        assert!(nodes.node(2).is_none());
+        assert!(nodes.node(0).is_some() && nodes.node(1).is_some());
+        assert_eq!(Arc::strong_count(&held), 1, "only this test holds it");
+        nodes.finish_refresh(Some(&slots_of(&[7000, 7001, 7002])));
+        let back = nodes.node(2).unwrap();
+        assert!(!Arc::ptr_eq(&back, &held));
+        assert_eq!(nodes.known.lock().unwrap().len(), 3);
     }
 
     #[test]
