@@ -169,3 +169,43 @@ async fn slot_ids_that_share_low_bits_are_distinct_slots() {
     a.release(&check(low));
     assert_eq!(until(0, &mut held).await, 0);
 }
+
+/// A release that cannot reach Redis (the shared connection went silent) holds a check of its
+/// own key until its first attempt ends, and no check of another key: the other key's check is
+/// answered while the release is still in flight; the own key's check waits for the release's
+/// attempt to end, and finds the slot still held (the release never landed).
+#[tokio::test]
+async fn a_release_in_flight_holds_checks_of_its_own_key_only() {
+    let server = RedisServer::start();
+    let relay = support::SilentRelay::start(server.port());
+    let backend = RedisBackend::builder()
+        .url(relay.url())
+        .deadline(Duration::from_secs(2))
+        .build()
+        .unwrap();
+    // The shared connection (releases), then silence on it.
+    backend.ping().await.unwrap();
+    assert_eq!(relay.accepted(), 1);
+    relay.silence_existing();
+    let limit = Limit::concurrency("jobs", 1).unwrap();
+    let a = Check::new(&limit, b"a").with_slot(1);
+    assert!(backend.check(&[a]).await.unwrap()[0].is_allowed());
+    // The checks' own connection, made after the silence.
+    assert_eq!(relay.accepted(), 2);
+    let landing = backend.slots().unwrap().release_landing(&[a]).unwrap();
+    let mut landing = std::pin::pin!(landing);
+    let b = backend.check(&[Check::new(&limit, b"b").with_slot(2)]);
+    tokio::select! {
+        biased;
+        v = b => assert!(v.unwrap()[0].is_allowed()),
+        () = &mut landing => panic!("the check of another key waited for the release"),
+    }
+    let again = backend.check(&[Check::new(&limit, b"a").with_slot(3)]);
+    let mut again = std::pin::pin!(again);
+    tokio::select! {
+        biased;
+        () = &mut landing => {}
+        _ = &mut again => panic!("the check of the released key did not wait for its release"),
+    }
+    assert!(!again.await.unwrap()[0].is_allowed());
+}
