@@ -225,8 +225,8 @@ pub fn fixed_window(
 /// Exact sliding log over `log`, the ascending times of the admitted units of one key
 /// (entries that have left the window may still be in it).
 ///
-/// Returns the verdict and how many leading entries have left the window (to trim). When
-/// admitted, the caller appends `cost` entries at `now`.
+/// Returns the verdict and how many leading entries have left this quota's window. When
+/// admitted, the caller appends `cost` entries at `now` (a cost of 0 reports the log's reset).
 pub fn sliding_log(quota: &Quota, log: &[Micros], now: Micros, cost: u32) -> (Verdict, usize) {
     let period = quota.period_micros();
     // An entry at t counts while t + period > now.
@@ -235,9 +235,9 @@ pub fn sliding_log(quota: &Quota, log: &[Micros], now: Micros, cost: u32) -> (Ve
     let count = alive.len() as u64;
     let limit = u64::from(quota.limit());
     let remaining = limit.saturating_sub(count);
-    let reset_of = |newest: Option<&Micros>| newest.map_or(0, |&t| t + period - now);
+    let reset = alive.last().map_or(0, |&t| t + period - now);
     if cost > quota.limit() {
-        return (too_costly(remaining, reset_of(alive.last())), expired);
+        return (too_costly(remaining, reset), expired);
     }
     let cost64 = u64::from(cost);
     if count + cost64 > limit {
@@ -248,14 +248,14 @@ pub fn sliding_log(quota: &Quota, log: &[Micros], now: Micros, cost: u32) -> (Ve
                 retry_after: alive[must_leave - 1] + period - now,
             },
             remaining,
-            reset: reset_of(alive.last()),
+            reset,
         };
         return (verdict, expired);
     }
     let verdict = Verdict {
         status: Status::Allowed,
         remaining: limit - count - cost64,
-        reset: period,
+        reset: if cost > 0 { period } else { reset },
     };
     (verdict, expired)
 }

@@ -229,7 +229,9 @@ impl Limit {
     /// The plan is the name an authentication layer gives the request (`tollgate::Plan` in
     /// the layer crate). A request without a plan, or with a plan no [`Limit::plan`] names,
     /// gets the quota the limit was made with. Each (limit, quota) is counted exactly, in every
-    /// backend; a key keeps what it used when its quota changes (its plan, or a reload).
+    /// backend; a key keeps what it used when its quota changes (its plan, or a reload). A
+    /// sliding log's plans may differ in period: they share one log, kept for the longest
+    /// ([`Limit::log_keep_micros`]).
     ///
     /// # Errors
     ///
@@ -281,6 +283,18 @@ impl Limit {
     /// The plans this limit names, with their quotas, in the order they were added.
     pub fn plans(&self) -> impl ExactSizeIterator<Item = (&str, &Quota)> + '_ {
         self.plans.iter().map(|(p, q)| (&**p, q))
+    }
+
+    /// How long a sliding log of this limit keeps an entry, in microseconds: the longest
+    /// period of its quotas (the default's, every plan's, and `quota`, the check's). A log is
+    /// shared by the limit's plans and keeps its entries across a change of quota, so an
+    /// admission under a plan of a short period must leave the units a longer one still counts.
+    pub fn log_keep_micros(&self, quota: &Quota) -> Micros {
+        let own = self.quota.period_micros().max(quota.period_micros());
+        self.plans
+            .iter()
+            .map(|(_, q)| q.period_micros())
+            .fold(own, Micros::max)
     }
 
     /// The quota of a request whose plan is `plan`, with its index: 0 for the default (no

@@ -183,6 +183,29 @@ fn a_check_with_an_older_now_keeps_a_sliding_log_exact() {
     assert_eq!(admitted_at, [t, t - 1, t + period]);
 }
 
+/// A late check's units are recorded at the newest entry's time, and its receipt says so: its
+/// refund finds them there.
+#[test]
+fn a_late_checks_refund_finds_its_units() {
+    let t = 1_000_000_000;
+    let clock = FakeClock::new(t);
+    let backend = MemoryBackend::builder().clock(clock.clone()).build();
+    let quota = Quota::new(2, Duration::from_secs(10)).unwrap();
+    let limit = Limit::sliding_log("log", quota).unwrap();
+    let check = Check::new(&limit, b"k");
+    assert!(backend.check_now(&[check]).unwrap()[0].is_allowed());
+    clock.set(t - 1);
+    let late = backend.check_now(&[check]).unwrap();
+    assert_eq!(late.receipt(0).at, t);
+    backend.settle_now(&[tollgate_engine::Settlement::of(&check, late.receipt(0), 0)]);
+    clock.set(t);
+    let v = backend.check_now(&[check]).unwrap()[0];
+    assert_eq!(
+        (v.status, v.remaining),
+        (tollgate_engine::Status::Allowed, 0)
+    );
+}
+
 #[test]
 fn a_sliding_log_refused_by_another_limit_reports_its_untouched_reset() {
     let clock = FakeClock::new(1_700_000_000_000_000);

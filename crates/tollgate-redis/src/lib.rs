@@ -68,9 +68,11 @@
 //!   call is made once more for it.
 //! - **Sliding log**: a sorted set at `<key>:log` with one unique member per admitted unit
 //!   (`<now>-<seq>`, the sequence kept in `<key>:seq`, so two units in the same microsecond
-//!   are two members), trimmed when written. A check adds its members with one `ZADD` per
-//!   1,000 (a refund removes them likewise), and a log holds at most
-//!   [`MAX_LOG_UNITS`](tollgate_engine::MAX_LOG_UNITS) members: a larger quota is refused when
+//!   are two members), trimmed when written of the entries older than the longest period of
+//!   the limit's quotas (a plan of a longer period still counts them) and of all but the
+//!   newest 2 × `MAX_LOG_UNITS`. A check adds its members with one `ZADD` per
+//!   1,000 (a refund removes them likewise), and a quota counts at most
+//!   [`MAX_LOG_UNITS`](tollgate_engine::MAX_LOG_UNITS) units: a larger quota is refused when
 //!   the limit is built, and a check costlier than its quota is refused as
 //!   [`CostTooHigh`](tollgate_engine::Status::CostTooHigh) before anything is written.
 //!

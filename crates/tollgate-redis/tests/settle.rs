@@ -5,6 +5,8 @@
 
 mod support;
 
+use std::time::Duration;
+
 use tollgate_engine::{
     Backend, Check, FakeClock, Limit, MemoryBackend, Micros, Quota, Settlement, Status, Verdicts,
 };
@@ -28,6 +30,18 @@ impl Target {
 
     async fn check(&self, limit: &Limit, key: &[u8], cost: u32, now: Micros) -> Verdicts {
         let checks = [Check::new(limit, key).with_cost(cost)];
+        match self {
+            Self::Memory(backend, clock) => {
+                clock.set(now);
+                backend.check_now(&checks).unwrap()
+            }
+            Self::Redis(backend) => backend.check_at(&checks, now).await.unwrap(),
+        }
+    }
+
+    /// A check counted against `quota`, a plan's.
+    async fn check_under(&self, limit: &Limit, quota: Quota, cost: u32, now: Micros) -> Verdicts {
+        let checks = [Check::new(limit, b"shop").with_quota(quota).with_cost(cost)];
         match self {
             Self::Memory(backend, clock) => {
                 clock.set(now);
@@ -245,6 +259,44 @@ async fn scenarios(target: &Target) {
     );
     let v = target.check(&log, b"shop", 1, at + 60 * S).await;
     assert_eq!(v[0].remaining, 9);
+
+    // Plans of 10 per 60 s and 10 per 1 s share one log: an admission or a charge under the
+    // short plan leaves the units the long one counts. 5 units at T0 (long), 1 at +2 s
+    // (short), then 1 at +2 s (long): 7 of the last minute, 3 left.
+    let long = Quota::new(10, Duration::from_secs(60)).unwrap();
+    let short = Quota::new(10, Duration::from_secs(1)).unwrap();
+    let log = Limit::sliding_log("plans-log", long)
+        .unwrap()
+        .plan("short", short)
+        .unwrap();
+    assert_eq!(target.check_under(&log, long, 5, T0).await[0].remaining, 5);
+    let v = target.check_under(&log, short, 1, T0 + 2 * S).await;
+    assert_eq!(v[0].remaining, 9);
+    let v = target.check_under(&log, long, 1, T0 + 2 * S).await;
+    assert_eq!(v[0].remaining, 3);
+    // At +3 s, 1 unit under the short plan settled at 3: 10 of the last minute, the oldest
+    // (T0's) leaving at +60 s.
+    let v = target.check_under(&log, short, 1, T0 + 3 * S).await;
+    assert_eq!(v[0].remaining, 9);
+    let charge = Settlement {
+        limit: &log,
+        key: b"shop",
+        reserved: 1,
+        actual: 3,
+        receipt: v.receipt(0),
+        quota: short,
+    };
+    target.settle(charge, T0 + 3 * S).await;
+    let v = target.check_under(&log, long, 1, T0 + 3 * S).await;
+    assert_eq!(
+        (v[0].status, v[0].remaining),
+        (
+            Status::Denied {
+                retry_after: 57 * S
+            },
+            0
+        )
+    );
 }
 
 #[tokio::test]

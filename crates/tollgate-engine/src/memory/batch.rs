@@ -37,11 +37,13 @@ impl<C: Clock> Inner<C> {
         }
         for (i, check) in checks.iter().enumerate() {
             if let Some(v) = verdicts.get(i).copied().filter(Verdict::is_allowed) {
-                let mark = match check.limit.algorithm() {
-                    Algorithm::FixedWindow => now + v.reset,
-                    Algorithm::Gcra | Algorithm::SlidingLog | Algorithm::Concurrency => 0,
+                let (at, mark) = match check.limit.algorithm() {
+                    Algorithm::FixedWindow => (now, now + v.reset),
+                    // The time its units were recorded at, set by the commit (`now` or later).
+                    Algorithm::SlidingLog => (verdicts.receipt(i).at.max(now), 0),
+                    Algorithm::Gcra | Algorithm::Concurrency => (now, 0),
                 };
-                verdicts.set_receipt(i, Receipt { at: now, mark });
+                verdicts.set_receipt(i, Receipt { at, mark });
             }
         }
         verdicts
@@ -116,7 +118,10 @@ impl<C> Inner<C> {
         if verdicts.admits(checks) {
             for (i, check) in checks.iter().enumerate() {
                 if let Some(shard) = guards[lock_of(i)].as_mut() {
-                    shard.commit(check, fps[i], pending[i], now);
+                    let at = shard.commit(check, fps[i], pending[i], now);
+                    if at != now {
+                        verdicts.set_receipt(i, Receipt { at, mark: 0 });
+                    }
                 }
             }
         } else {
@@ -216,16 +221,20 @@ impl<C> Inner<C> {
             Algorithm::Gcra => None,
             Algorithm::FixedWindow | Algorithm::SlidingLog | Algorithm::Concurrency => None,
         };
-        let verdict = match shared {
-            Some(verdict) => verdict,
+        let (verdict, at) = match shared {
+            Some(verdict) => (verdict, now),
             None => self.check_locked(check, fp, s, now, sweeps),
         };
         let mut verdicts = Verdicts::new();
         let _ = verdicts.push(verdict);
+        if at != now {
+            verdicts.set_receipt(0, Receipt { at, mark: 0 });
+        }
         verdicts
     }
 
-    /// A lone check under the shard's write lock.
+    /// A lone check under the shard's write lock, and the time a sliding log recorded its
+    /// units at (`now` otherwise).
     #[inline]
     fn check_locked(
         &self,
@@ -234,14 +243,15 @@ impl<C> Inner<C> {
         s: usize,
         now: Micros,
         sweeps: &mut Sweeps,
-    ) -> Verdict {
+    ) -> (Verdict, Micros) {
         let mut guard = self.lock(s, now, sweeps);
         let shard = &mut *guard;
         let quota = &check.quota;
         if let Some(refused) = shard.standing(&fp, now) {
-            return refused;
+            return (refused, now);
         }
         let room = shard.len() < self.places.shard_cap;
+        let mut at = now;
         // GCRA and fixed window read and write a tracked key's state through one lookup.
         let mut verdict = match check.limit.algorithm() {
             Algorithm::Gcra => self.step(&mut shard.gcra, room, fp, |state| {
@@ -263,12 +273,12 @@ impl<C> Inner<C> {
                     verdict.status = self.at_capacity();
                 }
                 if verdict.is_allowed() {
-                    shard.commit(check, fp, pending, now);
+                    at = shard.commit(check, fp, pending, now);
                 }
                 verdict
             }
         };
         self.count_refusal(shard, check, fp, now, &mut verdict);
-        verdict
+        (verdict, at)
     }
 }

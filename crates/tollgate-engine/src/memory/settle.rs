@@ -74,13 +74,14 @@ impl<C: Clock> Inner<C> {
                         let Some(log) = shard.logs.get_mut(&fp) else {
                             continue;
                         };
-                        // The check's units were recorded at its time, or at the newest
-                        // entry's if that was later (by a fraction of a microsecond): the
-                        // first entries from its time on. Units recorded at the same time are
-                        // the same units.
+                        // The check's units are the entries at the time its receipt says they
+                        // were recorded at (units recorded in the same microsecond are the same
+                        // units). Once they have left the log, it holds none of them: a later
+                        // check's are not given back.
                         let entries = log.entries.make_contiguous();
                         let from = entries.partition_point(|&t| t < s.receipt.at);
-                        let n = (entries.len() - from).min((s.reserved - s.actual) as usize);
+                        let to = entries.partition_point(|&t| t <= s.receipt.at);
+                        let n = (to - from).min((s.reserved - s.actual) as usize);
                         log.entries.drain(from..from + n);
                     } else {
                         let log = match shard.logs.entry(fp) {
@@ -89,9 +90,10 @@ impl<C: Clock> Inner<C> {
                                 if !(room && self.places.reserve()) {
                                     continue;
                                 }
+                                // Kept as a check's entries are (`Shard::commit`).
                                 e.insert(Log {
                                     entries: VecDeque::new(),
-                                    period,
+                                    period: s.limit.log_keep_micros(quota),
                                 })
                             }
                         };
@@ -102,8 +104,7 @@ impl<C: Clock> Inner<C> {
                             .count() as u64;
                         let more =
                             algorithm::sliding_log_charge(quota, alive, s.reserved, s.actual);
-                        let at = log.entries.back().map_or(now, |&newest| newest.max(now));
-                        log.entries.extend(std::iter::repeat_n(at, more as usize));
+                        let _ = log.record(now, more as usize);
                     }
                 }
             }

@@ -6,6 +6,7 @@ use std::collections::VecDeque;
 use std::sync::atomic::AtomicU64;
 
 use crate::algorithm::{self, WindowState};
+use crate::bounds::MAX_LOG_UNITS;
 use crate::check::Check;
 use crate::clock::Micros;
 use crate::counting::Algorithm;
@@ -16,7 +17,30 @@ use crate::verdict::Verdict;
 
 pub(super) struct Log {
     pub(super) entries: VecDeque<Micros>,
+    /// How long the log keeps an entry: the longest period of its limit's quotas.
     pub(super) period: Micros,
+}
+
+/// The most entries a log keeps: twice the largest quota a sliding log may have. Only a log
+/// whose plans differ in period can reach it (a plan of a short period admits many units
+/// over a longer one's); it keeps the newest, at least twice any quota's limit, which still
+/// answer every check exactly (past that many counted units, a check is refused whatever the
+/// older ones, and its wait depends on the newest only).
+pub(super) const MOST_LOG_ENTRIES: usize = 2 * MAX_LOG_UNITS as usize;
+
+impl Log {
+    /// Records `n` units at `now`, or at the newest entry's time if that is later (a check
+    /// that read the clock before another wrote: the log stays ascending, which the search and
+    /// the sweep rely on, and errs toward limiting by the difference), and drops the entries
+    /// past [`MOST_LOG_ENTRIES`], the oldest first. Returns the time they were recorded at,
+    /// by which a refund finds them.
+    pub(super) fn record(&mut self, now: Micros, n: usize) -> Micros {
+        let at = self.entries.back().map_or(now, |&newest| newest.max(now));
+        self.entries.extend(std::iter::repeat_n(at, n));
+        let over = self.entries.len().saturating_sub(MOST_LOG_ENTRIES);
+        self.entries.drain(..over);
+        at
+    }
 }
 
 /// Aligned (and so sized) to 128 bytes, the span the adjacent-line prefetcher pulls in: two
@@ -160,9 +184,9 @@ impl Shard {
             }
             Algorithm::SlidingLog => {
                 let log = self.logs.get_mut(fp).map(|l| &*l.entries.make_contiguous());
-                let (v, trim) = algorithm::sliding_log(quota, log.unwrap_or(&[]), now, check.cost);
+                let (v, _) = algorithm::sliding_log(quota, log.unwrap_or(&[]), now, check.cost);
                 let pending = if v.is_allowed() {
-                    Pending::Log { trim }
+                    Pending::Log
                 } else {
                     Pending::None
                 };
@@ -200,15 +224,25 @@ impl Shard {
         })
     }
 
+    /// Writes what `evaluate` found; returns the time a sliding log recorded the check's
+    /// units at (`now` otherwise).
     #[inline(always)]
-    pub(super) fn commit(&mut self, check: &Check<'_>, fp: Fp, pending: Pending, now: Micros) {
+    pub(super) fn commit(
+        &mut self,
+        check: &Check<'_>,
+        fp: Fp,
+        pending: Pending,
+        now: Micros,
+    ) -> Micros {
         match pending {
             Pending::None => {}
             Pending::Tat(tat) => store(&mut self.gcra, fp, (tat, check.quota.emission_interval())),
             Pending::Window(state) => store(&mut self.windows, fp, state),
             Pending::Slots(held) => store(&mut self.inflight, fp, held),
-            Pending::Log { trim } => {
-                let period = check.quota.period_micros();
+            Pending::Log => {
+                // The entries carry across a change of quota and are shared by the limit's
+                // plans: they leave after the longest period of its quotas, not the check's.
+                let period = check.limit.log_keep_micros(&check.quota);
                 let log = match self.logs.entry(fp) {
                     Entry::Occupied(e) => e.into_mut(),
                     Entry::Vacant(e) => e.insert(Log {
@@ -216,17 +250,15 @@ impl Shard {
                         period,
                     }),
                 };
-                // The entries carry across a change of quota; they expire by the latest one.
                 log.period = period;
-                log.entries.drain(..trim.min(log.entries.len()));
-                // The log stays ascending (the algorithm's search and the sweep rely on it):
-                // a check that read the clock before the newest entry was written records its
-                // units at that entry's time, which errs toward limiting by the difference.
-                let at = log.entries.back().map_or(now, |&newest| newest.max(now));
-                log.entries
-                    .extend(std::iter::repeat_n(at, check.cost as usize));
+                let gone = log
+                    .entries
+                    .partition_point(|&t| t.saturating_add(period) <= now);
+                log.entries.drain(..gone);
+                return log.record(now, check.cost as usize);
             }
         }
+        now
     }
 }
 
@@ -235,6 +267,6 @@ pub(super) enum Pending {
     None,
     Tat(Micros),
     Window(WindowState),
-    Log { trim: usize },
+    Log,
     Slots(u32),
 }

@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use proptest::prelude::*;
 use tollgate_engine::algorithm::{self, WindowState};
-use tollgate_engine::{Quota, Status, Verdict};
+use tollgate_engine::{Check, FakeClock, Limit, MemoryBackend, Quota, Status, Verdict};
 
 use model::{Gcra, Log, Windows};
 
@@ -71,22 +71,37 @@ pub(crate) fn config() -> ProptestConfig {
     }
 }
 
-/// Runs `steps` (a gap's kind and seed, a cost, a plan) through `algorithm::sliding_log`
-/// under `quotas` and through the reference; the first step where they differ.
+/// Runs `steps` (a gap's kind and seed, a cost, a plan) under `quotas`, the quotas of one
+/// sliding-log limit (the first its default, the others its plans): through
+/// `algorithm::sliding_log` on every unit admitted so far, through the in-memory backend
+/// (which trims its log), and through the reference; the first step where they differ.
 fn sliding(quotas: &[Quota], steps: &[(u64, u64, u32, usize)]) -> Result<(), String> {
-    let (mut now, mut log, mut model) = (1_700_000_000_000_000u64, Vec::new(), Log::default());
+    let start = 1_700_000_000_000_000u64;
+    let (mut now, mut model) = (start, Log::default());
+    let mut limit = Limit::sliding_log("reference", quotas[0]).map_err(|e| e.to_string())?;
+    for (i, q) in quotas.iter().enumerate().skip(1) {
+        limit = limit
+            .plan(&format!("p{i}"), *q)
+            .map_err(|e| e.to_string())?;
+    }
+    let clock = FakeClock::new(start);
+    let backend = MemoryBackend::builder().clock(clock.clone()).build();
     let longest = quotas.iter().map(Quota::period_micros).max().unwrap_or(1);
     for (i, &(kind, r, cost, plan)) in steps.iter().enumerate() {
         now += sequences::gap(kind, r, 1, longest);
+        clock.set(now);
         let q = &quotas[plan % quotas.len()];
+        let (got, _) = algorithm::sliding_log(q, &model.units, now, cost);
         let want = model.check(q.limit(), q.period_micros(), now, cost);
-        let (got, trim) = algorithm::sliding_log(q, &log, now, cost);
         if got != want {
             return Err(format!("step {i}: got {got:?}, the reference {want:?}"));
         }
-        if got.is_allowed() {
-            log.drain(..trim);
-            log.extend(std::iter::repeat_n(now, cost as usize));
+        let check = Check::new(&limit, b"k").with_quota(*q).with_cost(cost);
+        let stored = backend.check_now(&[check]).map_err(|e| e.to_string())?[0];
+        if stored != want {
+            return Err(format!(
+                "step {i}: the in-memory backend {stored:?}, the reference {want:?}"
+            ));
         }
     }
     Ok(())
@@ -248,18 +263,8 @@ proptest! {
     /// Sliding logs under plans of different periods: a unit counts under each check's own
     /// period, whatever the period of the checks between (docs/limits-file.md: a sliding log
     /// keeps its entries across a change of quota; plans of a sliding log may differ in period).
-    ///
-    /// Ignored: the engine disagrees. An admission under a plan of a short period trims the
-    /// units older than that period (`algorithm::sliding_log`'s trim count, applied by the
-    /// in-memory backend, which also sweeps a log by its last period), so a plan of a longer
-    /// period no longer counts them. With plans of 10 per 1 s and 10 per 60 s: 5 units at
-    /// `t` under the 60 s plan, 1 unit at `t + 2 s` under the 1 s plan, then a unit at `t + 2 s`
-    /// under the 60 s plan is admitted with `remaining` 8, where 6 units of the last 60 s
-    /// leave 3. The Redis script trims (and expires) a log by its check's period the same way
-    /// (`check.lua`). Keeping the units for the longest period of the limit's plans needs the
-    /// limit, which the algorithm is not given.
+    /// The in-memory backend keeps a log's entries for the longest period of its limit's plans.
     #[test]
-    #[ignore = "an admission under a short-period plan forgets units a longer plan counts"]
     fn sliding_logs_count_the_units_of_each_plans_period(
         quotas in prop::collection::vec(window_quota(), 1..4),
         steps in prop::collection::vec((0u64..4, any::<u64>(), 1u32..=14, any::<usize>()), 1..40),
@@ -269,13 +274,7 @@ proptest! {
 
     /// A request of no units (a cost read from the request may be 0) admitted by a sliding
     /// log reports the log's own reset: when its newest counted unit leaves, 0 for an empty log.
-    ///
-    /// Ignored: the engine disagrees. `algorithm::sliding_log` (and `check.lua`'s sliding log,
-    /// held to it by the shared vectors) answers every admission's `reset` as the whole period,
-    /// whatever its cost: `sliding 1 1000000 - none 5000000 0` answers `allowed 1 1000000`
-    /// where the definition gives `allowed 1 0`. A fix changes both, and a vector of cost 0.
     #[test]
-    #[ignore = "the engine answers a reset of a whole period for an admission of 0 units"]
     fn a_sliding_log_admission_of_no_units_reports_the_logs_reset(
         q in window_quota(),
         now in 1u64..(1 << 52),

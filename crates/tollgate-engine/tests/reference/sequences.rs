@@ -246,7 +246,7 @@ fn windows_with_settles(
                 continue;
             }
             let (reserved, receipt) = admitted.remove(which % admitted.len());
-            // A log's units that have left the period (see the ignored property below).
+            // A log's units that have left the period (see the property below).
             if sliding && !settle_expired && receipt.at + period <= now {
                 continue;
             }
@@ -304,14 +304,9 @@ proptest! {
     }
 
     /// The same, a check settled after its units have left the period too: its refund has
-    /// none of its units left to remove, and removes nothing.
-    ///
-    /// Ignored: the in-memory backend disagrees. Its refund removes the first units recorded
-    /// at or after the check's time (`memory/settle.rs`), which are a later check's once the
-    /// check's own have been trimmed. See
-    /// `a_refund_after_the_units_left_removes_nobody_elses` for figures.
+    /// none of its units left to remove, and removes nothing (see
+    /// `a_refund_after_the_units_left_removes_nobody_elses` for figures).
     #[test]
-    #[ignore = "the in-memory backend's late refund removes a later check's units"]
     fn sliding_log_settles_after_the_period_follow_the_reference(
         q in crate::window_quota(),
         steps in window_steps(),
@@ -324,7 +319,6 @@ proptest! {
 /// backend: plans of 10 per 60 s and 10 per 1 s; 5 units under the first, 2 s later 1 under
 /// the second, then 1 under the first: 7 units of the last 60 s, 3 left.
 #[test]
-#[ignore = "an admission under a short-period plan forgets units a longer plan counts"]
 fn a_short_plans_admission_leaves_a_long_plans_units_counted() {
     let long = Quota::new(10, Duration::from_secs(60)).unwrap();
     let short = Quota::new(10, Duration::from_secs(1)).unwrap();
@@ -341,16 +335,15 @@ fn a_short_plans_admission_leaves_a_long_plans_units_counted() {
     assert_eq!(check(long, 5).remaining, 5);
     clock.set(START + 2_000_000);
     assert_eq!(check(short, 1).remaining, 9);
-    // The engine answers 8: the short plan's admission dropped the 5 units of 2 s ago.
+    // Not 8: the short plan's admission keeps the 5 units of 2 s ago, which the long counts.
     assert_eq!(check(long, 1).remaining, 3);
 }
 
 /// 2 per 10 s. A unit at `t`; at `t + 10 s` (the first has left) another; then the first
 /// check is refunded. None of its units is left to give back, so the log still holds the
-/// second unit: a request of 2 is refused until `t + 20 s`. The in-memory backend admits it:
-/// the refund removed the second check's unit.
+/// second unit: a request of 2 is refused until `t + 20 s` (not admitted, as it would be if
+/// the refund removed the second check's unit).
 #[test]
-#[ignore = "the in-memory backend's late refund removes a later check's units"]
 fn a_refund_after_the_units_left_removes_nobody_elses() {
     let q = Quota::new(2, Duration::from_secs(10)).unwrap();
     let limit = Limit::sliding_log("log", q).unwrap();

@@ -222,7 +222,8 @@ while i <= figures do
       o = o + 2
 
     elseif algo == 3 then
-      local period, limit = p1, p2
+      -- The log keeps its entries for `keep`, the longest period of the limit's quotas.
+      local period, limit, keep = p1, p2, p3
       local remaining, reset, retry = 0, 0, 0
       local log = key
       -- An entry at t counts while t + period > now.
@@ -240,8 +241,10 @@ while i <= figures do
           'LIMIT', count + cost - limit - 1, 1)
         status, retry = 1, tonumber(nth[2]) + period - now
       else
-        remaining, reset = limit - count - cost, period
-        w_algo[j], w_key[j], w_val[j], w_ttl[j], w_seq[j] = 3, k, cost, period, o + 5
+        -- A request of no units leaves the log's own reset (0 for an empty log).
+        remaining = limit - count - cost
+        if cost > 0 then reset = period end
+        w_algo[j], w_key[j], w_val[j], w_ttl[j], w_seq[j] = 3, k, cost, keep, o + 5
       end
       out[o + 1], out[o + 2], out[o + 3], out[o + 4], out[o + 5] = status, remaining, reset, retry, 0
       o = o + 5
@@ -297,13 +300,17 @@ while i <= figures do
         state[key] = state[key] + w_val[j]
         if ttl[key] == nil then ttl[key] = w_ttl[j]; written[#written + 1] = key end
       elseif algo == 3 then
-        local cost, period, log, seq_key = w_val[j], w_ttl[j], K[key], K[key + 1]
-        redis.call('ZREMRANGEBYSCORE', log, '-inf', now - period)
+        -- Trimmed and expired by the longest period of the limit's quotas, not the check's:
+        -- a plan of a longer period still counts the older units.
+        local cost, keep, log, seq_key = w_val[j], w_ttl[j], K[key], K[key + 1]
+        redis.call('ZREMRANGEBYSCORE', log, '-inf', now - keep)
         local last = redis.call('INCRBY', seq_key, cost)
         -- A unique member per unit (two units in the same microsecond are two entries).
         log_units('ZADD', log, fmt(now), last - cost + 1, last)
-        redis.call('PEXPIRE', log, ttl_ms(period))
-        redis.call('PEXPIRE', seq_key, ttl_ms(period))
+        -- At most LOG_ENTRIES, the newest (a short plan's units over a long plan's period).
+        redis.call('ZREMRANGEBYRANK', log, 0, -LOG_ENTRIES - 1)
+        redis.call('PEXPIRE', log, ttl_ms(keep))
+        redis.call('PEXPIRE', seq_key, ttl_ms(keep))
         out[w_seq[j]] = last
       elseif algo == 4 then
         local slot_ttl = w_ttl[j]

@@ -39,7 +39,8 @@ use crate::scripts::{slot_id, Script};
 /// algorithm (1 GCRA, 2 fixed window, 3 sliding log, 4 concurrency), three parameters (GCRA: emission
 /// interval, tolerance (the burst's span, and the check's delay: see
 /// `tollgate_engine::algorithm::gcra_delayed`), burst; fixed window: period, limit, the index of the client's current
-/// window; sliding log: period, limit, 0) and the limit's penalty (refusals, window, first
+/// window; sliding log: period, limit, how long the log keeps an entry (the longest period of
+/// the limit's quotas, `Limit::log_keep_micros`)) and the limit's penalty (refusals, window, first
 /// and longest block; zeros for none). If the window that holds `now` is neither the
 /// client's current one nor the next, the script writes nothing and answers the error
 /// `TOLLGATE_WINDOW <now>`; the client then declares the windows of that `now` and calls again.
@@ -168,7 +169,10 @@ impl EncodedCheck {
                 (1, [interval, tolerance, burst])
             }
             Algorithm::FixedWindow => (2, [quota.period_micros(), u64::from(quota.limit()), 0]),
-            Algorithm::SlidingLog => (3, [quota.period_micros(), u64::from(quota.limit()), 0]),
+            Algorithm::SlidingLog => {
+                let keep = check.limit.log_keep_micros(quota);
+                (3, [quota.period_micros(), u64::from(quota.limit()), keep])
+            }
             Algorithm::Concurrency => (4, [quota.period_micros(), u64::from(quota.limit()), 0]),
             other => {
                 return Err(BackendError::new(

@@ -86,3 +86,16 @@ impl Script {
         cmd
     }
 }
+
+#[cfg(test)]
+mod tests {
+    /// `prelude.lua`'s cap on a sliding log's members is the in-memory backend's.
+    #[test]
+    fn a_log_keeps_at_most_twice_the_largest_quota() {
+        let line = format!(
+            "local LOG_ENTRIES = {}\n",
+            2 * tollgate_engine::MAX_LOG_UNITS
+        );
+        assert!(super::PRELUDE.contains(&line));
+    }
+}

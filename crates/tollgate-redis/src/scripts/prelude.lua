@@ -2,6 +2,9 @@
 -- Members of a sliding log that one ZADD or ZREM takes: unpack passes at most a few
 -- thousand values.
 local CHUNK = 1000
+-- The most members a sliding log keeps, the newest: 2 x tollgate_engine::MAX_LOG_UNITS, at
+-- least twice any quota's limit, which still answers every check exactly.
+local LOG_ENTRIES = 20000
 -- Adds (`ZADD`, scored at `stamp`) or removes (`ZREM`) a sliding log's members
 -- `<stamp>-<from>` to `<stamp>-<to>`: one unique member per unit, a chunk per command.
 local function log_units(cmd, key, stamp, from, to)

@@ -48,15 +48,18 @@ for i = 0, (#ARGV - 1) / 7 - 1 do
     if refund > 0 then
       log_units('ZREM', key, fmt(x), y - refund + 1, y)
     elseif charge > 0 then
-      redis.call('ZREMRANGEBYSCORE', key, '-inf', now - z)
-      local alive = redis.call('ZCARD', key)
+      -- x: how long the log keeps an entry (the longest period of the limit's quotas); the
+      -- units of this quota's period (z) are those it counts.
+      redis.call('ZREMRANGEBYSCORE', key, '-inf', now - x)
+      local alive = redis.call('ZCOUNT', key, '(' .. fmt(now - z), '+inf')
       local more = charge
       if alive + more > w then more = w - alive end
       if more > 0 then
         local last = redis.call('INCRBY', seq_key, more)
         log_units('ZADD', key, fmt(now), last - more + 1, last)
-        redis.call('PEXPIRE', key, ttl_ms(z))
-        redis.call('PEXPIRE', seq_key, ttl_ms(z))
+        redis.call('ZREMRANGEBYRANK', key, 0, -LOG_ENTRIES - 1)
+        redis.call('PEXPIRE', key, ttl_ms(x))
+        redis.call('PEXPIRE', seq_key, ttl_ms(x))
       end
     end
   end

@@ -18,8 +18,9 @@ use crate::scripts::Script;
 /// the most the TAT may run ahead of now, the TAT a refund requires (0: any; a lease's
 /// give-back applies only while the TAT is still the one its take left), 0; fixed window: the
 /// end of its window, 0, 0, 0;
-/// sliding log: the stamp of its units, their last sequence number, the period, the most
-/// units the log may hold. Refunds and charges are cut in the client so that every product
+/// sliding log: the stamp of its units (a refund) or how long the log keeps an entry (a
+/// charge: the longest period of the limit's quotas), their last sequence number, the
+/// period, the most units the log may hold. Refunds and charges are cut in the client so that every product
 /// here stays an exact integer.
 pub(crate) const SETTLE: &str = include_str!("settle.lua");
 
@@ -94,13 +95,20 @@ impl Settling {
             }
             _ => {
                 let limit = u64::from(quota.limit());
+                // A refund finds its units by their stamp; a charge keeps its own as long as
+                // a check keeps its (`Limit::log_keep_micros`).
+                let stamp_or_keep = if refund > 0 {
+                    s.receipt.at
+                } else {
+                    s.limit.log_keep_micros(quota)
+                };
                 (
                     [Some(Suffix::Log), Some(Suffix::Seq)],
                     [
                         3,
                         refund.min(u64::from(s.reserved)),
                         charge.min(2 * limit),
-                        s.receipt.at,
+                        stamp_or_keep,
                         s.receipt.mark,
                         quota.period_micros(),
                         2 * limit,
