@@ -506,3 +506,48 @@ async fn settles_that_wait_for_the_call_in_flight_share_the_next_one() {
     assert_eq!(left, 800);
     assert_eq!(server.calls("evalsha"), 1 + checks);
 }
+
+/// Plans of 1 a day and 10,000 a second share a log kept for a day: three seconds of the
+/// second's plan and a charge are 30,100 units, of which Redis keeps the newest 20,000 (as the
+/// in-memory backend does). The day's plan still answers as if it had them all: refused, its
+/// wait the newest unit's day.
+#[tokio::test]
+async fn on_redis_a_log_shared_by_plans_keeps_at_most_twice_the_largest_quota() {
+    let server = RedisServer::start();
+    let backend = support::standalone(&server.url()).build().unwrap();
+    let day = Quota::per_day(1).unwrap();
+    let burst = Quota::new(10_000, Duration::from_secs(1)).unwrap();
+    let log = Limit::sliding_log("capped-log", day)
+        .unwrap()
+        .plan("burst", burst)
+        .unwrap();
+    let target = Target::Redis(backend);
+    for i in 0..3 {
+        let v = target.check_under(&log, burst, 10_000, T0 + i * S).await;
+        assert_eq!((v[0].status, v[0].remaining), (Status::Allowed, 0));
+    }
+    let v = target.check_under(&log, burst, 0, T0 + 3 * S).await;
+    let charge = Settlement {
+        limit: &log,
+        key: b"shop",
+        reserved: 0,
+        actual: 100,
+        receipt: v.receipt(0),
+        quota: burst,
+    };
+    target.settle(charge, T0 + 3 * S).await;
+    let Target::Redis(backend) = &target else {
+        unreachable!()
+    };
+    let members: u64 = tollgate_testsupport::redis::cmd("ZCARD")
+        .arg(backend.key_for(&log, b"shop"))
+        .query(&mut server.client())
+        .unwrap();
+    assert_eq!(members, 20_000);
+    let v = target.check_under(&log, day, 1, T0 + 3 * S + 1).await;
+    let wait = 86_400 * S - 1;
+    assert_eq!(
+        (v[0].status, v[0].remaining, v[0].reset),
+        (Status::Denied { retry_after: wait }, 0, wait)
+    );
+}

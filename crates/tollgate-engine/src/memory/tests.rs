@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::*;
-use crate::{FakeClock, Limit, Quota, Status};
+use crate::{FakeClock, Limit, Quota, Status, MAX_LOG_UNITS};
 
 fn backend(max_keys: usize) -> (MemoryBackend<FakeClock>, FakeClock) {
     let clock = FakeClock::new(1_000_000_000);
@@ -151,6 +151,47 @@ fn sliding_log_counts_units_and_reclaims() {
     );
     clock.advance(Duration::from_secs(1));
     assert!(b.check_now(&[Check::new(&l, b"k")]).unwrap()[0].is_allowed());
+}
+
+/// Plans of 1 a day and 10,000 a second share a log kept for a day: three seconds of the
+/// second's plan are 30,000 units, of which the log keeps the newest 20,000. The day's plan
+/// still answers as if it had them all: refused, its wait the newest unit's day.
+#[test]
+fn a_log_shared_by_plans_keeps_at_most_twice_the_largest_quota() {
+    let (b, clock) = backend(10);
+    let day = Quota::per_day(1).unwrap();
+    let burst = Quota::new(MAX_LOG_UNITS, Duration::from_secs(1)).unwrap();
+    let l = Limit::sliding_log("log", day)
+        .unwrap()
+        .plan("burst", burst)
+        .unwrap();
+    for _ in 0..3 {
+        let check = Check::new(&l, b"k")
+            .with_quota(burst)
+            .with_cost(MAX_LOG_UNITS);
+        let v = b.check_now(&[check]).unwrap()[0];
+        assert_eq!((v.status, v.remaining), (Status::Allowed, 0));
+        clock.advance(Duration::from_secs(1));
+    }
+    let entries: usize = b
+        .inner
+        .shards
+        .iter()
+        .map(|s| {
+            let shard = s.read().unwrap();
+            shard.logs.values().map(|l| l.entries.len()).sum::<usize>()
+        })
+        .sum();
+    assert_eq!(entries, 20_000);
+    clock.advance(Duration::from_micros(1));
+    let v = b
+        .check_now(&[Check::new(&l, b"k").with_quota(day)])
+        .unwrap()[0];
+    let wait = 86_400_000_000 - 1_000_001;
+    assert_eq!(
+        (v.status, v.remaining, v.reset),
+        (Status::Denied { retry_after: wait }, 0, wait)
+    );
 }
 
 #[test]
