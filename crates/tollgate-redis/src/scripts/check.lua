@@ -101,6 +101,8 @@ end
 -- What each admitting check of the current request would write: algorithm, key, value, TTL
 -- (of a window), and where a sliding log's reply takes the sequence number the write makes.
 local w_algo, w_key, w_val, w_ttl, w_seq = {}, {}, {}, {}, {}
+-- Whether a sliding log's write must cut it to LOG_ENTRIES (kept longer than its period).
+local w_cut = {}
 -- Keys of several slots (the cross-slot form): a key whose slot this node does not serve
 -- (the slot moved, or is moving and the key is not here) fails the command that reads it, and
 -- with it the call. Every key is read first, before anything is written, so that such a call
@@ -245,6 +247,7 @@ while i <= figures do
         remaining = limit - count - cost
         if cost > 0 then reset = period end
         w_algo[j], w_key[j], w_val[j], w_ttl[j], w_seq[j] = 3, k, cost, keep, o + 5
+        w_cut[j] = keep > period
       end
       out[o + 1], out[o + 2], out[o + 3], out[o + 4], out[o + 5] = status, remaining, reset, retry, 0
       o = o + 5
@@ -307,8 +310,9 @@ while i <= figures do
         local last = redis.call('INCRBY', seq_key, cost)
         -- A unique member per unit (two units in the same microsecond are two entries).
         log_units('ZADD', log, fmt(now), last - cost + 1, last)
-        -- At most LOG_ENTRIES, the newest (a short plan's units over a long plan's period).
-        redis.call('ZREMRANGEBYRANK', log, 0, -LOG_ENTRIES - 1)
+        -- At most LOG_ENTRIES, the newest: only a log kept longer than its check's period can
+        -- hold more (a short plan's units over a long plan's period).
+        if w_cut[j] then redis.call('ZREMRANGEBYRANK', log, 0, -LOG_ENTRIES - 1) end
         redis.call('PEXPIRE', log, ttl_ms(keep))
         redis.call('PEXPIRE', seq_key, ttl_ms(keep))
         out[w_seq[j]] = last

@@ -57,7 +57,7 @@ for i = 0, (#ARGV - 1) / 7 - 1 do
       if more > 0 then
         local last = redis.call('INCRBY', seq_key, more)
         log_units('ZADD', key, fmt(now), last - more + 1, last)
-        redis.call('ZREMRANGEBYRANK', key, 0, -LOG_ENTRIES - 1)
+        if x > z then redis.call('ZREMRANGEBYRANK', key, 0, -LOG_ENTRIES - 1) end
         redis.call('PEXPIRE', key, ttl_ms(x))
         redis.call('PEXPIRE', seq_key, ttl_ms(x))
       end
