@@ -32,7 +32,9 @@ pub enum FailurePolicy {
     },
 }
 
-/// What a limit does with a request it cannot find a key for.
+/// What a limit does with a request it cannot find a key for (the header, parameter or address
+/// is not there). A request that carries a key that cannot be one (too long, a character
+/// outside the extractor's alphabet) is refused with 400 whatever the policy.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum MissingKeyPolicy {

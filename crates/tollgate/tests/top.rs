@@ -55,6 +55,11 @@ fn per_ip() -> Limit {
     Limit::gcra("per-ip", Quota::per_minute(1).unwrap()).unwrap()
 }
 
+/// Client addresses, named by address in reports (the default is a fingerprint).
+fn by_ip() -> ClientIp {
+    ClientIp::peer().reveal_identities()
+}
+
 fn sprayed(i: u32) -> IpAddr {
     IpAddr::V4(Ipv4Addr::from(0x0a00_0000 + i))
 }
@@ -72,7 +77,7 @@ async fn a_flooder_among_a_spray_comes_first_with_its_exact_count() {
     let layer = RateLimitLayer::builder()
         .backend(backend)
         .fallback_clock(clock.clone())
-        .limit(per_ip(), ClientIp::peer())
+        .limit(per_ip(), by_ip())
         .build()
         .unwrap();
     let mut svc = app(&layer);
@@ -113,12 +118,12 @@ async fn identities_are_networks_and_shadow_limits_count_nothing() {
     let layer = RateLimitLayer::builder()
         .backend(MemoryBackend::builder().clock(clock.clone()).build())
         .fallback_clock(clock.clone())
-        .limit(per_ip(), ClientIp::peer())
+        .limit(per_ip(), by_ip())
         .limit(
             Limit::gcra("shadow", Quota::per_minute(1).unwrap())
                 .unwrap()
                 .shadow(),
-            ClientIp::peer(),
+            by_ip(),
         )
         .build()
         .unwrap();
@@ -152,7 +157,7 @@ async fn identities_are_networks_and_shadow_limits_count_nothing() {
 #[tokio::test]
 async fn k_zero_counts_no_refusal() {
     let layer = RateLimitLayer::builder()
-        .limit(per_ip(), ClientIp::peer())
+        .limit(per_ip(), by_ip())
         .top_refused_k(0)
         .build()
         .unwrap();
@@ -171,7 +176,7 @@ async fn counters_are_handed_to_the_backend_once_per_tick() {
     let layer = RateLimitLayer::builder()
         .backend(MemoryBackend::builder().clock(clock.clone()).build())
         .fallback_clock(clock.clone())
-        .limit(per_ip(), ClientIp::peer())
+        .limit(per_ip(), by_ip())
         .build()
         .unwrap();
     let mut svc = app(&layer);
@@ -221,7 +226,7 @@ async fn two_replicas_merge(a: RedisBackend, b: RedisBackend) {
         RateLimitLayer::builder()
             .backend(backend)
             .fallback_clock(clock.clone())
-            .limit(per_ip(), ClientIp::peer())
+            .limit(per_ip(), by_ip())
             .top_refused_k(3)
             .build()
             .unwrap()

@@ -83,6 +83,7 @@ pub struct ClientIp {
     v4_prefix: u8,
     v6_prefix: u8,
     peer_fn: Option<PeerFn>,
+    reveal: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -139,7 +140,16 @@ impl ClientIp {
             v4_prefix: DEFAULT_V4_PREFIX,
             v6_prefix: DEFAULT_V6_PREFIX,
             peer_fn: None,
+            reveal: false,
         }
+    }
+
+    /// Reports of refused clients name them by address, or by the network their key groups
+    /// (`2001:db8:1:2::/64`), instead of a [`fingerprint`](super::fingerprint): the addresses
+    /// then reach the backend (Redis keeps reports for two minutes) and whoever reads it.
+    pub fn reveal_identities(mut self) -> Self {
+        self.reveal = true;
+        self
     }
 
     /// Finds the peer address with `f` when none of the built-in sources is in the request's
@@ -281,8 +291,13 @@ impl KeyExtractor for ClientIp {
         }
     }
 
-    /// The address, or the network its prefix groups (`2001:db8:1:2::/64`).
+    /// A [`fingerprint`](super::fingerprint); once asked to reveal identities
+    /// ([`reveal_identities`](Self::reveal_identities)), the address, or the network its
+    /// prefix groups (`2001:db8:1:2::/64`).
     fn identity_of(&self, key: &[u8]) -> String {
+        if !self.reveal {
+            return super::fingerprint(key);
+        }
         super::text::ip_key_text(key).unwrap_or_else(|| super::text::hex(key))
     }
 }

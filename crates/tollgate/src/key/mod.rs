@@ -10,17 +10,24 @@
 //! - [`Tenant`]: a tenant such as a shop, from a header, a query parameter or an extension,
 //!   normalised and validated.
 //! - [`Principal`]: the authenticated principal from a request extension.
+//! - [`ApiKey`]: an API key or bearer token, case-sensitive, a secret that is never shown.
 //! - [`Global`]: one bucket for every request.
 //! - [`key_fn`]: a closure, for anything else.
 //!
 //! Keys borrow from the request where they can and are at most [`MAX_KEY_LEN`] bytes: a longer
 //! value is never a key.
+//!
+//! Reports of refused clients ([`KeyExtractor::identity_of`]) name keys by a [`fingerprint`]
+//! unless told otherwise: a backend keeps them (Redis does, for two minutes), and a key is
+//! often personal data or a secret. [`ClientIp`], [`Tenant`] and [`Principal`] name them as
+//! they are once asked to (`reveal_identities`); an [`ApiKey`] never does.
 
 use std::fmt;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use http::{Extensions, HeaderMap, Method, Uri};
 
+mod api_key;
 mod forwarded;
 mod ip;
 mod peer;
@@ -28,7 +35,11 @@ mod principal;
 mod proxies;
 mod tenant;
 mod text;
+mod wrappers;
 
+pub use text::fingerprint;
+
+pub use api_key::ApiKey;
 pub use forwarded::ForwardedHeader;
 pub use ip::ClientIp;
 pub use principal::{Principal, PrincipalId};
@@ -155,6 +166,10 @@ pub enum MissingKey {
     Invalid,
     /// Longer than [`MAX_KEY_LEN`] (or than the extractor allows).
     TooLong,
+    /// Shorter than the extractor allows ([`ApiKey`]).
+    TooShort,
+    /// A character outside the extractor's alphabet ([`ApiKey`]).
+    BadCharacter,
     /// No socket peer address: the server was not started with connect info.
     NoPeerAddress,
     /// An operator's [`Identity`] that is not an IP address, for a key of client addresses
@@ -164,13 +179,15 @@ pub enum MissingKey {
 }
 
 impl MissingKey {
-    /// A fixed label: `absent`, `invalid`, `too_long`, `no_peer_address` or
-    /// `not_an_address`.
+    /// A fixed label: `absent`, `invalid`, `too_long`, `too_short`, `bad_character`,
+    /// `no_peer_address` or `not_an_address`.
     pub fn as_str(&self) -> &'static str {
         match self {
             Self::Absent => "absent",
             Self::Invalid => "invalid",
             Self::TooLong => "too_long",
+            Self::TooShort => "too_short",
+            Self::BadCharacter => "bad_character",
             Self::NoPeerAddress => "no_peer_address",
             Self::NotAnAddress => "not_an_address",
         }
@@ -178,12 +195,22 @@ impl MissingKey {
 }
 
 impl MissingKey {
+    /// Whether the key is not there at all ([`Absent`](Self::Absent),
+    /// [`NoPeerAddress`](Self::NoPeerAddress)): the limit's
+    /// [`MissingKeyPolicy`](tollgate_engine::MissingKeyPolicy) applies. Any other is a key
+    /// the request carries but that cannot be one, refused with 400 whatever the policy.
+    pub fn is_absent(&self) -> bool {
+        matches!(self, Self::Absent | Self::NoPeerAddress)
+    }
+
     /// What went wrong, in a short sentence for people.
     pub fn message(&self) -> &'static str {
         match self {
             Self::Absent => "the rate-limit key is missing",
             Self::Invalid => "the rate-limit key is invalid",
             Self::TooLong => "the rate-limit key is too long",
+            Self::TooShort => "the rate-limit key is too short",
+            Self::BadCharacter => "the rate-limit key has a character outside its alphabet",
             Self::NoPeerAddress => "the client address is unknown",
             Self::NotAnAddress => "expected an IP address",
         }
@@ -216,6 +243,10 @@ impl MissingKey {
             (Self::Absent, Some(source)) => format!("missing {source}"),
             (Self::Invalid, Some(source)) => format!("invalid {source}"),
             (Self::TooLong, Some(source)) => format!("{source} too long"),
+            (Self::TooShort, Some(source)) => format!("{source} too short"),
+            (Self::BadCharacter, Some(source)) => {
+                format!("{source} has a character outside the key alphabet")
+            }
             _ => self.message().to_owned(),
         }
     }
@@ -379,12 +410,15 @@ pub trait KeyExtractor: Send + Sync + 'static {
         "custom".to_owned()
     }
 
-    /// The identity `key` was made from, as operators read it (the reports of refused
-    /// clients): [`ClientIp`] an address, or a network such as `2001:db8::/64`; [`Principal`]
-    /// asks its [`PrincipalId`] type. The default shows a key that is UTF-8 as its text, and
-    /// any other as `0x` and its bytes in hex.
+    /// How the reports of refused clients name `key`, for operators. Reports are kept by the
+    /// backend (Redis holds them for two minutes) and shown by `tollgate top`, so this is
+    /// what reaches the store: the default is a [`fingerprint`] (`#` and 12 hex digits), never
+    /// the key. [`ApiKey`] shows a fingerprint a person recognises (`sk_live_…a1b2`);
+    /// [`ClientIp`], [`Tenant`] and [`Principal`] show a fingerprint unless asked to reveal
+    /// identities (an address or a network such as `2001:db8::/64`, a tenant's name, what the
+    /// [`PrincipalId`] type reads). Implement it to show your own keys' text.
     fn identity_of(&self, key: &[u8]) -> String {
-        text::key_text(key)
+        fingerprint(key)
     }
 }
 
@@ -497,6 +531,11 @@ impl KeyExtractor for Global {
     fn describe(&self) -> String {
         "global".to_owned()
     }
+
+    /// `global`: the one key names no one.
+    fn identity_of(&self, _: &[u8]) -> String {
+        "global".to_owned()
+    }
 }
 
 /// A key extractor from a closure. See [`key_fn`].
@@ -534,42 +573,6 @@ where
 {
     fn extract<'r>(&self, req: &RequestView<'r>) -> Result<Key<'r>, MissingKey> {
         (self.0)(req).ok_or(MissingKey::Absent).and_then(Key::owned)
-    }
-}
-
-impl<K: KeyExtractor + ?Sized> KeyExtractor for Box<K> {
-    fn extract<'r>(&self, req: &RequestView<'r>) -> Result<Key<'r>, MissingKey> {
-        (**self).extract(req)
-    }
-
-    fn key_of(&self, identity: &Identity) -> Result<Key<'static>, MissingKey> {
-        (**self).key_of(identity)
-    }
-
-    fn describe(&self) -> String {
-        (**self).describe()
-    }
-
-    fn identity_of(&self, key: &[u8]) -> String {
-        (**self).identity_of(key)
-    }
-}
-
-impl<K: KeyExtractor + ?Sized> KeyExtractor for std::sync::Arc<K> {
-    fn extract<'r>(&self, req: &RequestView<'r>) -> Result<Key<'r>, MissingKey> {
-        (**self).extract(req)
-    }
-
-    fn key_of(&self, identity: &Identity) -> Result<Key<'static>, MissingKey> {
-        (**self).key_of(identity)
-    }
-
-    fn describe(&self) -> String {
-        (**self).describe()
-    }
-
-    fn identity_of(&self, key: &[u8]) -> String {
-        (**self).identity_of(key)
     }
 }
 

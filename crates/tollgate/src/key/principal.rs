@@ -163,12 +163,24 @@ impl PrincipalId for i64 {
 pub struct Principal<T> {
     // `fn() -> T`: the extractor holds no `T`, so it is `Send + Sync` whatever `T` is.
     _id: PhantomData<fn() -> T>,
+    reveal: bool,
 }
 
 impl<T: PrincipalId> Principal<T> {
     /// Reads the principal from the request extension of type `T`.
     pub fn new() -> Self {
-        Self { _id: PhantomData }
+        Self {
+            _id: PhantomData,
+            reveal: false,
+        }
+    }
+
+    /// Reports of refused clients name principals as [`PrincipalId::identity_text`] reads
+    /// them instead of by a [`fingerprint`](super::fingerprint): the ids then reach the
+    /// backend (Redis keeps reports for two minutes) and whoever reads it.
+    pub fn reveal_identities(mut self) -> Self {
+        self.reveal = true;
+        self
     }
 }
 
@@ -180,7 +192,10 @@ impl<T: PrincipalId> Default for Principal<T> {
 
 impl<T> Clone for Principal<T> {
     fn clone(&self) -> Self {
-        Self { _id: PhantomData }
+        Self {
+            _id: PhantomData,
+            reveal: self.reveal,
+        }
     }
 }
 
@@ -203,8 +218,14 @@ impl<T: PrincipalId> KeyExtractor for Principal<T> {
         T::identity_key(&identity.to_string())
     }
 
+    /// A [`fingerprint`](super::fingerprint); what [`PrincipalId::identity_text`] reads once
+    /// asked to reveal identities ([`reveal_identities`](Self::reveal_identities)).
     fn identity_of(&self, key: &[u8]) -> String {
-        T::identity_text(key)
+        if self.reveal {
+            T::identity_text(key)
+        } else {
+            super::fingerprint(key)
+        }
     }
 
     fn describe(&self) -> String {

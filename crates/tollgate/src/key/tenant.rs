@@ -52,6 +52,7 @@ const DEFAULT_MAX_LEN: usize = 255;
 pub struct Tenant {
     source: Source,
     max_len: usize,
+    reveal: bool,
 }
 
 #[derive(Clone)]
@@ -108,7 +109,16 @@ impl Tenant {
         Self {
             source,
             max_len: DEFAULT_MAX_LEN,
+            reveal: false,
         }
+    }
+
+    /// Reports of refused clients name tenants as they are (`acme.store`) instead of by a
+    /// [`fingerprint`](super::fingerprint): the names then reach the backend (Redis keeps
+    /// reports for two minutes) and whoever reads it.
+    pub fn reveal_identities(mut self) -> Self {
+        self.reveal = true;
+        self
     }
 
     /// Accepts tenants up to `n` bytes (default 255); longer ones are [`MissingKey::TooLong`].
@@ -162,6 +172,16 @@ impl KeyExtractor for Tenant {
             Source::Header(name) => format!("header {name}"),
             Source::Query(param) => format!("query {param}"),
             Source::Extension { type_name, .. } => format!("extension {type_name}"),
+        }
+    }
+
+    /// A [`fingerprint`](super::fingerprint); the tenant's name once asked to reveal
+    /// identities ([`reveal_identities`](Self::reveal_identities)).
+    fn identity_of(&self, key: &[u8]) -> String {
+        if self.reveal {
+            super::text::key_text(key)
+        } else {
+            super::fingerprint(key)
         }
     }
 }

@@ -1,8 +1,46 @@
-//! Keys shown to operators: the text of the identity a key was made from
+//! Keys shown to operators: a fingerprint, or the text of the identity a key was made from
 //! ([`KeyExtractor::identity_of`](super::KeyExtractor::identity_of)).
 
 use std::fmt::Write;
 use std::net::{Ipv4Addr, Ipv6Addr};
+
+use sha2::{Digest, Sha256};
+
+/// Hex digits of a [`fingerprint`].
+const FINGERPRINT_HEX: usize = 12;
+
+/// How reports name a key by default: `#` and the first 12 hex digits (48 bits) of SHA-256
+/// over `"tollgate/fingerprint\0"` and the key's bytes.
+///
+/// A fingerprint tells keys apart and lets a person who holds an identity check it (compute
+/// `identity_of(key_of(identity))`, or call this on the key's bytes), but it hides only what
+/// cannot be guessed: a short or well-known identity (an IPv4 address, one of 2^32) is found
+/// by trying them all. It is the same in every process and for every limit.
+///
+/// ```
+/// let f = tollgate::key::fingerprint(b"203.0.113.7");
+/// assert_eq!(f.len(), 13);
+/// assert!(f.starts_with('#'));
+/// assert_eq!(f, tollgate::key::fingerprint(b"203.0.113.7"));
+/// ```
+pub fn fingerprint(key: &[u8]) -> String {
+    let mut out = String::with_capacity(1 + FINGERPRINT_HEX);
+    out.push('#');
+    push_digest(&mut out, key, FINGERPRINT_HEX);
+    out
+}
+
+/// Appends the first `digits` hex digits of the key's fingerprint digest to `out`.
+pub(crate) fn push_digest(out: &mut String, key: &[u8], digits: usize) {
+    let digest = Sha256::new()
+        .chain_update(b"tollgate/fingerprint\0")
+        .chain_update(key)
+        .finalize();
+    for b in digest.iter().take(digits.div_ceil(2)) {
+        let _ = write!(out, "{b:02x}");
+    }
+    out.truncate(out.len() - digits % 2);
+}
 
 /// A key's text when it is UTF-8, else `0x` and its bytes in hex.
 pub(crate) fn key_text(key: &[u8]) -> String {

@@ -308,6 +308,10 @@ fn extract<'r>(
         Err(missing) => match entry.limit.missing_key_policy() {
             // A shadow limit never refuses a request, not even one without its key.
             _ if entry.limit.is_shadow() => return Ok(Extracted::None),
+            // A key that is there but unusable (too long, a bad character) is refused
+            // whatever the policy: skipping it or sharing a bucket would let a client leave
+            // the limit by sending garbage.
+            _ if !missing.is_absent() => return Err(missing),
             MissingKeyPolicy::Skip => return Ok(Extracted::None),
             MissingKeyPolicy::SharedBucket => Key::borrowed(SHARED_BUCKET)?,
             _ => return Err(missing),
