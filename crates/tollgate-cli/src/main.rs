@@ -4,7 +4,7 @@
 //! ```text
 //! tollgate check FILE
 //! tollgate peek (--redis URL | --cluster URL[,URL...]) [--limits FILE] [--prefix PREFIX]
-//!               [--plan PLAN] LIMIT IDENTITY
+//!               [--key-secret-env NAME] [--plan PLAN] LIMIT IDENTITY
 //! tollgate top (--redis URL | --cluster URL[,URL...]) [--prefix PREFIX] [-n N] LIMIT
 //! ```
 //!
@@ -110,7 +110,8 @@ enum Command {
     ///
     /// Over the current and the previous report bucket (a minute each): the count of
     /// refusals, the most it may be over (0 when exact), when they were first and last seen
-    /// (UTC), and the identity as requests carry it. Writes nothing.
+    /// (UTC), and the identity as the layer names it: a fingerprint, unless the limit's
+    /// extractor reveals identities. Writes nothing.
     #[command(after_help = footer(false))]
     Top(TopArgs),
     /// Refuses IDENTITY under LIMIT on every replica for a while: 403, nothing consumed.
@@ -151,6 +152,10 @@ struct TargetArgs {
     /// The key prefix the layer's Redis backend was built with.
     #[arg(long, value_name = "PREFIX", default_value = DEFAULT_PREFIX)]
     prefix: String,
+    /// The environment variable that holds the key secret the layer's Redis backend was
+    /// built with (`key_secret`); the secret itself is never an argument.
+    #[arg(long, value_name = "NAME")]
+    key_secret_env: Option<String>,
     /// The limit's name, as the limits file says it.
     #[arg(value_name = "LIMIT")]
     limit: String,
@@ -242,7 +247,11 @@ fn sanction(target: &TargetArgs, duration: Option<Duration>) -> ExitCode {
         Ok(found) => found,
         Err(code) => return code,
     };
-    let (backend, runtime) = match connect(&target.redis, &target.prefix) {
+    let (backend, runtime) = match connect(
+        &target.redis,
+        &target.prefix,
+        target.key_secret_env.as_deref(),
+    ) {
         Ok(both) => both,
         Err(code) => return code,
     };
@@ -292,7 +301,11 @@ fn peek(args: &PeekArgs) -> ExitCode {
             }
         },
     };
-    let (backend, runtime) = match connect(&target.redis, &target.prefix) {
+    let (backend, runtime) = match connect(
+        &target.redis,
+        &target.prefix,
+        target.key_secret_env.as_deref(),
+    ) {
         Ok(both) => both,
         Err(code) => return code,
     };
@@ -336,6 +349,7 @@ fn target_key(
 fn connect(
     redis: &RedisArgs,
     prefix: &str,
+    key_secret_env: Option<&str>,
 ) -> Result<(RedisBackend, tokio::runtime::Runtime), ExitCode> {
     let builder = match (&redis.redis, &redis.cluster) {
         (Some(url), _) => RedisBackend::builder().url(url),
@@ -345,6 +359,16 @@ fn connect(
             eprintln!("tollgate: needs --redis URL or --cluster URL[,URL...]");
             return Err(ExitCode::from(2));
         }
+    };
+    let builder = match key_secret_env {
+        None => builder,
+        Some(name) => match std::env::var_os(name) {
+            Some(secret) if !secret.is_empty() => builder.key_secret(secret.as_encoded_bytes()),
+            _ => {
+                eprintln!("tollgate: --key-secret-env: the environment variable {name} is not set");
+                return Err(ExitCode::from(2));
+            }
+        },
     };
     let backend = match builder.prefix(prefix).deadline(PEEK_DEADLINE).build() {
         Ok(backend) => backend,
@@ -366,7 +390,7 @@ fn connect(
 }
 
 fn top(args: &TopArgs) -> ExitCode {
-    let (backend, runtime) = match connect(&args.redis, &args.prefix) {
+    let (backend, runtime) = match connect(&args.redis, &args.prefix, None) {
         Ok(both) => both,
         Err(code) => return code,
     };

@@ -732,3 +732,71 @@ default = 60
         assert_eq!(out.status.code(), Some(2), "--for {bad}: {}", stderr(&out));
     }
 }
+
+/// `peek --key-secret-env NAME` reads the state a backend built with that key secret wrote
+/// (the secret comes from the environment, never from the arguments); without it, the
+/// unkeyed key is another, empty one; a variable that is not set is a usage error.
+#[tokio::test]
+async fn peek_with_a_key_secret_reads_the_keyed_state() {
+    let server = RedisServer::start();
+    let text = r#"
+[[limit]]
+name = "daily"
+algorithm = "fixed_window"
+period = "1d"
+key = "ip"
+[limit.quota]
+default = 10
+"#;
+    let path = file("peek-keyed", text);
+    let secret = "a secret of thirty-two bytes, ok";
+    let backend = RedisBackend::builder()
+        .url(server.url())
+        .prefix("app")
+        .key_secret(secret)
+        .deadline(Duration::from_secs(5))
+        .build()
+        .unwrap();
+    let limit = Limit::fixed_window("daily", Quota::per_day(10).unwrap()).unwrap();
+    let key = ip_key("203.0.113.7");
+    for _ in 0..3 {
+        let v = backend
+            .check(&[Check::new(&limit, key.as_bytes())])
+            .await
+            .unwrap();
+        assert!(v[0].is_allowed());
+    }
+    let url = server.url();
+    let peek = |secret_env: Option<&str>| {
+        let mut args = vec!["peek", "--redis", &url, "--prefix", "app"];
+        args.extend(["--limits", path.to_str().unwrap()]);
+        if let Some(name) = secret_env {
+            args.extend(["--key-secret-env", name]);
+        }
+        args.extend(["daily", "203.0.113.7"]);
+        command(&args)
+            .env("TOLLGATE_TEST_KEY_SECRET", secret)
+            .env_remove("TOLLGATE_TEST_NO_SECRET")
+            .output()
+            .unwrap()
+    };
+    let keyed = peek(Some("TOLLGATE_TEST_KEY_SECRET"));
+    assert_eq!(keyed.status.code(), Some(0), "{}", stderr(&keyed));
+    assert!(
+        stdout(&keyed).contains("remaining  7\n"),
+        "{}",
+        stdout(&keyed)
+    );
+    let unkeyed = peek(None);
+    assert!(
+        stdout(&unkeyed).contains("remaining  10\n"),
+        "{}",
+        stdout(&unkeyed)
+    );
+    let unset = peek(Some("TOLLGATE_TEST_NO_SECRET"));
+    assert_eq!(unset.status.code(), Some(2));
+    assert_eq!(
+        stderr(&unset),
+        "tollgate: --key-secret-env: the environment variable TOLLGATE_TEST_NO_SECRET is not set\n"
+    );
+}

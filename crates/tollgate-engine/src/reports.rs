@@ -25,9 +25,10 @@ pub const REPORT_TICK: Duration = Duration::from_secs(1);
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Refused {
-    /// Whom the refusals were for, as requests carry it: an address (`203.0.113.7`), an IPv6
-    /// network (`2001:db8:1:2::/64`), a tenant's or a principal's name (see the layer's
-    /// `KeyExtractor::identity_of`).
+    /// Whom the refusals were for, as the layer's `KeyExtractor::identity_of` names it: a
+    /// fingerprint (`#3f0c9a51b2d4`) by default, or, where the extractor reveals identities,
+    /// an address (`203.0.113.7`), an IPv6 network (`2001:db8:1:2::/64`), a tenant's or a
+    /// principal's name. Backends store it as it is.
     pub identity: String,
     /// How many requests were refused, over-counted by at most [`error`](Self::error).
     pub count: u64,

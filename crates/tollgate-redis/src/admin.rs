@@ -12,7 +12,7 @@ use redis::Value;
 use tollgate_engine::{Algorithm, BackendError, BackendErrorKind, Check, KeyState, Limit, Quota};
 
 use crate::failure::map_error;
-use crate::keys::{self, BaseKey, Suffix};
+use crate::keys::{BaseKey, Keyer, Suffix};
 use crate::scripts::admin;
 use crate::transport::{Transport, WINDOW_ERROR};
 
@@ -20,6 +20,7 @@ use crate::transport::{Transport, WINDOW_ERROR};
 pub(crate) struct Admin {
     transport: Arc<Transport>,
     prefix: String,
+    keyer: Keyer,
 }
 
 /// A check's parts, owned, for a call that outlives its caller's borrow.
@@ -40,8 +41,12 @@ impl OwnedCheck {
 }
 
 impl Admin {
-    pub(crate) fn new(transport: Arc<Transport>, prefix: String) -> Self {
-        Self { transport, prefix }
+    pub(crate) fn new(transport: Arc<Transport>, prefix: String, keyer: Keyer) -> Self {
+        Self {
+            transport,
+            prefix,
+            keyer,
+        }
     }
 
     /// What a check of one unit of `check` would find now.
@@ -69,7 +74,7 @@ impl Admin {
         if check.limit.algorithm() != Algorithm::Gcra {
             return Ok(());
         }
-        let digest = keys::digest(check.limit.name(), &check.key);
+        let digest = self.keyer.digest(check.limit.name(), &check.key);
         let key = BaseKey::new(&self.prefix, check.limit.name(), &digest).with(Suffix::Tat);
         let mut cmd = redis::cmd("EVAL");
         cmd.arg(admin::PAUSE)
@@ -96,7 +101,7 @@ impl Admin {
         op: &str,
         micros: u64,
     ) -> Result<(), BackendError> {
-        let digest = keys::digest(check.limit.name(), &check.key);
+        let digest = self.keyer.digest(check.limit.name(), &check.key);
         let base = BaseKey::new(&self.prefix, check.limit.name(), &digest);
         let mut cmd = redis::cmd("EVAL");
         cmd.arg(admin::SANCTION);
@@ -123,7 +128,7 @@ impl Admin {
     /// One `EVAL` of `op`, made once more for the server's time if its fixed window was not
     /// the one declared.
     async fn call(&self, op: &str, check: &OwnedCheck) -> Result<Value, BackendError> {
-        let digest = keys::digest(check.limit.name(), &check.key);
+        let digest = self.keyer.digest(check.limit.name(), &check.key);
         let base = BaseKey::new(&self.prefix, check.limit.name(), &digest);
         self.call_for(op, |now| {
             admin::command(op, &base, check.limit.algorithm(), &check.quota, now)

@@ -99,7 +99,7 @@ impl RedisBackend {
     /// at `<base>:log`, a concurrency limit's slots at `<base>:slots`; for a fixed window this
     /// is the base, to which `:<window index>` is appended.
     pub fn key_for(&self, limit: &Limit, key: &[u8]) -> String {
-        let digest = keys::digest(limit.name(), key);
+        let digest = self.inner().checks().digest(limit.name(), key);
         let base = keys::base_key(self.inner().prefix(), limit.name(), &digest);
         match limit.algorithm() {
             tollgate_engine::Algorithm::Gcra => base + ":v2",

@@ -8,7 +8,7 @@ use tollgate_engine::FakeClock;
 use crate::backend::RedisBackend;
 use crate::error::BuildError;
 use crate::inner::Config;
-use crate::keys;
+use crate::keys::{self, Keyer};
 use crate::tls::{blot, is_tls_url, redact_url, secrets_of, TlsFiles};
 use crate::transport::conn::Target;
 use crate::transport::direct::Login;
@@ -21,6 +21,8 @@ pub const DEFAULT_DEADLINE: Duration = Duration::from_millis(50);
 pub const DEFAULT_DENY_CACHE_CAPACITY: usize = 10_000;
 /// How long, by default, the local deny cache answers a denial before Redis is asked again.
 pub const DEFAULT_DENY_CACHE_TTL: Duration = Duration::from_secs(1);
+/// The shortest [`key_secret`](RedisBackendBuilder::key_secret), in bytes.
+pub const MIN_KEY_SECRET_LEN: usize = 16;
 
 const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 const DEFAULT_BREAKER_THRESHOLD: u32 = 3;
@@ -107,6 +109,8 @@ pub struct RedisBackendBuilder {
     clock: Option<FakeClock>,
     /// Whether calls that fit it use the lean `CHECK` script (a test turns it off).
     lean: bool,
+    /// The key secret's length and digests (its `Debug` never shows the secret).
+    keyer: Option<(usize, Keyer)>,
 }
 
 impl Default for RedisBackendBuilder {
@@ -124,6 +128,7 @@ impl Default for RedisBackendBuilder {
             tls: TlsFiles::default(),
             clock: None,
             lean: true,
+            keyer: None,
         }
     }
 }
@@ -198,6 +203,22 @@ impl RedisBackendBuilder {
     /// `[A-Za-z0-9_.:-]`. Keys are `<prefix>:<limit name>:{<digest>}`.
     pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
         self.prefix = prefix.into();
+        self
+    }
+
+    /// Digests keys with HMAC-SHA256 under `secret` instead of plain SHA-256 (at least
+    /// [`MIN_KEY_SECRET_LEN`](crate::MIN_KEY_SECRET_LEN) bytes; 32 random bytes are right).
+    ///
+    /// Without a secret, anyone who reads Redis can find which key a digest is by trying
+    /// candidates: every IPv4 address is 2^32 digests, a list of tenants or user ids fewer.
+    /// With one, a digest says nothing without the secret. Every replica sharing the limits
+    /// must be given the same secret (and the `tollgate` command too, with
+    /// `--key-secret-env`), or each counts on keys of its own; changing it starts every count
+    /// afresh. Read it from a secret store or the environment, not from source code. The
+    /// builder's `Debug` never shows it.
+    pub fn key_secret(mut self, secret: impl AsRef<[u8]>) -> Self {
+        let secret = secret.as_ref();
+        self.keyer = Some((secret.len(), Keyer::new(secret)));
         self
     }
 
@@ -356,6 +377,13 @@ impl RedisBackendBuilder {
         if self.connect_timeout.is_zero() {
             return Err(BuildError::ZeroConnectTimeout);
         }
+        let keyer = match self.keyer {
+            Some((len, _)) if len < crate::MIN_KEY_SECRET_LEN => {
+                return Err(BuildError::KeySecretTooShort { len });
+            }
+            Some((_, keyer)) => keyer,
+            None => Keyer::default(),
+        };
         let urls = self.servers.urls();
         // A message from the client never shows a password, even one that quotes the URL.
         let secrets: Vec<String> = urls.iter().flat_map(|u| secrets_of(u)).collect();
@@ -438,6 +466,7 @@ impl RedisBackendBuilder {
             deny_cache_ttl: self.deny_cache_ttl,
             clock: self.clock,
             lean: self.lean,
+            keyer,
         }))
     }
 }

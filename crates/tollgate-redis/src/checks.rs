@@ -10,7 +10,7 @@ use tollgate_engine::{algorithm, Algorithm, BackendError, Micros, Receipt, Verdi
 use crate::cluster::Cluster;
 use crate::deny_cache::DenyCache;
 use crate::digests::DigestCache;
-use crate::keys::KeyDigest;
+use crate::keys::{KeyDigest, Keyer};
 use crate::scripts::check::EncodedCheck;
 use crate::scripts::reply::Answered;
 use crate::slots::{Slots, Unclaimed};
@@ -38,7 +38,12 @@ pub(crate) struct Started {
 }
 
 impl Checks {
-    pub(crate) fn new(transport: Arc<Transport>, deny: Arc<DenyCache>, slots: Arc<Slots>) -> Self {
+    pub(crate) fn new(
+        transport: Arc<Transport>,
+        deny: Arc<DenyCache>,
+        slots: Arc<Slots>,
+        keyer: Keyer,
+    ) -> Self {
         let cluster = Arc::new(Cluster::new(
             Arc::clone(&transport),
             Arc::clone(&deny),
@@ -47,7 +52,7 @@ impl Checks {
         Self {
             transport,
             deny,
-            digests: DigestCache::default(),
+            digests: DigestCache::new(keyer),
             slots,
             cluster,
         }

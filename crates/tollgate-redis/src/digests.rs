@@ -10,7 +10,7 @@
 use std::hash::BuildHasher;
 use std::sync::Mutex;
 
-use crate::keys::{self, KeyDigest};
+use crate::keys::{self, KeyDigest, Keyer};
 
 /// Cells in the cache (a power of two).
 const CELLS: usize = 1024;
@@ -44,31 +44,33 @@ impl Cell {
     }
 }
 
-/// The cache; about 120 KB whatever the traffic.
+/// The cache; about 120 KB whatever the traffic. It belongs to one backend and digests as
+/// its [`Keyer`] does (under its key secret, if any), so a hit is that backend's digest.
 pub(crate) struct DigestCache {
     seed: u64,
+    keyer: Keyer,
     cells: Box<[Mutex<Cell>]>,
 }
 
-impl Default for DigestCache {
-    fn default() -> Self {
+impl DigestCache {
+    /// An empty cache of `keyer`'s digests.
+    pub(crate) fn new(keyer: Keyer) -> Self {
         Self {
             seed: std::collections::hash_map::RandomState::new().hash_one(0_u64),
+            keyer,
             cells: (0..CELLS).map(|_| Mutex::new(Cell::EMPTY)).collect(),
         }
     }
-}
 
-impl DigestCache {
-    /// The digest of (`limit_name`, `key`): `keys::digest`'s, remembered.
+    /// The digest of (`limit_name`, `key`): the keyer's, remembered.
     pub(crate) fn digest(&self, limit_name: &str, key: &[u8]) -> KeyDigest {
         let name = limit_name.as_bytes();
         if name.is_empty() || name.len() + key.len() > MAX_PAIR {
-            return keys::digest(limit_name, key);
+            return self.keyer.digest(limit_name, key);
         }
         let index = self.index(name, key);
         let Some(cell) = self.cells.get(index) else {
-            return keys::digest(limit_name, key);
+            return self.keyer.digest(limit_name, key);
         };
         // A cell another thread holds is not waited for: the digest is computed instead.
         if let Ok(cell) = cell.try_lock() {
@@ -76,7 +78,7 @@ impl DigestCache {
                 return cell.digest;
             }
         }
-        let digest = keys::digest(limit_name, key);
+        let digest = self.keyer.digest(limit_name, key);
         if let Ok(mut cell) = cell.try_lock() {
             cell.pair[..name.len()].copy_from_slice(name);
             cell.pair[name.len()..name.len() + key.len()].copy_from_slice(key);
@@ -114,7 +116,7 @@ mod tests {
 
     #[test]
     fn a_hit_is_the_digest_of_exactly_that_pair() {
-        let cache = DigestCache::default();
+        let cache = DigestCache::new(Keyer::default());
         // More pairs than cells, so that cells are shared and pairs evict each other; pairs
         // that differ only in where the name ends and the key begins.
         let mut pairs = Vec::new();
@@ -140,6 +142,20 @@ mod tests {
             .lock()
             .unwrap();
         assert!(cell.holds(name.as_bytes(), key));
+    }
+
+    /// A cache under a key secret answers that secret's digests, hit or miss, never the
+    /// unkeyed ones.
+    #[test]
+    fn a_keyed_cache_answers_keyed_digests() {
+        let keyer = Keyer::new(b"replica secret");
+        let cache = DigestCache::new(keyer.clone());
+        for _ in 0..2 {
+            for key in [&b"10.0.0.1"[..], &[7; 200]] {
+                assert_eq!(cache.digest("per_ip", key), keyer.digest("per_ip", key));
+                assert_ne!(cache.digest("per_ip", key), keys::digest("per_ip", key));
+            }
+        }
     }
 
     #[test]

@@ -40,6 +40,12 @@ pub enum BuildError {
     ZeroDeadline,
     /// A connect timeout of zero.
     ZeroConnectTimeout,
+    /// A [`key_secret`](crate::RedisBackendBuilder::key_secret) shorter than
+    /// [`MIN_KEY_SECRET_LEN`](crate::MIN_KEY_SECRET_LEN) bytes.
+    KeySecretTooShort {
+        /// The secret's length in bytes (never the secret).
+        len: usize,
+    },
 }
 
 impl BuildError {
@@ -81,6 +87,11 @@ impl fmt::Display for BuildError {
             Self::ZeroConnectTimeout => {
                 f.write_str("the Redis connect timeout must be longer than zero")
             }
+            Self::KeySecretTooShort { len } => write!(
+                f,
+                "the Redis key secret is {len} bytes long: it needs at least {} random bytes",
+                crate::MIN_KEY_SECRET_LEN
+            ),
         }
     }
 }

@@ -19,7 +19,7 @@ use crate::admin::{Admin, OwnedCheck};
 use crate::checks::Checks;
 use crate::deny_cache::DenyCache;
 use crate::future::CheckFuture;
-use crate::keys;
+use crate::keys::Keyer;
 use crate::settle::Settles;
 use crate::slots::Slots;
 use crate::time::Time;
@@ -52,6 +52,8 @@ pub(crate) struct Config {
     pub(crate) clock: Option<FakeClock>,
     /// Whether calls that fit it use the lean `CHECK` script.
     pub(crate) lean: bool,
+    /// How keys are digested: under the key secret, if one was given.
+    pub(crate) keyer: Keyer,
 }
 
 impl Inner {
@@ -87,9 +89,18 @@ impl Inner {
                 Arc::clone(&transport),
                 Arc::clone(&deny),
                 slots,
+                config.keyer.clone(),
             )),
-            settles: Arc::new(Settles::new(Arc::clone(&transport), deny)),
-            admin: Arc::new(Admin::new(Arc::clone(&transport), config.prefix.clone())),
+            settles: Arc::new(Settles::new(
+                Arc::clone(&transport),
+                deny,
+                config.keyer.clone(),
+            )),
+            admin: Arc::new(Admin::new(
+                Arc::clone(&transport),
+                config.prefix.clone(),
+                config.keyer,
+            )),
             prefix: config.prefix,
             transport,
             time,
@@ -222,7 +233,7 @@ impl tollgate_engine::Admin for Inner {
             admin.reset(&check).await?;
             checks
                 .deny()
-                .forget(&keys::digest(check.limit.name(), &check.key));
+                .forget(&checks.digest(check.limit.name(), &check.key));
             Ok::<(), BackendError>(())
         })
     }
@@ -243,7 +254,7 @@ impl tollgate_engine::Admin for Inner {
             admin.sanction(&check, "undeny", 0).await?;
             checks
                 .deny()
-                .forget(&keys::digest(check.limit.name(), &check.key));
+                .forget(&checks.digest(check.limit.name(), &check.key));
             Ok::<(), BackendError>(())
         })
     }

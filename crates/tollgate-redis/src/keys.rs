@@ -1,9 +1,13 @@
 //! Redis key names: `<prefix>:<limit name>:{<digest>}`.
 //!
-//! The digest is SHA-256 over a domain-separated encoding of (limit name, key bytes), cut to 16
-//! bytes: raw identities never reach Redis, every key of a limit has the same length, and one
-//! limit's key can never be another's. The hash tag wraps the digest, not the prefix, so a
-//! cluster spreads identities over its hash slots.
+//! The digest is SHA-256 over a domain-separated encoding of (limit name, key bytes), or
+//! HMAC-SHA256 of it under the backend's key secret ([`Keyer`]), cut to 16 bytes: raw
+//! identities never reach Redis, every key of a limit has the same length, and one limit's key
+//! can never be another's. The hash tag wraps the digest, not the prefix, so a cluster spreads
+//! identities over its hash slots.
+
+use std::fmt;
+use std::sync::Arc;
 
 use sha2::{Digest, Sha256};
 use tollgate_engine::MAX_NAME_LEN;
@@ -19,18 +23,97 @@ pub(crate) const MAX_PREFIX_LEN: usize = 64;
 
 pub(crate) type KeyDigest = [u8; DIGEST_LEN];
 
-/// The digest of one (limit, key) pair.
+/// The digest of one (limit, key) pair, unkeyed (a backend without a key secret).
+#[cfg(test)]
 pub(crate) fn digest(limit_name: &str, key: &[u8]) -> KeyDigest {
-    let mut h = Sha256::new();
-    h.update(DOMAIN);
-    h.update(len_be(limit_name.len()));
-    h.update(limit_name.as_bytes());
-    h.update(len_be(key.len()));
-    h.update(key);
-    let full = h.finalize();
-    let mut out = [0u8; DIGEST_LEN];
-    out.copy_from_slice(&full[..DIGEST_LEN]);
-    out
+    Keyer::default().digest(limit_name, key)
+}
+
+/// How a backend digests (limit, key) pairs: SHA-256, or HMAC-SHA256 under its key secret.
+/// Cheap to clone: the keyed states are shared.
+#[derive(Clone, Default)]
+pub(crate) struct Keyer {
+    hmac: Option<Arc<Hmac>>,
+}
+
+/// HMAC-SHA256 (RFC 2104) under one secret: the hash states after the secret's inner and
+/// outer pads, so that a digest costs two hashes of the message's length, not four.
+struct Hmac {
+    inner: Sha256,
+    outer: Sha256,
+}
+
+/// SHA-256's block size, in bytes.
+const BLOCK: usize = 64;
+
+impl Hmac {
+    fn new(secret: &[u8]) -> Self {
+        // A secret longer than a block is hashed first; a shorter one is padded with zeros.
+        let mut block = [0u8; BLOCK];
+        if secret.len() > BLOCK {
+            block[..32].copy_from_slice(&Sha256::digest(secret));
+        } else {
+            block[..secret.len()].copy_from_slice(secret);
+        }
+        let pad = |byte: u8| {
+            let mut h = Sha256::new();
+            h.update(block.map(|b| b ^ byte));
+            h
+        };
+        Self {
+            inner: pad(0x36),
+            outer: pad(0x5c),
+        }
+    }
+
+    fn finish(&self, inner: Sha256) -> [u8; 32] {
+        let mut outer = self.outer.clone();
+        outer.update(inner.finalize());
+        outer.finalize().into()
+    }
+}
+
+impl Keyer {
+    /// Digests keyed by `secret`; an empty secret keys nothing (plain SHA-256).
+    pub(crate) fn new(secret: &[u8]) -> Self {
+        Self {
+            hmac: (!secret.is_empty()).then(|| Arc::new(Hmac::new(secret))),
+        }
+    }
+
+    /// Whether a secret keys the digests.
+    pub(crate) fn is_keyed(&self) -> bool {
+        self.hmac.is_some()
+    }
+
+    /// The digest of one (limit, key) pair.
+    pub(crate) fn digest(&self, limit_name: &str, key: &[u8]) -> KeyDigest {
+        let mut h = match &self.hmac {
+            Some(hmac) => hmac.inner.clone(),
+            None => Sha256::new(),
+        };
+        h.update(DOMAIN);
+        h.update(len_be(limit_name.len()));
+        h.update(limit_name.as_bytes());
+        h.update(len_be(key.len()));
+        h.update(key);
+        let full: [u8; 32] = match &self.hmac {
+            Some(hmac) => hmac.finish(h),
+            None => h.finalize().into(),
+        };
+        let mut out = [0u8; DIGEST_LEN];
+        out.copy_from_slice(&full[..DIGEST_LEN]);
+        out
+    }
+}
+
+impl fmt::Debug for Keyer {
+    /// Whether the digests are keyed, never the secret.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Keyer")
+            .field("keyed", &self.is_keyed())
+            .finish()
+    }
 }
 
 fn len_be(len: usize) -> [u8; 4] {
@@ -273,6 +356,50 @@ mod tests {
         assert_ne!(digest("ab", b"c"), digest("a", b"bc"));
         assert_ne!(digest("a", b""), digest("b", b""));
         assert_eq!(digest("a", b"k"), digest("a", b"k"));
+    }
+
+    /// HMAC-SHA256 as RFC 4231 defines it (test cases 1, 2 and 6: a short secret, a short
+    /// text secret, a secret longer than a block).
+    #[test]
+    fn hmac_matches_rfc_4231() {
+        let hmac = |secret: &[u8], data: &[u8]| {
+            let h = Hmac::new(secret);
+            let mut inner = h.inner.clone();
+            inner.update(data);
+            let out = h.finish(inner);
+            out.iter().map(|b| format!("{b:02x}")).collect::<String>()
+        };
+        assert_eq!(
+            hmac(&[0x0b; 20], b"Hi There"),
+            "b0344c61d8db38535ca8afceaf0bf12b881dc200c9833da726e9376c2e32cff7"
+        );
+        assert_eq!(
+            hmac(b"Jefe", b"what do ya want for nothing?"),
+            "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843"
+        );
+        assert_eq!(
+            hmac(
+                &[0xaa; 131],
+                b"Test Using Larger Than Block-Size Key - Hash Key First"
+            ),
+            "60e431591ee0b67f0d8a26aacbf5b77f8e0bc6213728c5140546040f0ee37f54"
+        );
+    }
+
+    #[test]
+    fn a_secret_keys_the_digest() {
+        let plain = Keyer::default();
+        let a = Keyer::new(b"secret-a");
+        let a2 = Keyer::new(b"secret-a");
+        let b = Keyer::new(b"secret-b");
+        assert_eq!(plain.digest("login", b"k"), digest("login", b"k"));
+        assert_eq!(Keyer::new(b"").digest("login", b"k"), digest("login", b"k"));
+        assert_ne!(a.digest("login", b"k"), plain.digest("login", b"k"));
+        assert_eq!(a.digest("login", b"k"), a2.digest("login", b"k"));
+        assert_ne!(a.digest("login", b"k"), b.digest("login", b"k"));
+        assert_ne!(a.digest("ab", b"c"), a.digest("a", b"bc"));
+        assert_eq!(format!("{a:?}"), "Keyer { keyed: true }");
+        assert_eq!(format!("{plain:?}"), "Keyer { keyed: false }");
     }
 
     #[test]

@@ -79,9 +79,14 @@
 //! # Keys
 //!
 //! `<prefix>:<limit name>:{<digest>}`, where the digest is the first 16 bytes of SHA-256 over
-//! `"tollgate/v1\0" ‖ u32be(len name) ‖ name ‖ u32be(len key) ‖ key`, in lowercase hex. Raw
+//! `"tollgate/v1\0" ‖ u32be(len name) ‖ name ‖ u32be(len key) ‖ key`, in lowercase hex — or of
+//! HMAC-SHA256 of the same bytes under a secret, given
+//! [`key_secret`](RedisBackendBuilder::key_secret) (the same on every replica). Raw
 //! identities never reach Redis, keys have a fixed length, and one limit's key cannot be
-//! another's. The cluster hash tag wraps the digest, so identities spread over the hash slots.
+//! another's. The reports of refused clients (below `<prefix>:top:`) hold what the layer's
+//! `KeyExtractor::identity_of` names them by: a fingerprint unless the limit's extractor was
+//! told to reveal identities. `docs/operations.md` ("What Redis holds") says what a reader of
+//! Redis learns. The cluster hash tag wraps the digest, so identities spread over the hash slots.
 //! The digests of recently checked pairs are remembered (1,024 of them, about 120 KB per
 //! backend), so a client that comes back is not digested again.
 //! Each algorithm keeps its state under keys of its own (above), so a limit whose algorithm
@@ -292,7 +297,7 @@ mod transport;
 pub use backend::RedisBackend;
 pub use builder::{
     RedisBackendBuilder, DEFAULT_DEADLINE, DEFAULT_DENY_CACHE_CAPACITY, DEFAULT_DENY_CACHE_TTL,
-    DEFAULT_PREFIX,
+    DEFAULT_PREFIX, MIN_KEY_SECRET_LEN,
 };
 pub use error::BuildError;
 pub use future::ResponseFuture;

@@ -7,8 +7,9 @@
 //! tick, never per refusal. A read is one `EVAL` of the current and previous buckets, merged
 //! here. Both have the backend's deadline; neither goes through the breaker.
 //!
-//! The identities are stored as operators read them (addresses, tenants), not hashed as limit
-//! keys are: that is what the report is for. They live two buckets.
+//! The identities are stored as the layer names them (`KeyExtractor::identity_of`): a
+//! fingerprint by default, an address or a tenant only where the limit's extractor was told to
+//! reveal identities. They live two buckets.
 
 use std::sync::Arc;
 

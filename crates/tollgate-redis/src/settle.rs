@@ -9,7 +9,7 @@ use tollgate_engine::{BackendError, BackendErrorKind, Micros, Settlement};
 
 use crate::deny_cache::DenyCache;
 use crate::failure::unavailable;
-use crate::keys;
+use crate::keys::{self, Keyer};
 use crate::pending::{Pending, Ticket};
 use crate::scripts::settle::{self, Settling};
 use crate::transport::breaker::Permit;
@@ -20,6 +20,8 @@ use crate::transport::{Transport, BACKEND};
 pub(crate) struct Settles {
     transport: Arc<Transport>,
     deny: Arc<DenyCache>,
+    /// How keys are digested (the backend's key secret).
+    keyer: Keyer,
     /// Settles waiting for the call in flight to end, sent together next (standalone Redis).
     queue: SettleQueue,
     /// Settles sent in the background and not answered yet.
@@ -104,10 +106,11 @@ impl Drop for Sending {
 }
 
 impl Settles {
-    pub(crate) fn new(transport: Arc<Transport>, deny: Arc<DenyCache>) -> Self {
+    pub(crate) fn new(transport: Arc<Transport>, deny: Arc<DenyCache>, keyer: Keyer) -> Self {
         Self {
             transport,
             deny,
+            keyer,
             queue: SettleQueue::default(),
             pending: Arc::default(),
         }
@@ -129,7 +132,7 @@ impl Settles {
             });
             return;
         }
-        let settles = match settle::encode(settlements) {
+        let settles = match settle::encode(settlements, &self.keyer) {
             Ok(settles) => settles,
             Err(e) => {
                 tracing::debug!(backend = BACKEND, error = %e, "rate-limit settle not sent");
@@ -187,7 +190,7 @@ impl Settles {
         now: Option<Micros>,
     ) -> impl Future<Output = Result<(), BackendError>> + Send + 'static {
         let this = Arc::clone(self);
-        let encoded = settle::encode(settlements);
+        let encoded = settle::encode(settlements, &this.keyer);
         async move {
             let batch = encoded?;
             if batch.is_empty() {

@@ -4,7 +4,7 @@ use tollgate_engine::{Algorithm, BackendError, Check, Settlement};
 
 use std::sync::LazyLock;
 
-use crate::keys::{self, Suffix};
+use crate::keys::{Keyer, Suffix};
 use crate::scripts::check::EncodedCheck;
 use crate::scripts::Script;
 
@@ -45,12 +45,12 @@ impl Settling {
     /// `s` encoded. A GCRA settle whose receipt has a mark is guarded: it applies only while
     /// the key's TAT is exactly the mark (a lease's give-back, see
     /// [`Receipt`](tollgate_engine::Receipt)).
-    pub(crate) fn new(s: &Settlement<'_>) -> Result<Option<Self>, BackendError> {
+    pub(crate) fn new(s: &Settlement<'_>, keyer: &Keyer) -> Result<Option<Self>, BackendError> {
         // A concurrency slot is one request: nothing to settle.
         if s.actual == s.reserved || s.limit.algorithm() == Algorithm::Concurrency {
             return Ok(None);
         }
-        let digest = keys::digest(s.limit.name(), s.key);
+        let digest = keyer.digest(s.limit.name(), s.key);
         let check = EncodedCheck::new(
             &Check::new(s.limit, s.key)
                 .with_cost(s.reserved)
@@ -125,14 +125,18 @@ impl Settling {
     }
 }
 
-/// `settlements` encoded, those with nothing to settle left out.
+/// `settlements` encoded, their keys digested by `keyer`, those with nothing to settle left
+/// out.
 ///
 /// # Errors
 ///
 /// As [`EncodedCheck::new`].
-pub(crate) fn encode(settlements: &[Settlement<'_>]) -> Result<Vec<Settling>, BackendError> {
+pub(crate) fn encode(
+    settlements: &[Settlement<'_>],
+    keyer: &Keyer,
+) -> Result<Vec<Settling>, BackendError> {
     settlements
         .iter()
-        .filter_map(|s| Settling::new(s).transpose())
+        .filter_map(|s| Settling::new(s, keyer).transpose())
         .collect()
 }

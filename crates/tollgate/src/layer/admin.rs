@@ -241,8 +241,10 @@ impl<B: Backend> RateLimitLayer<B> {
     /// [`REPORT_TICK`](tollgate_engine::reports::REPORT_TICK) of their next
     /// refusal.
     ///
-    /// Each entry names the client as requests carry it (an address, an IPv6 `/64` network, a
-    /// tenant, a principal: [`KeyExtractor::identity_of`]) with its count of refusals, the
+    /// Each entry names the client as the limit's extractor does ([`KeyExtractor::identity_of`]:
+    /// a fingerprint by default, `sk_live_…a1b2` for an API key; an address, an IPv6 `/64`
+    /// network, a tenant or a principal where it reveals identities) with its count of
+    /// refusals, the
     /// most that count may be over (Space-Saving's error bound, 0 when exact), and when its
     /// refusals were first and last seen.
     ///
