@@ -38,7 +38,8 @@ pub trait PrincipalId: Send + Sync + 'static {
     }
 
     /// How an operator writes the principal whose key bytes are `key` (the reports of refused
-    /// clients): the inverse of [`identity_key`](Self::identity_key). The default shows UTF-8
+    /// clients, once the [`Principal`] reveals identities): the inverse of
+    /// [`identity_key`](Self::identity_key). The default shows UTF-8
     /// as its text (string ids), other bytes in hex; the integers read their number.
     fn identity_text(key: &[u8]) -> String
     where
