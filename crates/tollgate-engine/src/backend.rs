@@ -298,7 +298,7 @@ pub enum BackendErrorKind {
 }
 
 /// A backend that could not answer a batch.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct BackendError {
     kind: BackendErrorKind,
     message: String,
@@ -344,6 +344,14 @@ impl BackendError {
             BackendErrorKind::Overloaded => "overloaded",
             BackendErrorKind::Unsupported => "unsupported",
         }
+    }
+}
+
+/// The words of `Display`: `main() -> Result<(), Box<dyn Error>>` prints an error with
+/// `Debug`, and a person reading it needs what is wrong and how to fix it.
+impl fmt::Debug for BackendError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
     }
 }
 

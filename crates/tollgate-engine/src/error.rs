@@ -4,7 +4,7 @@ use crate::bounds::{MAX_CHECKS, MAX_NAME_LEN};
 use crate::counting::Algorithm;
 
 /// A limit, quota or backend that cannot be built as configured.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum ConfigError {
     /// A quota of zero requests.
@@ -98,6 +98,14 @@ pub enum ConfigError {
     /// A penalty of zero refusals, a zero or too long window or block, or a longest block
     /// shorter than the first.
     InvalidPenalty(&'static str),
+}
+
+/// The words of `Display`: `main() -> Result<(), Box<dyn Error>>` prints an error with
+/// `Debug`, and a person reading it needs what is wrong and how to fix it.
+impl fmt::Debug for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
+    }
 }
 
 impl fmt::Display for ConfigError {

@@ -38,6 +38,7 @@ pub mod lease;
 pub mod leased;
 mod limit;
 mod memory;
+pub mod notice;
 mod penalty;
 mod quota;
 pub mod reports;

@@ -385,6 +385,9 @@ impl RedisBackendBuilder {
             None => Keyer::default(),
         };
         let urls = self.servers.urls();
+        if let Some(reason) = urls.iter().find_map(|url| crate::url::mistake(url)) {
+            return Err(BuildError::InvalidUrl { reason });
+        }
         // A message from the client never shows a password, even one that quotes the URL.
         let secrets: Vec<String> = urls.iter().flat_map(|u| secrets_of(u)).collect();
         let bad_url = |e: redis::RedisError| BuildError::InvalidUrl {
@@ -588,9 +591,35 @@ mod tests {
             let e = builder.build().unwrap_err();
             assert_eq!(e, BuildError::TlsNotEnabled);
             assert!(e.is_server());
+            // What `main() -> Result<(), Box<dyn Error>>` prints names the fix too.
+            let debug = format!("{e:?}");
+            assert!(debug.contains("enable the `tls` feature"), "{debug}");
             let shown = e.to_string();
             assert!(shown.contains("enable the `tls` feature"), "{shown}");
             assert!(!shown.contains("secret"), "{shown}");
+        }
+    }
+
+    /// A URL mistake says what was expected, as `Display` and as `Debug`.
+    #[test]
+    fn url_mistakes_say_what_was_expected() {
+        for (url, said) in [
+            (
+                "127.0.0.1:6379",
+                "invalid Redis URL: no scheme: a Redis URL starts with redis://",
+            ),
+            (
+                "http://127.0.0.1:6379/",
+                "invalid Redis URL: http:// is not a Redis scheme",
+            ),
+            (
+                "redis://127.0.0.1:99999/",
+                "invalid Redis URL: port 99999 is out of range",
+            ),
+        ] {
+            let e = RedisBackend::builder().url(url).build().unwrap_err();
+            assert!(e.to_string().starts_with(said), "{url}: {e}");
+            assert!(format!("{e:?}").starts_with(said), "{url}: {e:?}");
         }
     }
 }

@@ -3,7 +3,7 @@
 use std::fmt;
 
 /// A [`RedisBackendBuilder`](crate::RedisBackendBuilder) configuration that cannot be built.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum BuildError {
     /// None of [`url`](crate::RedisBackendBuilder::url),
@@ -60,6 +60,14 @@ impl BuildError {
                 | Self::InvalidUrl { .. }
                 | Self::TlsNotEnabled
         )
+    }
+}
+
+/// The words of `Display`: `main() -> Result<(), Box<dyn Error>>` prints an error with
+/// `Debug`, and a person reading it needs what is wrong and how to fix it.
+impl fmt::Debug for BuildError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
     }
 }
 

@@ -45,7 +45,27 @@ pub(crate) fn map_error(e: RedisError) -> BackendError {
             _ => BackendErrorKind::Protocol,
         }
     };
-    BackendError::new(kind, e.to_string())
+    BackendError::new(kind, one_line(&e))
+}
+
+/// The error's message on one line. A reply that does not parse comes from a server that is
+/// not Redis (an HTTP server, a proxy, the wrong port): the parser's own message, over
+/// several lines of unexpected bytes, is cut to its first line after saying so.
+fn one_line(e: &RedisError) -> String {
+    let text = e.to_string();
+    let mut lines = text.lines().map(str::trim).filter(|l| !l.is_empty());
+    let first: String = lines.next().unwrap_or_default().chars().take(120).collect();
+    if e.kind() == ErrorKind::Parse {
+        return format!(
+            "the server does not answer as Redis does: is it a Redis server? ({first})"
+        );
+    }
+    let rest: Vec<&str> = lines.collect();
+    if rest.is_empty() {
+        first
+    } else {
+        format!("{first}; {}", rest.join("; "))
+    }
 }
 
 /// Whether an error means the connection itself is broken and must be replaced.

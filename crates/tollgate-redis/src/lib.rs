@@ -293,6 +293,7 @@ mod slots;
 mod time;
 mod tls;
 mod transport;
+mod url;
 
 pub use backend::RedisBackend;
 pub use builder::{

@@ -418,3 +418,49 @@ async fn a_late_request_fails_alone_and_counts_no_breaker_failure() {
         &backend.check(&[Check::new(&limit, b"after")]).await
     ));
 }
+
+/// A server that answers as an HTTP server does, to every connection.
+async fn not_redis() -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("redis://{}/", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        while let Ok((mut conn, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut buf = [0u8; 1024];
+                let _ = conn.read(&mut buf).await;
+                let _ = conn
+                    .write_all(
+                        b"HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain\r\n\
+                          Content-Length: 11\r\nConnection: close\r\n\r\nBad Request",
+                    )
+                    .await;
+            });
+        }
+    });
+    url
+}
+
+#[tokio::test]
+async fn a_server_that_is_not_redis_is_said_in_one_line() {
+    let url = not_redis().await;
+    let backend = RedisBackend::builder()
+        .url(&url)
+        .breaker_threshold(0)
+        .build()
+        .unwrap();
+    let limit = gcra("l", 10);
+    let check = backend
+        .check(&[Check::new(&limit, b"k")])
+        .await
+        .unwrap_err();
+    let ping = backend.ping().await.unwrap_err();
+    for e in [check, ping] {
+        let shown = e.to_string();
+        assert_eq!(shown.lines().count(), 1, "{shown}");
+        assert!(
+            shown.contains(": the server does not answer as Redis does: is it a Redis server? ("),
+            "{shown}"
+        );
+    }
+}

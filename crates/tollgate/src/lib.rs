@@ -30,7 +30,14 @@
 //!     .build()?;
 //!
 //! async fn chat(decision: Decision) -> String {
-//!     format!("{} requests left", decision.remaining().unwrap_or(0))
+//!     // A limit whose backend failed and that fails open counted nothing: not "0 left".
+//!     if decision.is_bypassed() {
+//!         return "not counted: the rate limiter is unavailable".to_owned();
+//!     }
+//!     match decision.remaining() {
+//!         Some(left) => format!("{left} requests left"),
+//!         None => "not counted".to_owned(), // allowlisted, or skipped for want of a key
+//!     }
 //! }
 //!
 //! // `route_layer`: a 404 or 405 never reaches the layer, so it consumes nothing.

@@ -11,11 +11,11 @@
 //! (at 0) before the first failure: an alert on `rate(...) > 0` or on an absent series then
 //! works from the start.
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, LazyLock, OnceLock};
+use std::time::Duration;
 
 use metrics::{Counter, Histogram};
+use tollgate_engine::notice::{self, Throttle, STDERR_EVERY};
 
 use crate::decision::{BypassReason, Decision, DenyReason, LimitDecision, Outcome, Source};
 
@@ -136,6 +136,10 @@ fn reason_index(reason: BypassReason) -> usize {
 /// At most one warning of each kind per limit in this interval.
 const WARN_EVERY: Duration = Duration::from_secs(10);
 
+/// The bypasses of every limit of the process, told on standard error when no tracing
+/// subscriber is set (see [`notice`]).
+static BYPASS_NOTICE: LazyLock<Throttle> = LazyLock::new(|| Throttle::new(STDERR_EVERY));
+
 pub(crate) struct LimitMetrics {
     name: Arc<str>,
     /// Whether the quota's whole is its burst (GCRA) rather than its limit.
@@ -167,8 +171,8 @@ impl LimitMetrics {
             name,
             gcra,
             handles: OnceLock::new(),
-            bypass_warn: Throttle::new(),
-            capacity_warn: Throttle::new(),
+            bypass_warn: Throttle::new(WARN_EVERY),
+            capacity_warn: Throttle::new(WARN_EVERY),
         }
     }
 
@@ -228,7 +232,18 @@ impl LimitMetrics {
         match decision.outcome() {
             Outcome::Bypassed { reason } if label == Label::Bypassed => {
                 handles.bypass[reason_index(*reason)].increment(1);
-                self.bypass_warn.warn(|n| {
+                notice::to_stderr(&BYPASS_NOTICE, |n| {
+                    format!(
+                        "tollgate: WARNING rate limit {:?} bypassed ({}): the backend failed \
+                         and the limit fails open; {n} bypassed since the last such line. \
+                         This line repeats at most every {}s; install a tracing subscriber or \
+                         a metrics exporter (tollgate_bypass_total) to see every one.",
+                        &*self.name,
+                        reason.as_str(),
+                        STDERR_EVERY.as_secs()
+                    )
+                });
+                self.bypass_warn.tick(|n| {
                     tracing::warn!(
                         limit = &*self.name,
                         reason = reason.as_str(),
@@ -242,7 +257,7 @@ impl LimitMetrics {
                 ..
             } => {
                 handles.capacity.increment(1);
-                self.capacity_warn.warn(|n| {
+                self.capacity_warn.tick(|n| {
                     tracing::warn!(
                         limit = &*self.name,
                         refused_since_last_warning = n,
@@ -337,42 +352,6 @@ impl std::fmt::Display for Labels<'_> {
             write!(f, "{sep}{}={}", d.name(), Label::of(d, admitted).as_str())?;
         }
         Ok(())
-    }
-}
-
-/// Lets one event through per [`WARN_EVERY`] and counts the ones it held back.
-struct Throttle {
-    started: Instant,
-    /// Milliseconds since `started` before which events are only counted.
-    next: AtomicU64,
-    quiet: AtomicU64,
-}
-
-impl Throttle {
-    fn new() -> Self {
-        Self {
-            started: Instant::now(),
-            next: AtomicU64::new(0),
-            quiet: AtomicU64::new(0),
-        }
-    }
-
-    /// Calls `log` with the number of events since the last call (this one included), unless
-    /// one was logged less than [`WARN_EVERY`] ago.
-    fn warn(&self, log: impl FnOnce(u64)) {
-        let now = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
-        let due = self.next.load(Ordering::Relaxed);
-        let next = now.saturating_add(WARN_EVERY.as_secs() * 1_000);
-        if now >= due
-            && self
-                .next
-                .compare_exchange(due, next, Ordering::Relaxed, Ordering::Relaxed)
-                .is_ok()
-        {
-            log(self.quiet.swap(0, Ordering::Relaxed) + 1);
-        } else {
-            self.quiet.fetch_add(1, Ordering::Relaxed);
-        }
     }
 }
 
@@ -484,19 +463,5 @@ mod tests {
         for (i, reason) in REASONS.iter().enumerate() {
             assert_eq!(reason_index(*reason), i);
         }
-    }
-
-    #[test]
-    fn warnings_are_throttled_and_count_what_they_held_back() {
-        let t = Throttle::new();
-        let mut logged = Vec::new();
-        for _ in 0..5 {
-            t.warn(|n| logged.push(n));
-        }
-        assert_eq!(logged, [1]);
-        // Pretend the interval has passed.
-        t.next.store(0, Ordering::Relaxed);
-        t.warn(|n| logged.push(n));
-        assert_eq!(logged, [1, 5]);
     }
 }

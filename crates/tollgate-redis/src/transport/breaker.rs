@@ -9,10 +9,29 @@
 //! Time is `tokio::time::Instant`, so tests can pause and advance it.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Mutex;
+use std::sync::{LazyLock, Mutex};
 use std::time::Duration;
 
 use tokio::time::Instant;
+use tollgate_engine::notice::{self, Throttle, STDERR_EVERY};
+
+/// Every opening of every breaker of the process, told on standard error when no tracing
+/// subscriber is set (see [`notice`]).
+static OPENED_NOTICE: LazyLock<Throttle> = LazyLock::new(|| Throttle::new(STDERR_EVERY));
+
+/// Says on standard error, when nobody listens to tracing, that a breaker opened for `open_for`.
+fn tell_opened(why: &str, open_for: Duration) {
+    notice::to_stderr(&OPENED_NOTICE, |n| {
+        format!(
+            "tollgate-redis: WARNING circuit breaker opened: {why}; calls fail at once for \
+             {}ms, and limits fail as their failure policy says; {n} opened since the last \
+             such line. This line repeats at most every {}s; install a tracing subscriber to \
+             see every one.",
+            open_for.as_millis(),
+            STDERR_EVERY.as_secs()
+        )
+    });
+}
 
 /// Where a circuit breaker stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -150,6 +169,7 @@ impl Breaker {
                 open_for_ms = s.interval.as_millis() as u64,
                 "circuit breaker probe failed: open again"
             );
+            tell_opened("the probe failed, Redis still fails", s.interval);
             true
         } else if s.open_until.is_none() && s.failures >= self.config.threshold {
             s.interval = self.config.open_for;
@@ -160,6 +180,10 @@ impl Breaker {
                 failures = s.failures,
                 open_for_ms = s.interval.as_millis() as u64,
                 "circuit breaker opened: Redis is failing"
+            );
+            tell_opened(
+                &format!("Redis failed {} times in a row", s.failures),
+                s.interval,
             );
             true
         } else {

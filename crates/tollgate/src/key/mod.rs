@@ -276,7 +276,7 @@ impl std::error::Error for MissingKey {}
 ///     r#""abc" is not an IP address: expected an IP address for rate limit "per-ip""#
 /// );
 /// ```
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq)]
 pub struct IdentityError {
     limit: String,
     identity: Identity,
@@ -309,6 +309,14 @@ impl IdentityError {
     /// could have.
     pub fn missing(&self) -> MissingKey {
         self.missing
+    }
+}
+
+/// The words of `Display`: `main() -> Result<(), Box<dyn Error>>` prints an error with
+/// `Debug`, and a person reading it needs what is wrong and how to fix it.
+impl fmt::Debug for IdentityError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
     }
 }
 

@@ -12,7 +12,7 @@ use super::refused::named;
 use crate::key::{Identity, IdentityError};
 
 /// Why [`RateLimitLayer::peek`] or [`RateLimitLayer::reset`] could not answer.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 #[non_exhaustive]
 pub enum AdminError {
     /// The layer has no limit of this name.
@@ -25,6 +25,14 @@ pub enum AdminError {
     Identity(IdentityError),
     /// The backend failed, or does not offer the operation (a concurrency limit's reset).
     Backend(BackendError),
+}
+
+/// The words of `Display`: `main() -> Result<(), Box<dyn Error>>` prints an error with
+/// `Debug`, and a person reading it needs what is wrong and how to fix it.
+impl fmt::Debug for AdminError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
+    }
 }
 
 impl fmt::Display for AdminError {

@@ -157,13 +157,20 @@ impl<B: Backend> Reloader<B> {
 }
 
 /// Why a [`Reloader`] refused a new set of limits. The old limits stay.
-#[derive(Debug)]
 #[non_exhaustive]
 pub enum ReloadError {
     /// The limits could not build a layer.
     Config(ConfigError),
     /// The limits file could not be read, parsed, or built.
     File(LimitsFileError),
+}
+
+/// The words of `Display`: `main() -> Result<(), Box<dyn Error>>` prints an error with
+/// `Debug`, and a person reading it needs what is wrong and how to fix it.
+impl fmt::Debug for ReloadError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
+    }
 }
 
 impl fmt::Display for ReloadError {

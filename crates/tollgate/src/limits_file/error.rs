@@ -26,7 +26,7 @@ impl Mistake {
 }
 
 /// A limits file that could not be read, parsed or built, with where.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq)]
 pub struct LimitsFileError {
     message: String,
     line: usize,
@@ -96,6 +96,14 @@ impl From<ConfigError> for LimitsFileError {
             line: 0,
             column: 0,
         }
+    }
+}
+
+/// The words of `Display`: `main() -> Result<(), Box<dyn Error>>` prints an error with
+/// `Debug`, and a person reading it needs what is wrong and how to fix it.
+impl fmt::Debug for LimitsFileError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
     }
 }
 
