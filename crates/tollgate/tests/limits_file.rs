@@ -564,3 +564,49 @@ fn a_field_of_the_wrong_shape_names_the_limit_it_is_in() {
         "unknown field `value`, expected one of `key`, `networks`, `values`"
     );
 }
+
+#[test]
+fn a_field_misspelt_below_the_quota_table_is_no_plan() {
+    let text = "[[limit]]\nname = \"api\"\nperiod = \"1m\"\nkey = \"ip\"\n[limit.quota]\n\
+                default = 5\nqota = 3\n";
+    let e = error(text);
+    assert_eq!((e.line(), e.column()), (7, 1), "{e}");
+    assert_eq!(
+        e.message(),
+        "limit \"api\": plan \"qota\" is one edit from `quota`: did you mean `quota`? A plan \
+         cannot be named like a field of the limit (below `[limit.quota]` each line is a plan)"
+    );
+    // A field's own name, with a value that is a quota, is no plan either.
+    let e = error(&text.replace("qota = 3", "shadow = 3"));
+    assert_eq!((e.line(), e.column()), (7, 1), "{e}");
+    assert_eq!(
+        e.message(),
+        "limit \"api\": `shadow` is a field of the limit, read here as a plan: write it above \
+         `[limit.quota]`, whose lines are plans"
+    );
+    // A plan with a name of its own is one.
+    let limits = parse(&text.replace("qota = 3", "pro = 3"));
+    assert_eq!(limits.len(), 1);
+}
+
+#[test]
+fn a_key_given_twice_is_named_with_its_limit() {
+    let text = "[[limit]]\nname = \"api\"\nperiod = \"1m\"\nkey = \"ip\"\nquota = 5\n\
+                period = \"1h\"\n";
+    let e = error(text);
+    assert_eq!((e.line(), e.column()), (6, 1), "{e}");
+    assert_eq!(
+        e.message(),
+        "limit \"api\": `period` is given twice (duplicate key)"
+    );
+    // A plan given twice, in the second limit.
+    let text = "[[limit]]\nname = \"a\"\nperiod = \"1m\"\nkey = \"ip\"\nquota = 5\n\n\
+                [[limit]]\nname = \"b\"\nperiod = \"1m\"\nkey = \"ip\"\n[limit.quota]\n\
+                default = 5\npro = 10\npro = 20\n";
+    let e = error(text);
+    assert_eq!((e.line(), e.column()), (14, 1), "{e}");
+    assert_eq!(
+        e.message(),
+        "limit \"b\": `pro` is given twice (duplicate key)"
+    );
+}

@@ -151,9 +151,16 @@ impl LimitsFile {
                      whose lines are plans)"
                 ));
             }
-            let limit = e
-                .span()
-                .and_then(|span| spec::limit_holding(text, span.start));
+            // A key given twice: which, as the parser does not say.
+            if message == "duplicate key" {
+                if let Some(key) = e.span().and_then(|span| spec::key_at(text, span.start)) {
+                    message = format!("`{key}` is given twice (duplicate key)");
+                }
+            }
+            let limit = e.span().and_then(|span| {
+                spec::limit_holding(text, span.start)
+                    .or_else(|| spec::limit_around(text, span.start))
+            });
             let message = match limit {
                 Some(name) => format!("limit {name:?}: {message}"),
                 None => message,
@@ -308,6 +315,9 @@ impl LimitsFile {
                 .map_err(|e| at(ttl.span())(&e))?;
         }
         for (plan, q) in plans.iter().filter(|(p, _)| p.get_ref() != "default") {
+            if let Some(mistake) = spec::plan_mistake(plan.get_ref()) {
+                return Err(at(plan.span())(&mistake));
+            }
             limit = limit
                 .plan(plan.get_ref(), quota(q)?)
                 .map_err(|e| at(q.span())(&e))?;

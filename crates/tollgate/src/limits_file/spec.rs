@@ -78,27 +78,165 @@ pub(super) fn limit_holding(text: &str, at: usize) -> Option<String> {
         .and_then(|(_, name)| name)
 }
 
+/// The name of the `[[limit]]` that byte `at` of `text` is in, read from the lines alone: for
+/// a file TOML cannot read (a key given twice), where [`limit_holding`] finds nothing.
+pub(super) fn limit_around(text: &str, at: usize) -> Option<String> {
+    let before = text.get(..at)?;
+    let header = before.rfind("[[")?;
+    let table = &text[header..];
+    let mut lines = table.lines();
+    if lines.next()?.trim() != "[[limit]]" {
+        return None;
+    }
+    lines
+        .take_while(|l| !l.trim_start().starts_with("[["))
+        .filter_map(|l| l.split_once('='))
+        .find(|(k, _)| k.trim() == "name")
+        .map(|(_, v)| v.trim().trim_matches('"').chars().take(64).collect())
+}
+
+/// The key a line of `text` starts with at byte `at`: what is before its `=` (a table's
+/// header when the line has none), cut to 64 characters.
+pub(super) fn key_at(text: &str, at: usize) -> Option<String> {
+    let line = text.get(at..)?.lines().next()?;
+    let key = line.split('=').next()?.trim();
+    (!key.is_empty()).then(|| key.chars().take(64).collect())
+}
+
 /// A limit's field written below its `[limit.quota]` header, where TOML reads it as a plan:
 /// the field's name, when the line that byte `at` of `text` is on starts with one.
 pub(super) fn field_among_plans(text: &str, at: usize) -> Option<&'static str> {
-    const FIELDS: [&str; 13] = [
-        "name",
-        "algorithm",
-        "period",
-        "key",
-        "cost",
-        "failure",
-        "missing_key",
-        "shadow",
-        "delay",
-        "max_waiting",
-        "queue",
-        "slot_ttl",
-        "penalty",
-    ];
     let start = text.get(..at)?.rfind('\n').map_or(0, |n| n + 1);
     let word = text[start..].split('=').next()?.trim();
     FIELDS.into_iter().find(|f| *f == word)
+}
+
+/// A limit's fields other than `quota`: below `[limit.quota]`, TOML reads each as a plan.
+const FIELDS: [&str; 13] = [
+    "name",
+    "algorithm",
+    "period",
+    "key",
+    "cost",
+    "failure",
+    "missing_key",
+    "shadow",
+    "delay",
+    "max_waiting",
+    "queue",
+    "slot_ttl",
+    "penalty",
+];
+
+/// The words of the quota's own format, which no plan may be named either.
+const QUOTA_WORDS: [&str; 3] = ["quota", "limit", "burst"];
+
+/// What is wrong with the name of a plan, the key of a line below `[limit.quota]`: a field of
+/// the limit written there (it would silently be a plan), a word of the quota's format, or a
+/// name one edit from either or from `default` (a typo that would silently be a plan too).
+pub(super) fn plan_mistake(plan: &str) -> Option<String> {
+    if FIELDS.contains(&plan) {
+        return Some(format!(
+            "`{plan}` is a field of the limit, read here as a plan: write it above \
+             `[limit.quota]`, whose lines are plans"
+        ));
+    }
+    if QUOTA_WORDS.contains(&plan) {
+        return Some(format!(
+            "a plan cannot be named `{plan}`: below `[limit.quota]` each line is a plan, as \
+             `default = 100` or `pro = {{ limit = 1000, burst = 50 }}`"
+        ));
+    }
+    let lower = plan.to_ascii_lowercase();
+    let near = FIELDS
+        .into_iter()
+        .chain(QUOTA_WORDS)
+        .chain(["default"])
+        .find(|f| one_edit_apart(&lower, f))?;
+    Some(format!(
+        "plan {plan:?} is one edit from `{near}`: did you mean `{near}`? A plan cannot be named \
+         like a field of the limit (below `[limit.quota]` each line is a plan)"
+    ))
+}
+
+/// Whether `a` and `b` differ by at most one edit: a letter changed, added, removed, or two
+/// neighbours swapped.
+fn one_edit_apart(a: &str, b: &str) -> bool {
+    let (a, b): (Vec<char>, Vec<char>) = (a.chars().collect(), b.chars().collect());
+    let (short, long) = if a.len() <= b.len() {
+        (&a, &b)
+    } else {
+        (&b, &a)
+    };
+    let common = short
+        .iter()
+        .zip(long.iter())
+        .take_while(|(x, y)| x == y)
+        .count();
+    match long.len() - short.len() {
+        0 => {
+            let rest = |from: usize| short[from..] == long[from..];
+            common == short.len()
+                || rest(common + 1)
+                || (common + 1 < short.len()
+                    && short[common] == long[common + 1]
+                    && short[common + 1] == long[common]
+                    && rest(common + 2))
+        }
+        1 => short[common..] == long[common + 1..],
+        _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_edit_is_a_change_an_insertion_a_deletion_or_a_swap() {
+        for (a, b) in [
+            ("quota", "quota"),
+            ("qota", "quota"),
+            ("quotas", "quota"),
+            ("qupta", "quota"),
+            ("qouta", "quota"),
+            ("quoat", "quota"),
+            ("uota", "quota"),
+        ] {
+            assert!(one_edit_apart(a, b), "{a} {b}");
+            assert!(one_edit_apart(b, a), "{b} {a}");
+        }
+        for (a, b) in [
+            ("qta", "quota"),
+            ("oqtua", "quota"),
+            ("pro", "key"),
+            ("free", "name"),
+        ] {
+            assert!(!one_edit_apart(a, b), "{a} {b}");
+        }
+    }
+
+    #[test]
+    fn plans_named_like_fields_are_refused() {
+        assert!(plan_mistake("qota")
+            .unwrap()
+            .contains("did you mean `quota`?"));
+        assert!(plan_mistake("Perod")
+            .unwrap()
+            .contains("did you mean `period`?"));
+        assert!(plan_mistake("defualt")
+            .unwrap()
+            .contains("did you mean `default`?"));
+        assert!(plan_mistake("period")
+            .unwrap()
+            .contains("is a field of the limit"));
+        assert!(plan_mistake("burst")
+            .unwrap()
+            .contains("cannot be named `burst`"));
+        for fine in ["free", "pro", "team", "enterprise", "basic", "partner"] {
+            assert_eq!(plan_mistake(fine), None, "{fine}");
+        }
+    }
 }
 
 /// One `[[allowlist]]` or `[[denylist]]` table.
