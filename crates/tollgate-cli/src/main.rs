@@ -1,83 +1,135 @@
-//! `tollgate`: checks a limits file before a deploy, reads one key's state in Redis, and who
-//! a limit refuses most.
+//! `tollgate`: checks a limits file before a deploy, reads or resets one key's state in Redis,
+//! denies an identity on every replica, and prints who a limit refuses most.
 //!
 //! ```text
-//! tollgate check FILE
-//! tollgate peek (--redis URL | --cluster URL[,URL...]) [--limits FILE] [--prefix PREFIX]
-//!               [--key-secret-env NAME] [--plan PLAN] LIMIT IDENTITY
-//! tollgate top (--redis URL | --cluster URL[,URL...]) [--prefix PREFIX] [-n N] LIMIT
+//! tollgate check FILE|-
+//! tollgate peek   REDIS [--limits FILE] [--prefix PREFIX] [--plan PLAN] LIMIT IDENTITY
+//! tollgate reset  REDIS [--limits FILE] [--prefix PREFIX] LIMIT IDENTITY
+//! tollgate deny   REDIS [--limits FILE] [--prefix PREFIX] LIMIT IDENTITY --for DURATION
+//! tollgate undeny REDIS [--limits FILE] [--prefix PREFIX] LIMIT IDENTITY
+//! tollgate top    REDIS [--limits FILE] [--prefix PREFIX] [-n N] LIMIT
+//!   REDIS: (--redis URL | --cluster URL[,URL...]) [--tls-ca FILE]   (rediss:// for TLS)
 //! ```
 //!
 //! `check` exits 0 and prints the effective limits as a table (name, algorithm, quota per
 //! plan, key, cost, missing-key policy, failure policy, shadow, wait (a delay or a queue) and
-//! penalty box), the allowlist and the denylist; a broken
-//! file makes it print the error, with its line and column, and exit 1. Principals need no
-//! Rust type here: every principal name the file uses is taken as a string id.
+//! penalty box), the allowlist and the denylist; a broken file makes it print the error, with
+//! its line and column, and exit 1. `-` reads the file from standard input. Principals need
+//! no Rust type here: every principal name the file uses is taken as a string id.
 //!
 //! `peek` reads what the next one-unit request of IDENTITY (an address, a tenant's or a
 //! principal's name) would find under LIMIT, as the layer's `peek` does: the limit's algorithm,
 //! quota and key come from the limits file (`--limits`, else `$TOLLGATE_LIMITS`, else
-//! `limits.toml`), the state from Redis. It writes nothing.
+//! `limits.toml`), the state from Redis, and a deny or a block that stands, until when. It
+//! writes nothing. `reset` forgets what IDENTITY has used under LIMIT (a deny stays).
 //!
 //! `top` prints the N identities (default 10) that LIMIT refused most over the current and
 //! the previous report bucket, as every replica reported them to Redis: count, error bound,
 //! first and last seen (UTC), identity. It writes nothing.
 //!
-//! Exit codes: 0 ok, 1 a bad file (or an unknown limit, plan or identity), 2 a usage error,
-//! 3 Redis failed. `--help` says the same.
+//! Each subcommand's `--help` ends with its exit codes: 0 ok, 1 a bad file (or an unknown
+//! limit, plan or identity), 2 a usage error, 3 Redis failed.
 
+mod check;
+mod redis;
+mod sanction;
 mod table;
+mod top;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
-use table::period;
-use tollgate::engine::{
-    Admin, Check, Clock, KeyState, Limit, Quota, Refused, Reports, SystemClock,
-};
-use tollgate::key::{Identity, IdentityError};
-use tollgate::{Limits, LimitsFile};
-use tollgate_redis::{RedisBackend, DEFAULT_PREFIX};
+use tollgate_redis::DEFAULT_PREFIX;
 
-/// How long `peek` waits for Redis.
-const PEEK_DEADLINE: Duration = Duration::from_secs(2);
+/// How long a subcommand waits for Redis, to connect and then for each call.
+const DEADLINE: Duration = Duration::from_secs(2);
 
-/// What `--help` says after the options: the exit codes, and where `peek`'s file and
-/// defaults come from.
-fn footer(peek: bool) -> String {
-    let mut text = format!(
-        "\
-Exit codes:
-  0  ok: the file is good (check), the state was read (peek)
-  1  a bad file: unreadable or broken; or an unknown limit, plan or identity (peek)
-  2  a usage error: an unknown command or flag, a missing argument, a bad Redis URL
-  3  Redis failed or did not answer within {}s (peek)",
-        PEEK_DEADLINE.as_secs()
-    );
-    if peek {
+/// The subcommand whose `--help` a footer ends, or `None` for `tollgate --help`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Sub {
+    Check,
+    Peek,
+    Reset,
+    Deny,
+    Undeny,
+    Top,
+}
+
+/// What `--help` says after the options: the exit codes, and for the subcommands that read
+/// a limits file and Redis, where the file and the defaults come from.
+fn footer(sub: Option<Sub>) -> String {
+    let ok = match sub {
+        None => "ok: the file is good, the state was read or changed, the report was read",
+        Some(Sub::Check) => "ok: the file is good (its limits are printed)",
+        Some(Sub::Peek) => "ok: the state was read (and printed)",
+        Some(Sub::Reset) => "ok: the identity's state under the limit is forgotten",
+        Some(Sub::Deny) => "ok: the identity is denied",
+        Some(Sub::Undeny) => "ok: the deny is lifted, or there was none (said so)",
+        Some(Sub::Top) => "ok: the report was read (and printed)",
+    };
+    let bad = match sub {
+        None => "a bad file: unreadable or broken; or an unknown limit, plan or identity",
+        Some(Sub::Check) => "a bad file: unreadable or broken",
+        Some(Sub::Peek) => "a bad limits file; or an unknown limit, plan or identity",
+        Some(Sub::Reset) => {
+            "a bad limits file; an unknown limit or identity; or a concurrency limit (its \
+             slots are requests in flight)"
+        }
+        Some(Sub::Deny | Sub::Undeny) => "a bad limits file; or an unknown limit or identity",
+        Some(Sub::Top) => "a bad limits file; or a limit it does not have",
+    };
+    let usage = match sub {
+        Some(Sub::Check) => "a usage error: an unknown flag, a missing FILE",
+        Some(Sub::Deny) => {
+            "a usage error: an unknown flag, a missing argument, a bad Redis URL or --for"
+        }
+        None => "a usage error: an unknown command or flag, a missing argument, a bad Redis URL",
+        _ => "a usage error: an unknown flag, a missing argument, a bad Redis URL",
+    };
+    let mut text = format!("Exit codes:\n  0  {ok}\n  1  {bad}\n  2  {usage}");
+    if sub != Some(Sub::Check) {
         text.push_str(&format!(
-            "\n
+            "\n  3  Redis failed, or did not answer within {}s",
+            DEADLINE.as_secs()
+        ));
+    }
+    if sub == Some(Sub::Check) {
+        return text;
+    }
+    let name = match sub {
+        Some(Sub::Peek) => "peek",
+        Some(Sub::Reset) => "reset",
+        Some(Sub::Deny) => "deny",
+        Some(Sub::Undeny) => "undeny",
+        Some(Sub::Top) => "top",
+        None | Some(Sub::Check) => "peek, reset, deny, undeny and top",
+    };
+    text.push_str(&format!(
+        "\n
 Environment:
-  TOLLGATE_LIMITS  the limits file of `peek` when --limits is not given
+  TOLLGATE_LIMITS  the limits file of {name} when --limits is not given
 
 Defaults:
-  peek --limits  $TOLLGATE_LIMITS, else limits.toml
-  peek --prefix  {DEFAULT_PREFIX} (the Redis backend's default key prefix)
-  peek --plan    none: the limit's default quota"
-        ));
+  --limits  $TOLLGATE_LIMITS, else limits.toml
+  --prefix  {DEFAULT_PREFIX} (the Redis backend's default key prefix)"
+    ));
+    match sub {
+        Some(Sub::Peek) => text.push_str("\n  --plan    none: the limit's default quota"),
+        Some(Sub::Top) => text.push_str("\n  -n        10"),
+        _ => {}
     }
     text
 }
 
-/// Checks a limits file before a deploy, and reads one key's state in Redis.
+/// Checks a limits file before a deploy, and reads or changes one key's state in Redis.
 #[derive(Debug, Parser)]
 #[command(
     name = "tollgate",
     version,
     arg_required_else_help = true,
-    after_help = footer(true)
+    after_help = footer(None)
 )]
 struct Cli {
     #[command(subcommand)]
@@ -93,26 +145,39 @@ enum Command {
     /// box, then the allowlist and the denylist. Every
     /// principal name the file uses is taken as a string id. A broken file prints the error
     /// with its line and column, and exits 1.
-    #[command(after_help = footer(false))]
+    #[command(after_help = footer(Some(Sub::Check)))]
     Check {
-        /// The limits file (TOML).
+        /// The limits file (TOML); `-` reads it from standard input.
         #[arg(value_name = "FILE")]
         file: PathBuf,
     },
     /// Reads what IDENTITY's next one-unit request would find under LIMIT, writing nothing.
     ///
-    /// The limit's algorithm, quota and key come from the limits file, the state from Redis.
-    /// IDENTITY is whom requests are counted as: an IP address for a limit keyed by client
-    /// address, a tenant's or a principal's name.
-    #[command(after_help = footer(true))]
+    /// The limit's algorithm, quota and key come from the limits file, the state from Redis:
+    /// what is left (for a concurrency limit, how many are in flight), the burst of a GCRA
+    /// limit, and a deny or a block that refuses the identity, until when. IDENTITY is whom
+    /// requests are counted as: an IP address for a limit keyed by client address, a
+    /// tenant's or a principal's name.
+    #[command(after_help = footer(Some(Sub::Peek)))]
     Peek(PeekArgs),
+    /// Forgets what IDENTITY has used under LIMIT: its next request finds the whole quota.
+    ///
+    /// Deletes the key's state in Redis and lifts a block of the penalty box; a deny stays
+    /// (`undeny` lifts it). A replica that holds a denial of it in its deny cache refuses it
+    /// until that runs out (1 s by default). A concurrency limit cannot be reset: its slots
+    /// are requests still in flight.
+    #[command(after_help = footer(Some(Sub::Reset)))]
+    Reset(TargetArgs),
     /// Prints the identities LIMIT refused most, as every replica reported them to Redis.
     ///
     /// Over the current and the previous report bucket (a minute each): the count of
     /// refusals, the most it may be over (0 when exact), when they were first and last seen
-    /// (UTC), and the identity as the layer names it: a fingerprint, unless the limit's
-    /// extractor reveals identities. Writes nothing.
-    #[command(after_help = footer(false))]
+    /// (UTC), and the identity as requests carry it. Writes nothing.
+    ///
+    /// A replica reports the refusals it counted when it refuses again at least a second
+    /// after its last report: the last second of a burst followed by silence shows only after
+    /// that replica's next refusal under the limit.
+    #[command(after_help = footer(Some(Sub::Top)))]
     Top(TopArgs),
     /// Refuses IDENTITY under LIMIT on every replica for a while: 403, nothing consumed.
     ///
@@ -120,10 +185,10 @@ enum Command {
     /// from its next check of it (a replica that holds an answer for it in its deny cache or
     /// a leased slice, once that runs out: 1 s by default). A reset leaves it; `undeny`
     /// lifts it.
-    #[command(after_help = footer(true))]
+    #[command(after_help = footer(Some(Sub::Deny)))]
     Deny(DenyArgs),
-    /// Lifts a deny of IDENTITY under LIMIT.
-    #[command(after_help = footer(true))]
+    /// Lifts a deny of IDENTITY under LIMIT, or says there was none.
+    #[command(after_help = footer(Some(Sub::Undeny)))]
     Undeny(TargetArgs),
 }
 
@@ -132,7 +197,7 @@ struct DenyArgs {
     #[command(flatten)]
     target: TargetArgs,
     /// How long: `90` or `90s`, `15m`, `1h`, `7d`.
-    #[arg(long = "for", value_name = "DURATION", value_parser = parse_for)]
+    #[arg(long = "for", value_name = "DURATION", value_parser = sanction::parse_for)]
     duration: Duration,
 }
 
@@ -152,10 +217,6 @@ struct TargetArgs {
     /// The key prefix the layer's Redis backend was built with.
     #[arg(long, value_name = "PREFIX", default_value = DEFAULT_PREFIX)]
     prefix: String,
-    /// The environment variable that holds the key secret the layer's Redis backend was
-    /// built with (`key_secret`); the secret itself is never an argument.
-    #[arg(long, value_name = "NAME")]
-    key_secret_env: Option<String>,
     /// The limit's name, as the limits file says it.
     #[arg(value_name = "LIMIT")]
     limit: String,
@@ -164,33 +225,18 @@ struct TargetArgs {
     identity: String,
 }
 
-/// `90`, `90s`, `15m`, `1h` or `7d`.
-fn parse_for(text: &str) -> Result<Duration, String> {
-    let (digits, unit) = match text.find(|c: char| !c.is_ascii_digit()) {
-        Some(at) => text.split_at(at),
-        None => (text, "s"),
-    };
-    let n: u64 = digits
-        .parse()
-        .map_err(|_| format!("{text:?} is not a duration such as 90s, 15m, 1h or 7d"))?;
-    let secs = match unit {
-        "s" => 1,
-        "m" => 60,
-        "h" => 3_600,
-        "d" => 86_400,
-        _ => return Err(format!("{text:?}: the unit must be s, m, h or d")),
-    };
-    match n.checked_mul(secs) {
-        Some(0) => Err("a deny must last longer than zero".to_owned()),
-        Some(total) => Ok(Duration::from_secs(total)),
-        None => Err(format!("{text:?} is too long")),
-    }
-}
-
 #[derive(Debug, Args)]
 struct TopArgs {
     #[command(flatten)]
     redis: RedisArgs,
+    /// The limits file, which must have LIMIT.
+    #[arg(
+        long,
+        value_name = "FILE",
+        env = "TOLLGATE_LIMITS",
+        default_value = "limits.toml"
+    )]
+    limits: PathBuf,
     /// The key prefix the layer's Redis backend was built with.
     #[arg(long, value_name = "PREFIX", default_value = DEFAULT_PREFIX)]
     prefix: String,
@@ -211,10 +257,21 @@ struct PeekArgs {
     plan: Option<String>,
 }
 
+/// Which Redis, and how to trust it.
+#[derive(Debug, Args)]
+struct RedisArgs {
+    #[command(flatten)]
+    server: ServerArgs,
+    /// With rediss:// URLs: the CA that signs the servers' certificates, in PEM, instead of
+    /// the public roots.
+    #[arg(long, value_name = "FILE")]
+    tls_ca: Option<PathBuf>,
+}
+
 #[derive(Debug, Args)]
 #[group(required = true, multiple = false)]
-struct RedisArgs {
-    /// A standalone Redis server.
+struct ServerArgs {
+    /// A standalone Redis server: redis://HOST:PORT, or rediss://HOST:PORT for TLS.
     #[arg(long, value_name = "URL")]
     redis: Option<String>,
     /// The nodes of a Redis Cluster, comma-separated.
@@ -225,240 +282,16 @@ struct RedisArgs {
 fn main() -> ExitCode {
     // Help and version exit 0; usage errors name what is wrong, with a hint, and exit 2.
     let cli = Cli::parse();
-    match cli.command {
-        Command::Check { file } => match load(&file) {
-            Ok(limits) => {
-                table::print(&file, &limits);
-                ExitCode::SUCCESS
-            }
-            Err(code) => code,
-        },
-        Command::Peek(args) => peek(&args),
-        Command::Top(args) => top(&args),
-        Command::Deny(args) => sanction(&args.target, Some(args.duration)),
-        Command::Undeny(args) => sanction(&args, None),
-    }
-}
-
-/// `deny` (for `duration`) or `undeny` (`None`) of the target's identity.
-fn sanction(target: &TargetArgs, duration: Option<Duration>) -> ExitCode {
-    let name = target.limit.as_str();
-    let (limit, key, identity) = match target_key(&target.limits, name, &target.identity) {
-        Ok(found) => found,
-        Err(code) => return code,
+    let done = match cli.command {
+        Command::Check { file } => check::run(&file),
+        Command::Peek(args) => sanction::peek(&args.target, args.plan.as_deref()),
+        Command::Reset(args) => sanction::reset(&args),
+        Command::Top(args) => top::run(&args),
+        Command::Deny(args) => sanction::deny(&args.target, args.duration),
+        Command::Undeny(args) => sanction::undeny(&args),
     };
-    let (backend, runtime) = match connect(
-        &target.redis,
-        &target.prefix,
-        target.key_secret_env.as_deref(),
-    ) {
-        Ok(both) => both,
-        Err(code) => return code,
-    };
-    let check = Check::new(&limit, &key);
-    let answer = match duration {
-        Some(d) => runtime.block_on(backend.deny(&check, d)),
-        None => runtime.block_on(backend.undeny(&check)),
-    };
-    match (answer, duration) {
-        (Ok(()), Some(d)) => {
-            println!("denied {identity} under {name} for {}", period(d));
-            ExitCode::SUCCESS
-        }
-        (Ok(()), None) => {
-            println!("lifted the deny of {identity} under {name}");
-            ExitCode::SUCCESS
-        }
-        (Err(e), _) => {
-            eprintln!("{e}");
-            ExitCode::from(3)
-        }
-    }
-}
-
-fn load(file: &Path) -> Result<Limits, ExitCode> {
-    LimitsFile::new().any_principal().read(file).map_err(|e| {
-        eprintln!("{}: {e}", file.display());
-        ExitCode::from(1)
-    })
-}
-
-fn peek(args: &PeekArgs) -> ExitCode {
-    let target = &args.target;
-    let name = target.limit.as_str();
-    let (limit, key, identity) = match target_key(&target.limits, name, &target.identity) {
-        Ok(found) => found,
-        Err(code) => return code,
-    };
-    let limit = &limit;
-    let quota = match &args.plan {
-        None => *limit.quota(),
-        Some(plan) => match limit.plans().find(|(n, _)| n == plan) {
-            Some((_, q)) => *q,
-            None => {
-                eprintln!("limit {name:?} has no plan {plan:?}");
-                return ExitCode::from(1);
-            }
-        },
-    };
-    let (backend, runtime) = match connect(
-        &target.redis,
-        &target.prefix,
-        target.key_secret_env.as_deref(),
-    ) {
-        Ok(both) => both,
-        Err(code) => return code,
-    };
-    let check = Check::new(limit, &key).with_quota(quota);
-    match runtime.block_on(backend.peek(&check)) {
-        Ok(state) => {
-            print_state(name, &identity, limit, &quota, &state);
-            ExitCode::SUCCESS
-        }
-        Err(e) => {
-            eprintln!("{e}");
-            ExitCode::from(3)
-        }
-    }
-}
-
-/// The limit named `name` in the limits file `file`, and the key `identity` is counted
-/// under there; or the exit code of why not.
-fn target_key(
-    file: &Path,
-    name: &str,
-    identity: &str,
-) -> Result<(Limit, Vec<u8>, Identity), ExitCode> {
-    let limits = load(file)?;
-    let Some((limit, key)) = limits.get(name) else {
-        eprintln!("{}: no limit named {name:?}", file.display());
-        return Err(ExitCode::from(1));
-    };
-    let identity = Identity::from(identity);
-    match key.key_of(&identity) {
-        Ok(key) => Ok((limit.clone(), key.as_bytes().to_vec(), identity)),
-        Err(missing) => {
-            eprintln!("{}", IdentityError::new(name, identity, missing));
-            Err(ExitCode::from(1))
-        }
-    }
-}
-
-/// The Redis backend `redis` and `prefix` name, and a runtime to call it on; or the exit
-/// code of why not.
-fn connect(
-    redis: &RedisArgs,
-    prefix: &str,
-    key_secret_env: Option<&str>,
-) -> Result<(RedisBackend, tokio::runtime::Runtime), ExitCode> {
-    let builder = match (&redis.redis, &redis.cluster) {
-        (Some(url), _) => RedisBackend::builder().url(url),
-        (None, Some(urls)) => RedisBackend::builder().cluster(urls),
-        // The argument group requires one of the two: clap refuses this first.
-        (None, None) => {
-            eprintln!("tollgate: needs --redis URL or --cluster URL[,URL...]");
-            return Err(ExitCode::from(2));
-        }
-    };
-    let builder = match key_secret_env {
-        None => builder,
-        Some(name) => match std::env::var_os(name) {
-            Some(secret) if !secret.is_empty() => builder.key_secret(secret.as_encoded_bytes()),
-            _ => {
-                eprintln!("tollgate: --key-secret-env: the environment variable {name} is not set");
-                return Err(ExitCode::from(2));
-            }
-        },
-    };
-    let backend = match builder.prefix(prefix).deadline(PEEK_DEADLINE).build() {
-        Ok(backend) => backend,
-        Err(e) => {
-            eprintln!("redis: {e}");
-            return Err(ExitCode::from(2));
-        }
-    };
-    match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(rt) => Ok((backend, rt)),
-        Err(e) => {
-            eprintln!("tollgate: {e}");
-            Err(ExitCode::from(3))
-        }
-    }
-}
-
-fn top(args: &TopArgs) -> ExitCode {
-    let (backend, runtime) = match connect(&args.redis, &args.prefix, None) {
-        Ok(both) => both,
-        Err(code) => return code,
-    };
-    let now = SystemClock::new().now();
-    match runtime.block_on(backend.top(&args.limit, args.n, now)) {
-        Ok(top) => {
-            print_top(&args.limit, &top);
-            ExitCode::SUCCESS
-        }
-        Err(e) => {
-            eprintln!("{e}");
-            ExitCode::from(3)
-        }
-    }
-}
-
-fn print_top(limit: &str, top: &[Refused]) {
-    println!("limit  {limit}: {} refused identities", top.len());
-    println!(
-        "{:>9} {:>7}  {:<20}  {:<20}  identity",
-        "refused", "error", "first seen (UTC)", "last seen (UTC)"
-    );
-    for r in top {
-        println!(
-            "{:>9} {:>7}  {:<20}  {:<20}  {}",
-            r.count,
-            r.error,
-            utc(r.first_seen),
-            utc(r.last_seen),
-            r.identity
-        );
-    }
-}
-
-/// Microseconds since the Unix epoch as `YYYY-MM-DDTHH:MM:SSZ`.
-fn utc(micros: u64) -> String {
-    let secs = micros / 1_000_000;
-    let (days, rest) = (secs / 86_400, secs % 86_400);
-    // Days to a civil date, counted in 400-year eras from 0000-03-01.
-    let z = days as i64 + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    format!(
-        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
-        rest / 3_600,
-        rest / 60 % 60,
-        rest % 60
-    )
-}
-
-fn print_state(name: &str, identity: &Identity, limit: &Limit, quota: &Quota, s: &KeyState) {
-    println!(
-        "limit      {name} ({} {}/{})",
-        limit.algorithm().as_str(),
-        quota.limit(),
-        period(quota.period())
-    );
-    println!("identity   {identity}");
-    println!("remaining  {}", s.remaining);
-    println!("reset      {:.3}s", s.reset.as_secs_f64());
-    match s.retry_after {
-        Some(after) => println!("retry      {:.3}s", after.as_secs_f64()),
-        None => println!("retry      -"),
+    match done {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(code) => code,
     }
 }

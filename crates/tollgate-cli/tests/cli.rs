@@ -200,7 +200,7 @@ fn readme_commands() -> Vec<Vec<String>> {
 fn the_readme_commands_run_on_the_shipped_file() {
     let commands = readme_commands();
     let names: Vec<&str> = commands.iter().map(|c| c[0].as_str()).collect();
-    assert_eq!(names, ["check", "peek", "top", "deny", "undeny"]);
+    assert_eq!(names, ["check", "peek", "reset", "top", "deny", "undeny"]);
     let server = RedisServer::start();
     for command in commands {
         let args: Vec<String> = command
@@ -214,18 +214,15 @@ fn the_readme_commands_run_on_the_shipped_file() {
             })
             .collect();
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        assert!(args.contains(&"examples/limits.toml"), "{args:?}");
+        let out = self::command(&args).current_dir(root()).output().unwrap();
+        assert_eq!(out.status.code(), Some(0), "{args:?}: {}", stderr(&out));
         if args[0] == "top" {
-            let out = self::command(&args).output().unwrap();
-            assert_eq!(out.status.code(), Some(0), "{args:?}: {}", stderr(&out));
             assert_eq!(
                 stdout(&out).lines().next(),
                 Some("limit  per-ip: 0 refused identities")
             );
-            continue;
         }
-        assert!(args.contains(&"examples/limits.toml"), "{args:?}");
-        let out = self::command(&args).current_dir(root()).output().unwrap();
-        assert_eq!(out.status.code(), Some(0), "{args:?}: {}", stderr(&out));
         if args[0] == "deny" {
             assert_eq!(
                 stdout(&out),
@@ -237,6 +234,7 @@ fn the_readme_commands_run_on_the_shipped_file() {
             let text = stdout(&out);
             assert!(text.contains("limit      per-ip (gcra 60/1m)\n"), "{text}");
             assert!(text.contains("identity   203.0.113.7\n"), "{text}");
+            assert!(text.contains("burst      10\n"), "{text}");
             assert!(text.contains("remaining  10\n"), "{text}");
         }
     }
@@ -256,8 +254,9 @@ fn help_and_version_exit_0() {
         "  2  a usage error",
         "  3  Redis failed",
         "TOLLGATE_LIMITS",
-        "peek --limits  $TOLLGATE_LIMITS, else limits.toml",
-        "peek --prefix  tollgate",
+        "  --limits  $TOLLGATE_LIMITS, else limits.toml",
+        "  --prefix  tollgate",
+        "  reset  ",
     ] {
         assert!(text.contains(says), "{says:?} not in:\n{text}");
     }
@@ -271,6 +270,53 @@ fn help_and_version_exit_0() {
     assert_eq!(check.status.code(), Some(0));
     assert!(stdout(&check).contains("Usage: tollgate check <FILE>"));
     assert!(stdout(&check).contains("  1  a bad file"));
+    // Each subcommand's help speaks of that subcommand alone.
+    let text = stdout(&check);
+    for not in ["peek", "  3  ", "TOLLGATE_LIMITS", "Redis"] {
+        assert!(!text.contains(not), "{not:?} in:\n{text}");
+    }
+    for (sub, says) in [
+        ("peek", "  0  ok: the state was read (and printed)"),
+        (
+            "reset",
+            "  0  ok: the identity's state under the limit is forgotten",
+        ),
+        (
+            "reset",
+            "or a concurrency limit (its slots are requests in flight)",
+        ),
+        ("deny", "  0  ok: the identity is denied"),
+        ("deny", "a bad Redis URL or --for"),
+        (
+            "undeny",
+            "  0  ok: the deny is lifted, or there was none (said so)",
+        ),
+        ("top", "  1  a bad limits file; or a limit it does not have"),
+        ("top", "  -n        10"),
+        ("top", "shows only after that replica's next refusal"),
+    ] {
+        let out = run(&[sub, "--help"]);
+        assert_eq!(out.status.code(), Some(0));
+        let text = stdout(&out);
+        assert!(text.contains(says), "{sub}: {says:?} not in:\n{text}");
+        assert!(
+            text.contains(&format!(
+                "the limits file of {sub} when --limits is not given"
+            )),
+            "{sub}:\n{text}"
+        );
+        assert!(
+            text.contains("  3  Redis failed, or did not answer within 2s"),
+            "{sub}:\n{text}"
+        );
+        for other in ["peek", "reset", "deny", "undeny", "top"] {
+            let says_other = format!("the limits file of {other} ");
+            assert!(
+                other == sub || !text.contains(&says_other),
+                "{sub}:\n{text}"
+            );
+        }
+    }
     let peek = run(&["peek", "--help"]);
     assert_eq!(peek.status.code(), Some(0));
     let text = stdout(&peek);
@@ -633,10 +679,16 @@ async fn top_prints_the_most_refused_identities_from_redis() {
     reports.merge("per-ip", 200, a, now).await.unwrap();
     reports.merge("per-ip", 200, b, now).await.unwrap();
     server.reset_stats();
+    let path = file(
+        "top",
+        "[[limit]]\nname = \"per-ip\"\nperiod = \"1m\"\nkey = \"ip\"\nquota = 5\n",
+    );
     let out = run(&[
         "top",
         "--redis",
         &server.url(),
+        "--limits",
+        path.to_str().unwrap(),
         "--prefix",
         "app",
         "-n",
@@ -655,9 +707,26 @@ limit  per-ip: 2 refused identities
     );
     let stats = server.command_stats();
     assert_eq!(stats.get("eval").copied(), Some(1), "{stats:?}");
-    // Another limit, or another prefix, has nothing.
-    let other = run(&["top", "--redis", &server.url(), "other"]);
-    assert_eq!(stdout(&other), "limit  other: 0 refused identities\n  refused   error  first seen (UTC)      last seen (UTC)       identity\n");
+    // Another prefix has nothing.
+    let limits = path.to_str().unwrap();
+    let other = run(&[
+        "top",
+        "--redis",
+        &server.url(),
+        "--limits",
+        limits,
+        "per-ip",
+    ]);
+    assert_eq!(other.status.code(), Some(0), "{}", stderr(&other));
+    assert_eq!(stdout(&other), "limit  per-ip: 0 refused identities\n  refused   error  first seen (UTC)      last seen (UTC)       identity\n");
+    // A limit the file does not have is a mistake, not an empty report.
+    let unknown = run(&["top", "--redis", &server.url(), "--limits", limits, "other"]);
+    assert_eq!(unknown.status.code(), Some(1));
+    assert_eq!(stdout(&unknown), "");
+    assert_eq!(
+        stderr(&unknown),
+        format!("{limits}: no limit named \"other\"\n")
+    );
 }
 
 /// `deny` refuses an identity on every replica that shares the Redis server, `undeny` lifts
@@ -707,8 +776,41 @@ default = 60
         panic!("the replica refuses the denied identity");
     };
     assert!(retry_after > 7_199_000_000 && retry_after <= 7_200_000_000);
+    // `peek` says the identity is denied, and until when.
+    let peeked = run(&[
+        "peek",
+        "--redis",
+        &url,
+        "--prefix",
+        "app",
+        "--limits",
+        path.to_str().unwrap(),
+        "per-ip",
+        "203.0.113.7",
+    ]);
+    let text = stdout(&peeked);
+    let denied = text
+        .lines()
+        .find(|l| l.starts_with("denied     until 20"))
+        .unwrap_or_else(|| panic!("no deny in:\n{text}"));
+    assert!(
+        denied.ends_with("Z (in 7200s)") || denied.ends_with("Z (in 7199s)"),
+        "{denied}"
+    );
+    assert!(text.contains("remaining  0\n"), "{text}");
     let lifted = target("undeny");
     assert_eq!(lifted.status.code(), Some(0), "{}", stderr(&lifted));
+    assert_eq!(
+        stdout(&lifted),
+        "lifted the deny of 203.0.113.7 under per-ip\n"
+    );
+    // There is none left to lift: said so.
+    let again = target("undeny");
+    assert_eq!(again.status.code(), Some(0), "{}", stderr(&again));
+    assert_eq!(
+        stdout(&again),
+        "203.0.113.7 was not denied under per-ip: nothing to lift\n"
+    );
     // The replica's deny cache holds the deny for up to its TTL; a replica without one
     // (a backend of its own) asks Redis, which admits.
     let other = app_backend(&server);
@@ -730,6 +832,262 @@ default = 60
             bad,
         ]);
         assert_eq!(out.status.code(), Some(2), "--for {bad}: {}", stderr(&out));
+    }
+}
+
+/// `check -` reads the file from standard input, as `check FILE` reads it.
+#[test]
+fn check_dash_reads_standard_input() {
+    use std::io::Write;
+    let from = |text: &str| {
+        let mut child = command(&["check", "-"])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(text.as_bytes())
+            .unwrap();
+        child.wait_with_output().unwrap()
+    };
+    let out = from(GOOD);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let path = file("stdin-good", GOOD);
+    let from_file = stdout(&run(&["check", path.to_str().unwrap()]));
+    assert_eq!(
+        stdout(&out),
+        from_file.replace(path.to_str().unwrap(), "standard input")
+    );
+    assert!(stdout(&out).ends_with("standard input: ok, 4 limits\n"));
+    let out = from("[[limit]]\nname = \"a\"\n");
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        stderr(&out).starts_with("standard input: limits file, line 1 column 1: "),
+        "{}",
+        stderr(&out)
+    );
+}
+
+/// A field misspelt below `[limit.quota]` would be a plan: `check` refuses it, exit 1.
+#[test]
+fn check_refuses_a_plan_named_like_a_field() {
+    broken(
+        "qota",
+        "[[limit]]\nname = \"api\"\nperiod = \"1m\"\nkey = \"ip\"\n[limit.quota]\n\
+         default = 5\nqota = 3\n",
+        7,
+        1,
+        "limit \"api\": plan \"qota\" is one edit from `quota`: did you mean `quota`?",
+    );
+}
+
+/// The limits file `peek` and `reset` read below: a GCRA limit and a concurrency limit.
+const TARGETS: &str = r#"
+[[limit]]
+name = "per-ip"
+period = "1m"
+key = "ip"
+[limit.quota]
+default = { limit = 60, burst = 10 }
+
+[[limit]]
+name = "jobs"
+algorithm = "concurrency"
+key = "ip"
+quota = 5
+"#;
+
+/// `peek` and `reset` of one identity, with `extra` options, on the server at `url`.
+fn on_target(sub: &str, url: &str, limits: &Path, extra: &[&str], limit: &str) -> Output {
+    let mut args = vec![
+        sub,
+        "--redis",
+        url,
+        "--prefix",
+        "app",
+        "--limits",
+        limits.to_str().unwrap(),
+    ];
+    args.extend(extra);
+    args.extend([limit, "203.0.113.7"]);
+    run(&args)
+}
+
+/// Over TLS, from a TLS-only server: `peek` reads a key and `reset` forgets it.
+#[tokio::test]
+async fn peek_and_reset_reach_a_tls_only_redis() {
+    let certs = tollgate_testsupport::TestCerts::generate();
+    let server = RedisServer::start_tls(&certs);
+    let url = server.url();
+    assert!(url.starts_with("rediss://"), "{url}");
+    let ca = file("ca.pem", certs.ca_pem());
+    let limits = file("tls-targets", TARGETS);
+    let backend = RedisBackend::builder()
+        .url(&url)
+        .tls_ca_pem(certs.ca_pem())
+        .prefix("app")
+        .build()
+        .unwrap();
+    let limit = Limit::gcra(
+        "per-ip",
+        Quota::per_minute(60).unwrap().with_burst(10).unwrap(),
+    )
+    .unwrap();
+    let key = ip_key("203.0.113.7");
+    for _ in 0..4 {
+        let v = backend
+            .check(&[Check::new(&limit, key.as_bytes())])
+            .await
+            .unwrap();
+        assert!(v[0].is_allowed());
+    }
+    let tls = ["--tls-ca", ca.to_str().unwrap()];
+    let peek = on_target("peek", &url, &limits, &tls, "per-ip");
+    assert_eq!(peek.status.code(), Some(0), "{}", stderr(&peek));
+    let text = stdout(&peek);
+    assert!(text.contains("burst      10\nremaining  6\n"), "{text}");
+    let reset = on_target("reset", &url, &limits, &tls, "per-ip");
+    assert_eq!(reset.status.code(), Some(0), "{}", stderr(&reset));
+    assert_eq!(
+        stdout(&reset),
+        "reset 203.0.113.7 under per-ip: its next request finds the whole quota\n"
+    );
+    let peek = on_target("peek", &url, &limits, &tls, "per-ip");
+    assert!(
+        stdout(&peek).contains("remaining  10\n"),
+        "{}",
+        stdout(&peek)
+    );
+    let v = backend
+        .check(&[Check::new(&limit, key.as_bytes())])
+        .await
+        .unwrap();
+    assert_eq!(v[0].remaining, 9);
+    // Without the CA, the server's certificate is not trusted: Redis failed, exit 3.
+    let untrusted = on_target("peek", &url, &limits, &[], "per-ip");
+    assert_eq!(untrusted.status.code(), Some(3), "{}", stderr(&untrusted));
+}
+
+/// A concurrency limit peeks as the requests in flight, and cannot be reset; a reset leaves
+/// a deny and says so.
+#[tokio::test]
+async fn peek_shows_requests_in_flight_and_reset_what_it_leaves() {
+    let server = RedisServer::start();
+    let url = server.url();
+    let limits = file("targets", TARGETS);
+    let backend = app_backend(&server);
+    let jobs = Limit::concurrency("jobs", 5).unwrap();
+    let key = ip_key("203.0.113.7");
+    for slot in 1..=3 {
+        let v = backend
+            .check(&[Check::new(&jobs, key.as_bytes()).with_slot(slot)])
+            .await
+            .unwrap();
+        assert!(v[0].is_allowed());
+    }
+    let peek = on_target("peek", &url, &limits, &[], "jobs");
+    assert_eq!(peek.status.code(), Some(0), "{}", stderr(&peek));
+    assert_eq!(
+        stdout(&peek),
+        "limit      jobs (concurrency 5 at once)\nidentity   203.0.113.7\n\
+         in flight  3\nremaining  2\n"
+    );
+    let reset = on_target("reset", &url, &limits, &[], "jobs");
+    assert_eq!(reset.status.code(), Some(1));
+    assert_eq!(
+        stderr(&reset),
+        "limit \"jobs\" is a concurrency limit: its slots are requests still in flight, given \
+         back when they end, and cannot be reset\n"
+    );
+    let deny = on_target("deny", &url, &limits, &["--for", "1h"], "per-ip");
+    assert_eq!(deny.status.code(), Some(0), "{}", stderr(&deny));
+    let reset = on_target("reset", &url, &limits, &[], "per-ip");
+    assert_eq!(reset.status.code(), Some(0), "{}", stderr(&reset));
+    assert_eq!(stdout(&reset).lines().count(), 2, "{}", stdout(&reset));
+    assert!(
+        stdout(&reset).contains("\nit is still denied until 20"),
+        "{}",
+        stdout(&reset)
+    );
+}
+
+/// A Redis that accepts and never answers: the command gives up after the 2 s its help
+/// states, not sooner.
+#[test]
+fn a_silent_redis_is_given_the_deadline_the_help_states() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("redis://{}/", listener.local_addr().unwrap());
+    // Accepts every connection and holds it, silent, until the test ends.
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for conn in listener.incoming() {
+            held.push(conn);
+        }
+    });
+    let limits = file("silent", TARGETS);
+    let started = std::time::Instant::now();
+    let out = on_target("peek", &url, &limits, &[], "per-ip");
+    let took = started.elapsed();
+    assert_eq!(out.status.code(), Some(3), "{}", stderr(&out));
+    assert_eq!(
+        stderr(&out),
+        "rate-limit backend timeout: no answer to peek within 2s\n"
+    );
+    assert!(took >= Duration::from_secs(2), "{took:?}");
+}
+
+/// A server that is not Redis: one line that says so, exit 3.
+#[test]
+fn a_server_that_is_not_redis_is_one_line() {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("redis://{}/", listener.local_addr().unwrap());
+    std::thread::spawn(move || {
+        for mut conn in listener.incoming().flatten() {
+            let mut buf = [0u8; 1024];
+            let _ = conn.read(&mut buf);
+            let _ = conn.write_all(
+                b"HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain\r\n\
+                  Content-Length: 11\r\nConnection: close\r\n\r\nBad Request",
+            );
+        }
+    });
+    let limits = file("not-redis", TARGETS);
+    let out = on_target("peek", &url, &limits, &[], "per-ip");
+    assert_eq!(out.status.code(), Some(3), "{}", stderr(&out));
+    let err = stderr(&out);
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.contains("the server does not answer as Redis does: is it a Redis server?"),
+        "{err}"
+    );
+}
+
+/// URL mistakes say what was expected, and are usage errors.
+#[test]
+fn a_bad_redis_url_says_what_was_expected() {
+    let limits = file("urls", TARGETS);
+    for (url, says) in [
+        (
+            "127.0.0.1:6379",
+            "redis: invalid Redis URL: no scheme: a Redis URL starts with redis://",
+        ),
+        (
+            "http://127.0.0.1:6379/",
+            "redis: invalid Redis URL: http:// is not a Redis scheme",
+        ),
+        (
+            "redis://127.0.0.1:99999/",
+            "redis: invalid Redis URL: port 99999 is out of range",
+        ),
+    ] {
+        let out = on_target("peek", url, &limits, &[], "per-ip");
+        assert_eq!(out.status.code(), Some(2), "{url}");
+        assert!(stderr(&out).starts_with(says), "{url}: {}", stderr(&out));
     }
 }
 

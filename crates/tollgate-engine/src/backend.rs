@@ -246,6 +246,19 @@ pub struct KeyState {
     /// Time until one more unit can be taken, when none is left now; `None` when one is
     /// left, or when it never can be (a concurrency limit's slots free when requests end).
     pub retry_after: Option<Duration>,
+    /// A refusal that stands on the key whatever its quota has left (a deny, a block), until
+    /// `retry_after` has passed; `None` when the quota alone decides.
+    pub standing: Option<Standing>,
+}
+
+/// A refusal that stands on a key whatever its quota has left.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Standing {
+    /// Denied by hand ([`Admin::deny`]).
+    Denied,
+    /// In the penalty box ([`Penalty`](crate::Penalty)).
+    Blocked,
 }
 
 impl KeyState {
@@ -258,10 +271,16 @@ impl KeyState {
             (_, Status::Allowed) => None,
             _ => unconsumed.retry_after(),
         };
+        let standing = match unconsumed.status {
+            Status::Denylisted { .. } => Some(Standing::Denied),
+            Status::Blocked { .. } => Some(Standing::Blocked),
+            _ => None,
+        };
         Self {
             remaining: unconsumed.remaining,
             reset: unconsumed.reset(),
             retry_after,
+            standing,
         }
     }
 
@@ -272,6 +291,7 @@ impl KeyState {
             remaining: u64::from(quota.burst()),
             reset: Duration::ZERO,
             retry_after: None,
+            standing: None,
         }
     }
 }

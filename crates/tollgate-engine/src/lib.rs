@@ -51,7 +51,7 @@ mod verdicts;
 
 pub use backend::{
     unsupported, Admin, AdminFuture, Backend, BackendError, BackendErrorKind, KeyState, Landing,
-    Lifecycle, Reports, Slots,
+    Lifecycle, Reports, Slots, Standing,
 };
 pub use bounds::{
     DEFAULT_MAX_WAITING, MAX_CHECKS, MAX_LOG_UNITS, MAX_NAME_LEN, MAX_PERIOD, MAX_PLANS,

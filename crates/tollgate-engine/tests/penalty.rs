@@ -7,8 +7,8 @@ use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use tollgate_engine::{
-    Admin, Check, ConfigError, FakeClock, Lease, Limit, MemoryBackend, Micros, Penalty, Quota,
-    Status,
+    Admin, Check, ConfigError, FakeClock, KeyState, Lease, Limit, MemoryBackend, Micros, Penalty,
+    Quota, Standing, Status,
 };
 
 const S: Micros = 1_000_000;
@@ -133,6 +133,10 @@ fn a_reset_lifts_a_block_and_a_blocked_batch_consumes_nothing() {
         .unwrap();
     assert!(matches!(batch[0].status, Status::Blocked { .. }));
     assert_eq!(backend.peek_now(&Check::new(&other, b"ip")).remaining, 10);
+    // A peek says the key is blocked, not only that nothing is left.
+    let blocked = backend.peek_now(&Check::new(&limit, b"ip"));
+    assert_eq!(blocked.standing, Some(Standing::Blocked));
+    assert_eq!(blocked.retry_after, Some(Duration::from_secs(600)));
     backend.reset_now(&Check::new(&limit, b"ip")).unwrap();
     assert_eq!(status(&backend, &limit, b"ip"), Status::Allowed);
 }
@@ -149,6 +153,16 @@ fn a_deny_refuses_every_request_until_undenied_and_survives_a_reset() {
         status(&backend, &limit, b"k"),
         Status::Denylisted {
             retry_after: 3600 * S
+        }
+    );
+    // A peek says the key is denied, and for how long.
+    assert_eq!(
+        backend.peek_now(&Check::new(&limit, b"k")),
+        KeyState {
+            remaining: 0,
+            reset: Duration::from_secs(3600),
+            retry_after: Some(Duration::from_secs(3600)),
+            standing: Some(Standing::Denied),
         }
     );
     backend.reset_now(&Check::new(&limit, b"k")).unwrap();

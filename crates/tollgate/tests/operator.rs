@@ -239,6 +239,7 @@ async fn peek_and_reset<B: Backend>(backend: B) {
         remaining: n,
         reset: Duration::ZERO,
         retry_after: None,
+        standing: None,
     };
     assert_eq!(layer.peek("per-ip", "2001:db8::1").await.unwrap(), whole(5));
     assert_eq!(
