@@ -4,7 +4,7 @@
 # `cargo test --workspace` (the Redis and Redis Cluster tests start their own servers on free
 # loopback ports; the TLS ones with certificates they make) and the layer's test without axum,
 # and the Redis backend's unit tests without its `tls` feature. Extra arguments go to
-# `cargo test`.
+# `cargo test`. The last line sums up the run: `tests: N passed, M failed`.
 #
 # With Redis installed, `cargo test --workspace` alone is the inner loop.
 set -euo pipefail
@@ -25,10 +25,31 @@ if [ ${#need[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
 fi
 
+# Every step runs, even after one fails; the output also goes to a log, from which the last
+# line sums up the whole run, as CI's does.
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+failed=0
+step() {
+  "$@" ${extra[@]+"${extra[@]}"} 2>&1 | tee -a "$log" || failed=1
+}
+extra=("$@")
+
 # The workspace build has tollgate-redis's `tls` feature on (the examples need it), so its
 # TLS tests run here.
-cargo test --workspace "$@"
+step cargo test --workspace
 # The layer in front of a plain tower service, built without axum.
-cargo test -p tollgate --no-default-features --test no_axum "$@"
+step cargo test -p tollgate --no-default-features --test no_axum
 # What a build without the `tls` feature says of a `rediss://` URL.
-cargo test -p tollgate-redis --lib "$@"
+step cargo test -p tollgate-redis --lib
+
+# One closing line: the tests passed and failed, and whether a step failed without a test
+# failing (a build that broke).
+awk -v failed="$failed" '
+  /^test result:/ { p += $4; f += $6 }
+  END {
+    printf "tests: %d passed, %d failed", p, f
+    if (failed && f == 0) printf " (a step failed: see above)"
+    printf "\n"
+  }' "$log"
+exit "$failed"
