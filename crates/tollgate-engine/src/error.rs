@@ -203,3 +203,20 @@ impl fmt::Display for ConfigError {
 }
 
 impl std::error::Error for ConfigError {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `main() -> Result<(), Box<dyn Error>>` prints `Debug`: it must say what `Display` says.
+    #[test]
+    fn debug_says_what_display_says() {
+        for e in [
+            ConfigError::ZeroLimit,
+            ConfigError::InvalidName("a b".to_owned()),
+            ConfigError::InvalidCost { cost: 0, max: 5 },
+        ] {
+            assert_eq!(format!("{e:?}"), e.to_string());
+        }
+    }
+}

@@ -137,7 +137,7 @@ impl fmt::Debug for Cidr {
 }
 
 /// A network that could not be parsed or built; see [`Cidr`].
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq)]
 pub struct InvalidCidr {
     input: String,
     reason: Reason,
@@ -154,6 +154,14 @@ impl InvalidCidr {
     /// The text that was rejected.
     pub fn input(&self) -> &str {
         &self.input
+    }
+}
+
+/// The words of `Display`: `main() -> Result<(), Box<dyn Error>>` prints an error with
+/// `Debug`, and a person reading it needs what is wrong.
+impl fmt::Debug for InvalidCidr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
     }
 }
 
@@ -300,6 +308,8 @@ mod tests {
         for (input, message) in bad {
             let err = input.parse::<Cidr>().unwrap_err();
             assert_eq!(err.to_string(), message);
+            // What `main() -> Result<(), Box<dyn Error>>` prints says the same.
+            assert_eq!(format!("{err:?}"), message);
             assert_eq!(err.input(), input);
         }
         assert_eq!(
