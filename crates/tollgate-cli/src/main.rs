@@ -8,7 +8,8 @@
 //! tollgate deny   REDIS [--limits FILE] [--prefix PREFIX] LIMIT IDENTITY --for DURATION
 //! tollgate undeny REDIS [--limits FILE] [--prefix PREFIX] LIMIT IDENTITY
 //! tollgate top    REDIS [--limits FILE] [--prefix PREFIX] [-n N] LIMIT
-//!   REDIS: (--redis URL | --cluster URL[,URL...]) [--tls-ca FILE]   (rediss:// for TLS)
+//!   REDIS: (--redis URL | --cluster URL[,URL...]) [--tls-ca FILE] [--key-secret-env NAME]
+//!          (rediss:// for TLS; NAME: the variable that holds the backend's key secret)
 //! ```
 //!
 //! `check` exits 0 and prints the effective limits as a table (name, algorithm, quota per
@@ -266,6 +267,10 @@ struct RedisArgs {
     /// the public roots.
     #[arg(long, value_name = "FILE")]
     tls_ca: Option<PathBuf>,
+    /// The environment variable that holds the key secret the layer's Redis backend was
+    /// built with (`key_secret`); the secret itself is never an argument.
+    #[arg(long, value_name = "NAME")]
+    key_secret_env: Option<String>,
 }
 
 #[derive(Debug, Args)]

@@ -71,6 +71,16 @@ pub(crate) fn connect(
             }
         },
     };
+    let builder = match &redis.key_secret_env {
+        None => builder,
+        Some(name) => match std::env::var_os(name) {
+            Some(secret) if !secret.is_empty() => builder.key_secret(secret.as_encoded_bytes()),
+            _ => {
+                eprintln!("tollgate: --key-secret-env: the environment variable {name} is not set");
+                return Err(ExitCode::from(2));
+            }
+        },
+    };
     let backend = match builder
         .prefix(prefix)
         .deadline(DEADLINE)

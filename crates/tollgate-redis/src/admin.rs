@@ -59,7 +59,7 @@ impl Admin {
     /// its block (a deny stays), in one call: no moment, and no failure between two calls,
     /// leaves a denied GCRA key without the deny's end in its value.
     pub(crate) async fn reset(&self, check: &OwnedCheck) -> Result<(), BackendError> {
-        let digest = keys::digest(check.limit.name(), &check.key);
+        let digest = self.keyer.digest(check.limit.name(), &check.key);
         let base = BaseKey::new(&self.prefix, check.limit.name(), &digest);
         let algorithm = check.limit.algorithm();
         self.call_for("reset", |now| {
