@@ -13,9 +13,10 @@ use bytes::Bytes;
 use http::{Request, Response, StatusCode};
 use support::clients::{app, from, Svc};
 use support::{Flaky, Recorder};
-use tollgate::key::{ClientIp, Tenant};
+use tollgate::key::{ClientIp, Tenant, TrustedProxies};
 use tollgate::{
-    Allowlist, Decision, Denylist, Limit, Limits, LimitsFile, Outcome, Quota, RateLimitLayer,
+    Allowlist, Decision, Denylist, Limit, Limits, LimitsFile, MissingKeyPolicy, Outcome, Quota,
+    RateLimitLayer,
 };
 use tollgate_redis::RedisBackend;
 use tollgate_testsupport::RedisServer;
@@ -482,4 +483,72 @@ fn limits_file_denylists_name_their_mistakes() {
         let err = LimitsFile::new().parse(&text).unwrap_err().to_string();
         assert!(err.contains(want), "{err:?} lacks {want:?}");
     }
+}
+
+/// A request from `client` through the trusted proxy 10.0.0.1, whose `X-Forwarded-For` the
+/// client padded with 5,000 bytes before the proxy appended the address it saw.
+fn padded_through_proxy(client: &str) -> Request<Body> {
+    let mut req = from("10.0.0.1", None, None);
+    let header = format!("{}, {client}", "7".repeat(5_000));
+    req.headers_mut()
+        .insert("x-forwarded-for", header.parse().unwrap());
+    req
+}
+
+fn behind_proxy() -> ClientIp {
+    ClientIp::x_forwarded_for(TrustedProxies::parse(&["10.0.0.0/8"]).unwrap())
+}
+
+/// A client behind a trusted proxy cannot escape a denylist by sending a huge
+/// `X-Forwarded-For`: the address the proxy appended is read, whatever the client wrote
+/// before it.
+#[tokio::test]
+async fn an_oversized_forwarded_header_does_not_escape_the_denylist() {
+    let layer = RateLimitLayer::builder()
+        .limit(per_ip(3), behind_proxy())
+        .denylist(Denylist::new().networks(behind_proxy(), ["198.51.100.0/24".parse().unwrap()]))
+        .build()
+        .unwrap();
+    let mut svc = app(&layer);
+    for _ in 0..5 {
+        let a = send(&mut svc, padded_through_proxy("198.51.100.7")).await;
+        assert_denied(&a, &["per-ip"]);
+    }
+    // Another client's padded requests are counted under its own address: 3 of 5 admitted.
+    let mut admitted = 0;
+    for _ in 0..5 {
+        let a = send(&mut svc, padded_through_proxy("192.0.2.1")).await;
+        admitted += usize::from(a.status == StatusCode::OK);
+    }
+    assert_eq!(admitted, 3);
+    assert_eq!(
+        layer.peek("per-ip", "192.0.2.1").await.unwrap().remaining,
+        0
+    );
+}
+
+/// Nor a limit that skips requests without a key: the padded requests are counted under the
+/// client's address, exactly 3 of 5 admitted.
+#[tokio::test]
+async fn an_oversized_forwarded_header_does_not_skip_the_limit() {
+    let layer = RateLimitLayer::builder()
+        .limit(
+            per_ip(3).on_missing_key(MissingKeyPolicy::Skip),
+            behind_proxy(),
+        )
+        .build()
+        .unwrap();
+    let mut svc = app(&layer);
+    let mut statuses = Vec::new();
+    for _ in 0..5 {
+        statuses.push(
+            send(&mut svc, padded_through_proxy("192.0.2.1"))
+                .await
+                .status,
+        );
+    }
+    assert_eq!(
+        statuses,
+        [200, 200, 200, 429, 429].map(|s| StatusCode::from_u16(s).unwrap())
+    );
 }

@@ -14,7 +14,9 @@ const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 const MAX_IP_TEXT: usize = 45;
 
 /// Bounds on the `X-Forwarded-For` walk: a real proxy chain is a handful of hops, so anything
-/// longer is an attempt to make every request expensive.
+/// longer is an attempt to make every request expensive. The bytes are counted from the right
+/// end: what lies further left (the client's own entries) is never read, so a client cannot
+/// make the header too long to read by writing more of it.
 const MAX_XFF_ENTRIES: usize = 32;
 const MAX_XFF_BYTES: usize = 4096;
 
@@ -52,25 +54,22 @@ pub(super) fn x_forwarded_for(
     trusted: &TrustedProxies,
 ) -> Result<IpAddr, MissingKey> {
     let values = headers.get_all(X_FORWARDED_FOR);
-    let mut count = 0;
-    let mut joined_len = 0;
-    for value in &values {
-        count += 1;
-        joined_len += value.len();
-    }
-    if count == 0 {
-        return Err(MissingKey::Absent);
-    }
-    // As if the values were joined with ",".
-    if joined_len + (count - 1) > MAX_XFF_BYTES {
-        return Err(MissingKey::Invalid);
-    }
     let mut walked = 0;
     let mut leftmost = None;
+    // The bytes left to read, from the right end of the values joined with ",".
+    let mut budget = MAX_XFF_BYTES;
     for value in values.iter().rev() {
-        for entry in value.as_bytes().rsplit(|&b| b == b',') {
+        let bytes = value.as_bytes();
+        // Only the value's last `budget` bytes are read; if they start inside an entry, that
+        // piece of it is never taken for one.
+        let start = bytes.len().saturating_sub(budget);
+        let partial = start > 0 && bytes.get(start - 1) != Some(&b',');
+        let read = &bytes[start..];
+        budget = budget.saturating_sub(read.len() + 1);
+        let mut entries = read.rsplit(|&b| b == b',').peekable();
+        while let Some(entry) = entries.next() {
             walked += 1;
-            if walked > MAX_XFF_ENTRIES {
+            if walked > MAX_XFF_ENTRIES || (partial && entries.peek().is_none()) {
                 return Err(MissingKey::Invalid);
             }
             let ip = parse_ip(entry)?;
@@ -79,9 +78,14 @@ pub(super) fn x_forwarded_for(
             }
             leftmost = Some(ip);
         }
+        if start > 0 {
+            // Entries remain, beyond the bytes read.
+            return Err(MissingKey::Invalid);
+        }
     }
-    // Every value yields at least one entry, so `leftmost` is set; `Invalid` is only a fallback.
-    leftmost.ok_or(MissingKey::Invalid)
+    // No value: no header. Every value yields at least one entry, so `leftmost` is set once
+    // one was walked.
+    leftmost.ok_or(MissingKey::Absent)
 }
 
 fn parse_ip(raw: &[u8]) -> Result<IpAddr, MissingKey> {

@@ -118,9 +118,13 @@ impl ClientIp {
     /// All `X-Forwarded-For` values are read as one comma-separated list, from the right: each
     /// entry that is itself a trusted proxy is skipped and the first other one is the client.
     /// If every entry is trusted, the leftmost is the client. Entries left of the client are
-    /// never looked at, since anyone can write them. An entry that is not an IP address met on
-    /// the way, more than 32 entries walked or more than 4096 bytes of header are
-    /// [`MissingKey::Invalid`]; no header is [`MissingKey::Absent`].
+    /// never looked at, since anyone can write them, and neither is their length: the walk
+    /// reads at most the header's last 4096 bytes (values joined with `,`) and 32 entries,
+    /// the ones the trusted proxies appended, so a client behind a trusted proxy cannot make
+    /// its key unreadable (and escape a denylist, or a limit that skips requests without a
+    /// key) by sending a huge header. An entry that is not an IP address met on the way, or
+    /// a walk that reaches 32 entries or the 4096th byte from the right before it finds the
+    /// client, is [`MissingKey::Invalid`]; no header is [`MissingKey::Absent`].
     pub fn x_forwarded_for(trusted: TrustedProxies) -> Self {
         Self::forwarded(ForwardedHeader::XForwardedFor, trusted)
     }
@@ -366,6 +370,10 @@ mod tests {
         let oversize = "1".repeat(600);
         let many_trusted = vec!["10.0.0.9"; 33].join(", ");
         let long_xff = format!("{}, 203.0.113.7", " ".repeat(4100));
+        // The client 21 padded trusted hops (208 bytes each) from the right end: past the
+        // bytes the walk reads.
+        let padded = format!("{}10.0.0.9", " ".repeat(200));
+        let deep_xff = format!("203.0.113.7,{}", vec![padded; 21].join(","));
         // (name, extractor, socket peer, headers, expected key bytes)
         type Case = (&'static str, ClientIp, Option<&'static str>, Headers, Want);
         type Headers = Vec<(&'static str, HeaderValue)>;
@@ -456,8 +464,10 @@ mod tests {
                 vec![("x-forwarded-for", HeaderValue::from_bytes(&[0xff, b'1']).unwrap())], Err(MissingKey::Invalid)),
             ("xff more than 32 entries walked", xff(), Some("10.0.0.1"),
                 vec![("x-forwarded-for", h(&many_trusted))], Err(MissingKey::Invalid)),
-            ("xff over 4096 bytes", xff(), Some("10.0.0.1"),
-                vec![("x-forwarded-for", h(&long_xff))], Err(MissingKey::Invalid)),
+            ("xff over 4096 bytes, the client in its last ones", xff(), Some("10.0.0.1"),
+                vec![("x-forwarded-for", h(&long_xff))], Ok(v4(CLIENT, 32))),
+            ("xff client further than 4096 bytes from the right", xff(), Some("10.0.0.1"),
+                vec![("x-forwarded-for", h(&deep_xff))], Err(MissingKey::Invalid)),
             ("xff absent", xff(), Some("10.0.0.1"), vec![], Err(MissingKey::Absent)),
             ("xff from untrusted peer ignored", xff(), Some("203.0.113.7"),
                 vec![("x-forwarded-for", h("198.51.100.1"))], Ok(v4(CLIENT, 32))),
@@ -482,22 +492,23 @@ mod tests {
         );
         assert_eq!(extract(&ex, &req), Ok(v4(CLIENT, 32)));
 
-        // 4096 bytes once joined (two values and the comma between them), then one more.
-        let left = "1".repeat(4096 - 1 - 11);
+        // The client's entry ends 4096 bytes from the right end (two values and the comma
+        // between them, the trusted hop's), then one byte further.
+        let hop = format!("{}10.0.0.9", " ".repeat(4096 - 1 - 11 - 8));
         let req = request(
             Some("10.0.0.1"),
             &[
-                ("x-forwarded-for", h(&left)),
-                ("x-forwarded-for", h("203.0.113.7")),
+                ("x-forwarded-for", h("garbage,203.0.113.7")),
+                ("x-forwarded-for", h(&hop)),
             ],
         );
         assert_eq!(extract(&ex, &req), Ok(v4(CLIENT, 32)));
-        let left = format!("{left}1");
+        let hop = format!(" {hop}");
         let req = request(
             Some("10.0.0.1"),
             &[
-                ("x-forwarded-for", h(&left)),
-                ("x-forwarded-for", h("203.0.113.7")),
+                ("x-forwarded-for", h("garbage,203.0.113.7")),
+                ("x-forwarded-for", h(&hop)),
             ],
         );
         assert_eq!(extract(&ex, &req), Err(MissingKey::Invalid));
