@@ -234,6 +234,9 @@ impl Limit {
     /// backend; a key keeps what it used when its quota changes (its plan, or a reload). A
     /// sliding log's plans may differ in period: they share one log, kept for the longest
     /// ([`Limit::log_keep_micros`]).
+    /// A concurrency limit's plan sets how many slots a key has, and nothing else: its
+    /// period is not read, and every slot lives the limit's own slot lifetime
+    /// ([`with_slot_ttl`](Self::with_slot_ttl)), by which its renewals are paced.
     ///
     /// # Errors
     ///

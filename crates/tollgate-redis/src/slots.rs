@@ -74,6 +74,7 @@ impl Slots {
             .filter(|c| c.limit.algorithm() == Algorithm::Concurrency)
             .map(|c| {
                 let d = digest(c.limit.name(), c.key);
+                // The limit's slot lifetime, whatever the plan the slot was taken under.
                 self.held(c.limit.name(), &d, c.slot, c.limit.quota().period_micros())
             })
             .collect()
@@ -89,7 +90,9 @@ impl Slots {
                 held: batch
                     .iter()
                     .filter(|p| p.algorithm == Algorithm::Concurrency)
-                    .map(|p| self.held(&p.name, &p.digest, p.slot, p.quota.period_micros()))
+                    // The slot's lifetime, as the check encodes it (the limit's, under
+                    // every plan).
+                    .map(|p| self.held(&p.name, &p.digest, p.slot, p.params[0]))
                     .collect(),
             })
     }

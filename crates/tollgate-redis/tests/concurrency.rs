@@ -8,7 +8,7 @@ mod support;
 use std::time::Duration;
 
 use support::{cluster, gcra, standalone, DEADLINE};
-use tollgate_engine::{Backend, Check, Limit, Slots, Status};
+use tollgate_engine::{Backend, Check, Limit, Quota, Slots, Status};
 use tollgate_redis::RedisBackend;
 use tollgate_testsupport::{until, RedisCluster, RedisServer};
 
@@ -208,4 +208,49 @@ async fn a_release_in_flight_holds_checks_of_its_own_key_only() {
         _ = &mut again => panic!("the check of the released key did not wait for its release"),
     }
     assert!(!again.await.unwrap()[0].is_allowed());
+}
+
+/// A plan whose period differs from the limit's slot lifetime: its slots live the limit's
+/// lifetime (30 s), by which their renewals are paced (every 10 s), not the plan's second. Two
+/// seconds after ten slots were taken, none renewed yet, they are all still held: an eleventh
+/// is refused, never more than the plan's 10 in flight.
+#[tokio::test]
+async fn a_plan_s_slots_live_the_limit_s_slot_lifetime() {
+    let server = RedisServer::start();
+    let backend = standalone(&server.url()).build().unwrap();
+    let pro = Quota::per_second(10).unwrap();
+    let slots = Limit::concurrency("slots", 2)
+        .unwrap()
+        .plan("pro", pro)
+        .unwrap();
+    let key = backend.key_for(&slots, b"client");
+    let t0 = server_now(&mut server.client());
+    let take = |slot: u128| {
+        [Check::new(&slots, b"client")
+            .with_quota(pro)
+            .with_slot(slot)]
+    };
+    for slot in 1..=10 {
+        let v = backend.check_at(&take(slot), t0).await.unwrap();
+        assert!(v[0].is_allowed(), "slot {slot}");
+    }
+    let deadlines: Vec<(String, u64)> = redis::cmd("ZRANGE")
+        .arg(&key)
+        .arg(0)
+        .arg(-1)
+        .arg("WITHSCORES")
+        .query(&mut server.client())
+        .unwrap();
+    assert_eq!(deadlines.len(), 10);
+    assert!(
+        deadlines.iter().all(|(_, at)| *at == t0 + 30_000_000),
+        "{deadlines:?}"
+    );
+    let v = backend.check_at(&take(11), t0 + 2_000_000).await.unwrap();
+    assert_eq!(
+        v[0].status,
+        Status::Denied {
+            retry_after: 1_000_000
+        }
+    );
 }

@@ -173,7 +173,16 @@ impl EncodedCheck {
                 let keep = check.limit.log_keep_micros(quota);
                 (3, [quota.period_micros(), u64::from(quota.limit()), keep])
             }
-            Algorithm::Concurrency => (4, [quota.period_micros(), u64::from(quota.limit()), 0]),
+            // A slot lives the limit's slot lifetime under every plan (a plan sets how many
+            // slots, not how long they live): its renewals are paced by that lifetime.
+            Algorithm::Concurrency => (
+                4,
+                [
+                    check.limit.quota().period_micros(),
+                    u64::from(quota.limit()),
+                    0,
+                ],
+            ),
             other => {
                 return Err(BackendError::new(
                     BackendErrorKind::Protocol,
