@@ -7,7 +7,8 @@
 //! - `DELETE /admin/limits/{limit}/{identity}`: a reset (204), which also lifts a block of
 //!   the limit's penalty box;
 //! - `PUT /admin/denies/{limit}/{identity}?secs=N`: a deny for N seconds (204), every
-//!   request of the identity refused with 403 until it ends;
+//!   request of the identity refused with 403 until it ends; N from 1 to 100 years
+//!   (`MAX_DENY`), 400 otherwise;
 //! - `DELETE /admin/denies/{limit}/{identity}`: lifts the deny (204);
 //! - `GET /admin/top/{limit}?n=10`: the identities the limit refused most over the last one
 //!   to two minutes, as JSON (`identity`, `count`, `error`, `first_seen_us`,
@@ -25,6 +26,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, put};
 use axum::{Json, Router};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use tollgate::engine::MAX_DENY;
 use tollgate::{AdminError, RateLimitLayer};
 
 /// Installs the Prometheus recorder every tollgate metric goes to, and keeps its histograms
@@ -99,7 +101,7 @@ fn done(answer: Result<(), AdminError>) -> Response {
 fn admin_error(e: AdminError) -> Response {
     let status = match e {
         AdminError::UnknownLimit(_) | AdminError::UnknownPlan(_) => StatusCode::NOT_FOUND,
-        AdminError::Identity(_) => StatusCode::BAD_REQUEST,
+        AdminError::Identity(_) | AdminError::DenyTooLong(_) => StatusCode::BAD_REQUEST,
         _ => StatusCode::SERVICE_UNAVAILABLE,
     };
     (status, format!("{e}\n")).into_response()
@@ -148,10 +150,18 @@ async fn deny(
     if let Err(refused) = admin.authorize(&headers) {
         return refused.into_response();
     }
-    let Some(secs) = query.get("secs").and_then(|s| s.parse::<u64>().ok()) else {
+    // 1 s to 100 years (`MAX_DENY`): 0 denies nothing, and a longer deny is refused.
+    let max = MAX_DENY.as_secs();
+    let Some(secs) = query
+        .get("secs")
+        .and_then(|s| s.parse::<u64>().ok())
+        .filter(|secs| (1..=max).contains(secs))
+    else {
         return (
             StatusCode::BAD_REQUEST,
-            "a deny needs ?secs=N, a whole number of seconds\n",
+            format!(
+                "a deny needs ?secs=N, a whole number of seconds from 1 to {max} (100 years)\n"
+            ),
         )
             .into_response();
     };

@@ -197,7 +197,7 @@ enum Command {
 struct DenyArgs {
     #[command(flatten)]
     target: TargetArgs,
-    /// How long: `90` or `90s`, `15m`, `1h`, `7d`.
+    /// How long: `90` or `90s`, `15m`, `1h`, `7d`; at most 36525d (100 years).
     #[arg(long = "for", value_name = "DURATION", value_parser = sanction::parse_for)]
     duration: Duration,
 }

@@ -5,7 +5,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use tollgate::engine::{
-    Admin, Algorithm, Check, Clock, KeyState, Limit, Quota, Standing, SystemClock,
+    Admin, Algorithm, Check, Clock, KeyState, Limit, Quota, Standing, SystemClock, MAX_DENY,
 };
 use tollgate::key::Identity;
 
@@ -30,10 +30,13 @@ pub(crate) fn parse_for(text: &str) -> Result<Duration, String> {
         "d" => 86_400,
         _ => return Err(format!("{text:?}: the unit must be s, m, h or d")),
     };
-    match n.checked_mul(secs) {
-        Some(0) => Err("a deny must last longer than zero".to_owned()),
-        Some(total) => Ok(Duration::from_secs(total)),
-        None => Err(format!("{text:?} is too long")),
+    match n.checked_mul(secs).map(Duration::from_secs) {
+        Some(Duration::ZERO) => Err("a deny must last longer than zero".to_owned()),
+        Some(d) if d <= MAX_DENY => Ok(d),
+        _ => Err(format!(
+            "{text:?} is too long: a deny lasts at most {}d (100 years)",
+            MAX_DENY.as_secs() / 86_400
+        )),
     }
 }
 

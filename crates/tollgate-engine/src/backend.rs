@@ -150,7 +150,8 @@ pub trait Admin: Send + Sync {
     /// this backend ([`Status::Denylisted`], whatever the request's cost or quota), until the
     /// deny ends or [`undeny`](Self::undeny) lifts it. A reset leaves a deny in place. A
     /// replica that answers the key without asking the backend (a deny cache, a leased slice)
-    /// refuses it once that answer runs out. The default answers
+    /// refuses it once that answer runs out. A `duration` past [`MAX_DENY`](crate::MAX_DENY)
+    /// is refused, nothing written ([`deny_micros`]'s error). The default answers
     /// [`BackendErrorKind::Unsupported`].
     fn deny(&self, check: &Check<'_>, duration: Duration) -> AdminFuture<()> {
         let _ = (check, duration);
@@ -389,6 +390,28 @@ pub fn unsupported(backend: &str, what: &str) -> BackendError {
         BackendErrorKind::Unsupported,
         format!("the {backend} backend cannot {what} this key"),
     )
+}
+
+/// A deny's `duration` in microseconds, as a backend's [`Admin::deny`] stores it; or, past
+/// [`MAX_DENY`](crate::MAX_DENY), the error every backend answers
+/// ([`BackendErrorKind::Unsupported`]: no backend keeps a deny that long).
+///
+/// # Errors
+///
+/// A `duration` longer than [`MAX_DENY`](crate::MAX_DENY).
+pub fn deny_micros(duration: Duration) -> Result<Micros, BackendError> {
+    if duration > crate::bounds::MAX_DENY {
+        return Err(BackendError::new(
+            BackendErrorKind::Unsupported,
+            format!(
+                "a deny lasts at most {} s (100 years, MAX_DENY), not {} s",
+                crate::bounds::MAX_DENY.as_secs(),
+                duration.as_secs()
+            ),
+        ));
+    }
+    // At most 100 years: a few 10^15 microseconds.
+    Ok(u64::try_from(duration.as_micros()).unwrap_or(Micros::MAX))
 }
 
 #[cfg(test)]

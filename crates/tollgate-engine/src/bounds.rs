@@ -13,6 +13,11 @@ pub const MAX_NAME_LEN: usize = 64;
 /// numbers stop being exact, and no sum of a time and a period can overflow.
 pub const MAX_PERIOD: Duration = Duration::from_secs(36_525 * 86_400);
 
+/// The longest a deny by hand may last ([`Admin::deny`](crate::Admin::deny)): 100 years, as
+/// [`MAX_PERIOD`]. A longer one is refused with an error, never shortened: its end would lie
+/// where the Redis scripts' numbers stop being exact (2^53 microseconds).
+pub const MAX_DENY: Duration = MAX_PERIOD;
+
 /// The most plans one limit may name.
 pub const MAX_PLANS: usize = 255;
 

@@ -50,11 +50,11 @@ mod verdict;
 mod verdicts;
 
 pub use backend::{
-    unsupported, Admin, AdminFuture, Backend, BackendError, BackendErrorKind, KeyState, Landing,
-    Lifecycle, Reports, Slots, Standing,
+    deny_micros, unsupported, Admin, AdminFuture, Backend, BackendError, BackendErrorKind,
+    KeyState, Landing, Lifecycle, Reports, Slots, Standing,
 };
 pub use bounds::{
-    DEFAULT_MAX_WAITING, MAX_CHECKS, MAX_LOG_UNITS, MAX_NAME_LEN, MAX_PERIOD, MAX_PLANS,
+    DEFAULT_MAX_WAITING, MAX_CHECKS, MAX_DENY, MAX_LOG_UNITS, MAX_NAME_LEN, MAX_PERIOD, MAX_PLANS,
     MAX_WAITERS_PER_LIMIT,
 };
 pub use check::{Check, Receipt, Settlement};

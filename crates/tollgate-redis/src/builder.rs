@@ -23,6 +23,13 @@ pub const DEFAULT_DENY_CACHE_CAPACITY: usize = 10_000;
 pub const DEFAULT_DENY_CACHE_TTL: Duration = Duration::from_secs(1);
 /// The shortest [`key_secret`](RedisBackendBuilder::key_secret), in bytes.
 pub const MIN_KEY_SECRET_LEN: usize = 16;
+/// The longest [`deadline`](RedisBackendBuilder::deadline) a backend is built with: an hour.
+/// A longer one is refused at build ([`BuildError::TooLong`]), not shortened: times are taken
+/// from it while requests are served.
+pub const MAX_DEADLINE: Duration = Duration::from_secs(3_600);
+/// The longest [`deny_cache_ttl`](RedisBackendBuilder::deny_cache_ttl) a backend is built
+/// with: an hour. A longer one is refused at build ([`BuildError::TooLong`]).
+pub const MAX_DENY_CACHE_TTL: Duration = Duration::from_secs(3_600);
 
 const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 const DEFAULT_BREAKER_THRESHOLD: u32 = 3;
@@ -224,7 +231,8 @@ impl RedisBackendBuilder {
 
     /// How long a check may take from when it is made, waiting for a merged call and connecting
     /// included (default 50 ms). A slower answer is a failure:
-    /// [`tollgate_engine::BackendErrorKind::Timeout`].
+    /// [`tollgate_engine::BackendErrorKind::Timeout`]. At most [`MAX_DEADLINE`] (an hour): a
+    /// longer one is refused at build.
     pub fn deadline(mut self, deadline: Duration) -> Self {
         self.deadline = deadline;
         self
@@ -266,7 +274,8 @@ impl RedisBackendBuilder {
     /// again, however long the denial lasts (default [`DEFAULT_DENY_CACHE_TTL`], 1 s). It bounds
     /// how long another replica's [`reset`](tollgate_engine::Admin::reset), or a quota raised
     /// there, goes unseen here; a denial refused locally still says when it truly ends. A flood
-    /// on one key costs Redis about one call per `ttl` per replica.
+    /// on one key costs Redis about one call per `ttl` per replica. At most
+    /// [`MAX_DENY_CACHE_TTL`] (an hour): a longer one is refused at build.
     pub fn deny_cache_ttl(mut self, ttl: Duration) -> Self {
         self.deny_cache_ttl = ttl;
         self
@@ -363,8 +372,9 @@ impl RedisBackendBuilder {
     ///
     /// [`BuildError`] when no server was given (no seed, no sentinel, no master name), a URL
     /// cannot be parsed, a `rediss://` URL is given without the `tls` feature, the
-    /// certificates cannot be read, the prefix is invalid, or the deadline or connect timeout
-    /// is zero.
+    /// certificates cannot be read, the prefix is invalid, the deadline or connect timeout
+    /// is zero, or the deadline or the deny cache's TTL is longer than an hour
+    /// ([`MAX_DEADLINE`], [`MAX_DENY_CACHE_TTL`]).
     pub fn build(self) -> Result<RedisBackend, BuildError> {
         if !keys::valid_prefix(&self.prefix) {
             return Err(BuildError::InvalidPrefix {
@@ -376,6 +386,18 @@ impl RedisBackendBuilder {
         }
         if self.connect_timeout.is_zero() {
             return Err(BuildError::ZeroConnectTimeout);
+        }
+        if self.deadline > MAX_DEADLINE {
+            return Err(BuildError::TooLong {
+                setting: "deadline",
+                max: MAX_DEADLINE,
+            });
+        }
+        if self.deny_cache_ttl > MAX_DENY_CACHE_TTL {
+            return Err(BuildError::TooLong {
+                setting: "deny_cache_ttl",
+                max: MAX_DENY_CACHE_TTL,
+            });
         }
         let keyer = match self.keyer {
             Some((len, _)) if len < crate::MIN_KEY_SECRET_LEN => {

@@ -1,6 +1,7 @@
 //! Why a [`RedisBackend`](crate::RedisBackend) could not be built.
 
 use std::fmt;
+use std::time::Duration;
 
 /// A [`RedisBackendBuilder`](crate::RedisBackendBuilder) configuration that cannot be built.
 #[derive(Clone, PartialEq, Eq)]
@@ -45,6 +46,15 @@ pub enum BuildError {
     KeySecretTooShort {
         /// The secret's length in bytes (never the secret).
         len: usize,
+    },
+    /// A duration longer than its bound: the deadline past
+    /// [`MAX_DEADLINE`](crate::MAX_DEADLINE), the deny cache's TTL past
+    /// [`MAX_DENY_CACHE_TTL`](crate::MAX_DENY_CACHE_TTL).
+    TooLong {
+        /// The builder's setting (`deadline`, `deny_cache_ttl`).
+        setting: &'static str,
+        /// Its bound.
+        max: Duration,
     },
 }
 
@@ -99,6 +109,11 @@ impl fmt::Display for BuildError {
                 f,
                 "the Redis key secret is {len} bytes long: it needs at least {} random bytes",
                 crate::MIN_KEY_SECRET_LEN
+            ),
+            Self::TooLong { setting, max } => write!(
+                f,
+                "the Redis backend's {setting} must be at most {} s",
+                max.as_secs()
             ),
         }
     }

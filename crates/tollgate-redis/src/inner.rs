@@ -242,7 +242,10 @@ impl tollgate_engine::Admin for Inner {
     fn deny(&self, check: &Check<'_>, duration: std::time::Duration) -> AdminFuture<()> {
         let admin = Arc::clone(&self.admin);
         let check = OwnedCheck::of(check);
-        let micros = u64::try_from(duration.as_micros()).unwrap_or(u64::MAX);
+        let micros = match tollgate_engine::deny_micros(duration) {
+            Ok(micros) => micros,
+            Err(e) => return Box::pin(std::future::ready(Err(e))),
+        };
         Box::pin(async move { admin.sanction(&check, "deny", micros).await })
     }
 

@@ -298,7 +298,7 @@ mod url;
 pub use backend::RedisBackend;
 pub use builder::{
     RedisBackendBuilder, DEFAULT_DEADLINE, DEFAULT_DENY_CACHE_CAPACITY, DEFAULT_DENY_CACHE_TTL,
-    DEFAULT_PREFIX, MIN_KEY_SECRET_LEN,
+    DEFAULT_PREFIX, MAX_DEADLINE, MAX_DENY_CACHE_TTL, MIN_KEY_SECRET_LEN,
 };
 pub use error::BuildError;
 pub use future::ResponseFuture;

@@ -695,3 +695,54 @@ async fn a_url_with_a_user_a_password_and_a_database_is_honoured() {
     let keys: u64 = redis::cmd("DBSIZE").query(&mut db3).unwrap();
     assert_eq!(keys, 1);
 }
+
+/// A deadline or a deny cache TTL past its bound (an hour) is refused at build, with the
+/// setting and the bound named: `Duration::MAX` never reaches a request, where a time would
+/// overflow. At their bounds, a backend serves checks and a denied key's cached refusal.
+#[tokio::test]
+async fn durations_past_their_bounds_are_refused_at_build() {
+    use tollgate_redis::{BuildError, MAX_DEADLINE, MAX_DENY_CACHE_TTL};
+    let server = RedisServer::start();
+    let deadline = support::standalone(&server.url())
+        .deadline(Duration::MAX)
+        .build()
+        .err();
+    assert_eq!(
+        deadline,
+        Some(BuildError::TooLong {
+            setting: "deadline",
+            max: MAX_DEADLINE
+        })
+    );
+    assert_eq!(
+        deadline.unwrap().to_string(),
+        "the Redis backend's deadline must be at most 3600 s"
+    );
+    let ttl = support::standalone(&server.url())
+        .deny_cache_ttl(Duration::MAX)
+        .build()
+        .err();
+    assert_eq!(
+        ttl,
+        Some(BuildError::TooLong {
+            setting: "deny_cache_ttl",
+            max: MAX_DENY_CACHE_TTL
+        })
+    );
+
+    let backend = support::standalone(&server.url())
+        .deadline(MAX_DEADLINE)
+        .deny_cache_ttl(MAX_DENY_CACHE_TTL)
+        .build()
+        .unwrap();
+    let limit = gcra("bounded", 2);
+    let admitted: Vec<bool> = [
+        support::admitted(&backend, &[&limit], b"k").await,
+        support::admitted(&backend, &[&limit], b"k").await,
+        support::admitted(&backend, &[&limit], b"k").await,
+        support::admitted(&backend, &[&limit], b"k").await,
+    ]
+    .into();
+    assert_eq!(admitted, [true, true, false, false]);
+    assert_eq!(backend.deny_cache_len(), 1);
+}

@@ -11,7 +11,7 @@ use std::time::Duration;
 use axum::body::Body;
 use http::{Request, StatusCode};
 use support::clients::{app, from, Svc};
-use tollgate::engine::{Backend, BackendErrorKind, KeyState};
+use tollgate::engine::{Backend, BackendErrorKind, KeyState, MAX_DENY};
 use tollgate::key::{ClientIp, MissingKey, Principal, Tenant};
 use tollgate::{
     AdminError, Allowlist, Decision, Limit, Limits, LimitsFile, Outcome, Quota, RateLimitLayer,
@@ -421,4 +421,155 @@ async fn the_decision_of_an_allowlisted_request_says_so_for_every_limit() {
         .iter()
         .all(|l| *l.outcome() == Outcome::Allowlisted));
     assert!(d.is_admitted() && d.is_allowlisted());
+}
+
+/// A deny longer than `MAX_DENY` (100 years) is refused with an error that names the bound,
+/// and nothing is denied; one of exactly `MAX_DENY` is taken. The memory backend refuses the
+/// longer one too.
+#[tokio::test]
+async fn a_deny_past_its_bound_is_refused() {
+    let layer = RateLimitLayer::builder()
+        .limits(per_ip_limits())
+        .build()
+        .unwrap();
+    let mut svc = app(&layer);
+    let too_long = MAX_DENY + Duration::from_secs(1);
+    let e = layer
+        .deny("per-ip", "192.0.2.1", too_long)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(e, AdminError::DenyTooLong(d) if d == too_long),
+        "{e:?}"
+    );
+    assert_eq!(
+        e.to_string(),
+        "a deny lasts at most 3155760000 s (100 years, MAX_DENY), not 3155760001 s"
+    );
+    assert_eq!(
+        send(&mut svc, from("192.0.2.1", None, None)).await.0,
+        StatusCode::OK
+    );
+    let e = layer
+        .backend()
+        .deny_now(
+            &tollgate::engine::Check::new(
+                &Limit::gcra("x", Quota::per_minute(1).unwrap()).unwrap(),
+                b"k",
+            ),
+            too_long,
+        )
+        .unwrap_err();
+    assert_eq!(e.kind(), BackendErrorKind::Unsupported);
+
+    layer.deny("per-ip", "192.0.2.1", MAX_DENY).await.unwrap();
+    assert_eq!(
+        send(&mut svc, from("192.0.2.1", None, None)).await.0,
+        StatusCode::FORBIDDEN
+    );
+}
+
+/// Sends a request of shop `x` and one of shop `y` at once (one merged call when they meet),
+/// three times, and answers each one's statuses.
+async fn at_once(svc: &Svc, x: &str, y: &str) -> [Vec<StatusCode>; 2] {
+    let mut statuses = [Vec::new(), Vec::new()];
+    for _ in 0..3 {
+        let (mut a, mut b) = (svc.clone(), svc.clone());
+        let (ra, rb) = (
+            from("192.0.2.1", Some(x), None),
+            from("192.0.2.1", Some(y), None),
+        );
+        let (sa, sb) = tokio::join!(send(&mut a, ra), send(&mut b, rb));
+        statuses[0].push(sa.0);
+        statuses[1].push(sb.0);
+    }
+    statuses
+}
+
+/// On Redis, a deny of exactly `MAX_DENY` keeps its client refused (403) while another client
+/// whose request travels in the same merged call is admitted and counted. A deny's end stored
+/// further ahead than the bound (by a version that did not bound it: 10^17 µs) reads as the
+/// bound: it refuses its client and fails no one else's request, until an undeny lifts it.
+/// Both for a lone GCRA limit (the lean script) and for two limits (the general one).
+#[tokio::test]
+async fn a_deny_at_its_bound_on_redis_refuses_its_client_and_counts_the_others() {
+    let server = RedisServer::start();
+    let per_shop = || Limit::gcra("per-shop", Quota::per_minute(10).unwrap()).unwrap();
+    let lone = Limits::new().limit(per_shop(), Tenant::header("x-shop-domain"));
+    let stacked = Limits::new()
+        .limit(per_shop(), Tenant::header("x-shop-domain"))
+        .limit(
+            Limit::gcra("all", Quota::per_minute(100).unwrap()).unwrap(),
+            tollgate::key::Global,
+        );
+    for (prefix, limits) in [("lean", lone), ("general", stacked)] {
+        let backend = RedisBackend::builder()
+            .url(server.url())
+            .prefix(prefix)
+            .deadline(Duration::from_secs(5))
+            .build()
+            .unwrap();
+        let layer = RateLimitLayer::builder()
+            .backend(backend.clone())
+            .limits(limits)
+            .build()
+            .unwrap();
+        let svc = app(&layer);
+        // The backend itself refuses a second more, and writes nothing.
+        let shop = per_shop();
+        let e = tollgate::engine::Admin::deny(
+            &backend,
+            &tollgate::engine::Check::new(&shop, b"a.example"),
+            MAX_DENY + Duration::from_secs(1),
+        )
+        .await
+        .unwrap_err();
+        assert_eq!(e.kind(), BackendErrorKind::Unsupported, "{prefix}");
+        let pb = format!(
+            "{}:pb",
+            backend
+                .key_for(&shop, b"a.example")
+                .strip_suffix(":v2")
+                .unwrap()
+        );
+        let exists: u64 = tollgate_testsupport::redis::cmd("EXISTS")
+            .arg(&pb)
+            .query(&mut server.client())
+            .unwrap();
+        assert_eq!(exists, 0, "{prefix}");
+        layer.deny("per-shop", "a.example", MAX_DENY).await.unwrap();
+        let statuses = at_once(&svc, "a.example", "b.example").await;
+        assert_eq!(statuses[0], [StatusCode::FORBIDDEN; 3], "{prefix}");
+        assert_eq!(statuses[1], [StatusCode::OK; 3], "{prefix}");
+        let b = layer.peek("per-shop", "b.example").await.unwrap();
+        assert_eq!(b.remaining, 7, "{prefix}");
+
+        // An end of 10^17 µs stored for `c.example`, as an unbounded deny once wrote it.
+        let key = backend.key_for(&per_shop(), b"c.example");
+        let base = key.strip_suffix(":v2").unwrap();
+        let far = "100000000000000000";
+        let mut conn = server.client();
+        tollgate_testsupport::redis::cmd("SET")
+            .arg(format!("{base}:pb"))
+            .arg(format!("0:0:0:0:0:{far}"))
+            .query::<()>(&mut conn)
+            .unwrap();
+        tollgate_testsupport::redis::cmd("SET")
+            .arg(&key)
+            .arg(format!("0:0:{far}"))
+            .query::<()>(&mut conn)
+            .unwrap();
+        let statuses = at_once(&svc, "c.example", "b.example").await;
+        assert_eq!(statuses[0], [StatusCode::FORBIDDEN; 3], "{prefix}");
+        assert_eq!(statuses[1], [StatusCode::OK; 3], "{prefix}");
+        let b = layer.peek("per-shop", "b.example").await.unwrap();
+        assert_eq!(b.remaining, 4, "{prefix}");
+        // Lifted, the client is counted again.
+        layer.undeny("per-shop", "c.example").await.unwrap();
+        let statuses = at_once(&svc, "c.example", "b.example").await;
+        assert_eq!(statuses[0], [StatusCode::OK; 3], "{prefix}");
+        assert_eq!(statuses[1], [StatusCode::OK; 3], "{prefix}");
+        let c = layer.peek("per-shop", "c.example").await.unwrap();
+        assert_eq!(c.remaining, 7, "{prefix}");
+    }
 }

@@ -295,6 +295,10 @@ impl<B: Backend, C: Clock> Admin for Leased<B, C> {
     /// Drops this replica's slice of the key (as [`reset`](Self::reset) does: its next
     /// request asks the inner backend, which refuses it), then denies the key there.
     fn deny(&self, check: &Check<'_>, duration: std::time::Duration) -> AdminFuture<()> {
+        // Refused before anything changes: the slice stays.
+        if let Err(e) = crate::backend::deny_micros(duration) {
+            return Box::pin(std::future::ready(Err(e)));
+        }
         if let Some(e) = self.shared.lock().get_mut(check.limit.name(), check.key) {
             e.slice.drain();
         }

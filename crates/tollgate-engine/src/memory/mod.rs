@@ -153,7 +153,7 @@ impl<C: Clock> MemoryBackend<C> {
     /// [`BackendErrorKind::Overloaded`] when the key has no state and every place under the
     /// key cap is taken.
     pub fn deny_now(&self, check: &Check<'_>, duration: Duration) -> Result<(), BackendError> {
-        let micros = u64::try_from(duration.as_micros()).unwrap_or(u64::MAX);
+        let micros = crate::backend::deny_micros(duration)?;
         if self.inner.sanction(check, true, |s, now| {
             s.denied_until = now.saturating_add(micros)
         }) {

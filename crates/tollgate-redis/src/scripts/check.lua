@@ -47,6 +47,11 @@ local function sanction_of(key)
         n = n + 1
         sc[n] = tonumber(x)
       end
+      -- Its times (the window's, the block's, the memory's and the deny's ends) at most
+      -- `MAX_AHEAD` away: a time left is then always a figure the client reads.
+      for k = 2, 6 do
+        if k ~= 4 then sc[k] = within(sc[k], now) end
+      end
     end
     sanctions[key] = sc
   end

@@ -49,6 +49,9 @@ for r = 1, n do
     if t then
       tat, from = tonumber(t), tonumber(i)
       if u ~= '' then hint = tonumber(u) end
+      -- A sanction's end at most 100 years ahead (`MAX_AHEAD` in `tat.lua`), so that the
+      -- value written back keeps it whole and positive.
+      if hint > now + 3155760000000000 then hint = now + 3155760000000000 end
     end
   end
   if hint > now then
@@ -63,6 +66,7 @@ for r = 1, n do
       elseif blocked > now then
         status, figure = 3, blocked - now
       end
+      if figure > 3155760000000000 then figure = 3155760000000000 end
     end
   end
   if status == 0 and not wrote then

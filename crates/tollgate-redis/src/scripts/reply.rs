@@ -1,7 +1,9 @@
 //! The `CHECK` reply: one string of figures, read into each check's answer.
 
 use tollgate_engine::algorithm::{self, WindowState};
-use tollgate_engine::{Algorithm, BackendError, BackendErrorKind, Micros, Status, Verdict};
+use tollgate_engine::{
+    Algorithm, BackendError, BackendErrorKind, Micros, Status, Verdict, MAX_DENY,
+};
 
 use crate::scripts::check::EncodedCheck;
 
@@ -113,22 +115,23 @@ pub(crate) fn parse_replies(
     let mut figures = bytes.chunks_exact(8).map(|c| {
         let mut raw = [0u8; 8];
         raw.copy_from_slice(c);
-        figure(f64::from_le_bytes(raw))
+        f64::from_le_bytes(raw)
     });
-    let mut next = || {
-        figures
-            .next()
-            .unwrap_or_else(|| Err(protocol("script reply too short")))
+    // The next figure; a sanction's time left (`left`) is read as at most `MAX_DENY`.
+    let mut next = |left: bool| match figures.next() {
+        None => Err(protocol("script reply too short")),
+        Some(x) if left => time_left(x),
+        Some(x) => figure(x),
     };
-    let now = next()?;
+    let now = next(false)?;
     let mut replies = Vec::with_capacity(batches.len());
     'requests: for batch in batches {
-        let committed = next()? == 1;
+        let committed = next(false)? == 1;
         let mut answers = Vec::with_capacity(batch.len());
         for p in batch.iter() {
-            let status = next()?;
+            let status = next(false)?;
             if status == NOT_RUN && batch.len() == 1 && p.algorithm == Algorithm::Gcra {
-                next()?;
+                next(false)?;
                 replies.push(None);
                 continue 'requests;
             }
@@ -138,7 +141,7 @@ pub(crate) fn parse_replies(
             }
             let answer = match p.algorithm {
                 Algorithm::Gcra => {
-                    let read = next()?;
+                    let read = next(false)?;
                     let tat = Some(read).filter(|&t| t != 0);
                     let (verdict, _) = algorithm::gcra_delayed(&p.quota, tat, now, p.cost, p.delay);
                     Answer {
@@ -150,7 +153,7 @@ pub(crate) fn parse_replies(
                 Algorithm::FixedWindow => {
                     let state = WindowState {
                         window_end: algorithm::window_end(&p.quota, now),
-                        count: next()?,
+                        count: next(false)?,
                     };
                     let (verdict, _) = algorithm::fixed_window(&p.quota, Some(state), now, p.cost);
                     let extra = algorithm::window_index(&p.quota, now);
@@ -161,7 +164,7 @@ pub(crate) fn parse_replies(
                     }
                 }
                 Algorithm::Concurrency => {
-                    let held = u32::try_from(next()?).unwrap_or(u32::MAX);
+                    let held = u32::try_from(next(false)?).unwrap_or(u32::MAX);
                     let (verdict, _) =
                         algorithm::concurrency(&p.quota, held, p.cost, p.busy_retry_after);
                     Answer {
@@ -172,7 +175,7 @@ pub(crate) fn parse_replies(
                 }
                 _ => {
                     let [remaining, reset, retry_after, extra] =
-                        [next()?, next()?, next()?, next()?];
+                        [next(false)?, next(false)?, next(false)?, next(false)?];
                     let status = match status {
                         0 => Status::Allowed,
                         1 => Status::Denied { retry_after },
@@ -216,16 +219,16 @@ const NOT_RUN: u64 = 5;
 fn sanctioned(
     status: u64,
     algorithm: Algorithm,
-    next: &mut impl FnMut() -> Result<u64, BackendError>,
+    next: &mut impl FnMut(bool) -> Result<u64, BackendError>,
     now: Micros,
 ) -> Result<Option<Answer>, BackendError> {
     if status != 3 && status != 4 {
         return Ok(None);
     }
     let left = match algorithm {
-        Algorithm::Gcra | Algorithm::FixedWindow | Algorithm::Concurrency => next()?,
+        Algorithm::Gcra | Algorithm::FixedWindow | Algorithm::Concurrency => next(true)?,
         _ => {
-            let [_, _, retry_after, _] = [next()?, next()?, next()?, next()?];
+            let [_, _, retry_after, _] = [next(false)?, next(true)?, next(true)?, next(false)?];
             retry_after
         }
     };
@@ -268,6 +271,19 @@ fn figure(x: f64) -> Result<u64, BackendError> {
             "figure {x} in reply is not a whole number"
         )))
     }
+}
+
+/// A sanction's time left: a whole number of microseconds, at most [`MAX_DENY`]'s (the
+/// scripts bound it so; an end stored further ahead by an older version still reads as a
+/// deny, never as a protocol error that would fail every request of a merged call).
+fn time_left(x: f64) -> Result<u64, BackendError> {
+    // At most 100 years: a few 10^15, exact in a double.
+    #[allow(clippy::cast_precision_loss)]
+    let max = MAX_DENY.as_micros() as f64;
+    if x > max {
+        return figure(max);
+    }
+    figure(x)
 }
 
 #[cfg(test)]

@@ -14,11 +14,15 @@ if v then
     n = n + 1
     sc[n] = tonumber(x)
   end
+  for k = 2, 6 do
+    if k ~= 4 then sc[k] = within(sc[k], now) end
+  end
 end
 if op == 'lift' then
   sc = {0, 0, 0, 0, 0, sc[6]}
 elseif op == 'deny' then
-  sc[6] = now + tonumber(ARGV[2])
+  -- The backend refuses a deny past `MAX_DENY`; bounded here too.
+  sc[6] = within(now + tonumber(ARGV[2]), now)
 elseif op == 'undeny' then
   sc[6] = 0
 else

@@ -11,6 +11,16 @@ local function ttl_ms(us)
   if ms < 1 then ms = 1 end
   return fmt(ms)
 end
+-- The furthest ahead of now a sanction's end is taken to lie, in microseconds: 100 years,
+-- tollgate_engine's `MAX_DENY`. An end stored further ahead (set before denies were bounded)
+-- reads as this, so that every figure answered and every value written stays below 2^53,
+-- whole and positive.
+local MAX_AHEAD = 3155760000000000
+-- A time `t` no further ahead of `now` than `MAX_AHEAD`.
+local function within(t, now)
+  if t > now + MAX_AHEAD then return now + MAX_AHEAD end
+  return t
+end
 -- A GCRA key's value (`<base>:v2`): its TAT and the emission interval it was written under,
 -- then, while the key has a block or a deny (at `<base>:pb`), when the later of them ends:
 -- `<tat>:<interval>[:<until>]`. The lean check (`check_lean.lua`) reads a key's sanctions only
@@ -27,6 +37,7 @@ end
 -- end, kept while ahead) are both past, and goes at once if they are.
 local function write_tat(key, tat, interval, hint, now)
   if not tat or tat < now then tat = 0 end
+  hint = within(hint, now)
   local last = tat
   local v = fmt(tat) .. ':' .. fmt(interval)
   if hint > now then

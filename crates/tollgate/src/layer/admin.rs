@@ -5,7 +5,9 @@
 use std::fmt;
 use std::time::Duration;
 
-use tollgate_engine::{Backend, BackendError, BackendErrorKind, Check, KeyState, Refused};
+use tollgate_engine::{
+    Backend, BackendError, BackendErrorKind, Check, KeyState, Refused, MAX_DENY,
+};
 
 use super::layer::RateLimitLayer;
 use super::refused::named;
@@ -25,6 +27,9 @@ pub enum AdminError {
     Identity(IdentityError),
     /// The backend failed, or does not offer the operation (a concurrency limit's reset).
     Backend(BackendError),
+    /// A [`deny`](RateLimitLayer::deny) longer than [`MAX_DENY`] (100 years): refused, never
+    /// shortened.
+    DenyTooLong(Duration),
 }
 
 /// The words of `Display`: `main() -> Result<(), Box<dyn Error>>` prints an error with
@@ -42,6 +47,12 @@ impl fmt::Display for AdminError {
             Self::UnknownPlan(name) => write!(f, "no plan named {name:?}"),
             Self::Identity(e) => e.fmt(f),
             Self::Backend(e) => e.fmt(f),
+            Self::DenyTooLong(d) => write!(
+                f,
+                "a deny lasts at most {} s (100 years, MAX_DENY), not {} s",
+                MAX_DENY.as_secs(),
+                d.as_secs()
+            ),
         }
     }
 }
@@ -162,7 +173,8 @@ impl<B: Backend> RateLimitLayer<B> {
     ///
     /// # Errors
     ///
-    /// As [`peek`](Self::peek); `AdminError::Backend` with
+    /// As [`peek`](Self::peek); [`AdminError::DenyTooLong`] for a `duration` past
+    /// [`MAX_DENY`] (100 years), nothing changed; `AdminError::Backend` with
     /// [`BackendErrorKind::Unsupported`](tollgate_engine::BackendErrorKind::Unsupported) for a
     /// backend that keeps no denies.
     pub async fn deny(
@@ -171,6 +183,9 @@ impl<B: Backend> RateLimitLayer<B> {
         identity: impl Into<Identity>,
         duration: Duration,
     ) -> Result<(), AdminError> {
+        if duration > MAX_DENY {
+            return Err(AdminError::DenyTooLong(duration));
+        }
         let identity = identity.into();
         let answer = self.with_check(limit, None, &identity, |backend, check| {
             match backend.admin() {
