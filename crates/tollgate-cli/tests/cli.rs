@@ -19,6 +19,7 @@ period = "1m"
 key = { ip = { header = "cf-connecting-ip", trusted = "cloudflare" } }
 failure = { fallback = 3 }
 delay = "1500ms"
+shadow = true
 [limit.quota]
 default = { limit = 60, burst = 10 }
 
@@ -126,7 +127,7 @@ fn check_prints_the_effective_limits() {
     let want = format!(
         "\
 name       algorithm     quota                             key                                             cost     missing key  failure     shadow  wait                          penalty
-per-ip     gcra          default 60/1m burst 10            ip (cf-connecting-ip from 22 trusted networks)  fixed 1  reject       fallback 3  no      delay 1500ms, max 64 waiting  -
+per-ip     gcra          default 60/1m burst 10            ip (cf-connecting-ip from 22 trusted networks)  fixed 1  reject       fallback 3  yes     delay 1500ms, max 64 waiting  -
 per-token  fixed_window  default 5000/1d, pro 50000/1d     principal String                                fixed 3  skip         closed      no      -                             5 in 10m: block 1h
 per-shop   sliding_log   default 100/1h                    header x-shop-domain                            fixed 1  reject       open        yes     -                             -
 in-flight  concurrency   default 3 in flight; slot ttl 1m  global                                          fixed 1  reject       open        no      queue 5s, max 64 waiting      -
@@ -168,7 +169,7 @@ fn the_shipped_file_checks() {
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
     let want = "\
 name                 algorithm     quota                              key                                             cost     missing key  failure     shadow  wait                      penalty
-per-ip               gcra          default 60/1m burst 10             ip (cf-connecting-ip from 22 trusted networks)  fixed 1  reject       fallback 3  no      delay 2s, max 4 waiting   30 in 1m: block 5m, doubling to 1h
+per-ip               gcra          default 60/1m burst 10             ip (cf-connecting-ip from 22 trusted networks)  fixed 1  reject       fallback 3  no      -                         30 in 1m: block 5m, doubling to 1h
 per-token            fixed_window  default 5000/1d, pro 50000/1d      principal String                                fixed 1  reject       closed      no      -                         -
 per-shop             sliding_log   default 1000/1h                    header x-shop-domain                            fixed 1  skip         open        yes     -                         -
 per-token-in-flight  concurrency   default 4 in flight; slot ttl 30s  principal String                                fixed 1  skip         open        no      queue 10s, max 8 waiting  -
@@ -819,7 +820,8 @@ default = 60
         .await
         .unwrap();
     assert_eq!(v[0].status, Status::Allowed);
-    for bad in ["0", "1w", "h", "99999999999999999d"] {
+    // 36526d is a day past the longest deny (100 years, `MAX_DENY`).
+    for bad in ["0", "1w", "h", "99999999999999999d", "36526d", "999999d"] {
         let out = run(&[
             "deny",
             "--redis",

@@ -98,6 +98,25 @@ pub enum ConfigError {
     /// A penalty of zero refusals, a zero or too long window or block, or a longest block
     /// shorter than the first.
     InvalidPenalty(&'static str),
+    /// A layer whose delayed limit (`delayed`, see [`crate::Limit::delay_up_to`]) is stacked
+    /// with a fixed window or a sliding log (`window`): the window counts a delayed request
+    /// when it is checked, not when it runs, so a window could see up to the delay's waiters
+    /// run beyond its limit. Put the window on a layer of its own inside the delayed one (it
+    /// then counts a request when it runs), or drop the delay.
+    DelayWithWindow {
+        /// The delayed limit's name.
+        delayed: String,
+        /// The fixed window's or sliding log's name.
+        window: String,
+    },
+    /// `pause_from_upstream` on a limit that is not GCRA: only a GCRA key's TAT can be held
+    /// back until a time the upstream names.
+    PauseUnsupported {
+        /// The limit's name.
+        limit: String,
+        /// Its algorithm.
+        algorithm: Algorithm,
+    },
 }
 
 /// The words of `Display`: `main() -> Result<(), Box<dyn Error>>` prints an error with
@@ -198,6 +217,20 @@ impl fmt::Display for ConfigError {
             ),
             Self::PenaltyUnsupported(why) => write!(f, "this limit cannot have a penalty: {why}"),
             Self::InvalidPenalty(what) => write!(f, "invalid penalty: {what}"),
+            Self::DelayWithWindow { delayed, window } => write!(
+                f,
+                "limit {delayed:?} delays requests and limit {window:?} counts them by window \
+                 on the same layer: the window would count a delayed request when it is \
+                 checked, not when it runs, and could let more than its limit run in one \
+                 window; put {window:?} on a layer of its own inside this one (it then counts a \
+                 request when it runs), or drop the delay"
+            ),
+            Self::PauseUnsupported { limit, algorithm } => write!(
+                f,
+                "limit {limit:?} is a {} limit: pause_from_upstream holds back a GCRA key's \
+                 emission time, and only a GCRA limit has one",
+                algorithm.as_str()
+            ),
         }
     }
 }

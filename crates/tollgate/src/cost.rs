@@ -10,7 +10,8 @@
 //!   the request with `400 Bad Request` ([`RejectionKind::InvalidCost`]) and consumes nothing
 //!   anywhere. A cost above what the limit can ever admit is refused with 429 and no
 //!   `Retry-After` ([`DenyReason::CostTooHigh`]), as for a fixed cost. A cost of 0 is admitted
-//!   and takes nothing.
+//!   and takes nothing, except on a concurrency limit: a request in flight holds at least one
+//!   slot, so a cost of 0 there is refused as an invalid cost (400, nothing consumed).
 //! - **Refund by outcome**: with [`Metered::count_if`], a response for which the predicate is
 //!   `false` gives the whole reservation back (only 401s count for a login limit; 5xx answers
 //!   do not count).
@@ -200,7 +201,10 @@ impl Metered {
         Self::default()
     }
 
-    /// Each request costs what `cost` answers, instead of the limit's fixed cost.
+    /// Each request costs what `cost` answers, instead of the limit's fixed cost. On a
+    /// concurrency limit the cost is the slots the request holds, and a cost of 0 is refused
+    /// with `400` ([`RejectionKind::InvalidCost`](crate::RejectionKind::InvalidCost)): a
+    /// request that held none would pass a full limit.
     pub fn cost_from<F>(mut self, cost: F) -> Self
     where
         F: Fn(&RequestView<'_>) -> Result<u32, InvalidCost> + Send + Sync + 'static,
@@ -261,6 +265,9 @@ impl Metered {
     /// ([`Backend::pause`](tollgate_engine::Backend::pause): one write), and the calls that
     /// follow wait for it in delay mode, or are refused with a `Retry-After` that says so.
     /// Nothing is retried.
+    ///
+    /// Only a GCRA limit has an emission time to hold back: a layer refuses this on any other
+    /// limit at build ([`ConfigError::PauseUnsupported`](tollgate_engine::ConfigError::PauseUnsupported)).
     pub fn pause_from_upstream(mut self) -> Self {
         self.learns = true;
         self

@@ -518,3 +518,97 @@ mod on_redis {
         streamed_and_login(cluster.urls()).await;
     }
 }
+
+/// A concurrency limit of 2 whose cost (the slots a request holds) is `x-estimate`: a cost of
+/// 0 is refused with 400 and takes nothing, so it neither passes a full limit nor, released,
+/// frees a slot another request holds. Held responses keep their slots.
+async fn a_cost_of_0_on_a_concurrency_limit_is_refused<B: tollgate::engine::Backend>(backend: B) {
+    let layer = RateLimitLayer::builder()
+        .backend(backend)
+        .metered(
+            Limit::concurrency("in-flight", 2).unwrap(),
+            Global,
+            Metered::new().header(HeaderName::from_static("x-estimate")),
+        )
+        .build()
+        .unwrap();
+    let mut svc = app(layer.clone());
+    let first = send(&mut svc, post(&[("x-estimate", "1")])).await;
+    assert_eq!(first.status(), StatusCode::OK);
+    // On a free slot as on a full limit: 400, and the response that held nothing gives
+    // nothing back.
+    let zero = send(&mut svc, post(&[("x-estimate", "0")])).await;
+    assert_eq!(zero.status(), StatusCode::BAD_REQUEST);
+    drain(zero).await;
+    let second = send(&mut svc, post(&[("x-estimate", "1")])).await;
+    assert_eq!(second.status(), StatusCode::OK);
+    for _ in 0..3 {
+        let zero = send(&mut svc, post(&[("x-estimate", "0")])).await;
+        assert_eq!(zero.status(), StatusCode::BAD_REQUEST);
+        drain(zero).await;
+    }
+    // Both slots still held: a third request of 1 is refused.
+    let third = send(&mut svc, post(&[("x-estimate", "1")])).await;
+    assert_eq!(third.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(layer.peek("in-flight", "").await.unwrap().remaining, 0);
+    drop((first, second));
+}
+
+#[tokio::test]
+async fn a_cost_of_0_on_a_concurrency_limit_is_refused_in_memory() {
+    a_cost_of_0_on_a_concurrency_limit_is_refused(memory()).await;
+}
+
+#[tokio::test]
+async fn a_cost_of_0_on_a_concurrency_limit_is_refused_on_redis() {
+    let server = tollgate_testsupport::RedisServer::start();
+    let backend = tollgate_redis::RedisBackend::builder()
+        .url(server.url())
+        .deadline(std::time::Duration::from_secs(5))
+        .build()
+        .unwrap();
+    a_cost_of_0_on_a_concurrency_limit_is_refused(backend).await;
+}
+
+/// `pause_from_upstream` holds back a GCRA key's emission time: on any other limit it would
+/// do nothing, and the layer refuses it when built.
+#[test]
+fn pause_from_upstream_on_a_limit_that_is_not_gcra_is_refused_when_built() {
+    use tollgate::engine::{Algorithm, ConfigError};
+    let q = Quota::per_minute(10).unwrap();
+    let limits = [
+        Limit::fixed_window("window", q).unwrap(),
+        Limit::sliding_log("log", q).unwrap(),
+        Limit::concurrency("in-flight", 2).unwrap(),
+    ];
+    let mut errors = Vec::new();
+    for limit in limits {
+        let e = RateLimitLayer::builder()
+            .metered(limit, Global, Metered::new().pause_from_upstream())
+            .build()
+            .err();
+        errors.push(e);
+    }
+    let refused = |limit: &str, algorithm| {
+        Some(ConfigError::PauseUnsupported {
+            limit: limit.to_owned(),
+            algorithm,
+        })
+    };
+    assert_eq!(
+        errors,
+        [
+            refused("window", Algorithm::FixedWindow),
+            refused("log", Algorithm::SlidingLog),
+            refused("in-flight", Algorithm::Concurrency),
+        ]
+    );
+    assert!(RateLimitLayer::builder()
+        .metered(
+            Limit::gcra("gcra", q).unwrap(),
+            Global,
+            Metered::new().pause_from_upstream()
+        )
+        .build()
+        .is_ok());
+}

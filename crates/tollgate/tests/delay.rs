@@ -385,3 +385,62 @@ fn limits_without_an_emission_time_refuse_a_delay_when_built() {
     );
     assert!(delayed("g", 10, 1, 250).delay_micros() == 250_000);
 }
+
+/// A fixed window or a sliding log counts a request when it is checked; stacked on one layer
+/// with a delayed limit, a request checked near a window's end would run in the next window,
+/// beyond that window's limit. The layer refuses the combination when built, and so does a
+/// limits file. A shadow limit on either side refuses nothing and waits for nothing: allowed.
+#[test]
+fn a_delay_stacked_with_a_window_is_refused_when_built() {
+    use tollgate::engine::ConfigError;
+    use tollgate::LimitsFile;
+    let chat = || delayed("chat", 1, 1, 5_000);
+    let windows = [
+        Limit::fixed_window("daily", Quota::per_day(100).unwrap()).unwrap(),
+        Limit::sliding_log("hourly", Quota::per_hour(100).unwrap()).unwrap(),
+    ];
+    for window in windows {
+        let name = window.name().to_owned();
+        let e = RateLimitLayer::builder()
+            .limit(window.clone(), Global)
+            .limit(chat(), Global)
+            .build()
+            .err();
+        assert_eq!(
+            e,
+            Some(ConfigError::DelayWithWindow {
+                delayed: "chat".to_owned(),
+                window: name,
+            })
+        );
+        assert!(RateLimitLayer::builder()
+            .limit(window.shadow(), Global)
+            .limit(chat(), Global)
+            .build()
+            .is_ok());
+    }
+    assert!(RateLimitLayer::builder()
+        .limit(
+            Limit::fixed_window("daily", Quota::per_day(100).unwrap()).unwrap(),
+            Global
+        )
+        .limit(chat().shadow(), Global)
+        .build()
+        .is_ok());
+    // A delay beside GCRA and concurrency limits is what it was.
+    assert!(RateLimitLayer::builder()
+        .limit(chat(), Global)
+        .limit(delayed("other", 5, 5, 0), Global)
+        .limit(Limit::concurrency("in-flight", 4).unwrap(), Global)
+        .build()
+        .is_ok());
+
+    let text = "[[limit]]\nname = \"chat\"\nperiod = \"1s\"\nkey = \"global\"\nquota = 1\n\
+                delay = \"2s\"\n\n[[limit]]\nname = \"daily\"\nalgorithm = \"fixed_window\"\n\
+                period = \"1d\"\nkey = \"global\"\nquota = 100\n";
+    let e = LimitsFile::new().parse(text).err().unwrap().to_string();
+    assert!(
+        e.contains("limit \"chat\" delays requests and limit \"daily\" counts them by window"),
+        "{e}"
+    );
+}

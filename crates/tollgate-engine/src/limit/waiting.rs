@@ -25,6 +25,9 @@ impl Limit {
     /// A shadow limit reports what its delay would do and never makes a request wait; a
     /// leased limit's delayed checks are not answered from a slice (they reach the shared
     /// backend, as a plan's do); a backend failure applies the failure policy without a wait.
+    /// A layer refuses a delayed limit stacked with a fixed window or a sliding log
+    /// ([`ConfigError::DelayWithWindow`]): those count a request when it is checked, and a
+    /// delayed one could run in the next window, beyond that window's limit.
     ///
     /// # Errors
     ///

@@ -370,8 +370,14 @@ impl<B: Backend> RateLimitLayerBuilder<B> {
     /// # Errors
     ///
     /// [`ConfigError::NoLimits`], [`ConfigError::TooManyLimits`] (more than
-    /// [`MAX_CHECKS`](tollgate_engine::MAX_CHECKS)), [`ConfigError::DuplicateName`], or [`ConfigError::ReservedName`] for a
-    /// limit named [`CANARY_LIMIT`](crate::CANARY_LIMIT), which only the canary may use.
+    /// [`MAX_CHECKS`](tollgate_engine::MAX_CHECKS)), [`ConfigError::DuplicateName`],
+    /// [`ConfigError::ReservedName`] for a limit named [`CANARY_LIMIT`](crate::CANARY_LIMIT),
+    /// which only the canary may use, [`ConfigError::PauseUnsupported`] for
+    /// [`pause_from_upstream`](crate::cost::Metered::pause_from_upstream) on a limit that is
+    /// not GCRA, or [`ConfigError::DelayWithWindow`] for a delayed limit stacked with a fixed
+    /// window or a sliding log (shadow limits aside): the window counts a request when it is
+    /// checked, and a delayed one may run in the next window. A window on a layer of its own
+    /// inside the delayed one counts requests when they run.
     pub fn build(self) -> Result<RateLimitLayer<B>, ConfigError> {
         let set = self.limits.compile(self.top_refused_k > 0)?;
         Ok(RateLimitLayer {

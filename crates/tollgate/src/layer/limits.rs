@@ -138,6 +138,28 @@ impl Limits {
             if settles && limit.lease().is_some() && limit.algorithm() == Algorithm::Gcra {
                 return Err(ConfigError::LeaseWithSettle(limit.name().to_owned()));
             }
+            if metered.as_ref().is_some_and(|m| m.learns) && limit.algorithm() != Algorithm::Gcra {
+                return Err(ConfigError::PauseUnsupported {
+                    limit: limit.name().to_owned(),
+                    algorithm: limit.algorithm(),
+                });
+            }
+        }
+        // A window counts a request when it is checked; a delayed one runs later, perhaps in
+        // the next window, beside that window's own.
+        let enforced = || limits.iter().map(|(l, _, _)| l).filter(|l| !l.is_shadow());
+        if let Some(delayed) = enforced().find(|l| l.delay_micros() > 0) {
+            if let Some(window) = enforced().find(|l| {
+                matches!(
+                    l.algorithm(),
+                    Algorithm::FixedWindow | Algorithm::SlidingLog
+                )
+            }) {
+                return Err(ConfigError::DelayWithWindow {
+                    delayed: delayed.name().to_owned(),
+                    window: window.name().to_owned(),
+                });
+            }
         }
         Ok(())
     }

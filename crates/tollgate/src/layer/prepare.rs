@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use http::{Request, Response};
-use tollgate_engine::{Backend, Check, MissingKeyPolicy, MAX_CHECKS};
+use tollgate_engine::{Algorithm, Backend, Check, MissingKeyPolicy, MAX_CHECKS};
 
 use super::limits::{Entry, LimitSet};
 use super::queue::{Queueing, Ticket};
@@ -267,6 +267,11 @@ impl<B: Backend> Shared<B> {
             .with_slot(slot);
         if let Some(of) = entry.metered.as_ref().and_then(|m| m.cost.as_ref()) {
             match of(view) {
+                // A concurrency slot is a request: none taken would pass a full limit, and
+                // its release would free a slot another request holds.
+                Ok(0) if entry.limit.algorithm() == Algorithm::Concurrency => {
+                    return Err(Box::new(self.refuse_invalid_cost(entry, req, span)))
+                }
                 Ok(units) => check = check.with_cost(units),
                 Err(_) => return Err(Box::new(self.refuse_invalid_cost(entry, req, span))),
             }
