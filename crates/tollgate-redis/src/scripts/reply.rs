@@ -392,6 +392,35 @@ mod tests {
         assert!(parse_reply(&Value::BulkString(vec![0; 15]), &[]).is_err());
     }
 
+    /// A deny's time left past `MAX_DENY` (an end stored before denies were bounded) reads
+    /// as `MAX_DENY`, for every algorithm; any other figure past 2^53 is still refused.
+    #[test]
+    fn a_time_left_past_the_deny_bound_reads_as_the_bound() {
+        let max = u64::try_from(MAX_DENY.as_micros()).unwrap();
+        let denied = Status::Denylisted { retry_after: max };
+        for (algorithm, figures) in [
+            (Algorithm::Gcra, vec![NOW, 0., 4., 1e17]),
+            (Algorithm::FixedWindow, vec![NOW, 0., 4., 2f64.powi(60)]),
+            (Algorithm::SlidingLog, vec![NOW, 0., 4., 0., 1e17, 1e17, 0.]),
+        ] {
+            let reply = parse_reply(&packed(&figures), &[prepared(algorithm, 1)]).unwrap();
+            assert_eq!(reply.answers[0].verdict.status, denied, "{algorithm:?}");
+        }
+        let blocked = parse_reply(
+            &packed(&[NOW, 0., 3., f64::INFINITY]),
+            &[prepared(Algorithm::Gcra, 1)],
+        );
+        assert_eq!(
+            blocked.unwrap().answers[0].verdict.status,
+            Status::Blocked { retry_after: max }
+        );
+        let tat = parse_reply(
+            &packed(&[NOW, 0., 1., 1e17]),
+            &[prepared(Algorithm::Gcra, 1)],
+        );
+        assert!(tat.is_err());
+    }
+
     #[test]
     fn parses_the_reply_of_several_requests() {
         let one = [prepared(Algorithm::Gcra, 1)];
