@@ -63,6 +63,14 @@
 //!   out may have been checked a last time while a response the harness had not read yet
 //!   held its slot, and its units before their settle.
 //!
+//! Beside the model, the invariants of `combinations/invariants.rs` judge every sequence
+//! from outside, with no code of the layer nor of `tollgate_engine::algorithm`: what reached
+//! the handler, when, against the quotas as the docs define them; sanctions; identities in
+//! Redis; and, once quiet, what the handler saw against `peek`. Deny durations include ten
+//! years and a thousand. Some seeds also draw a timed sequence (`combinations/timed.rs`) on
+//! per-second quotas that those invariants alone judge. Each violation is printed on a line
+//! of its own with its seed and backend; an invariant's line names it (`invariant NAME:`).
+//!
 //! Deterministic for a seed but for Redis' timing. The last line is
 //! `combinations: K sequences, V violations`; the status is 1 when V > 0.
 
@@ -97,19 +105,25 @@ use tower::ServiceExt;
 
 #[path = "combinations/flight.rs"]
 mod flight;
+#[path = "combinations/invariants.rs"]
+mod invariants;
 #[path = "combinations/queue.rs"]
 mod queue;
+#[path = "combinations/timed.rs"]
+mod timed;
 
 use bytes::Bytes;
 use flight::{Guarded, InFlight};
+use invariants::{Frame, Sent, Spec, Trace};
 use queue::{Waited, Waiter};
 use std::collections::VecDeque;
 use std::sync::Mutex;
 
-const KEYS: [&str; 3] = ["k0", "k1", "k2"];
-const VIP: &str = "vip";
+/// Identities no hash nor encoding spells by chance: the scan of Redis looks for them.
+const KEYS: [&str; 3] = ["tenant-zero", "tenant-one", "tenant-two"];
+const VIP: &str = "tenant-vip";
 /// A key on the static denylist of every generation.
-const BAD: &str = "bad";
+const BAD: &str = "tenant-bad";
 const DAY: Micros = 86_400_000_000;
 /// A queue's waits (µs of Tokio's clock), and the time that passes in one step (µs; on
 /// Redis the shorter three only, as they pass in real time).
@@ -576,17 +590,18 @@ struct Replica<B> {
 fn replica<B: Backend>(
     shape: &Shape,
     backend: B,
-    flight: &Arc<InFlight>,
+    (flight, trace): (&Arc<InFlight>, &Arc<Trace>),
 ) -> Result<Replica<B>, ConfigError> {
     let layer = RateLimitLayer::builder()
         .limits(shape.limits(0)?)
         .backend(backend)
         .build()?;
     let flight = Arc::clone(flight);
+    let trace = Arc::clone(trace);
     let app = Router::new()
         .route(
             "/",
-            get(move |req: Request<Body>| handler(req, Arc::clone(&flight))),
+            get(move |req: Request<Body>| handler(req, Arc::clone(&flight), Arc::clone(&trace))),
         )
         .layer(layer.clone());
     Ok(Replica { layer, app })
@@ -594,7 +609,7 @@ fn replica<B: Backend>(
 
 /// Answers `x-status`; charges `x-charge` through the `Settle` handle when there is one;
 /// counts a request that holds a slot in `flight` until its body is dropped.
-async fn handler(req: Request<Body>, flight: Arc<InFlight>) -> Response {
+async fn handler(req: Request<Body>, flight: Arc<InFlight>, trace: Arc<Trace>) -> Response {
     let header = |name: &str| {
         req.headers()
             .get(name)
@@ -612,10 +627,13 @@ async fn handler(req: Request<Body>, flight: Arc<InFlight>) -> Response {
         .get("x-key")
         .and_then(|v| v.to_str().ok())
         .unwrap_or_default();
-    let guard = flight.enter(key, req.extensions().get::<Decision>());
+    let decision = req.extensions().get::<Decision>();
+    let guard = flight.enter(key, decision);
+    let exit = trace.enter(key, req.extensions().get::<Sent>(), decision);
     let body = Guarded {
         data: Some(Bytes::from_static(b"ok")),
         guard,
+        exit,
     };
     let mut response = Response::new(Body::new(body));
     *response.status_mut() = status;
@@ -708,7 +726,12 @@ fn draw_ops(rng: &mut Rng, shape: &Shape, kind: Kind, replicas: usize, n: usize)
                     rng.pick(&KEYS[..])
                 };
                 if rng.chance(60) {
-                    let micros = rng.pick(&[interval / 2, interval, 3 * interval, DAY]);
+                    let micros = if rng.chance(10) {
+                        // Ten years, and a thousand: past 2^53 µs.
+                        rng.pick(&[10 * 365 * DAY, 1_000 * 365 * DAY])
+                    } else {
+                        rng.pick(&[interval / 2, interval, 3 * interval, DAY])
+                    };
                     Op::Deny {
                         replica,
                         key,
@@ -761,6 +784,8 @@ struct Tally {
     timed_out: u64,
     line_full: u64,
     passes: u64,
+    /// Timed sequences run after their seed's.
+    timed: u64,
 }
 
 impl Tally {
@@ -788,6 +813,7 @@ impl Tally {
         self.timed_out += o.timed_out;
         self.line_full += o.line_full;
         self.passes += o.passes;
+        self.timed += o.timed;
     }
 }
 
@@ -841,6 +867,10 @@ struct Run<'a, B> {
     after_batch: Vec<(&'static str, usize)>,
     /// In memory, keys (and plans) whose settle is looked at once the waiters are settled.
     after_settle: Vec<(&'static str, bool)>,
+    /// What the handlers saw, for the invariants judged from outside.
+    trace: Arc<Trace>,
+    /// The limiter's time when the last request was sent.
+    last_sent: Micros,
 }
 
 /// Whether `decision` says the limit named `limit` refused the request for `why`.
@@ -895,8 +925,43 @@ impl<B: Backend> Run<'_, B> {
         }
     }
 
+    /// What the invariants know of `r` as it is sent: the quota it is counted under, drawn
+    /// from the shape's numbers.
+    fn sent_of(&self, r: Req) -> Sent {
+        let mut sent = self.trace.sent();
+        let n = match (r.pro, self.shape.pro) {
+            (true, Some(n)) => n,
+            _ => self.shape.defaults[self.generation % 2],
+        };
+        // `Quota::per_day(n)`: n per day, a burst of n.
+        let spec = match self.shape.algorithm {
+            Algorithm::Gcra => Spec::gcra(n, n, DAY),
+            _ => Spec::window(n, DAY),
+        };
+        let cost = if self.shape.metered() { r.cost } else { 1 };
+        sent.rates = vec![("rate", spec, cost)];
+        sent.slots = self.shape.slots;
+        match self.shape.settles {
+            Settles::RefundOn500 if r.fail => sent.refund = cost,
+            Settles::ChargedByHandler if r.charge < cost => sent.refund = cost - r.charge,
+            Settles::ChargedByHandler => sent.extra = r.charge - cost,
+            _ => {}
+        }
+        sent.denylisted = self.shape.denylisted(r.key, self.generation);
+        sent
+    }
+
+    /// The request `r` makes, with what the invariants know of it.
+    fn request_of(&mut self, r: Req) -> Request<Body> {
+        let sent = self.sent_of(r);
+        self.last_sent = sent.at;
+        let mut req = Self::bare_request_of(r);
+        req.extensions_mut().insert(sent);
+        req
+    }
+
     /// The request `r` makes.
-    fn request_of(r: Req) -> Request<Body> {
+    fn bare_request_of(r: Req) -> Request<Body> {
         let mut req = Request::get("/")
             .header("x-key", r.key)
             .header("x-cost", r.cost.to_string())
@@ -914,13 +979,13 @@ impl<B: Backend> Run<'_, B> {
         if self.shape.queue.is_some() {
             return self.send_queued(r).await;
         }
-        let req = Self::request_of(r);
         // A delayed request waits in the layer for its time (hours of a per-day quota): Tokio's
         // clock runs it at once while the backend's `FakeClock` stands still.
         let delays = self.shape.delay.is_some();
         if delays {
             tokio::time::pause();
         }
+        let req = self.request_of(r);
         let res = self.replicas[r.replica]
             .app
             .clone()
@@ -1021,6 +1086,10 @@ impl<B: Backend> Run<'_, B> {
                 ..
             })
         );
+        // A block's refusal, answered at once, says how long it stands at least.
+        if let (Some(seconds), true, None, None) = (retry_after, blocked, from, self.shape.queue) {
+            self.trace.blocked(r.key, self.last_sent, seconds);
+        }
         if let Some(standing) = self.model.standing(r.key) {
             // A deny (403), else a block (429), refuses it whatever it costs, consuming nothing.
             let answered = match standing {
@@ -1395,6 +1464,7 @@ impl<B: Backend> Run<'_, B> {
             return self.fail(format!("reset of {key}: {e}"));
         }
         self.tally.resets += 1;
+        self.trace.reset(key);
         let entry = self.model.keys.entry(key).or_default();
         entry.tat = None;
         entry.window = None;
@@ -1414,6 +1484,7 @@ impl<B: Backend> Run<'_, B> {
                 None => layer.undeny("rate", key).await,
             }
         };
+        let asked = self.trace.now();
         let mut done = call().await;
         // Made again on an error, twice at most, as a reset is (see `reset`): a deny and an
         // undeny are idempotent.
@@ -1431,8 +1502,14 @@ impl<B: Backend> Run<'_, B> {
             return self.fail(format!("deny of {key} for {micros:?} µs: {e}"));
         }
         match micros {
-            Some(_) => self.tally.denies += 1,
-            None => self.tally.undenies += 1,
+            Some(m) => {
+                self.tally.denies += 1;
+                self.trace.deny(key, asked, m);
+            }
+            None => {
+                self.tally.undenies += 1;
+                self.trace.undeny(key, asked);
+            }
         }
         let now = self.model.now;
         let entry = self.model.keys.entry(key).or_default();
@@ -1443,6 +1520,7 @@ impl<B: Backend> Run<'_, B> {
     async fn reload(&mut self) {
         self.generation += 1;
         self.tally.reloads += 1;
+        self.trace.reload();
         for (i, r) in self.replicas.iter().enumerate() {
             if let Err(e) = r
                 .layer
@@ -1461,6 +1539,7 @@ impl<B: Backend> Run<'_, B> {
         };
         server.stop();
         self.flight.forget();
+        self.trace.restart();
         for w in self.waiters.values_mut() {
             w.through_restart = true;
         }
@@ -1531,6 +1610,8 @@ impl<B: Backend> Run<'_, B> {
     }
 
     async fn step(&mut self, by: Micros) {
+        // What was sent without waiting (a settle, a release) lands before the clock moves.
+        self.let_tasks_run().await;
         if let Some(clock) = &self.clock {
             self.tally.steps += 1;
             clock.advance(Duration::from_micros(by));
@@ -1598,7 +1679,8 @@ impl<B: Backend> Run<'_, B> {
         }
     }
 
-    async fn run(&mut self, ops: &[Op]) {
+    /// Runs `ops`; whether it came to quiescence.
+    async fn run(&mut self, ops: &[Op]) -> bool {
         for (i, &op) in ops.iter().enumerate() {
             self.next_request = match ops.get(i + 1) {
                 Some(Op::Request(r)) => Some((r.replica, r.key)),
@@ -1633,22 +1715,26 @@ impl<B: Backend> Run<'_, B> {
                 self.expect_remaining(key, pro, "after a settle").await;
             }
             if self.violations.len() > 3 {
-                return;
+                return false;
             }
         }
         self.quiesce().await;
+        true
     }
 }
 
+/// Where a Redis sequence keeps its keys: the servers' URLs and its prefix.
+type Scan = Option<(Vec<String>, String)>;
+
 /// Runs `ops` on `replicas`; returns the violations.
 async fn drive<B: Backend>(
-    (shape, kind, flight): (Shape, Kind, Arc<InFlight>),
+    (shape, kind, flight, trace): (Shape, Kind, Arc<InFlight>, Arc<Trace>),
     replicas: Vec<Replica<B>>,
     clock: Option<FakeClock>,
     now: Micros,
     servers: &mut Servers,
     ops: &[Op],
-    (verbose, raw_count): (bool, Option<RawCount>),
+    (verbose, raw_count, scan): (bool, Option<RawCount>, Scan),
 ) -> (Vec<String>, Tally) {
     let n = replicas.len();
     let mut run = Run {
@@ -1681,16 +1767,32 @@ async fn drive<B: Backend>(
         batch: Vec::new(),
         after_batch: Vec::new(),
         after_settle: Vec::new(),
+        trace,
+        last_sent: 0,
     };
     // Queues in memory: Tokio's clock moves only when the harness moves it.
     let paused = kind == Kind::Memory && run.shape.queue.is_some();
     if paused {
         tokio::time::pause();
     }
-    run.run(ops).await;
+    let quiet = run.run(ops).await;
     if paused {
         tokio::time::resume();
     }
+    // The invariants judged from outside, after the model's checks.
+    if quiet {
+        run.conservation().await;
+    }
+    let mut found = run.trace.judge();
+    if let Some((urls, prefix)) = scan {
+        // Every replica hands its refusals' summaries to Redis, as `tollgate top` reads them.
+        for r in &run.replicas {
+            let _ = r.layer.top_refused("rate", 10).await;
+        }
+        let identities = [KEYS[0], KEYS[1], KEYS[2], VIP, BAD, "while-down", "warm-up"];
+        found.extend(invariants::raw_in_redis(&urls, &prefix, &identities));
+    }
+    run.violations.extend(found);
     (run.violations, run.tally)
 }
 
@@ -1699,10 +1801,10 @@ fn build<B: Backend>(
     shape: &Shape,
     replicas: usize,
     backend: impl Fn() -> B,
-    flight: &Arc<InFlight>,
+    record: (&Arc<InFlight>, &Arc<Trace>),
 ) -> Result<Vec<Replica<B>>, ConfigError> {
     (0..replicas)
-        .map(|_| replica(shape, backend(), flight))
+        .map(|_| replica(shape, backend(), record))
         .collect()
 }
 
@@ -1763,7 +1865,7 @@ async fn sequence(
             let memory = Arc::new(MemoryBackend::builder().clock(clock.clone()).build());
             let on = (&shape, kind, replicas);
             let time = (Some(clock.clone()), now);
-            let setup = (verbose, None);
+            let setup = (verbose, None, None);
             if shape.lease.is_some() {
                 // Each replica leases from the shared backend: the engine's `Leased`, as on Redis.
                 let leased = || Leased::new(Arc::clone(&memory), clock.clone());
@@ -1793,12 +1895,22 @@ async fn sequence(
                 .build()
                 .unwrap()
             };
-            let setup = (verbose, raw_count(&shape, backend(), &urls, kind));
+            let setup = (
+                verbose,
+                raw_count(&shape, backend(), &urls, kind),
+                Some((urls.clone(), prefix.clone())),
+            );
             let on = (&shape, kind, replicas);
             build_and_drive(on, backend, (None, now), servers, &ops, setup).await
         }
     };
-    (shape, violations.0, violations.1)
+    let (mut found, mut tally) = violations;
+    // Some seeds also draw a timed sequence, judged by the invariants alone.
+    if let Some((what, seen)) = timed::sequence(seed, kind, servers, verbose).await {
+        tally.timed += 1;
+        found.extend(seen.into_iter().map(|v| format!("{what}: {v}")));
+    }
+    (shape, found, tally)
 }
 
 /// Builds `shape` on `replicas` replicas of `backend` and drives `ops` through them (or
@@ -1809,12 +1921,20 @@ async fn build_and_drive<B: Backend>(
     (clock, now): (Option<FakeClock>, Micros),
     servers: &mut Servers,
     ops: &[Op],
-    setup: (bool, Option<RawCount>),
+    setup: (bool, Option<RawCount>, Scan),
 ) -> (Vec<String>, Tally) {
     let flight = InFlight::new(shape.slots);
-    match built(shape, build(shape, replicas, backend, &flight)) {
+    let frame = match &clock {
+        Some(clock) => Frame::Memory {
+            clock: Arc::new(clock.clone()),
+            delays: shape.delay.is_some(),
+        },
+        None => Frame::Real,
+    };
+    let trace = Trace::new(frame, shape.lease.map(|most| most * replicas as u32));
+    match built(shape, build(shape, replicas, backend, (&flight, &trace))) {
         Ok(Some(r)) => {
-            let on = (shape.clone(), kind, flight);
+            let on = (shape.clone(), kind, flight, trace);
             drive(on, r, clock, now, servers, ops, setup).await
         }
         Ok(None) => (Vec::new(), refused_at_build()),
@@ -1958,7 +2078,7 @@ fn main() -> ExitCode {
             row.1 += 1;
             println!("seed {seed} on {name}: {shape:?}");
             for v in &found {
-                println!("  {v}");
+                println!("  seed {seed} on {name}: {v}");
             }
         }
     }

@@ -104,6 +104,9 @@ pub(crate) struct Guarded {
     /// Held only to be dropped with the body.
     #[allow(dead_code)]
     pub(crate) guard: Option<Guard>,
+    /// Held only to be dropped with the body: the invariants' record of its exit.
+    #[allow(dead_code)]
+    pub(crate) exit: Option<super::invariants::Exit>,
 }
 
 impl Body for Guarded {

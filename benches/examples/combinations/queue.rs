@@ -123,7 +123,7 @@ impl<B: Backend> Run<'_, B> {
         let id = self.sent;
         self.sent += 1;
         let waits = self.waits(r);
-        let req = Self::request_of(r);
+        let req = self.request_of(r);
         let app = self.replicas[r.replica].app.clone();
         let answered = Arc::clone(&self.answered);
         tokio::spawn(async move {
