@@ -784,8 +784,11 @@ struct Tally {
     timed_out: u64,
     line_full: u64,
     passes: u64,
-    /// Timed sequences run after their seed's.
+    /// Timed sequences run after their seed's, and the milliseconds they took.
     timed: u64,
+    timed_ms: u64,
+    /// Milliseconds the invariants took after the sequences (peeks, scans of Redis).
+    judged_ms: u64,
 }
 
 impl Tally {
@@ -814,6 +817,8 @@ impl Tally {
         self.line_full += o.line_full;
         self.passes += o.passes;
         self.timed += o.timed;
+        self.timed_ms += o.timed_ms;
+        self.judged_ms += o.judged_ms;
     }
 }
 
@@ -1780,6 +1785,7 @@ async fn drive<B: Backend>(
         tokio::time::resume();
     }
     // The invariants judged from outside, after the model's checks.
+    let started = std::time::Instant::now();
     if quiet {
         run.conservation().await;
     }
@@ -1793,6 +1799,7 @@ async fn drive<B: Backend>(
         found.extend(invariants::raw_in_redis(&urls, &prefix, &identities));
     }
     run.violations.extend(found);
+    run.tally.judged_ms += started.elapsed().as_millis() as u64;
     (run.violations, run.tally)
 }
 
@@ -1906,8 +1913,10 @@ async fn sequence(
     };
     let (mut found, mut tally) = violations;
     // Some seeds also draw a timed sequence, judged by the invariants alone.
+    let started = std::time::Instant::now();
     if let Some((what, seen)) = timed::sequence(seed, kind, servers, verbose).await {
         tally.timed += 1;
+        tally.timed_ms += started.elapsed().as_millis() as u64;
         found.extend(seen.into_iter().map(|v| format!("{what}: {v}")));
     }
     (shape, found, tally)
