@@ -1780,7 +1780,10 @@ async fn drive<B: Backend>(
     if paused {
         tokio::time::pause();
     }
+    // The counters start from 0 for this sequence.
+    let _ = invariants::decisions("rate");
     let quiet = run.run(ops).await;
+    let clean = invariants::quiet_before(quiet);
     if paused {
         tokio::time::resume();
     }
@@ -1788,6 +1791,18 @@ async fn drive<B: Backend>(
     let started = std::time::Instant::now();
     if quiet {
         run.conservation().await;
+        // Rule *restart*: a restart sends requests of its own (while Redis is down, and to
+        // reconnect) that the invariants do not follow. Rule *leftovers*: after a sequence
+        // that stopped early, its waiters may still decide.
+        if run.tally.restarts == 0 && clean {
+            if let Some(decided) = invariants::decisions("rate") {
+                if verbose {
+                    println!("  tollgate_decisions_total of rate: {decided:?}");
+                }
+                let seen = run.trace.metrics("rate", &decided);
+                run.violations.extend(seen);
+            }
+        }
     }
     let mut found = run.trace.judge();
     if let Some((urls, prefix)) = scan {
@@ -2055,6 +2070,7 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    invariants::record_metrics();
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

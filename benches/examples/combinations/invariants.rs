@@ -27,7 +27,7 @@
 //! Each allowance is a named rule below, with the bound it comes from.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use tollgate::{Decision, Outcome};
@@ -181,6 +181,58 @@ enum Ev {
     },
 }
 
+/// The metrics the layers record, read back by the metrics invariant.
+static METRICS: OnceLock<metrics_util::debugging::Snapshotter> = OnceLock::new();
+
+/// When a sequence last stopped early: it may leave waiters on tasks of their own, whose
+/// decisions later sequences' counters would count.
+static LAST_EARLY_STOP: Mutex<Option<std::time::Instant>> = Mutex::new(None);
+
+/// Notes whether this sequence came to quiescence; whether every waiter an earlier one left
+/// is surely done: a queue's longest wait (0.6 s) and the backend's deadline (2 s) later,
+/// with room to spare.
+pub(crate) fn quiet_before(quiet: bool) -> bool {
+    let mut last = LAST_EARLY_STOP.lock().unwrap();
+    let clean = last.is_none_or(|t| t.elapsed() > std::time::Duration::from_secs(5));
+    if !quiet {
+        *last = Some(std::time::Instant::now());
+    }
+    clean && quiet
+}
+
+/// Installs a recorder of every metric as the process's (before any layer sees a request).
+pub(crate) fn record_metrics() {
+    let recorder = metrics_util::debugging::DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    if recorder.install().is_ok() {
+        let _ = METRICS.set(snapshotter);
+    }
+}
+
+/// `tollgate_decisions_total` of `limit` by outcome since the last call (a snapshot of the
+/// recorder takes its counters back to 0).
+pub(crate) fn decisions(limit: &str) -> Option<HashMap<String, u64>> {
+    let snapshot = METRICS.get()?.snapshot();
+    let mut out = HashMap::new();
+    for (key, _, _, value) in snapshot.into_vec() {
+        let key = key.key();
+        let labels = |name: &str| {
+            key.labels()
+                .find(|l| l.key() == name)
+                .map(|l| l.value().to_owned())
+        };
+        if key.name() != "tollgate_decisions_total" || labels("limit").as_deref() != Some(limit) {
+            continue;
+        }
+        if let (Some(outcome), metrics_util::debugging::DebugValue::Counter(n)) =
+            (labels("outcome"), value)
+        {
+            *out.entry(outcome).or_default() += n;
+        }
+    }
+    Some(out)
+}
+
 /// The record of one sequence, shared by every replica's handler.
 pub(crate) struct Trace {
     frame: Frame,
@@ -188,6 +240,8 @@ pub(crate) struct Trace {
     /// out (rule *lease slice*): the replicas times the most units of a slice.
     lease_units: Option<u32>,
     state: Mutex<(u64, Vec<Ev>)>,
+    /// Requests sent with what the invariants know of them.
+    sends: Mutex<u64>,
 }
 
 impl std::fmt::Debug for Trace {
@@ -242,6 +296,7 @@ impl Trace {
             frame,
             lease_units,
             state: Mutex::new((0, Vec::new())),
+            sends: Mutex::new(0),
         })
     }
 
@@ -262,6 +317,7 @@ impl Trace {
 
     /// What the harness records of a request it sends now.
     pub(crate) fn sent(&self) -> Sent {
+        *self.sends.lock().unwrap() += 1;
         Sent {
             at: self.now(),
             tokio: tokio::time::Instant::now(),
@@ -511,6 +567,38 @@ impl Trace {
         level
             .filter(|_| !mixed)
             .map(|(spec, level)| (spec, level, from, to))
+    }
+
+    /// The metrics invariant: every request sent is counted once at `limit`
+    /// (`tollgate_decisions_total`, whatever its outcome), and its admissions (`allowed`,
+    /// `delayed`, `queued`) are the requests that reached the handler counted there.
+    /// `decided`: the counters since the sequence began.
+    pub(crate) fn metrics(&self, limit: &str, decided: &HashMap<String, u64>) -> Vec<String> {
+        let sent = *self.sends.lock().unwrap();
+        let reached = self
+            .state
+            .lock()
+            .unwrap()
+            .1
+            .iter()
+            .filter(|ev| {
+                matches!(ev, Ev::Start { counted, .. } if counted.iter().any(|c| c.0 == limit))
+            })
+            .count() as u64;
+        let total: u64 = decided.values().sum();
+        let admitted: u64 = ["allowed", "delayed", "queued"]
+            .iter()
+            .filter_map(|o| decided.get(*o))
+            .sum();
+        let mut out = Vec::new();
+        if total != sent || admitted != reached {
+            out.push(format!(
+                "invariant metrics: {limit}: tollgate_decisions_total counted {total} requests, \
+                 {admitted} of them admitted ({decided:?}); the client sent {sent} and the \
+                 handler saw {reached} counted there"
+            ));
+        }
+        out
     }
 
     /// Whether `key` was ever denied by hand or blocked in this sequence.
