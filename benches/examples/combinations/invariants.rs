@@ -23,6 +23,8 @@
 //! - **nothing raw in Redis**: no identity text in any key, value or member;
 //! - **conservation**: after quiescence, what the handler saw admitted, net of refunds and
 //!   charges, is what `peek` shows for keys whose whole usage the harness saw.
+//! - **metrics**: every request sent is counted once by `tollgate_decisions_total` at the
+//!   rate limit, and its admissions are the requests the handler saw counted there.
 //!
 //! Each allowance is a named rule below, with the bound it comes from.
 
