@@ -60,6 +60,9 @@ enum Scenario {
         delay: u64,
         window: Option<u32>,
     },
+    /// GCRA 10 per second, burst 1, a delay of 500 ms, stacked on a fixed window of 3 per
+    /// second: three requests 100 ms before a window ends, three 20 ms after.
+    DelayWindow,
     /// A concurrency limit of 2 with a `pro` plan of 3 per second (slots that live 1 s).
     SlotPlans,
     /// A concurrency limit of 1 metered by the request's cost, 0 or 1.
@@ -110,7 +113,8 @@ fn draw(seed: u64) -> Option<(Scenario, Vec<Shot>)> {
         return None;
     }
     let scenario = match rng.below(100) {
-        0..=39 => {
+        32..=39 => Scenario::DelayWindow,
+        0..=31 => {
             let rate = rng.pick(&[5, 10, 20]);
             let burst = 1 + rng.below(3) as u32;
             let interval = 1_000 / u64::from(rate);
@@ -118,7 +122,9 @@ fn draw(seed: u64) -> Option<(Scenario, Vec<Shot>)> {
                 rate,
                 burst,
                 delay: rng.pick(&[2 * interval, 4 * interval, 400]),
-                window: rng.chance(50).then(|| rng.pick(&[burst + 1, rate / 2 + 1])),
+                // As tight as the burst, or a little looser: a window that a delayed
+                // request was counted in ends while it waits.
+                window: rng.chance(50).then(|| rng.pick(&[burst, burst + 1])),
             }
         }
         40..=51 => Scenario::SlotPlans,
@@ -146,6 +152,16 @@ fn draw(seed: u64) -> Option<(Scenario, Vec<Shot>)> {
             shots
         }
         // Held past the plan's period (1 s), as long as slots live by it.
+        // The window ends 500 ms after the start (see `sequence`).
+        Scenario::DelayWindow => [400, 400, 400, 520, 520, 520]
+            .iter()
+            .enumerate()
+            .map(|(i, &at)| {
+                let mut s = Shot::at(at, KEYS[0]);
+                s.replica = i % 2;
+                s
+            })
+            .collect(),
         Scenario::SlotPlans => (0..6)
             .map(|i| {
                 let mut s = Shot::at(i * 220, KEYS[0]);
@@ -185,11 +201,20 @@ fn draw(seed: u64) -> Option<(Scenario, Vec<Shot>)> {
     Some((scenario, shots))
 }
 
+/// The delay and window `Scenario::DelayWindow` stands for.
+const DELAY_WINDOW: Scenario = Scenario::Delay {
+    rate: 10,
+    burst: 1,
+    delay: 500,
+    window: Some(3),
+};
+
 fn limits(scenario: Scenario) -> Result<Limits, ConfigError> {
     let tenant = || Tenant::header("x-key");
     let cost = || Metered::new().header(HeaderName::from_static("x-cost"));
     let mut limits = Limits::new();
     match scenario {
+        Scenario::DelayWindow => return self::limits(DELAY_WINDOW),
         Scenario::Delay {
             rate,
             burst,
@@ -239,8 +264,12 @@ fn limits(scenario: Scenario) -> Result<Limits, ConfigError> {
 
 /// What the invariants know of `s` under `scenario`.
 fn sent_of(trace: &Trace, scenario: Scenario, s: Shot) -> Sent {
+    if let Scenario::DelayWindow = scenario {
+        return sent_of(trace, DELAY_WINDOW, s);
+    }
     let mut sent = trace.sent();
     match scenario {
+        Scenario::DelayWindow => {}
         Scenario::Delay {
             rate,
             burst,
@@ -410,8 +439,9 @@ pub(crate) async fn sequence(
         Kind::Memory => {
             tokio::time::pause();
             let clock = TokioClock {
-                // On a whole second: the windows fall alike on every run.
-                base: invariants::sys_now() / SECOND * SECOND,
+                // Half a second past a whole one: the windows fall alike on every run, and a
+                // window ends amid the requests and their waits.
+                base: invariants::sys_now() / SECOND * SECOND + SECOND / 2,
                 start: tokio::time::Instant::now(),
             };
             let frame = Frame::Memory {
@@ -446,6 +476,12 @@ pub(crate) async fn sequence(
                 .unwrap()
             };
             let trace = Trace::new(Frame::Real, None);
+            if let Scenario::DelayWindow = scenario {
+                // Start half a second before a window of the server's clock ends.
+                let into = invariants::sys_now() % SECOND;
+                let wait = (SECOND + SECOND / 2 - into) % SECOND;
+                tokio::time::sleep(Duration::from_micros(wait)).await;
+            }
             let played = play((scenario, &shots, verbose), backend, &trace).await;
             found.extend(trace.judge());
             let identities = [KEYS[0], KEYS[1], CLIENT];
