@@ -368,6 +368,8 @@ impl Shape {
 struct KeyModel {
     /// GCRA: the TAT and the interval it is counted in.
     tat: Option<(Micros, Micros)>,
+    /// GCRA: when the key's run began (`GcraState::since`).
+    since: Micros,
     window: Option<WindowState>,
     /// Slots held by responses still open.
     held: u32,
@@ -481,6 +483,9 @@ impl Model {
                 let tat = Self::carried(state.tat, quota, self.now);
                 let (v, next) = algorithm::gcra_delayed(quota, tat, self.now, cost, delay);
                 if let Some(t) = next {
+                    if tat.is_none_or(|t| t <= self.now) {
+                        state.since = self.now;
+                    }
                     state.tat = Some((t, quota.emission_interval()));
                 }
                 (v.status, state, algorithm::gcra_wait(quota, &v))
@@ -495,15 +500,25 @@ impl Model {
         }
     }
 
+    /// Settles a check made at this instant, which left `mark` (GCRA: its TAT; a fixed
+    /// window: `window_end`).
     fn settle(&mut self, algorithm: Algorithm, key: &str, quota: &Quota, s: (u32, u32, Micros)) {
-        let (reserved, actual, window_end) = s;
+        let (reserved, actual, mark) = s;
         let now = self.now;
         let state = self.keys.entry(key_static(key)).or_default();
+        let window_end = mark;
         match algorithm {
             Algorithm::Gcra => {
-                let tat = Self::carried(state.tat, quota, now);
-                if let Some(t) = algorithm::gcra_settle(quota, tat, now, reserved, actual) {
-                    state.tat = (t > now).then_some((t, quota.emission_interval()));
+                let stored = state.tat.map(|(tat, interval)| algorithm::GcraState {
+                    tat,
+                    interval,
+                    since: state.since,
+                });
+                if let Some(next) =
+                    algorithm::gcra_settled(quota, stored, now, (now, mark), reserved, actual)
+                {
+                    state.tat = (next.tat > now).then_some((next.tat, next.interval));
+                    state.since = next.since;
                 }
             }
             _ => {
@@ -1214,9 +1229,13 @@ impl<B: Backend> Run<'_, B> {
             self.tally.delayed += 1;
         }
         // Admitted: the model counts it.
-        let window_end = algorithm::window_end(&quota, self.model.now);
+        let mark = match limit.algorithm() {
+            Algorithm::Gcra => next.tat.map_or(0, |(t, _)| t),
+            _ => algorithm::window_end(&quota, self.model.now),
+        };
         let entry = self.model.keys.entry(r.key).or_default();
         entry.tat = next.tat;
+        entry.since = next.since;
         entry.window = next.window;
         entry.admitted += u64::from(cost);
         let counts_slot = self.shape.slots.is_some();
@@ -1241,7 +1260,7 @@ impl<B: Backend> Run<'_, B> {
         if actual != cost {
             self.tally.settled += 1;
             self.model
-                .settle(limit.algorithm(), r.key, &quota, (cost, actual, window_end));
+                .settle(limit.algorithm(), r.key, &quota, (cost, actual, mark));
             let entry = self.model.keys.entry(r.key).or_default();
             entry.admitted = (entry.admitted + u64::from(actual)).saturating_sub(u64::from(cost));
             self.end(res, r, counts_slot).await;

@@ -7,8 +7,11 @@
 //! A denied request never changes state: each function returns the state to store only when it
 //! admits.
 
-use crate::bounds::MAX_PERIOD;
-use crate::clock::{micros, Micros};
+mod gcra_state;
+
+pub use gcra_state::{gcra_carry, gcra_refund, gcra_settle, gcra_settled, GcraState};
+
+use crate::clock::Micros;
 use crate::counting::Algorithm;
 use crate::quota::Quota;
 use crate::verdict::{Status, Verdict};
@@ -110,38 +113,6 @@ pub fn gcra_wait(quota: &Quota, verdict: &Verdict) -> Micros {
     }
     let burst_span = quota.emission_interval() * u64::from(quota.burst());
     verdict.reset.saturating_sub(burst_span)
-}
-
-/// A GCRA theoretical arrival time stored under the emission interval `from`, carried to a
-/// quota whose interval is `to`: what the key has used, counted in units, is what it has used
-/// under the new quota.
-///
-/// `TAT' = now + ⌈(TAT − now) / from⌉ × to`, capped at [`MAX_PERIOD`]
-/// ahead: `(TAT − now) × to / from` with the units used rounded up to whole ones, which errs
-/// toward limiting by less than one unit and keeps every figure an integer that the Redis
-/// scripts' doubles hold exactly. A TAT in the past, or one stored under the same interval, is
-/// returned as it is.
-///
-/// # Examples
-///
-/// ```
-/// use tollgate_engine::{algorithm, Quota};
-///
-/// // 5 a minute used up (a TAT a minute ahead), raised to 10 a minute: 5 units used, 30 s.
-/// let (five, ten) = (Quota::per_minute(5)?, Quota::per_minute(10)?);
-/// let now = 1_000_000_000;
-/// let tat = algorithm::gcra_carry(now + 60_000_000, now, five.emission_interval(), ten.emission_interval());
-/// assert_eq!(tat, now + 30_000_000);
-/// assert_eq!(algorithm::gcra(&ten, Some(tat), now, 1).0.remaining, 4);
-/// # Ok::<(), tollgate_engine::ConfigError>(())
-/// ```
-#[inline]
-pub fn gcra_carry(tat: Micros, now: Micros, from: Micros, to: Micros) -> Micros {
-    if tat <= now || from == to || from == 0 {
-        return tat;
-    }
-    let used = (tat - now).div_ceil(from);
-    now + used.saturating_mul(to).min(micros(MAX_PERIOD))
 }
 
 fn remaining_of(tolerance: Micros, used: Micros, interval: Micros) -> u64 {
@@ -258,33 +229,6 @@ pub fn sliding_log(quota: &Quota, log: &[Micros], now: Micros, cost: u32) -> (Ve
         reset: if cost > 0 { period } else { reset },
     };
     (verdict, expired)
-}
-
-/// GCRA's settle (see [`Settlement`](crate::Settlement)) of a check that reserved
-/// `reserved` units and should have cost `actual`, on the stored `tat` at `now`.
-///
-/// Returns the TAT to store, or `None` to leave the state as it is. A TAT at or before `now`
-/// is a full bucket, the same as no state.
-pub fn gcra_settle(
-    quota: &Quota,
-    tat: Option<Micros>,
-    now: Micros,
-    reserved: u32,
-    actual: u32,
-) -> Option<Micros> {
-    let interval = quota.emission_interval();
-    if actual < reserved {
-        let back = interval.saturating_mul(u64::from(reserved - actual));
-        let tat = tat?;
-        return Some(tat.saturating_sub(back).max(now));
-    }
-    if actual == reserved {
-        return None;
-    }
-    let debt_cap = now + 2 * interval * u64::from(quota.burst());
-    let base = tat.map_or(now, |t| t.max(now));
-    let more = interval.saturating_mul(u64::from(actual - reserved));
-    Some(base.saturating_add(more).min(debt_cap.max(base)))
 }
 
 /// A fixed window's settle of a check that reserved `reserved` units in the window that ends
@@ -580,21 +524,5 @@ mod tests {
         let (v, next) = fixed_window(&q, None, u64::MAX - 1, 1);
         assert!(v.is_allowed());
         assert_eq!(next.map(|s| s.window_end), Some(u64::MAX));
-    }
-
-    #[test]
-    fn gcra_carry_counts_what_was_used_in_the_new_intervals() {
-        let now = 1_000 * S;
-        // Same interval, or a TAT in the past: unchanged.
-        assert_eq!(gcra_carry(now + 7 * S, now, 12 * S, 12 * S), now + 7 * S);
-        assert_eq!(gcra_carry(now - S, now, 12 * S, 6 * S), now - S);
-        // 5 units at 12 s, now at 6 s; a part of a unit counts as a unit.
-        assert_eq!(gcra_carry(now + 60 * S, now, 12 * S, 6 * S), now + 30 * S);
-        assert_eq!(gcra_carry(now + 13 * S, now, 12 * S, 6 * S), now + 12 * S);
-        // Lowered: more time ahead than the new bucket holds.
-        assert_eq!(gcra_carry(now + 60 * S, now, 6 * S, 12 * S), now + 120 * S);
-        // Never more than MAX_PERIOD ahead.
-        let max = micros(MAX_PERIOD);
-        assert_eq!(gcra_carry(now + max, now, 1, max), now + max);
     }
 }

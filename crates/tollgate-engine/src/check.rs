@@ -92,11 +92,16 @@ impl<'a> Check<'a> {
 /// later [`Settlement`] of the same check needs to find them again.
 ///
 /// `at` is the backend's time of the check (for a sliding log, the time its units were
-/// recorded at); `mark` is the algorithm's: the end of a fixed window's window, the last
-/// sequence number of a sliding log's units on Redis, 0 otherwise.
+/// recorded at); `mark` is the algorithm's: the end of a fixed window's window, the TAT a GCRA
+/// check's reservation left, the last sequence number of a sliding log's units on Redis, 0
+/// otherwise.
 ///
-/// A GCRA check's receipt has no mark. A [`Settlement`] whose GCRA receipt has one is
-/// *guarded*: it applies only while the key's TAT is exactly `mark` (the TAT its check left),
+/// A GCRA settle's refund moves the TAT back only within the run of its check (`at`), only
+/// when the TAT is still `mark` (it frees the last reservation) or nobody waits, and by the part
+/// of the reservation still ahead of now (see
+/// [`algorithm::gcra_refund`](crate::algorithm::gcra_refund)); otherwise it is dropped, and the
+/// key counts its units until its TAT reaches them. A receipt with a mark and
+/// no time (`at` 0) is *guarded*: its settle applies only while the key's TAT is exactly `mark`,
 /// and changes nothing otherwise. A quota lease's give-back is such a settle (see
 /// [`Leased`](crate::leased::Leased)): a backend under `Leased` must honour the guard, as the
 /// in-memory backend does.
@@ -116,7 +121,10 @@ pub struct Receipt {
 ///
 /// - **GCRA** moves the key's theoretical arrival time (TAT) back by the refund's emission
 ///   intervals, never before now (a refund never makes a bucket fuller than full), or forward
-///   by the charge's. A charge never puts the TAT more than twice the burst's refill time ahead
+///   by the charge's. A refund applies only within its check's run, and when it frees the last
+///   reservation or nobody waits ([`Receipt`]): a dropped refund never lets a request that
+///   waits be overtaken. A TAT written under another quota (a plan) is carried to the
+///   settle's quota first, whole: a debt is kept across plans. A charge never puts the TAT more than twice the burst's refill time ahead
 ///   of now: the debt is at most one whole burst, paid back at the quota's rate, and the
 ///   key's next request waits until it is paid.
 /// - **A fixed window** settles in the window of the check only: a refund decrements its count

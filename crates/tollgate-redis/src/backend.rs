@@ -95,14 +95,14 @@ impl RedisBackend {
     }
 
     /// The Redis key that holds `limit`'s state for `key`. All of them start with the base
-    /// key `<prefix>:<limit name>:{<digest>}`: GCRA's state is at `<base>:v2`, a sliding log
+    /// key `<prefix>:<limit name>:{<digest>}`: GCRA's state is at `<base>:v3`, a sliding log
     /// at `<base>:log`, a concurrency limit's slots at `<base>:slots`; for a fixed window this
     /// is the base, to which `:<window index>` is appended.
     pub fn key_for(&self, limit: &Limit, key: &[u8]) -> String {
         let digest = self.inner().checks().digest(limit.name(), key);
         let base = keys::base_key(self.inner().prefix(), limit.name(), &digest);
         match limit.algorithm() {
-            tollgate_engine::Algorithm::Gcra => base + ":v2",
+            tollgate_engine::Algorithm::Gcra => base + ":v3",
             tollgate_engine::Algorithm::SlidingLog => base + ":log",
             tollgate_engine::Algorithm::Concurrency => base + ":slots",
             _ => base,
@@ -163,8 +163,9 @@ impl Backend for RedisBackend {
     /// none is), in a cluster in one call per hash slot. A failure is logged at debug level,
     /// and the reservations stay as they were. Outside a Tokio runtime nothing is sent.
     ///
-    /// A GCRA settlement whose receipt has a mark applies only while the key's TAT is the
-    /// mark (see [`Receipt`](tollgate_engine::Receipt)).
+    /// A GCRA refund moves the TAT back only as
+    /// [`gcra_refund`](tollgate_engine::algorithm::gcra_refund) says (see
+    /// [`Receipt`](tollgate_engine::Receipt)).
     fn settle(&self, settlements: &[Settlement<'_>]) {
         self.leased.settle(settlements);
     }

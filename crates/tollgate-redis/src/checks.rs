@@ -193,8 +193,9 @@ impl Checks {
                         .extra
                         .saturating_add(1)
                         .saturating_mul(p.quota.period_micros()),
-                    // A GCRA receipt has no mark: one would guard its settle.
-                    Algorithm::Gcra => 0,
+                    // The TAT the reservation left, which its refund compares (as the
+                    // in-memory backend marks it).
+                    Algorithm::Gcra => answer.at.saturating_add(verdict.reset),
                     _ => answer.extra,
                 };
                 verdicts.set_receipt(

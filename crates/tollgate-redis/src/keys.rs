@@ -138,9 +138,11 @@ pub(crate) enum Suffix {
     /// The base key itself (no state lives there now; tests name it).
     #[cfg(test)]
     None,
-    /// `:v2`: a GCRA TAT and the emission interval it was written under (`<tat>:<interval>`).
-    /// The TAT alone lived at the base key; the new name keeps replicas that still read that
-    /// from taking the new value for an empty bucket, or failing on it.
+    /// `:v3`: a GCRA TAT, the emission interval it was written under, when the key's
+    /// sanctions end and when its run began (`<tat>:<interval>:<until>:<since>`, see
+    /// `tat.lua`). The TAT alone lived at the base key, then `<tat>:<interval>[:<until>]` at
+    /// `:v2`; each new name keeps replicas that still read the older value from taking the
+    /// new one for an empty bucket, or failing on it.
     Tat,
     /// `:<index>`: a fixed window's count.
     Window(u64),
@@ -204,7 +206,7 @@ impl BaseKey {
                 self.push(b":");
                 self.push(&digits[at..]);
             }
-            Suffix::Tat => self.push(b":v2"),
+            Suffix::Tat => self.push(b":v3"),
             Suffix::Log => self.push(b":log"),
             Suffix::Seq => self.push(b":seq"),
             Suffix::Slots => self.push(b":slots"),

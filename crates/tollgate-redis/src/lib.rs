@@ -52,11 +52,11 @@
 //! groups) of concurrent requests whose keys share a hash slot share that hash slot's calls,
 //! in the same way, and the calls of different hash slots go out side by side.
 //!
-//! - **GCRA**: one string key, `<key>:v2`, holding the theoretical arrival time and the
-//!   emission interval it was counted in (`<tat>:<interval>`, microseconds), expiring when the
-//!   state becomes that of a fresh key. While the key has a block or a deny, the value also
-//!   says when the later of them ends (`<tat>:<interval>:<until>`), and the key lives until
-//!   then: the commonest checks read a key's sanctions only when its value says so. A check under another interval (the key's plan
+//! - **GCRA**: one string key, `<key>:v3`, holding the theoretical arrival time, the
+//!   emission interval it was counted in, when the key's sanctions end (0 for none) and when
+//!   its run began (`<tat>:<interval>:<until>:<since>`, microseconds: tollgate_engine's
+//!   `algorithm::GcraState`), expiring when the state becomes that of a fresh key. While the
+//!   key has a block or a deny the key lives until the later of them ends: the commonest checks read a key's sanctions only when its value says so. A check under another interval (the key's plan
 //!   changed, or the limit was reloaded with another quota) first carries the units the key
 //!   used to its own interval, as `tollgate_engine::algorithm::gcra_carry` does. Fixed windows
 //!   and sliding logs keep their state under keys of their own (below).

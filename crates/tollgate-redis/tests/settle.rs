@@ -146,15 +146,16 @@ async fn scenarios(target: &Target) {
     let v = target.check(&gcra, b"shop", 1, at + 66 * S).await;
     assert_eq!((v[0].status, v[0].remaining), (Status::Allowed, 0));
 
-    // A guarded GCRA refund (a lease's give-back) applies only while the TAT is its mark: 4
-    // units at `at` leave the TAT at `at + 24 s`, one interval is 6 s.
+    // A guarded GCRA refund (a lease's give-back: a receipt with a mark and no time) applies
+    // only while the TAT is its mark: 4 units at `at` leave the TAT at `at + 24 s`, one
+    // interval is 6 s.
     let guarded = Limit::gcra("guarded", minute).unwrap();
     let refund = |mark: Micros| Settlement {
         limit: &guarded,
         key: b"shop",
         reserved: 3,
         actual: 0,
-        receipt: tollgate_engine::Receipt { at, mark },
+        receipt: tollgate_engine::Receipt { at: 0, mark },
         quota: *guarded.quota(),
     };
     target.check(&guarded, b"shop", 4, at).await;
@@ -354,25 +355,28 @@ async fn on_a_cluster_settles_are_exact_and_one_call_per_slot_group() {
         cluster.slot_of_key(&backend.key_for(&limit, a)),
         cluster.slot_of_key(&backend.key_for(&limit, b))
     );
-    let settle = |key: &'static [u8]| Settlement {
+    // Each refund names its check's reservation by the check's receipt.
+    let mut receipts = Vec::new();
+    for key in [&a[..], &b[..]] {
+        let v = backend
+            .check_at(&[Check::new(&limit, key).with_cost(10)], T0)
+            .await
+            .unwrap();
+        receipts.push(v.receipt(0));
+    }
+    let settle = |key: &'static [u8], receipt| Settlement {
         limit: &limit,
         key,
         reserved: 10,
         actual: 0,
-        receipt: Default::default(),
+        receipt,
         quota: *limit.quota(),
     };
-    for key in [&a[..], &b[..]] {
-        backend
-            .check_at(&[Check::new(&limit, key).with_cost(10)], T0)
-            .await
-            .unwrap();
-    }
     for node in cluster.nodes() {
         node.reset_stats();
     }
     backend
-        .settle_at(&[settle(a), settle(b)], Some(T0))
+        .settle_at(&[settle(a, receipts[0]), settle(b, receipts[1])], Some(T0))
         .await
         .unwrap();
     let calls: u64 = cluster.nodes().iter().map(|n| n.calls("evalsha")).sum();

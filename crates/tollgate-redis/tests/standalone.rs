@@ -362,9 +362,9 @@ async fn keys_never_hold_the_identity_and_have_a_fixed_length() {
         assert!(!key.contains("203.0.113.7") && !key.contains("alice"));
         assert_eq!(key.len(), keys[0].len());
     }
-    // A GCRA TAT lives at `<base key>:v2`, which `key_for` names.
+    // A GCRA TAT lives at `<base key>:v3`, which `key_for` names.
     let tat = backend.key_for(&limit, short);
-    assert!(tat.ends_with(":v2"), "{tat}");
+    assert!(tat.ends_with(":v3"), "{tat}");
     assert!(keys.contains(&tat), "{keys:?}");
     assert_eq!(tat.len(), keys[0].len());
 }

@@ -18,6 +18,7 @@ use bytes::Bytes;
 use http::{Request, StatusCode};
 use http_body_util::Full;
 use tokio::time::Instant;
+use tollgate::cost::Metered;
 use tollgate::key::{Global, Tenant};
 use tollgate::{Decision, FakeClock, Limit, Limits, MemoryBackend, Quota, RateLimitLayer};
 use tower::{Service, ServiceExt};
@@ -143,7 +144,7 @@ async fn exactly_the_burst_and_the_delay_s_intervals_are_admitted_each_at_its_ti
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_request_dropped_while_it_waits_gives_its_unit_back() {
+async fn a_dropped_waiter_gives_its_unit_back_only_when_nobody_waits_behind_it() {
     // One a second, burst 1, delay 2 s: the first at once, the next two wait 1 and 2 s, and
     // a fourth (3 s) is refused...
     let layer = RateLimitLayer::builder()
@@ -158,22 +159,129 @@ async fn a_request_dropped_while_it_waits_gives_its_unit_back() {
     let third = svc.ready().await.unwrap().call(req(2, "t"));
     let refused = svc.ready().await.unwrap().call(req(3, "t")).await.unwrap();
     assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
-    // ... until the second goes away before its time: its unit comes back, and the next
-    // request is admitted to wait 2 s.
+    // ... and still is once the second goes away before its time: the third waits behind the
+    // second's reservation, so that unit is not given back (it would let the next request
+    // start at 2 s, beside the third).
     drop(second);
-    let fourth = svc.ready().await.unwrap().call(req(4, "t"));
-    let (a, c, d) = tokio::join!(first, third, fourth);
-    let d = d.unwrap();
+    let refused = svc.ready().await.unwrap().call(req(4, "t")).await.unwrap();
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(retry_after(&refused), Some("1"));
+    // The third, the last reservation, goes away too: its unit comes back, and the next
+    // request is admitted to wait 2 s, in the third's place.
+    drop(third);
+    let fifth = svc.ready().await.unwrap().call(req(5, "t"));
+    let (a, e) = tokio::join!(first, fifth);
+    let e = e.unwrap();
     assert_eq!(
-        (a.unwrap().status(), c.unwrap().status()),
+        (a.unwrap().status(), e.status()),
         (StatusCode::OK, StatusCode::OK)
     );
-    assert_eq!(d.status(), 200);
     assert_eq!(
-        d.extensions().get::<Decision>().unwrap().delayed(),
+        e.extensions().get::<Decision>().unwrap().delayed(),
         Some(Duration::from_secs(2))
     );
-    assert_eq!(starts(&started), secs(&[(0, 0), (2, 2), (4, 2)]));
+    assert_eq!(starts(&started), secs(&[(0, 0), (5, 2)]));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_dropped_waiter_never_lets_a_later_request_start_beside_one_that_waits() {
+    // One a second, burst 1, delay 5 s: requests due at 0, 1 and 2 s; the one due at 1 s is
+    // dropped. The next is due at 3 s, after the one that still waits for 2 s.
+    let layer = RateLimitLayer::builder()
+        .limit(every("l", 1, 1, 5), Global)
+        .backend(memory())
+        .build()
+        .unwrap();
+    let started = Started::default();
+    let mut svc = support::recording(&layer, Instant::now(), Arc::clone(&started), Duration::ZERO);
+    let first = svc.ready().await.unwrap().call(req(0, "t"));
+    let second = svc.ready().await.unwrap().call(req(1, "t"));
+    let third = svc.ready().await.unwrap().call(req(2, "t"));
+    drop(second);
+    let fourth = svc.ready().await.unwrap().call(req(3, "t"));
+    let (a, c, d) = tokio::join!(first, third, fourth);
+    for res in [a, c, d] {
+        assert_eq!(res.unwrap().status(), StatusCode::OK);
+    }
+    assert_eq!(starts(&started), secs(&[(0, 0), (2, 2), (3, 3)]));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_count_if_refund_while_requests_wait_never_lets_two_start_together() {
+    // One a second, burst 1, delay 5 s, and no response counts: each gives its unit back when
+    // its head comes. The first is answered while two wait (due at 1 and 2 s): its refund would
+    // put the next request at 2 s beside the second waiter, so it is dropped.
+    let layer = RateLimitLayer::builder()
+        .metered(
+            every("l", 1, 1, 5),
+            Global,
+            Metered::new().count_if(|_| false),
+        )
+        .backend(memory())
+        .build()
+        .unwrap();
+    let started = Started::default();
+    let mut svc = support::recording(&layer, Instant::now(), Arc::clone(&started), Duration::ZERO);
+    let first = svc.ready().await.unwrap().call(req(0, "t"));
+    let second = tokio::spawn(svc.ready().await.unwrap().call(req(1, "t")));
+    let third = tokio::spawn(svc.ready().await.unwrap().call(req(2, "t")));
+    assert_eq!(first.await.unwrap().status(), StatusCode::OK);
+    let fourth = svc.ready().await.unwrap().call(req(3, "t")).await.unwrap();
+    assert_eq!(
+        fourth.extensions().get::<Decision>().unwrap().delayed(),
+        Some(Duration::from_secs(3))
+    );
+    for res in [second.await.unwrap(), third.await.unwrap()] {
+        assert_eq!(res.unwrap().status(), StatusCode::OK);
+    }
+    assert_eq!(starts(&started), secs(&[(0, 0), (1, 1), (2, 2), (3, 3)]));
+    // The fourth was the last reservation: its refund gave its unit back, and the others'
+    // (refused while someone waited) came back with time. The backend's clock still stands at
+    // the checks' instant: the next waits 3 s, behind the three units still counted.
+    let fifth = svc.ready().await.unwrap().call(req(4, "t")).await.unwrap();
+    assert_eq!(
+        fifth.extensions().get::<Decision>().unwrap().delayed(),
+        Some(Duration::from_secs(3))
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_waiter_dropped_after_a_reset_gives_nothing_back_to_the_reset_key() {
+    // One a second, burst 1, delay 5 s: the first at once, the second due at 1 s. The key is
+    // reset; 100 ms later a request starts at once under the reset key. The second is dropped:
+    // the reset key never counted its unit, so nothing comes back, and the next request waits
+    // its second behind the one that just started.
+    let clock = FakeClock::new(1_700_000_000_000_000);
+    let layer = RateLimitLayer::builder()
+        .limit(every("l", 1, 1, 5), Tenant::header("x-tenant"))
+        .backend(MemoryBackend::builder().clock(clock.clone()).build())
+        .build()
+        .unwrap();
+    let started = Started::default();
+    let mut svc = support::recording(&layer, Instant::now(), Arc::clone(&started), Duration::ZERO);
+    let first = svc.ready().await.unwrap().call(req(0, "t")).await.unwrap();
+    assert_eq!(first.status(), StatusCode::OK);
+    let second = svc.ready().await.unwrap().call(req(1, "t"));
+    layer.reset("l", "t").await.unwrap();
+    let step = Duration::from_millis(100);
+    clock.advance(step);
+    tokio::time::advance(step).await;
+    let third = svc.ready().await.unwrap().call(req(2, "t")).await.unwrap();
+    assert_eq!(third.status(), StatusCode::OK);
+    drop(second);
+    let fourth = svc.ready().await.unwrap().call(req(3, "t")).await.unwrap();
+    assert_eq!(
+        fourth.extensions().get::<Decision>().unwrap().delayed(),
+        Some(Duration::from_secs(1))
+    );
+    assert_eq!(
+        starts(&started),
+        [
+            (0, Duration::ZERO),
+            (2, step),
+            (3, step + Duration::from_secs(1))
+        ]
+    );
 }
 
 #[tokio::test(start_paused = true)]

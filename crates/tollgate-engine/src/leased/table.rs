@@ -67,11 +67,12 @@ pub(super) struct GiveBack {
 }
 
 impl GiveBack {
-    /// The refund as a settle: a GCRA one guarded by its TAT (see [`Receipt`]).
+    /// The refund as a settle: a GCRA one guarded by its TAT alone (a receipt with no time,
+    /// see [`Receipt`]).
     pub(super) fn settlement(&self) -> Settlement<'_> {
         let receipt = match self.limit.algorithm() {
             Algorithm::Gcra => Receipt {
-                at: self.receipt.at,
+                at: 0,
                 mark: self.only_at,
             },
             _ => self.receipt,

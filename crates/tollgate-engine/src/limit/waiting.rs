@@ -16,7 +16,10 @@ impl Limit {
     /// and reserves that time at once: the key's TAT moves exactly as for any admission, in
     /// one check (one Redis call, as without a delay), so the count stays exact across
     /// replicas. The layer then waits until that time before it calls the service; a request
-    /// dropped while it waits gives its units back. A request beyond the delay is refused as
+    /// dropped while it waits gives its units back when nobody waits behind it (see
+    /// [`algorithm::gcra_refund`](crate::algorithm::gcra_refund): otherwise they stay counted
+    /// until the key's time reaches them, and no later request starts beside one that still
+    /// waits). A request beyond the delay is refused as
     /// without one. At most [`max_waiting`](Self::max_waiting) requests of one key wait at
     /// once ([`DEFAULT_MAX_WAITING`](crate::DEFAULT_MAX_WAITING)), and at most
     /// [`MAX_WAITERS_PER_LIMIT`](crate::MAX_WAITERS_PER_LIMIT) of one limit: a request beyond

@@ -5,7 +5,7 @@
 use std::sync::atomic::Ordering;
 use std::sync::{PoisonError, RwLockWriteGuard};
 
-use crate::algorithm;
+use crate::algorithm::{self, GcraState};
 use crate::bounds::MAX_CHECKS;
 use crate::check::{Check, Receipt};
 use crate::clock::{Clock, Micros};
@@ -38,10 +38,11 @@ impl<C: Clock> Inner<C> {
         for (i, check) in checks.iter().enumerate() {
             if let Some(v) = verdicts.get(i).copied().filter(Verdict::is_allowed) {
                 let (at, mark) = match check.limit.algorithm() {
-                    Algorithm::FixedWindow => (now, now + v.reset),
+                    // The end of the window; the TAT the reservation left.
+                    Algorithm::FixedWindow | Algorithm::Gcra => (now, now + v.reset),
                     // The time its units were recorded at, set by the commit (`now` or later).
                     Algorithm::SlidingLog => (verdicts.receipt(i).at.max(now), 0),
-                    Algorithm::Gcra | Algorithm::Concurrency => (now, 0),
+                    Algorithm::Concurrency => (now, 0),
                 };
                 verdicts.set_receipt(i, Receipt { at, mark });
             }
@@ -170,7 +171,13 @@ impl<C> Inner<C> {
                 return Some(verdict);
             };
             match tat.compare_exchange_weak(current, next, Ordering::Relaxed, Ordering::Relaxed) {
-                Ok(_) => return Some(verdict),
+                Ok(_) => {
+                    if current <= now {
+                        // A full bucket: the key's run begins (GcraState::moved).
+                        record.since.store(now, Ordering::Relaxed);
+                    }
+                    return Some(verdict);
+                }
                 Err(newer) => current = newer,
             }
         }
@@ -262,7 +269,8 @@ impl<C> Inner<C> {
                     check.cost,
                     check.delay,
                 );
-                (v, next.map(|tat| (tat, quota.emission_interval())))
+                let interval = quota.emission_interval();
+                (v, next.map(|t| GcraState::moved(state, t, interval, now)))
             }),
             Algorithm::FixedWindow => self.step(&mut shard.windows, room, fp, |state| {
                 algorithm::fixed_window(quota, state, now, check.cost)

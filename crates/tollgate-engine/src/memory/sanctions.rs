@@ -104,20 +104,18 @@ impl<C: Clock> Inner<C> {
             .saturating_add(interval.saturating_mul(u64::from(quota.burst().saturating_sub(1))));
         let (fp, mut shard) = self.key_shard(check);
         let room = shard.len() < self.places.shard_cap;
-        let tat = crate::memory::shard::carried(
-            shard
-                .gcra
-                .get_mut(&fp)
-                .map(crate::memory::shard::Record::get),
-            quota,
-            now,
-        );
+        let state = shard
+            .gcra
+            .get_mut(&fp)
+            .map(crate::memory::shard::Record::get);
+        let tat = crate::memory::shard::carried(state, quota, now);
         if tat.is_some_and(|t| t >= target) {
             return;
         }
         if tat.is_none() && !(room && self.places.reserve()) {
             return;
         }
-        crate::memory::shard::store(&mut shard.gcra, fp, (target, interval));
+        let next = crate::algorithm::GcraState::moved(state, target, interval, now);
+        crate::memory::shard::store(&mut shard.gcra, fp, next);
     }
 }

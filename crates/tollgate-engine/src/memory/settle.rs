@@ -9,7 +9,7 @@ use crate::check::{Check, Settlement};
 use crate::clock::Clock;
 use crate::counting::Algorithm;
 use crate::memory::inner::{Inner, Sweeps};
-use crate::memory::shard::{carried, store, Log, Record};
+use crate::memory::shard::{store, Log, Record};
 
 impl<C: Clock> Inner<C> {
     /// Settles checks admitted earlier, at once (see [`Settlement`] for what each algorithm
@@ -34,21 +34,18 @@ impl<C: Clock> Inner<C> {
                 Algorithm::Concurrency => {}
                 Algorithm::Gcra => {
                     let stored = shard.gcra.get_mut(&fp).map(Record::get);
-                    // A guarded settle (a lease's give-back) applies only to the TAT it names.
-                    if s.receipt.mark > 0
-                        && stored != Some((s.receipt.mark, quota.emission_interval()))
-                    {
-                        continue;
-                    }
-                    // The TAT under this quota's interval (carried if another quota wrote it).
-                    let tat = carried(stored, quota, now);
-                    match algorithm::gcra_settle(quota, tat, now, s.reserved, s.actual) {
-                        Some(t) if t <= now && shard.gcra.remove(&fp).is_some() => {
+                    // A refund applies only within its check's run and when it frees the last
+                    // reservation or nobody waits (algorithm::gcra_refund); the TAT is carried
+                    // first if another quota wrote it.
+                    let receipt = (s.receipt.at, s.receipt.mark);
+                    let (reserved, actual) = (s.reserved, s.actual);
+                    match algorithm::gcra_settled(quota, stored, now, receipt, reserved, actual) {
+                        Some(t) if t.tat <= now && shard.gcra.remove(&fp).is_some() => {
                             self.places.free(1);
                         }
-                        Some(t) if t <= now => {}
-                        Some(t) if tat.is_some() || (room && self.places.reserve()) => {
-                            store(&mut shard.gcra, fp, (t, quota.emission_interval()));
+                        Some(t) if t.tat <= now => {}
+                        Some(t) if stored.is_some() || (room && self.places.reserve()) => {
+                            store(&mut shard.gcra, fp, t);
                         }
                         _ => {}
                     }

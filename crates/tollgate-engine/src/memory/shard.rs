@@ -5,7 +5,7 @@ use std::collections::hash_map::Entry;
 use std::collections::VecDeque;
 use std::sync::atomic::AtomicU64;
 
-use crate::algorithm::{self, WindowState};
+use crate::algorithm::{self, GcraState, WindowState};
 use crate::bounds::MAX_LOG_UNITS;
 use crate::check::Check;
 use crate::clock::Micros;
@@ -69,36 +69,40 @@ pub(super) trait Record {
     fn get(&mut self) -> Self::State;
 }
 
-/// A GCRA key: its TAT and the emission interval it was written under, so that a change of
-/// quota (a plan, a reload) carries what the key used ([`algorithm::gcra_carry`]). The
-/// interval changes only under the write lock; the lone check's compare-and-swap on the TAT
-/// under the read lock applies only while it is the check's own.
+/// A GCRA key ([`GcraState`]): its TAT, the emission interval it was written under, so that
+/// a change of quota (a plan, a reload) carries what the key used ([`algorithm::gcra_carry`]),
+/// and when its run began. The interval changes only under the write lock; the lone check's
+/// compare-and-swap on the TAT under the read lock applies only while it is the check's own,
+/// and a check that begins a run (its TAT was at or before its time) then writes `since`
+/// (settles, which read it, take the write lock).
 pub(super) struct GcraRecord {
     pub(super) tat: AtomicU64,
     pub(super) interval: Micros,
+    pub(super) since: AtomicU64,
 }
 
 impl Record for GcraRecord {
-    type State = (Micros, Micros);
-    fn new((tat, interval): (Micros, Micros)) -> Self {
+    type State = GcraState;
+    fn new(state: GcraState) -> Self {
         Self {
-            tat: AtomicU64::new(tat),
-            interval,
+            tat: AtomicU64::new(state.tat),
+            interval: state.interval,
+            since: AtomicU64::new(state.since),
         }
     }
-    fn get(&mut self) -> (Micros, Micros) {
-        (*self.tat.get_mut(), self.interval)
+    fn get(&mut self) -> GcraState {
+        GcraState {
+            tat: *self.tat.get_mut(),
+            interval: self.interval,
+            since: *self.since.get_mut(),
+        }
     }
 }
 
 /// The TAT `state` holds, carried to `quota`'s interval.
 #[inline]
-pub(super) fn carried(
-    state: Option<(Micros, Micros)>,
-    quota: &Quota,
-    now: Micros,
-) -> Option<Micros> {
-    state.map(|(tat, from)| algorithm::gcra_carry(tat, now, from, quota.emission_interval()))
+pub(super) fn carried(state: Option<GcraState>, quota: &Quota, now: Micros) -> Option<Micros> {
+    state.map(|s| s.tat_under(quota.emission_interval(), now))
 }
 
 impl Record for u32 {
@@ -169,9 +173,14 @@ impl Shard {
         let quota = &check.quota;
         match check.limit.algorithm() {
             Algorithm::Gcra => {
-                let tat = carried(self.gcra.get_mut(fp).map(Record::get), quota, now);
+                let state = self.gcra.get_mut(fp).map(Record::get);
+                let tat = carried(state, quota, now);
                 let (v, next) = algorithm::gcra_delayed(quota, tat, now, check.cost, check.delay);
-                (v, next.map_or(Pending::None, Pending::Tat), tat.is_none())
+                let interval = quota.emission_interval();
+                let pending = next.map_or(Pending::None, |t| {
+                    Pending::Tat(GcraState::moved(state, t, interval, now))
+                });
+                (v, pending, tat.is_none())
             }
             Algorithm::FixedWindow => {
                 let state = self.windows.get(fp).copied();
@@ -236,7 +245,7 @@ impl Shard {
     ) -> Micros {
         match pending {
             Pending::None => {}
-            Pending::Tat(tat) => store(&mut self.gcra, fp, (tat, check.quota.emission_interval())),
+            Pending::Tat(state) => store(&mut self.gcra, fp, state),
             Pending::Window(state) => store(&mut self.windows, fp, state),
             Pending::Slots(held) => store(&mut self.inflight, fp, held),
             Pending::Log => {
@@ -265,7 +274,7 @@ impl Shard {
 #[derive(Clone, Copy)]
 pub(super) enum Pending {
     None,
-    Tat(Micros),
+    Tat(GcraState),
     Window(WindowState),
     Log,
     Slots(u32),

@@ -70,12 +70,12 @@ pub(crate) fn reset_command(
 }
 
 /// `KEYS[1]`: a key's sanctions (`<base>:pb`); `KEYS[2]`, for a GCRA limit, its value
-/// (`<base>:v2`), which says until when the sanctions last. `ARGV`: `lift` (a reset's: the
+/// (`<base>:v3`), which says until when the sanctions last. `ARGV`: `lift` (a reset's: the
 /// block, the refusals and the strikes go, a deny stays), `deny` and its length in
 /// microseconds, or `undeny`. Answers the server's time.
 pub(crate) const SANCTION: &str = concat!(include_str!("tat.lua"), include_str!("sanction.lua"));
 
-/// `KEYS[1]`: a GCRA key (`<base>:v2`). `ARGV`: the pause in microseconds, the emission
+/// `KEYS[1]`: a GCRA key (`<base>:v3`). `ARGV`: the pause in microseconds, the emission
 /// interval, the burst. Moves the key's TAT to at least the pause's end plus the burst less
 /// one interval (see `tollgate_engine::Backend::pause`). Answers the server's time.
 pub(crate) const PAUSE: &str = concat!(include_str!("tat.lua"), include_str!("pause.lua"));
@@ -149,8 +149,8 @@ pub(crate) fn key_state(
             let Some(value) = text(state) else {
                 return Ok(KeyState::fresh(quota));
             };
-            let (tat, from) = parse_tat(&value)?;
-            let tat = algorithm::gcra_carry(tat, now, from, quota.emission_interval());
+            let (stored, _) = super::tat::parse(&value).ok_or_else(|| protocol("a GCRA value"))?;
+            let tat = stored.tat_under(quota.emission_interval(), now);
             algorithm::gcra(quota, Some(tat), now, 1).0
         }
         Algorithm::FixedWindow => {
@@ -255,21 +255,6 @@ pub(super) fn text(value: &Value) -> Option<String> {
         Value::SimpleString(s) => Some(s.clone()),
         Value::Int(n) => Some(n.to_string()),
         _ => None,
-    }
-}
-
-/// A GCRA value `<tat>:<interval>[:<until>]` (`until`: when the key's sanctions end, which a
-/// peek reads from the sanctions themselves).
-fn parse_tat(value: &str) -> Result<(Micros, Micros), BackendError> {
-    let mut parts = value.split(':');
-    let (Some(tat), Some(interval), None | Some(_), None) =
-        (parts.next(), parts.next(), parts.next(), parts.next())
-    else {
-        return Err(protocol("a GCRA value"));
-    };
-    match (tat.parse(), interval.parse()) {
-        (Ok(tat), Ok(interval)) => Ok((tat, interval)),
-        _ => Err(protocol("a GCRA value")),
     }
 }
 

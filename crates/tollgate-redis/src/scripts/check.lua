@@ -1,17 +1,4 @@
 
--- tollgate_engine::algorithm::gcra_carry: now + ceil((tat - now) / from) * to, at most
--- MAX_PERIOD ahead. Every figure below 2^53 is exact; a product above the cap may round, but
--- never to the other side of it.
-local MAX_AHEAD = 3155760000000000
-local function carry(tat, from, to)
-  if (not tat) or tat <= now or from == to or from == 0 then return tat end
-  local d = tat - now
-  local used = idiv(d, from)
-  if used * from < d then used = used + 1 end
-  local ahead = used * to
-  if ahead > MAX_AHEAD then ahead = MAX_AHEAD end
-  return now + ahead
-end
 local limits = {}
 local a = 3
 for l = 1, tonumber(ARGV[2]) do
@@ -90,9 +77,9 @@ local out, o = {now}, 1
 -- per call, not per request. `false` stands for a key with no state. `written` lists the keys
 -- to write, in order; `ttl` holds a written window's TTL, `false` a GCRA key's.
 local state, first, written, ttl = {}, {}, {}, {}
--- The emission interval each GCRA key's TAT in `state` is counted in, and when its
--- sanctions end as its value says (see `read_tat`).
-local t_of, h_of = {}, {}
+-- The emission interval each GCRA key's TAT in `state` is counted in, when its sanctions end
+-- and when its run began, as its value says (see `read_tat`).
+local t_of, h_of, s_of = {}, {}, {}
 -- The slots held per concurrency key, counted at its first check in the call.
 local in_flight = {}
 local function read(key, missing)
@@ -130,7 +117,7 @@ if verify then
         if algo == 1 then
           if state[key] == nil then
             local tat
-            tat, t_of[key], h_of[key] = read_tat(key)
+            tat, t_of[key], h_of[key], s_of[key] = read_tat(key)
             state[key], first[key] = tat, tat
           end
         elseif algo == 2 then
@@ -195,11 +182,11 @@ while i <= figures do
       local interval, burst, tolerance = p1, p3, p2
       local tat = state[key]
       if tat == nil then
-        tat, t_of[key], h_of[key] = read_tat(key)
+        tat, t_of[key], h_of[key], s_of[key] = read_tat(key)
         state[key], first[key] = tat, tat
       end
       -- Written under another quota (a plan, a reload): carry what the key used.
-      tat = carry(tat, t_of[key], interval)
+      tat = carry(tat, t_of[key], interval, now)
       local base = now
       if tat and tat > now then base = tat end
       local new_tat = base + interval * cost
@@ -336,7 +323,8 @@ for i = 1, #written do
   local v, window_ttl = state[key], ttl[key]
   if not window_ttl then
     -- A GCRA TAT lives until it is in the past (and the key's sanctions are over).
-    write_tat(key, v, t_of[key], h_of[key], now)
+    -- The run goes on while the TAT this call read was ahead (`run_of`).
+    write_tat(key, v, t_of[key], h_of[key], run_of(first[key], s_of[key], now), now)
   else
     -- A window's count: its TTL (the time to the window's turn) is set by its first write.
     redis.call('INCRBY', key, fmt(v - first[key]))

@@ -21,7 +21,7 @@ use crate::scripts::{slot_id, Script};
 /// call saves a round trip and the script's set-up per request.
 ///
 /// `KEYS`: every key the call may touch, each distinct (limit, identity) once, as Redis requires
-/// of a script: a GCRA TAT and its emission interval at `<base>:v2`; a fixed window's count at
+/// of a script: a GCRA TAT and its emission interval at `<base>:v3`; a fixed window's count at
 /// `<base>:<window index>`, declared for the client's current window and the next one (the
 /// window that holds the server's `TIME` is not known until the script runs); a sliding log at
 /// `<base>:log`, followed by its sequence counter at `<base>:seq`. The script also reads

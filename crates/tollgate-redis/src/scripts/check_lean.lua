@@ -9,23 +9,22 @@ if now < 0 then
   now = t[1] * 1000000 + t[2]
 end
 enforce = enforce == 1
-local match, format, floor = string.match, string.format, math.floor
 local out, o = {now, 0, 0, 0}, 1
 local n = #K
 -- A key with no value (the commonest: a client new to the limit) costs one command when a
 -- fresh key would admit its request: the write of its first TAT, made only if the key has
 -- none (`NX`), which answers the value the key has otherwise (`GET`). The value is the same
--- for every key of the call.
+-- for every key of the call: a run that begins now (`tat_value`, in the prepended `tat.lua`).
 local fresh, fresh_ms = false, ARGV[2]
 if cost <= burst and interval * cost <= tolerance then
-  fresh = format('%d:%d', now + interval * cost, interval)
+  fresh = tat_value(now + interval * cost, interval, 0, now, now)
 end
--- The TATs to write, of keys that had a value, and when their sanctions end.
-local tats, hints = nil, nil
+-- The TATs to write, of keys that had a value, when their sanctions end and their runs began.
+local tats, hints, sinces = nil, nil, nil
 for r = 1, n do
   local key = K[r]
   local status, figure = 0, 0
-  local tat, from, hint = false, 0, 0
+  local tat, from, hint, since = false, 0, 0, 0
   local wrote, v = false, nil
   if fresh then
     v = redis.pcall('SET', key, fresh, 'NX', 'GET', 'PX', fresh_ms)
@@ -45,42 +44,29 @@ for r = 1, n do
     status = 5
   elseif v then
     -- The key's value (`wrote`: the key had none, and its request is admitted).
-    local t, i, u = match(v, '^(%d+):(%d+):?(%d*)$')
-    if t then
-      tat, from = tonumber(t), tonumber(i)
-      if u ~= '' then hint = tonumber(u) end
-      -- A sanction's end at most 100 years ahead (`MAX_AHEAD` in `tat.lua`), so that the
-      -- value written back keeps it whole and positive.
-      if hint > now + 3155760000000000 then hint = now + 3155760000000000 end
-    end
+    tat, from, hint, since = parse_tat(v)
+    -- A sanction's end at most `MAX_AHEAD` ahead (`within`), so that the value written back
+    -- keeps it whole and positive.
+    hint = within(hint, now)
   end
   if hint > now then
     hints = hints or {}
     hints[r] = hint
     local sc = redis.pcall('GET', string.sub(key, 1, -4) .. ':pb')
     if type(sc) == 'string' then
-      local blocked, denied = match(sc, '^%d+:%d+:(%d+):%d+:%d+:(%d+)$')
+      local blocked, denied = string.match(sc, '^%d+:%d+:(%d+):%d+:%d+:(%d+)$')
       blocked, denied = tonumber(blocked) or 0, tonumber(denied) or 0
       if denied > now then
         status, figure = 4, denied - now
       elseif blocked > now then
         status, figure = 3, blocked - now
       end
-      if figure > 3155760000000000 then figure = 3155760000000000 end
+      if figure > MAX_AHEAD then figure = MAX_AHEAD end
     end
   end
   if status == 0 and not wrote then
-    -- Written under another quota (a plan, a reload): carry what the key used, as
-    -- `tollgate_engine::algorithm::gcra_carry` does.
-    if tat and tat > now and from ~= interval and from ~= 0 then
-      local d = tat - now
-      local used = floor(d / from)
-      if used * from > d then used = used - 1 elseif (used + 1) * from <= d then used = used + 1 end
-      if used * from < d then used = used + 1 end
-      local ahead = used * interval
-      if ahead > 3155760000000000 then ahead = 3155760000000000 end
-      tat = now + ahead
-    end
+    -- Written under another quota (a plan, a reload): carry what the key used (`carry`).
+    tat = carry(tat, from, interval, now)
     local base = now
     if tat and tat > now then base = tat end
     local new_tat = base + interval * cost
@@ -89,8 +75,8 @@ for r = 1, n do
     elseif new_tat - now > tolerance then
       status = 1
     else
-      tats = tats or {}
-      tats[r] = new_tat
+      tats, sinces = tats or {}, sinces or {}
+      tats[r], sinces[r] = new_tat, run_of(tat, since, now)
     end
     figure = tat or 0
   end
@@ -103,16 +89,7 @@ for r = 1, tats and n or 0 do
   local tat = tats[r]
   if tat then
     -- A value that said when the key's sanctions end keeps saying it (`write_tat`).
-    local hint, last, value = hints and hints[r], tat, nil
-    if hint then
-      value = format('%d:%d:%d', tat, interval, hint)
-      if hint > last then last = hint end
-    else
-      value = format('%d:%d', tat, interval)
-    end
-    local ms = floor((last - now + 999) / 1000)
-    if ms < 1 then ms = 1 end
-    redis.call('SET', K[r], value, 'PX', format('%d', ms))
+    write_tat(K[r], tat, interval, hints and hints[r] or 0, sinces[r], now)
   end
 end
 if o == 4 then return struct.pack('<dddd', out[1], out[2], out[3], out[4]) end

@@ -21,12 +21,13 @@
 use std::sync::LazyLock;
 
 use crate::scripts::check::{EncodedCheck, Form};
-use crate::scripts::Script;
+use crate::scripts::{Script, TAT};
 use tollgate_engine::Micros;
 
 use crate::transport::args::Args;
 
-/// The script's body, after the line that names its keys `K`.
+/// The script's body, after the GCRA value's functions (`tat.lua`) and the line that names its
+/// keys `K`.
 const BODY: &str = include_str!("check_lean.lua");
 
 /// Arguments before the keys that follow them in the cross-slot form.
@@ -34,14 +35,14 @@ const FIXED: usize = 2;
 
 fn declared() -> &'static Script {
     static SCRIPT: LazyLock<Script> =
-        LazyLock::new(|| Script::bare(&format!("local K = KEYS\n{BODY}")));
+        LazyLock::new(|| Script::bare(&format!("{TAT}local K = KEYS\n{BODY}")));
     &SCRIPT
 }
 
 fn cross_slot() -> &'static Script {
     static SCRIPT: LazyLock<Script> = LazyLock::new(|| {
         Script::bare(&format!(
-            "#!lua flags=allow-cross-slot-keys\nlocal K = {{KEYS[1]}}\n\
+            "#!lua flags=allow-cross-slot-keys\n{TAT}local K = {{KEYS[1]}}\n\
              for x = {}, #ARGV do K[#K + 1] = ARGV[x] end\n{BODY}",
             FIXED + 1
         ))
@@ -127,7 +128,7 @@ pub(crate) fn write_figures(out: &mut dyn Args, first: &EncodedCheck, now: Optio
 mod tests {
     use tollgate_testsupport::RedisServer;
 
-    use super::BODY;
+    use super::{BODY, TAT};
 
     const NOW: f64 = 1_700_000_000_000_000.0;
 
@@ -144,7 +145,7 @@ mod tests {
             packed.extend_from_slice(&f64::to_le_bytes(figure));
         }
         let mut cmd = redis::cmd("EVAL");
-        cmd.arg(format!("local K = KEYS\n{body}"))
+        cmd.arg(format!("{TAT}local K = KEYS\n{body}"))
             .arg(keys.len())
             .arg(keys)
             .arg(packed)

@@ -32,7 +32,13 @@ pub(crate) mod renew;
 pub(crate) mod reply;
 pub(crate) mod settle;
 pub(crate) mod slot_id;
+pub(crate) mod tat;
 pub(crate) mod top;
+
+/// A GCRA value's codec, its carry to another quota and its refund's rule, with the helpers
+/// they use: the one place the scripts read and write a GCRA value, prepended to every script
+/// that does (the lean check, pause and sanction ones included).
+pub(crate) const TAT: &str = include_str!("tat.lua");
 
 /// Helpers and `now`, prepended to every script called by its digest.
 const PRELUDE: &str = concat!(include_str!("tat.lua"), include_str!("prelude.lua"));
@@ -51,7 +57,8 @@ impl Script {
         Self { code, sha }
     }
 
-    /// The script `code` as it is, without the prelude (`check_lean.lua`, which needs none of it).
+    /// The script `code` as it is, without the prelude (`check_lean.lua`, which needs only
+    /// [`TAT`], and prepends it itself).
     pub(crate) fn bare(code: &str) -> Self {
         let code = code.to_owned();
         let sha = redis::Script::new(&code).get_hash().to_owned();

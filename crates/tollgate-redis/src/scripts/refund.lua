@@ -5,10 +5,10 @@ for i = 1, #KEYS do
   local x, y, z = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
   local key = KEYS[i]
   if algo == 1 then
-    local tat, interval, hint = read_tat(key)
+    local tat, interval, hint, since = read_tat(key)
     -- y: the TAT the check left, which a leased key's refund requires (0: any).
     if tat and (y == 0 or tat == y) then
-      write_tat(key, tat - x, interval, hint, now)
+      write_tat(key, tat - x, interval, hint, since, now)
     end
   elseif algo == 2 then
     local wkey = key

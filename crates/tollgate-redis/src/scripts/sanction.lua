@@ -1,6 +1,6 @@
 -- An operator's change to one key's sanctions (see check.lua): `lift` (a reset: the block,
 -- the refusals and the strikes go, a deny stays), `deny` for ARGV[2] microseconds, or
--- `undeny`. KEYS[1]: the key's `:pb`; KEYS[2], for a GCRA limit: its `:v2`, whose value
+-- `undeny`. KEYS[1]: the key's `:pb`; KEYS[2], for a GCRA limit: its `:v3`, whose value
 -- then says until when the sanctions last (see `read_tat`); after a reset's `reset.lua`,
 -- ARGV[3] names the algorithm. Answers the server's time.
 local t = redis.call('TIME')
@@ -36,10 +36,10 @@ else
     fmt(sc[4]) .. ':' .. fmt(sc[5]) .. ':' .. fmt(sc[6]), 'PX', ttl_ms(last - now))
 end
 if KEYS[2] and (ARGV[3] or 'gcra') == 'gcra' then
-  local tat, interval, hint = read_tat(KEYS[2])
+  local tat, interval, hint, since = read_tat(KEYS[2])
   local ends = math.max(sc[3], sc[6])
   if ends ~= hint and (tat or ends > now) then
-    write_tat(KEYS[2], tat, interval, ends, now)
+    write_tat(KEYS[2], tat, interval, ends, since, now)
   end
 end
 return fmt(now)

@@ -6,28 +6,23 @@ for i = 0, (#ARGV - 1) / 7 - 1 do
   local x, y, z, w = tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5]), tonumber(ARGV[a + 6])
   local key = KEYS[k]
   if algo == 1 then
+    -- x: the interval, y: the burst's span, z: the TAT the check left, w: the check's time.
     k = k + 1
-    local tat, from, hint = read_tat(key)
-    if tat and from ~= 0 and from ~= x and tat > now then
-      -- Written under another quota: the units used, at this quota's interval (as CHECK).
-      local d = tat - now
-      local used = idiv(d, from)
-      if used * from < d then used = used + 1 end
-      tat = now + used * x
-      if tat > now + y then tat = now + y end
-    end
-    if not tat then tat = nil end
-    -- z > 0: a lease's give-back, only while nothing has moved the TAT since its take.
-    if refund > 0 and tat ~= nil and (z == 0 or tat == z) then
-      write_tat(key, tat - x * refund, x, hint, now)
+    local stored, from, hint, since = read_tat(key)
+    -- Written under another quota: the units used, at this quota's interval, whole (a debt
+    -- is kept across plans).
+    local tat = carry(stored, from, x, now)
+    if refund > 0 then
+      local back = refunded(stored, from, tat, since, x, y, refund, w, z, now)
+      if back then write_tat(key, back, x, hint, since, now) end
     elseif charge > 0 then
       local base = now
-      if tat ~= nil and tat > now then base = tat end
-      local cap = now + y
+      if tat and tat > now then base = tat end
+      local cap = now + 2 * y
       if cap < base then cap = base end
       local new = base + x * charge
       if new > cap then new = cap end
-      write_tat(key, new, x, hint, now)
+      write_tat(key, new, x, hint, run_of(tat, since, now), now)
     end
   elseif algo == 2 then
     k = k + 1

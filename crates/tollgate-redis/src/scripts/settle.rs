@@ -11,13 +11,14 @@ use crate::scripts::Script;
 /// Settles checks admitted earlier: gives back or consumes the difference between what each
 /// reserved and what it should have cost (see `tollgate_engine::Settlement` for each algorithm).
 ///
-/// `KEYS`: per settlement, its key (a GCRA TAT at `<base>:v2`, a fixed window's
+/// `KEYS`: per settlement, its key (a GCRA TAT at `<base>:v3`, a fixed window's
 /// `<base>:<index>`), or two for
 /// a sliding log (`<base>:log`, `<base>:seq`). `ARGV[1]`: `now` or empty, as for `CHECK`.
 /// `ARGV[2 + 7 (i - 1) ..]`: per settlement: algorithm, refund, charge, then GCRA: interval,
-/// the most the TAT may run ahead of now, the TAT a refund requires (0: any; a lease's
-/// give-back applies only while the TAT is still the one its take left), 0; fixed window: the
-/// end of its window, 0, 0, 0;
+/// the burst's span (a charge runs the TAT at most twice that ahead of now), the TAT the check
+/// left and the check's time (its receipt: a refund applies as
+/// `tollgate_engine::algorithm::gcra_refund` says, `refunded` in `tat.lua`);
+/// fixed window: the end of its window, 0, 0, 0;
 /// sliding log: the stamp of its units (a refund) or how long the log keeps an entry (a
 /// charge: the longest period of the limit's quotas), their last sequence number, the
 /// period, the most units the log may hold. Refunds and charges are cut in the client so that every product
@@ -42,9 +43,9 @@ pub(crate) struct Settling {
 }
 
 impl Settling {
-    /// `s` encoded. A GCRA settle whose receipt has a mark is guarded: it applies only while
-    /// the key's TAT is exactly the mark (a lease's give-back, see
-    /// [`Receipt`](tollgate_engine::Receipt)).
+    /// `s` encoded. A GCRA refund applies within its check's run, when the key's TAT is still
+    /// the receipt's mark or nobody waits; one whose receipt has no time only while the TAT is
+    /// exactly the mark (a lease's give-back, see [`Receipt`](tollgate_engine::Receipt)).
     pub(crate) fn new(s: &Settlement<'_>, keyer: &Keyer) -> Result<Option<Self>, BackendError> {
         // A concurrency slot is one request: nothing to settle.
         if s.actual == s.reserved || s.limit.algorithm() == Algorithm::Concurrency {
@@ -63,12 +64,12 @@ impl Settling {
         let charge = u64::from(s.actual.saturating_sub(s.reserved));
         let (suffixes, args) = match s.limit.algorithm() {
             Algorithm::Gcra => {
-                // Past twice the burst, a refund empties any TAT and a charge meets the cap:
-                // cut there, every product in the script stays exact.
+                // Past twice the burst, a charge meets the cap: cut there, every product in
+                // the script stays exact. A refund is at most the check's cost, never above
+                // the burst.
                 let most = 2 * u64::from(quota.burst());
                 let interval = quota.emission_interval();
-                let cap = 2 * interval * u64::from(quota.burst());
-                let only_at = s.receipt.mark;
+                let span = interval * u64::from(quota.burst());
                 (
                     [Some(Suffix::Tat), None],
                     [
@@ -76,9 +77,9 @@ impl Settling {
                         refund.min(most),
                         charge.min(most),
                         interval,
-                        cap,
-                        only_at,
-                        0,
+                        span,
+                        s.receipt.mark,
+                        s.receipt.at,
                     ],
                 )
             }
