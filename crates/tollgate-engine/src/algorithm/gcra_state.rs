@@ -14,7 +14,9 @@ use crate::quota::Quota;
 /// the TAT falls back to the clock or the key is reset. A refund names the run of its check by
 /// the check's time ([`Receipt::at`](crate::Receipt::at)): a reservation made before `since`
 /// belongs to an earlier run, which the state no longer counts, so its refund gives nothing
-/// back (see [`gcra_refund`]).
+/// back (see [`gcra_refund`]). Runs are told apart by the backend's clock: a run that begins
+/// in the very microsecond of an earlier run's check (a clock that stands still, or steps
+/// back) takes that check's reservation for its own.
 ///
 /// On Redis the value `<tat>:<interval>:<until>:<since>` at `<base>:v3` holds the same
 /// figures (`until`: when the key's sanctions end, 0 for none).
