@@ -529,7 +529,7 @@ async fn a_deny_at_its_bound_on_redis_refuses_its_client_and_counts_the_others()
             "{}:pb",
             backend
                 .key_for(&shop, b"a.example")
-                .strip_suffix(":v2")
+                .strip_suffix(":v3")
                 .unwrap()
         );
         let exists: u64 = tollgate_testsupport::redis::cmd("EXISTS")
@@ -544,9 +544,10 @@ async fn a_deny_at_its_bound_on_redis_refuses_its_client_and_counts_the_others()
         let b = layer.peek("per-shop", "b.example").await.unwrap();
         assert_eq!(b.remaining, 7, "{prefix}");
 
-        // An end of 10^17 µs stored for `c.example`, as an unbounded deny once wrote it.
+        // An end of 10^17 µs stored for `c.example`, as an unbounded deny once wrote it (in the
+        // value's older form, which still reads).
         let key = backend.key_for(&per_shop(), b"c.example");
-        let base = key.strip_suffix(":v2").unwrap();
+        let base = key.strip_suffix(":v3").unwrap();
         let far = "100000000000000000";
         let mut conn = server.client();
         tollgate_testsupport::redis::cmd("SET")

@@ -81,8 +81,13 @@ proptest! {
     /// The in-memory backend through its public API, one key under three plans: checks with
     /// and without a delay, settles under the quota of their check, pauses. A refusal writes
     /// nothing (the key refills at the rate it was written under until its next admission); a
-    /// pause writes only when it moves the TAT. Refunds are settled only while nobody waits
-    /// (no admitted request's time lies ahead, the TAT at most a burst ahead).
+    /// pause writes only when it moves the TAT. Refunds are settled only where the documented
+    /// refund rule (`algorithm::gcra_refund`) is the plain one: of the last admission, while
+    /// the key's TAT is still the one it left, with all its units still ahead of now, and
+    /// nobody waiting (no admitted request's time lies ahead, the TAT at most a burst ahead).
+    /// Elsewhere the rule may drop a refund or give back less, never more: the test in
+    /// `no_span_of_time_starts_more_than_the_burst_and_the_rate` and the layer's delay tests
+    /// hold those cases.
     #[test]
     fn the_memory_backend_follows_the_reference_across_plans_settles_and_pauses(
         quotas in prop::collection::vec(limit_quota(), 3),
@@ -96,6 +101,8 @@ proptest! {
         let models: Vec<Gcra> = quotas.iter().map(Gcra::of).collect();
         let mut key = Key::default();
         let mut admitted: Vec<(usize, u32, Receipt)> = Vec::new();
+        // The last admission's index and the key it left.
+        let mut last: Option<(usize, Key)> = None;
         let (mut now, mut served_until) = (START, START);
         for (i, &((kind, r), ref op)) in steps.iter().enumerate() {
             let m0 = &models[0];
@@ -113,6 +120,7 @@ proptest! {
                     if let Some(tat) = want.tat {
                         key = Key { tat, interval: m.t };
                         admitted.push((plan, cost, verdicts.receipt(0)));
+                        last = Some((admitted.len() - 1, key));
                         served_until = served_until.max(now + want.wait);
                     }
                 }
@@ -120,11 +128,18 @@ proptest! {
                     if admitted.is_empty() {
                         continue;
                     }
-                    let (plan, reserved, receipt) = admitted[which % admitted.len()];
+                    let index = which % admitted.len();
+                    let (plan, reserved, receipt) = admitted[index];
                     let (q, m) = (&quotas[plan], &models[plan]);
                     let tat = key.read(m, now);
                     let waiting = now < served_until || tat > now + u64::from(m.burst) * m.t;
-                    if actual == reserved || (actual < reserved && waiting) {
+                    let plain = last.is_some_and(|(i, left)| {
+                        i == index
+                            && left.tat == key.tat
+                            && left.interval == key.interval
+                            && key.tat >= now + u64::from(reserved.saturating_sub(actual)) * m.t
+                    });
+                    if actual == reserved || (actual < reserved && (waiting || !plain)) {
                         continue;
                     }
                     backend.settle_now(&[Settlement {
