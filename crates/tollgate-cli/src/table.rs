@@ -32,7 +32,12 @@ pub(crate) fn print(file: &Path, limits: &Limits) {
             format!("fixed {}", limit.cost()),
             missing_key(limit.missing_key_policy()).to_owned(),
             failure(limit.failure_policy()),
-            if limit.is_shadow() { "yes" } else { "no" }.to_owned(),
+            match limit.enforced_percent() {
+                0 => "yes".to_owned(),
+                100 => "no".to_owned(),
+                // Rolled out to a share of keys: the rest are shadow.
+                p => format!("enforce {p}%"),
+            },
             wait(limit),
             penalty(limit),
         ]);

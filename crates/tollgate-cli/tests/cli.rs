@@ -147,6 +147,19 @@ denylist (refused with 403 unless allowlisted, counted by no limit):
     assert_eq!(cells(&stdout(&out)), cells(&want));
 }
 
+/// A limit enforced on a share of its keys shows the share in the `shadow` column.
+#[test]
+fn check_prints_an_enforced_share() {
+    let text = "[[limit]]\nname = \"new\"\nperiod = \"1m\"\nkey = \"ip\"\nquota = 5\nenforce_percent = 30\n";
+    let path = file("share", text);
+    let out = run(&["check", path.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let rows = cells(&stdout(&out));
+    assert_eq!(rows[0][7], "shadow");
+    assert_eq!(rows[1][..2], ["new", "gcra"]);
+    assert_eq!(rows[1][7], "enforce 30%");
+}
+
 /// Columns are padded to their widest cell: compare cell by cell.
 fn cells(s: &str) -> Vec<Vec<String>> {
     s.lines()

@@ -17,8 +17,9 @@ pub struct Check<'a> {
     /// The quota this check is counted against: the limit's default, or the quota of the
     /// request's plan ([`Check::with_quota`]). Backends read it, never `limit.quota()`.
     pub quota: Quota,
-    /// Whether a denial by this limit refuses the batch. `false` for shadow limits: they
-    /// consume when they admit and report when they would deny, but never refuse.
+    /// Whether a denial by this limit refuses the batch. `false` for shadow limits, and for a
+    /// key outside a limit's enforced share: they consume when they admit and report when
+    /// they would deny, but never refuse.
     pub enforce: bool,
     /// The request's slot, for a concurrency limit: an id unique among the requests in flight
     /// on every replica (the layer draws 128 random bits per request), under which a backend
@@ -43,13 +44,14 @@ pub struct Check<'a> {
 }
 
 impl<'a> Check<'a> {
-    /// A check of `key` against `limit`, with the limit's cost and shadow setting.
+    /// A check of `key` against `limit`, with the limit's cost, enforced or not as the
+    /// limit's shadow setting and enforced share say of `key` ([`Limit::enforces`]).
     pub fn new(limit: &'a Limit, key: &'a [u8]) -> Self {
         Self {
             limit,
             key,
             cost: limit.cost(),
-            enforce: !limit.is_shadow(),
+            enforce: limit.enforces(key),
             quota: *limit.quota(),
             slot: 0,
             slice_of: 0,

@@ -117,6 +117,8 @@ pub enum ConfigError {
         /// Its algorithm.
         algorithm: Algorithm,
     },
+    /// An enforced share ([`crate::Limit::enforce_percent`]) above 100 percent.
+    InvalidEnforcePercent(u32),
 }
 
 /// The words of `Display`: `main() -> Result<(), Box<dyn Error>>` prints an error with
@@ -230,6 +232,10 @@ impl fmt::Display for ConfigError {
                 "limit {limit:?} is a {} limit: pause_from_upstream holds back a GCRA key's \
                  emission time, and only a GCRA limit has one",
                 algorithm.as_str()
+            ),
+            Self::InvalidEnforcePercent(p) => write!(
+                f,
+                "enforce_percent {p} is invalid: it must be between 0 (shadow) and 100 (enforced)"
             ),
         }
     }

@@ -63,7 +63,8 @@ pub use counting::Algorithm;
 pub use error::ConfigError;
 pub use lease::{Lease, MAX_SLICE};
 pub use limit::{
-    FailurePolicy, Limit, MissingKeyPolicy, DEFAULT_BUSY_RETRY_AFTER, DEFAULT_SLOT_TTL,
+    rollout_share, FailurePolicy, Limit, MissingKeyPolicy, DEFAULT_BUSY_RETRY_AFTER,
+    DEFAULT_SLOT_TTL,
 };
 pub use memory::{MemoryBackend, MemoryBackendBuilder, MemoryStats};
 pub use penalty::Penalty;

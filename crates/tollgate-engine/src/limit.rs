@@ -75,7 +75,9 @@ pub struct Limit {
     cost: u32,
     failure: FailurePolicy,
     missing_key: MissingKeyPolicy,
-    shadow: bool,
+    /// The share of keys this limit refuses, in percent (see [`Limit::enforce_percent`]):
+    /// 100 enforced, 0 shadow.
+    enforce_percent: u8,
     /// The `Retry-After` of a concurrency refusal (nobody knows when a slot frees).
     busy_retry_after: Micros,
     /// Slices of the quota a replica may take from a shared backend (see [`Lease`]).
@@ -124,7 +126,7 @@ impl Limit {
             cost: 1,
             failure: FailurePolicy::default(),
             missing_key: MissingKeyPolicy::default(),
-            shadow: false,
+            enforce_percent: 100,
             busy_retry_after: DEFAULT_BUSY_RETRY_AFTER.as_micros() as Micros,
             lease: None,
             delay: 0,
@@ -369,9 +371,10 @@ impl Limit {
 
     /// Shadow (dry-run) mode: count and report would-be denials, but never deny. Nothing
     /// about a shadow limit refuses a request: a request without its key skips it (whatever
-    /// the missing-key policy), and its backend failing never answers 503.
+    /// the missing-key policy), and its backend failing never answers 503. The same as
+    /// [`enforce_percent(0)`](Self::enforce_percent).
     pub fn shadow(mut self) -> Self {
-        self.shadow = true;
+        self.enforce_percent = 0;
         self
     }
 
@@ -415,9 +418,9 @@ impl Limit {
         &self.missing_key
     }
 
-    /// Whether the limit only reports (shadow mode).
+    /// Whether the limit only reports for every key (shadow mode, an enforced share of 0%).
     pub fn is_shadow(&self) -> bool {
-        self.shadow
+        self.enforce_percent == 0
     }
 
     /// This limit with its quota leased to replicas in slices (see [`Lease`] for what it keeps
@@ -511,6 +514,8 @@ fn name_id(name: &str) -> u64 {
     })
 }
 
+mod rollout;
+pub use rollout::rollout_share;
 mod sanctions;
 #[cfg(test)]
 mod tests;

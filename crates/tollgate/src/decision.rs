@@ -285,6 +285,15 @@ impl LimitDecision {
         self.from_lease
     }
 
+    /// Marks this as a shadow decision when `shadowed`: the request's key lies outside the
+    /// limit's enforced share ([`Limit::enforce_percent`]).
+    ///
+    /// [`Limit::enforce_percent`]: tollgate_engine::Limit::enforce_percent
+    pub(crate) fn shadowed(mut self, shadowed: bool) -> Self {
+        self.shadow |= shadowed;
+        self
+    }
+
     /// Marks this as a concurrency limit's decision.
     pub(crate) fn concurrent(mut self) -> Self {
         self.concurrent = true;
@@ -317,7 +326,9 @@ impl LimitDecision {
         self.source
     }
 
-    /// Whether the limit is in shadow mode (its denials are reported, not enforced).
+    /// Whether the limit is in shadow mode for this request (its denials are reported, not
+    /// enforced): a shadow limit, or one enforced on a share of keys that the request's key
+    /// lies outside.
     pub fn is_shadow(&self) -> bool {
         self.shadow
     }

@@ -85,6 +85,7 @@ impl<B: Backend> Shared<B> {
                     Decision::one(
                         entry
                             .decision(outcome, Source::Backend, facts.quota_of[0])
+                            .shadowed(facts.shadowed(0))
                             .leased(verdicts.from_lease(0))
                             .delayed_by(waits[0])
                             .queued_for(queued_at(facts, 0)),
@@ -275,7 +276,7 @@ fn waits_of(verdicts: &Verdicts, facts: &Facts) -> [Micros; MAX_CHECKS] {
     let mut waits = [0; MAX_CHECKS];
     let checked = || verdicts.iter().zip(&facts.limit_of[..facts.n]);
     // A refused request waits for nothing (its admitted limits consumed nothing).
-    if checked().any(|(v, &i)| !v.is_allowed() && !facts.set.limits[i].limit.is_shadow()) {
+    if checked().any(|(v, &i)| !v.is_allowed() && !facts.shadowed(i)) {
         return waits;
     }
     for (verdict, &i) in checked() {
@@ -345,6 +346,7 @@ fn decision_of(verdicts: &Verdicts, facts: &Facts, waits: &[Micros; MAX_CHECKS])
             };
             entry
                 .decision(outcome, Source::Backend, facts.quota_of[i])
+                .shadowed(facts.shadowed(i))
                 .leased(leased)
                 .delayed_by(waits[i])
                 .queued_for(queued_at(facts, i))

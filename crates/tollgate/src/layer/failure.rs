@@ -27,12 +27,16 @@ impl<B: Backend> Shared<B> {
         self.on_failure(error, facts, kept, &mut outcomes, receipts);
         // A refused request went nowhere: a fail-open limit beside the one that refused it
         // bypassed nothing, and must not say it did.
-        let refused = facts
-            .set
-            .limits
-            .iter()
-            .zip(&outcomes)
-            .any(|(entry, (outcome, _))| !entry.limit.is_shadow() && !outcome.admits());
+        let refused =
+            facts
+                .set
+                .limits
+                .iter()
+                .zip(&outcomes)
+                .enumerate()
+                .any(|(i, (entry, (outcome, _)))| {
+                    !entry.limit.is_shadow() && !facts.shadowed(i) && !outcome.admits()
+                });
         if refused {
             for (outcome, _) in &mut outcomes {
                 if let Outcome::Bypassed { .. } = outcome {
@@ -49,7 +53,9 @@ impl<B: Backend> Shared<B> {
             .zip(outcomes)
             .enumerate()
             .map(|(i, (entry, (outcome, source)))| {
-                entry.decision(outcome, source, facts.quota_of[i])
+                entry
+                    .decision(outcome, source, facts.quota_of[i])
+                    .shadowed(facts.shadowed(i))
             })
             .collect()
     }
@@ -71,7 +77,7 @@ impl<B: Backend> Shared<B> {
                 FailurePolicy::FailClosed => {
                     // A shadow limit refuses nothing, so it must not switch off the fallback
                     // of the enforced limits beside it either.
-                    closed |= !limits[i].limit.is_shadow();
+                    closed |= !facts.shadowed(i);
                     Outcome::Denied {
                         retry_after: Some(self.unavailable_retry_after),
                         remaining: 0,

@@ -43,6 +43,9 @@ pub(crate) struct Facts {
     pub(crate) quota_of: [u8; MAX_CHECKS],
     /// Per limit, the request's cost.
     pub(crate) cost: [u32; MAX_CHECKS],
+    /// The limits (bit `i` for the limit at `i`) whose check did not enforce: shadow limits,
+    /// and limits whose enforced share the request's key lies outside.
+    pub(crate) shadowed: u8,
     /// The request's concurrency slot id (0 when the layer has no concurrency limit).
     pub(crate) slot: u128,
     /// The request's `tollgate.check` span, open from the keys to the decision.
@@ -54,6 +57,14 @@ pub(crate) struct Facts {
     /// Its place in a queued concurrency limit's line, while it waits for a slot (boxed:
     /// most requests never wait).
     pub(crate) queueing: Option<Box<Queueing>>,
+}
+
+impl Facts {
+    /// Whether the check of the limit at `i` did not enforce (see [`Facts::shadowed`]).
+    #[inline]
+    pub(crate) fn shadowed(&self, i: usize) -> bool {
+        self.shadowed & (1 << i) != 0
+    }
 }
 
 /// The keys of a request that are needed after its check ([`Entry::keeps_key`]), by limit.
@@ -153,6 +164,7 @@ impl<B: Backend> Shared<B> {
         let mut limit_of = [0; MAX_CHECKS];
         let mut quota_of = [0u8; MAX_CHECKS];
         let mut cost = [0u32; MAX_CHECKS];
+        let mut shadowed = 0u8;
         // A place behind those who wait for a queued limit's slots of the same key: taken
         // instead of a check, so as not to pass them.
         let mut behind = None;
@@ -178,6 +190,7 @@ impl<B: Backend> Shared<B> {
                         };
                     let check = delayed(check, 0, places.as_mut());
                     (quota_of[0], cost[0], n) = (quota, check.cost, 1);
+                    shadowed = u8::from(!check.enforce);
                     if set.queues {
                         behind = self.behind(&check, 0);
                     }
@@ -213,6 +226,7 @@ impl<B: Backend> Shared<B> {
                         Err(refusal) => return Start::Refuse(*refusal),
                     };
                 (quota_of[i], cost[i]) = (quota, check.cost);
+                shadowed |= u8::from(!check.enforce) << i;
                 checks[n] = delayed(check, i, places.as_mut());
                 if set.queues && behind.is_none() {
                     behind = self.behind(&checks[n], i);
@@ -230,6 +244,7 @@ impl<B: Backend> Shared<B> {
             limit_of,
             quota_of,
             cost,
+            shadowed,
             slot,
             span,
             places: places.filter(|p| !p.is_empty()),
@@ -281,7 +296,7 @@ impl<B: Backend> Shared<B> {
     }
 }
 
-/// `check` with its limit's delay (the limit at `i` of the layer): a shadow limit's always
+/// `check` with its limit's delay (the limit at `i` of the layer): an unenforced check's always
 /// (it reports what its delay would do, and nobody waits for it), an enforced limit's only
 /// when the request takes a place among the key's waiters (checked without it otherwise).
 #[inline]
@@ -289,7 +304,7 @@ fn delayed<'k>(check: Check<'k>, i: usize, places: Option<&mut Places>) -> Check
     let delay = check.limit.delay_micros();
     match places {
         Some(places) if delay > 0 => {
-            if check.limit.is_shadow() || places.enter(i, check.limit, check.key) {
+            if !check.enforce || places.enter(i, check.limit, check.key) {
                 check.with_delay(delay)
             } else {
                 check
@@ -311,8 +326,9 @@ fn extract<'r>(
     let key = match entry.key.extract(view) {
         Ok(key) => key,
         Err(missing) => match entry.limit.missing_key_policy() {
-            // A shadow limit never refuses a request, not even one without its key.
-            _ if entry.limit.is_shadow() => return Ok(Extracted::None),
+            // A shadow limit never refuses a request, not even one without its key; nor does
+            // a partly enforced one (a request without a key is in no share).
+            _ if entry.limit.enforced_percent() < 100 => return Ok(Extracted::None),
             // A key that is there but unusable (too long, a bad character) is refused
             // whatever the policy: skipping it or sharing a bucket would let a client leave
             // the limit by sending garbage.

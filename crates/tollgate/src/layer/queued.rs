@@ -174,7 +174,7 @@ impl<B: Backend> Shared<B> {
                 .with_slot(facts.slot);
             let delay = limit.delay_micros();
             let placed = facts.places.as_ref().is_some_and(|p| p.holds(i));
-            if delay > 0 && (limit.is_shadow() || placed) {
+            if delay > 0 && (!check.enforce || placed) {
                 check = check.with_delay(delay);
             }
             checks[j] = check;

@@ -21,7 +21,7 @@ impl<B: Backend> Shared<B> {
         }
         let set = &facts.set;
         for (i, (entry, d)) in set.limits.iter().zip(decision.limits()).enumerate() {
-            if entry.limit.is_shadow() || !matches!(d.outcome(), Outcome::Denied { .. }) {
+            if d.is_shadow() || !matches!(d.outcome(), Outcome::Denied { .. }) {
                 continue;
             }
             // Every enforced limit keeps its key while refusals are counted.

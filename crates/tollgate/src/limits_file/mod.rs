@@ -359,6 +359,16 @@ impl LimitsFile {
         if spec.shadow {
             limit = limit.shadow();
         }
+        if let Some(percent) = &spec.enforce_percent {
+            if spec.shadow {
+                return Err(at(percent.span())(
+                    &"`shadow = true` is `enforce_percent = 0`: give one of them",
+                ));
+            }
+            limit = limit
+                .enforce_percent(*percent.get_ref())
+                .map_err(|e| at(percent.span())(&e))?;
+        }
         let limit = overflow::apply(limit, spec)?;
         let key = self
             .key(spec.key.get_ref())

@@ -112,7 +112,7 @@ pub(super) fn field_among_plans(text: &str, at: usize) -> Option<&'static str> {
 }
 
 /// A limit's fields other than `quota`: below `[limit.quota]`, TOML reads each as a plan.
-const FIELDS: [&str; 13] = [
+const FIELDS: [&str; 14] = [
     "name",
     "algorithm",
     "period",
@@ -121,6 +121,7 @@ const FIELDS: [&str; 13] = [
     "failure",
     "missing_key",
     "shadow",
+    "enforce_percent",
     "delay",
     "max_waiting",
     "queue",
@@ -263,6 +264,8 @@ pub(super) struct LimitSpec {
     pub(super) missing_key: Option<Spanned<String>>,
     #[serde(default)]
     pub(super) shadow: bool,
+    /// The share of keys enforced, in percent (`Limit::enforce_percent`).
+    pub(super) enforce_percent: Option<Spanned<u32>>,
     /// A GCRA limit's delay (`Limit::delay_up_to`), and the most of a key's requests that wait.
     pub(super) delay: Option<Spanned<String>>,
     pub(super) max_waiting: Option<Spanned<u32>>,
