@@ -114,6 +114,7 @@ mod problem;
 mod refusal_cache;
 mod rejection;
 mod rules;
+mod span;
 mod upstream;
 
 /// The parts that know nothing of HTTP: quotas, algorithms, clocks, backends.

@@ -114,6 +114,7 @@ impl<B: Backend> Shared<B> {
             entry.metrics.record(d, admitted, self.near_limit);
         }
         obs::record_span(&facts.span, &decision);
+        facts.span.record(&decision, true);
         // The places of the limits the request waits for are kept; the others go back.
         let places = facts.places.take();
         if admitted {

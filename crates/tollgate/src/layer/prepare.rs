@@ -22,6 +22,7 @@ use crate::decision::{Decision, Outcome, Source};
 use crate::key::{Key, MissingKey, RequestView};
 use crate::metrics as obs;
 use crate::plan::Plan;
+use crate::span::CheckSpan;
 
 /// The key of the one bucket shared by keyless requests ([`MissingKeyPolicy::SharedBucket`]).
 /// Extracted keys cannot take this value: IP keys start with a 4 or 6 byte, tenants are ASCII.
@@ -49,7 +50,7 @@ pub(crate) struct Facts {
     /// The request's concurrency slot id (0 when the layer has no concurrency limit).
     pub(crate) slot: u128,
     /// The request's `tollgate.check` span, open from the keys to the decision.
-    pub(crate) span: tracing::Span,
+    pub(crate) span: CheckSpan,
     /// The places the request took among delayed limits' waiters, so that it was checked
     /// with their delays (only in a set with a delayed limit): given back by the decision
     /// unless the request waits.
@@ -125,16 +126,7 @@ impl<B: Backend> Shared<B> {
         // request, what `tracing`'s `log` compatibility does when no subscriber is set (its
         // fields formatted, each enter and exit checked against the `log` level).
         let set = self.set.load_full();
-        let span = if tracing::level_enabled!(tracing::Level::DEBUG) {
-            tracing::debug_span!(
-                "tollgate.check",
-                limits = &*set.names,
-                outcome = tracing::field::Empty,
-                decision = tracing::field::Empty,
-            )
-        } else {
-            tracing::Span::none()
-        };
+        let span = CheckSpan::new(&set.names);
         let view = RequestView::new(req);
         if let Some(allowlist) = &set.allowlist {
             if allowlist.matches(&view) {
@@ -347,7 +339,7 @@ fn extract<'r>(
 }
 
 /// The decision of a request that `set`'s allowlist matched: every limit `Allowlisted`.
-fn allowlisted(set: &LimitSet, span: &tracing::Span) -> Decision {
+fn allowlisted(set: &LimitSet, span: &CheckSpan) -> Decision {
     let decision: Decision = set
         .limits
         .iter()
@@ -358,5 +350,6 @@ fn allowlisted(set: &LimitSet, span: &tracing::Span) -> Decision {
         entry.metrics.record(d, true, 0);
     }
     obs::record_span(span, &decision);
+    span.record(&decision, false);
     decision
 }

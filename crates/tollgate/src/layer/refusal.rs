@@ -28,6 +28,7 @@ impl<B: Backend> Shared<B> {
         span: &tracing::Span,
     ) -> Response<Bytes> {
         entry.metrics.record_missing_key(span);
+        crate::span::record_refused(span, "missing_key");
         self.refuse(
             &Rejection::new(
                 RejectionKind::MissingKey(missing),
@@ -48,6 +49,7 @@ impl<B: Backend> Shared<B> {
         span: &tracing::Span,
     ) -> Response<Bytes> {
         entry.metrics.record_invalid_cost(span);
+        crate::span::record_refused(span, "invalid_cost");
         self.refuse(
             &Rejection::new(RejectionKind::InvalidCost, entry.limit.name(), None, None)
                 .grpc(grpc::is_grpc(req.headers())),
@@ -74,6 +76,7 @@ impl<B: Backend> Shared<B> {
             entry.metrics.record(d, false, 0);
         }
         obs::record_span(span, &decision);
+        crate::span::record(span, &decision, None);
         self.refuse_decision(decision, req, set)
     }
 
