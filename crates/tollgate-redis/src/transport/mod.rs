@@ -9,6 +9,7 @@
 
 pub(crate) mod args;
 pub(crate) mod breaker;
+mod check_error;
 pub(crate) mod clock;
 pub(crate) mod coalesce;
 pub(crate) mod conn;
@@ -32,6 +33,7 @@ use crate::scripts::reply::{self, Reply};
 use crate::scripts::Script;
 use args::Args;
 use breaker::{Breaker, BreakerConfig, CircuitState, Permit};
+pub(crate) use check_error::CheckError;
 use clock::ServerClock;
 use coalesce::Queues;
 use conn::{Connector, Target};
@@ -567,35 +569,6 @@ impl Transport {
                 self.shared.invalidate(generation);
             }
         })
-    }
-}
-
-/// A `CHECK` call's failure: the backend's error, or Redis' own (which a cluster node's
-/// redirection is read from before it becomes the backend's).
-pub(crate) enum CheckError {
-    Backend(BackendError),
-    Redis(redis::RedisError),
-}
-
-impl From<BackendError> for CheckError {
-    fn from(e: BackendError) -> Self {
-        Self::Backend(e)
-    }
-}
-
-impl From<redis::RedisError> for CheckError {
-    fn from(e: redis::RedisError) -> Self {
-        Self::Redis(e)
-    }
-}
-
-impl CheckError {
-    /// The backend's error for it.
-    pub(crate) fn into_backend(self) -> BackendError {
-        match self {
-            Self::Backend(e) => e,
-            Self::Redis(e) => map_error(e),
-        }
     }
 }
 
