@@ -2,8 +2,10 @@
 //! [`REPORT_BUCKET`], a sorted set of counts and a hash of when each identity was seen, under
 //! `<prefix>:top:{<limit>}:<bucket>` (the hash tag keeps a limit's buckets in one hash slot).
 //!
-//! A merge is one `EVAL` (`ZINCRBY` and `HSET` per identity, then `ZREMRANGEBYRANK` to the
-//! largest `keep` and `PEXPIRE` to two buckets): a replica makes it at most once per limit and
+//! A merge is one `EVAL` that adds each counter to the bucket's summary as Space-Saving does,
+//! as the in-memory backend's board: a known identity adds to its counter (`ZINCRBY`), a new
+//! one takes a free counter or, once `keep` are taken, the smallest, whose count it inherits
+//! as its error; then `PEXPIRE` to two buckets. A replica makes it at most once per limit and
 //! tick, never per refusal. A read is one `EVAL` of the current and previous buckets, merged
 //! here. Both have the backend's deadline; neither goes through the breaker.
 //!
