@@ -67,7 +67,7 @@
 //! from outside, with no code of the layer nor of `tollgate_engine::algorithm`: what reached
 //! the handler, when, against the quotas as the docs define them; sanctions; identities in
 //! Redis; and, once quiet, what the handler saw against `peek`. Deny durations include ten
-//! years and a thousand. Some seeds also draw a timed sequence (`combinations/timed.rs`) on
+//! years, 99 (under `MAX_DENY`) and a thousand (past it: refused, nothing denied). Some seeds also draw a timed sequence (`combinations/timed.rs`) on
 //! per-second quotas that those invariants alone judge. Each violation is printed on a line
 //! of its own with its seed and backend; an invariant's line names it (`invariant NAME:`).
 //!
@@ -90,14 +90,14 @@ use axum::Router;
 use tollgate::cost::{Metered, Settle};
 use tollgate::key::{KeyExtractor, Tenant};
 use tollgate::{
-    Allowlist, Decision, DenyReason, Denylist, Limit, Limits, Outcome, Penalty, Plan, Quota,
-    RateLimitLayer,
+    AdminError, Allowlist, Decision, DenyReason, Denylist, Limit, Limits, Outcome, Penalty, Plan,
+    Quota, RateLimitLayer,
 };
 use tollgate_engine::algorithm::{self, WindowState};
 use tollgate_engine::leased::Leased;
 use tollgate_engine::{
     Algorithm, Backend, Check, ConfigError, FakeClock, KeyState, Lease, MemoryBackend, Micros,
-    Status,
+    Status, MAX_DENY,
 };
 use tollgate_redis::RedisBackend;
 use tollgate_testsupport::{RedisCluster, RedisServer};
@@ -742,8 +742,9 @@ fn draw_ops(rng: &mut Rng, shape: &Shape, kind: Kind, replicas: usize, n: usize)
                 };
                 if rng.chance(60) {
                     let micros = if rng.chance(10) {
-                        // Ten years, and a thousand: past 2^53 µs.
-                        rng.pick(&[10 * 365 * DAY, 1_000 * 365 * DAY])
+                        // Ten years; 99, at `MAX_DENY` (100 years) less a year; and a
+                        // thousand, past it (and past 2^53 µs): refused, nothing denied.
+                        rng.pick(&[10 * 365 * DAY, 99 * 365 * DAY, 1_000 * 365 * DAY])
                     } else {
                         rng.pick(&[interval / 2, interval, 3 * interval, DAY])
                     };
@@ -783,6 +784,8 @@ struct Tally {
     denylisted: u64,
     denies: u64,
     undenies: u64,
+    /// Denies past `MAX_DENY`, refused as they must be.
+    too_long: u64,
     allowlisted: u64,
     bypassed: u64,
     settled: u64,
@@ -817,6 +820,7 @@ impl Tally {
         self.denylisted += o.denylisted;
         self.denies += o.denies;
         self.undenies += o.undenies;
+        self.too_long += o.too_long;
         self.allowlisted += o.allowlisted;
         self.bypassed += o.bypassed;
         self.settled += o.settled;
@@ -1502,6 +1506,19 @@ impl<B: Backend> Run<'_, B> {
     /// `replica`. Other replicas' deny caches may answer as before for up to their TTL.
     async fn deny(&mut self, replica: usize, key: &'static str, micros: Option<Micros>) {
         let layer = &self.replicas[replica].layer;
+        if let Some(m) = micros.filter(|&m| Duration::from_micros(m) > MAX_DENY) {
+            // Past `MAX_DENY`: refused whole, never shortened, and nothing denied (the model
+            // and the trace stay as they were).
+            match layer.deny("rate", key, Duration::from_micros(m)).await {
+                Err(AdminError::DenyTooLong(d)) if d == Duration::from_micros(m) => {
+                    self.tally.too_long += 1;
+                }
+                other => self.fail(format!(
+                    "deny of {key} for {m} µs, past MAX_DENY: {other:?}, not DenyTooLong"
+                )),
+            }
+            return;
+        }
         let call = || async {
             match micros {
                 Some(m) => layer.deny("rate", key, Duration::from_micros(m)).await,

@@ -4,9 +4,10 @@
 //! Some seeds draw one after their sequence: requests sent on tasks of their own at set
 //! times, in memory on Tokio's paused clock (the backend reads it too), on Redis in real time.
 //! The shapes: a GCRA limit with a delay, refunds on `500` and waiters dropped
-//! (`OnDrop::Refund`), alone or stacked on a fixed window; a concurrency limit with a plan of
-//! another quota, its responses held past that plan's period; a concurrency limit metered by
-//! a cost that may be 0; a client of one request at a time alternating between two replicas
+//! (`OnDrop::Refund`), alone, or stacked on a fixed window (a layer that must be refused at
+//! build, `ConfigError::DelayWithWindow`); a concurrency limit with a plan of another quota,
+//! its responses held past that plan's period; a concurrency limit metered by a cost that may
+//! be 0 (refused with 400, nothing counted); a client of one request at a time alternating between two replicas
 //! on a concurrency limit of 1; a static denylist of client addresses behind a trusted proxy
 //! that a client pads its `X-Forwarded-For` against.
 
@@ -53,7 +54,8 @@ impl Clock for TokioClock {
 #[derive(Clone, Copy, Debug)]
 enum Scenario {
     /// GCRA `rate` per second with `burst` and a delay (ms), refunds on 500 and dropped
-    /// waiters; a fixed window of `window` per second stacked on it, or not.
+    /// waiters; a fixed window of `window` per second stacked on it (refused at build), or
+    /// not.
     Delay {
         rate: u32,
         burst: u32,
@@ -61,11 +63,12 @@ enum Scenario {
         window: Option<u32>,
     },
     /// GCRA 10 per second, burst 1, a delay of 500 ms, stacked on a fixed window of 3 per
-    /// second: three requests 100 ms before a window ends, three 20 ms after.
+    /// second: refused at build.
     DelayWindow,
     /// A concurrency limit of 2 with a `pro` plan of 3 per second (slots that live 1 s).
     SlotPlans,
-    /// A concurrency limit of 1 metered by the request's cost, 0 or 1.
+    /// A concurrency limit of 1 metered by the request's cost, 0 (refused with 400, nothing
+    /// counted) or 1.
     CostZero,
     /// One client, one request at a time, alternating between two replicas, on a
     /// concurrency limit of 1.
@@ -151,17 +154,9 @@ fn draw(seed: u64) -> Option<(Scenario, Vec<Shot>)> {
             }
             shots
         }
+        // Refused at build: nothing is sent.
+        Scenario::DelayWindow => Vec::new(),
         // Held past the plan's period (1 s), as long as slots live by it.
-        // The window ends 500 ms after the start (see `sequence`).
-        Scenario::DelayWindow => [400, 400, 400, 520, 520, 520]
-            .iter()
-            .enumerate()
-            .map(|(i, &at)| {
-                let mut s = Shot::at(at, KEYS[0]);
-                s.replica = i % 2;
-                s
-            })
-            .collect(),
         Scenario::SlotPlans => (0..6)
             .map(|i| {
                 let mut s = Shot::at(i * 220, KEYS[0]);
@@ -178,6 +173,9 @@ fn draw(seed: u64) -> Option<(Scenario, Vec<Shot>)> {
                 (150, 1, 100),
                 (200, 0, 100),
                 (320, 1, 50),
+                // Alone, once every other request ended: admitted, unless a request of cost
+                // 0 was counted as holding the slot.
+                (700, 1, 0),
             ];
             plan.iter()
                 .map(|&(at, cost, hold)| {
@@ -318,6 +316,21 @@ fn request(trace: &Trace, scenario: Scenario, s: Shot) -> Request<Body> {
     req
 }
 
+/// The error a layer of `scenario` must be refused at build with, if any: a delayed limit
+/// stacked with a fixed window on one layer.
+fn refusal(scenario: Scenario) -> Option<ConfigError> {
+    match scenario {
+        Scenario::DelayWindow
+        | Scenario::Delay {
+            window: Some(_), ..
+        } => Some(ConfigError::DelayWithWindow {
+            delayed: "rate".into(),
+            window: "window".into(),
+        }),
+        _ => None,
+    }
+}
+
 fn app<B: Backend>(
     scenario: Scenario,
     backend: B,
@@ -337,12 +350,13 @@ fn app<B: Backend>(
 }
 
 /// Sends `s` at its time; holds its response, or drops it if it is not answered in time.
+/// What its answer shows against the scenario alone, if anything.
 async fn shoot(
     (app, trace, verbose): (Router, Arc<Trace>, bool),
     scenario: Scenario,
     s: Shot,
     t0: tokio::time::Instant,
-) {
+) -> Option<String> {
     tokio::time::sleep_until(t0 + Duration::from_millis(s.at_ms)).await;
     let call = app.oneshot(request(&trace, scenario, s));
     let res: Response = match s.drop_after_ms {
@@ -352,7 +366,8 @@ async fn shoot(
                 if verbose {
                     println!("    {s:?} dropped at +{} µs", t0.elapsed().as_micros());
                 }
-                return trace.dropped(s.key, s.cost);
+                trace.dropped(s.key, s.cost);
+                return None;
             }
         },
         None => call.await.unwrap(),
@@ -373,8 +388,19 @@ async fn shoot(
             t0.elapsed().as_micros()
         );
     }
+    let status = res.status();
     tokio::time::sleep(Duration::from_millis(s.hold_ms)).await;
     let _ = axum::body::to_bytes(res.into_body(), usize::MAX).await;
+    match scenario {
+        // A cost of 0 on a concurrency limit is an invalid cost: 400, before the handler.
+        Scenario::CostZero if s.cost == 0 && status != StatusCode::BAD_REQUEST => Some(format!(
+            "{s:?}: a cost of 0 on slots answered {status}, not 400"
+        )),
+        Scenario::CostZero if s.at_ms == 700 && status != StatusCode::OK => Some(format!(
+            "{s:?}: alone on a free slot answered {status}: a cost of 0 was counted"
+        )),
+        _ => None,
+    }
 }
 
 /// One client: each request sent once the last response ended, to the other replica.
@@ -400,13 +426,13 @@ async fn play<B: Backend>(
     (scenario, shots, verbose): (Scenario, &[Shot], bool),
     backend: impl Fn() -> B,
     trace: &Arc<Trace>,
-) -> Result<(), ConfigError> {
+) -> Result<Vec<String>, ConfigError> {
     let apps = (0..2)
         .map(|_| app(scenario, backend(), trace))
         .collect::<Result<Vec<_>, _>>()?;
     if let Scenario::Alternating = scenario {
         alternate(&apps, trace).await;
-        return Ok(());
+        return Ok(Vec::new());
     }
     let t0 = tokio::time::Instant::now();
     let tasks: Vec<_> = shots
@@ -416,10 +442,11 @@ async fn play<B: Backend>(
             tokio::spawn(shoot(on, scenario, s, t0))
         })
         .collect();
+    let mut found = Vec::new();
     for t in tasks {
-        let _ = t.await;
+        found.extend(t.await.ok().flatten());
     }
-    Ok(())
+    Ok(found)
 }
 
 /// Runs `seed`'s timed sequence on `kind`, if it draws one: its description and violations.
@@ -476,12 +503,6 @@ pub(crate) async fn sequence(
                 .unwrap()
             };
             let trace = Trace::new(Frame::Real, None);
-            if let Scenario::DelayWindow = scenario {
-                // Start half a second before a window of the server's clock ends.
-                let into = invariants::sys_now() % SECOND;
-                let wait = (SECOND + SECOND / 2 - into) % SECOND;
-                tokio::time::sleep(Duration::from_micros(wait)).await;
-            }
             let played = play((scenario, &shots, verbose), backend, &trace).await;
             found.extend(trace.judge());
             let identities = [KEYS[0], KEYS[1], CLIENT];
@@ -489,9 +510,13 @@ pub(crate) async fn sequence(
             played
         }
     };
-    // A build refused is a documented refusal of the combination, not a violation.
-    if let Err(e) = built {
-        return Some((format!("{what}: refused at build: {e}"), found));
+    // The layer is refused at build exactly when the combination is documented as refused.
+    match (built, refusal(scenario)) {
+        (Ok(seen), None) => found.extend(seen),
+        (Err(e), Some(want)) if e == want => {}
+        (Err(e), Some(want)) => found.push(format!("refused at build with {e}, not {want}")),
+        (Err(e), None) => found.push(format!("refused at build: {e}")),
+        (Ok(_), Some(want)) => found.push(format!("built, not refused with {want}")),
     }
     Some((what, found))
 }
