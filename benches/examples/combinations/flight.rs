@@ -96,16 +96,18 @@ impl Drop for Guard {
     }
 }
 
-/// A body of one chunk that holds its request's guard until it is dropped (after the layer
-/// has given the slot back at its end).
+/// A body of one chunk that holds its request's guard until its chunk is taken, or until it
+/// is dropped unread: the end of the handler's body, the earliest the layer may give the slot
+/// back (it gives it back before the response's body ends to the client, so a guard dropped
+/// with the layer's body would still count a request whose slot another one already holds).
 #[derive(Debug)]
 pub(crate) struct Guarded {
     pub(crate) data: Option<Bytes>,
-    /// Held only to be dropped with the body.
+    /// Held only to be dropped at the body's end.
     #[allow(dead_code)]
     pub(crate) guard: Option<Guard>,
-    /// Held only to be dropped with the body: the invariants' record of its exit.
-    #[allow(dead_code)]
+    /// The invariants' record of its exit: the slot's end when the chunk is taken, the rest
+    /// (settles) when the body is dropped.
     pub(crate) exit: Option<super::invariants::Exit>,
 }
 
@@ -117,7 +119,14 @@ impl Body for Guarded {
         self: Pin<&mut Self>,
         _cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
-        Poll::Ready(self.get_mut().data.take().map(|d| Ok(Frame::data(d))))
+        let this = self.get_mut();
+        let data = this.data.take();
+        // The last frame: the handler's body ends here.
+        this.guard = None;
+        if let Some(exit) = this.exit.as_mut() {
+            exit.ended();
+        }
+        Poll::Ready(data.map(|d| Ok(Frame::data(d))))
     }
 
     fn is_end_stream(&self) -> bool {

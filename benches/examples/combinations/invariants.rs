@@ -262,6 +262,18 @@ pub(crate) struct Exit {
     extra: u32,
     sent_at: Micros,
     start_hi: Micros,
+    /// Its `Ev::End` already recorded, by `ended`.
+    ended: bool,
+}
+
+impl Exit {
+    /// The handler's body ended (its last chunk was taken): the request no longer holds its
+    /// slot, which the layer gives back before the response's body ends to the client.
+    pub(crate) fn ended(&mut self) {
+        if !std::mem::replace(&mut self.ended, true) {
+            self.trace.push(Ev::End { id: self.id });
+        }
+    }
 }
 
 impl Drop for Exit {
@@ -269,7 +281,9 @@ impl Drop for Exit {
         let at = self.trace.now();
         let slack = self.trace.slack();
         let mut state = self.trace.state.lock().unwrap();
-        state.1.push(Ev::End { id: self.id });
+        if !self.ended {
+            state.1.push(Ev::End { id: self.id });
+        }
         if self.extra > 0 {
             state.1.push(Ev::Extra {
                 id: self.id,
@@ -409,6 +423,7 @@ impl Trace {
             extra,
             sent_at,
             start_hi: hi,
+            ended: false,
         })
     }
 
