@@ -200,6 +200,9 @@ struct Shape {
     /// A queue on the rate limit too, which `Limit::queue_up_to` refuses
     /// (`ConfigError::QueueUnsupported`).
     queue_on_rate: bool,
+    /// The rate limit's enforced share of each reload generation (`Limit::enforce_percent`,
+    /// 100: not set): a key outside it is under a shadow limit.
+    enforce: [u32; 2],
 }
 
 impl Shape {
@@ -247,6 +250,8 @@ impl Shape {
             delay = None;
         }
         let queue_on_rate = rng.chance(3);
+        let mut enforce = || rng.pick(&[100, 100, 0, 30]);
+        let enforce = [enforce(), enforce()];
         Self {
             algorithm,
             defaults,
@@ -261,7 +266,15 @@ impl Shape {
             denylist,
             queue,
             queue_on_rate,
+            enforce,
         }
+    }
+
+    /// Whether the rate limit of reload generation `generation` enforces `key`: its share
+    /// (`tollgate::engine::rollout_share`, a public hash) below the enforced percent.
+    fn enforces(&self, key: &str, generation: usize) -> bool {
+        let p = self.enforce[generation % 2];
+        p == 100 || u32::from(tollgate::engine::rollout_share(key.as_bytes())) < p
     }
 
     /// The rate limit's penalty in reload generation `generation`.
@@ -300,6 +313,10 @@ impl Shape {
         }
         if self.queue_on_rate {
             limit = limit.queue_up_to(Duration::from_secs(1), 1)?;
+        }
+        let p = self.enforce[generation % 2];
+        if p < 100 {
+            limit = limit.enforce_percent(p)?;
         }
         Ok(limit)
     }
@@ -786,6 +803,8 @@ struct Tally {
     undenies: u64,
     /// Denies past `MAX_DENY`, refused as they must be.
     too_long: u64,
+    /// Answers of keys outside the rate limit's enforced share.
+    shadowed: u64,
     allowlisted: u64,
     bypassed: u64,
     settled: u64,
@@ -821,6 +840,7 @@ impl Tally {
         self.denies += o.denies;
         self.undenies += o.undenies;
         self.too_long += o.too_long;
+        self.shadowed += o.shadowed;
         self.allowlisted += o.allowlisted;
         self.bypassed += o.bypassed;
         self.settled += o.settled;
@@ -895,6 +915,8 @@ struct Run<'a, B> {
     trace: Arc<Trace>,
     /// The limiter's time when the last request was sent.
     last_sent: Micros,
+    /// Keys once outside the rate limit's enforced share, which the model no longer judges.
+    unjudged: std::collections::HashSet<&'static str>,
 }
 
 /// Whether `decision` says the limit named `limit` refused the request for `why`.
@@ -908,6 +930,12 @@ fn refused_for(decision: Option<&Decision>, limit: &str, why: DenyReason) -> boo
 type RawCount = Box<dyn Fn(&str, &Quota, Micros) -> Option<u64>>;
 
 impl<B: Backend> Run<'_, B> {
+    /// Whether the model judges `key`'s requests: never outside the rate limit's enforced
+    /// share, nor once it has been outside it (its state there is a shadow limit's).
+    fn judged(&self, key: &str) -> bool {
+        !self.unjudged.contains(key) && self.shape.enforces(key, self.generation)
+    }
+
     fn fail(&mut self, what: String) {
         self.violations.push(what);
     }
@@ -1085,6 +1113,51 @@ impl<B: Backend> Run<'_, B> {
             return self.end(res, r, false).await;
         }
         self.recovering[r.replica] = false;
+        if !self.shape.enforces(r.key, generation) {
+            // Outside the enforced share: the rate limit is a shadow one for this key. Never
+            // refused by it (judged here from the decision and the public share alone); the
+            // model no longer follows the key (its state there is a shadow limit's).
+            self.unjudged.insert(r.key);
+            // A deny by hand still refuses it (`LimitDecision::refuses`); nothing else of the
+            // rate limit does, and its refusals say they are a shadow's.
+            let rate = decision.as_ref().and_then(|d| d.get("rate"));
+            let wrong = rate.is_some_and(|l| {
+                let denied = matches!(l.outcome(), Outcome::Denied { .. });
+                (denied && !l.is_shadow())
+                    || (l.refuses() && !matches!(l.outcome(), Outcome::Denylisted { .. }))
+            });
+            let others_refuse = decision
+                .as_ref()
+                .is_some_and(|d| d.limits().iter().any(|l| l.name() != "rate" && l.refuses()));
+            if wrong || (status == StatusCode::TOO_MANY_REQUESTS && !others_refuse) {
+                self.fail(format!(
+                    "invariant rollout: {r:?} of a key outside the enforced share answered \
+                     {status} ({labels})"
+                ));
+            }
+            self.tally.shadowed += 1;
+            if admitted {
+                self.tally.admitted += 1;
+            } else {
+                self.tally.refused += 1;
+            }
+            let counts_slot = admitted && self.shape.slots.is_some();
+            if counts_slot {
+                self.model.keys.entry(r.key).or_default().held += 1;
+            }
+            return self.end(res, r, counts_slot).await;
+        }
+        if self.unjudged.contains(r.key) {
+            // Outside the share in an earlier generation: the model's state of it is lost.
+            if admitted {
+                self.tally.admitted += 1;
+            }
+            let counts_slot = admitted && self.shape.slots.is_some();
+            if counts_slot {
+                self.model.keys.entry(r.key).or_default().held += 1;
+            }
+            return self.end(res, r, counts_slot).await;
+        }
         if let Some(w) = from {
             self.expect_waited(r, w, decision.as_ref());
         } else if let Some(queued) = decision.as_ref().and_then(Decision::queued) {
@@ -1424,6 +1497,9 @@ impl<B: Backend> Run<'_, B> {
     /// Polls the first replica's `peek` until it says the model's remaining units of `key`.
     async fn expect_remaining(&mut self, key: &'static str, pro: bool, when: &str) {
         if !self.shape.exact() {
+            return;
+        }
+        if self.unjudged.contains(key) {
             return;
         }
         let limit = self.rate_limit();
@@ -1810,6 +1886,7 @@ async fn drive<B: Backend>(
         after_settle: Vec::new(),
         trace,
         last_sent: 0,
+        unjudged: std::collections::HashSet::new(),
     };
     // Queues in memory: Tokio's clock moves only when the harness moves it.
     let paused = kind == Kind::Memory && run.shape.queue.is_some();

@@ -127,6 +127,10 @@ enum Ev {
         /// Holds one of its key's slots.
         slot: bool,
         allowlisted: bool,
+        /// The rate limit was a shadow one for it (its key outside the enforced share).
+        shadow: bool,
+        /// Admitted by that shadow rate limit (consuming there, not bound by it).
+        shadow_counted: bool,
     },
     End {
         id: u64,
@@ -382,11 +386,22 @@ impl Trace {
                 ((sent.at + wait).min(hi), hi)
             }
         };
+        // Rule *shadow*: a limit in shadow mode for this request (`enforce_percent`, the key
+        // outside the enforced share) refuses nothing, never makes a request wait and stands
+        // no block: what it admits is bound by nothing, so it is not counted against it.
         let allowed = |name: &str| {
             decision
                 .and_then(|d| d.get(name))
-                .is_some_and(|l| matches!(l.outcome(), Outcome::Allowed { .. }))
+                .is_some_and(|l| matches!(l.outcome(), Outcome::Allowed { .. }) && !l.is_shadow())
         };
+        let shadow = decision
+            .and_then(|d| d.get("rate"))
+            .is_some_and(tollgate::LimitDecision::is_shadow);
+        // Admitted by the rate limit as a shadow one: counted by the metrics all the same.
+        let shadow_counted = shadow
+            && decision
+                .and_then(|d| d.get("rate"))
+                .is_some_and(|l| matches!(l.outcome(), Outcome::Allowed { .. }));
         let counted: Vec<_> = sent
             .rates
             .iter()
@@ -413,6 +428,8 @@ impl Trace {
             counted,
             slot,
             allowlisted,
+            shadow,
+            shadow_counted,
         });
         drop(state);
         Some(Exit {
@@ -599,7 +616,8 @@ impl Trace {
             .1
             .iter()
             .filter(|ev| {
-                matches!(ev, Ev::Start { counted, .. } if counted.iter().any(|c| c.0 == limit))
+                matches!(ev, Ev::Start { counted, shadow_counted, .. }
+                    if counted.iter().any(|c| c.0 == limit) || (limit == "rate" && *shadow_counted))
             })
             .count() as u64;
         let total: u64 = decided.values().sum();
@@ -881,6 +899,7 @@ fn sanctions(events: &[Ev], lease_units: Option<u32>, out: &mut Vec<String>) {
                 sent,
                 hi,
                 allowlisted,
+                shadow,
                 ..
             } => {
                 // Rule *allowlist first*: the allowlist admits its keys whatever stands
@@ -888,6 +907,9 @@ fn sanctions(events: &[Ev], lease_units: Option<u32>, out: &mut Vec<String>) {
                 if *allowlisted {
                     continue;
                 }
+                // Rule *shadow*: a block is the rate limit's refusal, which a shadow one does
+                // not make (a deny by hand still refuses).
+                let blocks = if *shadow { None } else { blocks.get(key) };
                 if sent.denylisted {
                     out.push(format!(
                         "invariant denylist: {key}, statically denylisted, reached the \
@@ -913,7 +935,7 @@ fn sanctions(events: &[Ev], lease_units: Option<u32>, out: &mut Vec<String>) {
                         }
                     }
                 }
-                for b in blocks.get(key).into_iter().flatten() {
+                for b in blocks.into_iter().flatten() {
                     if sent.at >= b.0 && *hi < b.1 {
                         out.push(format!(
                             "invariant block: {key}, blocked from {} to at least {}, \

@@ -21,7 +21,7 @@ use tollgate::{Decision, DenyReason};
 use tollgate_engine::{Backend, Status};
 use tower::ServiceExt;
 
-use super::{refused_for, Kind, Req, Run};
+use super::{refused_for, Kind, Req, Run, Standing};
 
 /// A request waiting in a queued limit's line, as the model sees it.
 #[derive(Debug, Clone, Copy)]
@@ -82,6 +82,10 @@ impl<B: Backend> Run<'_, B> {
         let quota = self.quota_at(r.pro, generation);
         let cost = if self.shape.metered() { r.cost } else { 1 };
         let algorithm = self.shape.algorithm;
+        if !self.shape.enforces(r.key, generation) {
+            // A shadow limit for this key: only a deny by hand refuses it.
+            return !matches!(self.model.standing(r.key), Some(Standing::Denied(_)));
+        }
         self.model.standing(r.key).is_none()
             && self.model.check(algorithm, r.key, (&quota, 0), cost).0 == Status::Allowed
     }
@@ -141,7 +145,7 @@ impl<B: Backend> Run<'_, B> {
             self.let_tasks_run().await;
             self.take_answers().await;
             let at_once = self.direct.is_none();
-            if self.shape.exact() && at_once == waits {
+            if self.shape.exact() && at_once == waits && self.judged(r.key) {
                 self.fail(format!(
                     "{r:?}: {}; the model says it {}",
                     if at_once { "answered at once" } else { "waits" },
@@ -375,7 +379,7 @@ impl<B: Backend> Run<'_, B> {
                 return Some(format!("{key}: a free slot, #{front} waits on {replica}"));
             }
             let w = &self.waiters[front];
-            if self.shape.exact() && !self.rate_admits(w.r, w.generation) {
+            if self.shape.exact() && self.judged(key) && !self.rate_admits(w.r, w.generation) {
                 return Some(format!(
                     "{key}: #{front} on {replica} is refused at its turn"
                 ));
