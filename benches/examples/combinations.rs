@@ -1151,6 +1151,13 @@ impl<B: Backend> Run<'_, B> {
             // Outside the share in an earlier generation: the model's state of it is lost.
             if admitted {
                 self.tally.admitted += 1;
+            } else {
+                self.tally.refused += 1;
+                if self.shape.penalty_at(generation).is_some() {
+                    // The refusal may have started a block, which the model cannot tell now:
+                    // an empty block marks the key sanctioned, so its level is not judged.
+                    self.trace.blocked(r.key, self.last_sent, 0);
+                }
             }
             let counts_slot = admitted && self.shape.slots.is_some();
             if counts_slot {
@@ -1285,6 +1292,11 @@ impl<B: Backend> Run<'_, B> {
             // The refusal that starts a block says the block's whole length, on every backend.
             self.tally.blocks += 1;
             self.expect_retry_after(r, retry_after, block, true);
+            // The invariants learn of the block from this refusal too (its reason is the
+            // limit's own, not `Blocked`).
+            if let (Some(seconds), None, None) = (retry_after, from, self.shape.queue) {
+                self.trace.blocked(r.key, self.last_sent, seconds);
+            }
         }
         if self.shape.queue.is_some() {
             let full = rate_ok && !slots_ok && self.model.standing(r.key).is_none();
