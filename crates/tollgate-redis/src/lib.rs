@@ -123,7 +123,8 @@
 //! several hash slots) becomes one group per node (or hash slot), each waiting for its next
 //! merged call, concurrently. If any refuses (or fails), the
 //! calls that wrote are refunded by a second script
-//! that undoes exactly their writes (GCRA: the TAT moves back by `cost × interval`; fixed window:
+//! that undoes exactly their writes (GCRA: the TAT moves back by `cost` units of the interval it
+//! is stored under then, which a check of another plan may have carried it to; fixed window:
 //! `DECRBY`; sliding log: `ZREM` of the members added). The consume and the refund run in a task
 //! of their own, so a caller that gives up at its deadline does not leave them half done.
 //!

@@ -785,3 +785,61 @@ async fn a_sliding_log_whose_sequence_moved_first_counts_no_unit_twice() {
     assert_eq!(others(from), [4; 30]);
     assert_eq!(units(to, &mover), 3);
 }
+
+/// A GCRA unit taken by a group that another group's refusal undoes comes back as one unit of
+/// whatever plan the key's TAT is counted in when the refund lands: a check of another plan in
+/// between carries the TAT to its own interval, and the refund gives back one of those.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refund_after_another_plans_check_gives_back_one_unit_of_that_plan() {
+    let cluster = RedisCluster::start(3);
+    let backend = support::cluster(cluster.urls())
+        .deny_cache_capacity(0)
+        .build()
+        .unwrap();
+    let rate = gcra("rate", 10);
+    let blocker = gcra("blocker", 1);
+    let key = key_on_two_nodes(&cluster, &backend, &rate, &blocker);
+    let blocker_node = cluster.node_of_key(&backend.key_for(&blocker, &key));
+    let other = support::cluster(cluster.urls())
+        .deny_cache_capacity(0)
+        .build()
+        .unwrap();
+    // The blocker's one unit is used, and the scripts are loaded everywhere.
+    assert!(check(&other, &[&blocker], &key).await[0].is_allowed());
+    let pro = Quota::per_minute(100).unwrap();
+    let peek_pro = || async {
+        other
+            .peek(&Check::new(&rate, &key).with_quota(pro))
+            .await
+            .unwrap()
+            .remaining
+    };
+    assert_eq!(peek_pro().await, 100);
+
+    // [rate at 10 a minute, blocker]: rate takes one unit (6 s of TAT), then waits for the
+    // blocker's refusal.
+    pause_writes(&cluster, blocker_node);
+    let first = {
+        let (backend, rate, blocker, key) =
+            (backend.clone(), rate.clone(), blocker.clone(), key.clone());
+        tokio::spawn(async move { check(&backend, &[&rate, &blocker], &key).await })
+    };
+    let waiting = std::time::Instant::now();
+    while peek_pro().await == 100 {
+        assert!(waiting.elapsed() < Duration::from_secs(10), "no take");
+        tokio::task::yield_now().await;
+    }
+    // Meanwhile a request of the 100-a-minute plan: the key's TAT is carried to 0.6 s a unit,
+    // two units used.
+    let pro_check = other
+        .check(&[Check::new(&rate, &key).with_quota(pro)])
+        .await
+        .unwrap();
+    assert!(pro_check[0].is_allowed());
+    assert_eq!(peek_pro().await, 98);
+    unpause(&cluster, blocker_node);
+    let first = first.await.unwrap();
+    assert!(matches!(first[1].status, Status::Denied { .. }));
+    // One unit given back, counted in the plan the TAT is under: the pro request's stays.
+    assert_eq!(peek_pro().await, 99);
+}

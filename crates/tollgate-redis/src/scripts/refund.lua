@@ -7,8 +7,12 @@ for i = 1, #KEYS do
   if algo == 1 then
     local tat, interval, hint, since = read_tat(key)
     -- y: the TAT the check left, which a leased key's refund requires (0: any).
+    -- z: the check's cost, given back in units of the interval the TAT is stored under now
+    -- (a check of another plan may have carried it since); x: cost * the check's interval.
     if tat and (y == 0 or tat == y) then
-      write_tat(key, tat - x, interval, hint, since, now)
+      local back = x
+      if z > 0 and interval > 0 then back = z * interval end
+      write_tat(key, tat - back, interval, hint, since, now)
     end
   elseif algo == 2 then
     local wkey = key

@@ -16,7 +16,8 @@ use crate::scripts::Script;
 /// `KEYS[i]`: the key each check to refund wrote (a GCRA TAT, a window's count, a log).
 /// `ARGV[1]`: `now` or empty, as for `CHECK`. `ARGV[2 + 4 (i - 1) ..]`: per check: algorithm,
 /// then GCRA: `cost * interval`, the TAT the check left when the refund requires it (a leased
-/// limit's) or 0, 0; fixed window: window index, cost, 0; sliding log: the `now` of the
+/// limit's) or 0, and `cost`, given back in the interval the key's TAT is stored under when the
+/// refund runs (a check of another plan may have carried it since the consume); fixed window: window index, cost, 0; sliding log: the `now` of the
 /// consume, last sequence number, cost; concurrency: the slot id's three parts
 /// ([`slot_id::member`]).
 pub(crate) const REFUND: &str = include_str!("refund.lua");
@@ -51,7 +52,7 @@ pub(crate) fn args(p: &EncodedCheck, now: Micros, answer: &Answer) -> [u64; 4] {
                     .unwrap_or(u64::MAX),
                 false => 0,
             };
-            [1, p.params[0].saturating_mul(cost), left, 0]
+            [1, p.params[0].saturating_mul(cost), left, cost]
         }
         2 => [2, answer.extra, cost, 0],
         4 => {
