@@ -790,6 +790,9 @@ fn draw_ops(rng: &mut Rng, shape: &Shape, kind: Kind, replicas: usize, n: usize)
 #[derive(Default, Debug, Clone, Copy)]
 struct Tally {
     admitted: u64,
+    /// On a cluster, waiters refused by the rate limit while a refund of their key's units
+    /// was on its way (see `expect_queue_answer`).
+    refund_raced: u64,
     /// Admitted by a delayed limit ahead of their time (they waited).
     delayed: u64,
     refused: u64,
@@ -831,6 +834,7 @@ struct Tally {
 impl Tally {
     fn add(&mut self, o: &Tally) {
         self.admitted += o.admitted;
+        self.refund_raced += o.refund_raced;
         self.delayed += o.delayed;
         self.refused += o.refused;
         self.blocks += o.blocks;
@@ -917,6 +921,12 @@ struct Run<'a, B> {
     last_sent: Micros,
     /// Keys once outside the rate limit's enforced share, which the model no longer judges.
     unjudged: std::collections::HashSet<&'static str>,
+    /// On a cluster, when a request of each key was last answered refused by its slots after
+    /// its rate limit admitted it on another node: until the refund of those units landed
+    /// (before that answer), a check of the key running meanwhile saw them held.
+    refunded: HashMap<&'static str, tokio::time::Instant>,
+    /// When the request being judged was sent, for a request sent on a task of its own.
+    sent_at: Option<tokio::time::Instant>,
 }
 
 /// Whether `decision` says the limit named `limit` refused the request for `why`.
@@ -1297,6 +1307,15 @@ impl<B: Backend> Run<'_, B> {
             if let (Some(seconds), None, None) = (retry_after, from, self.shape.queue) {
                 self.trace.blocked(r.key, self.last_sent, seconds);
             }
+        }
+        if self.kind == Kind::Cluster
+            && !admitted
+            && decision
+                .as_ref()
+                .and_then(|d| d.get("rate"))
+                .is_some_and(|l| l.label() == "allowed")
+        {
+            self.refunded.insert(r.key, tokio::time::Instant::now());
         }
         if self.shape.queue.is_some() {
             let full = rate_ok && !slots_ok && self.model.standing(r.key).is_none();
@@ -1899,6 +1918,8 @@ async fn drive<B: Backend>(
         trace,
         last_sent: 0,
         unjudged: std::collections::HashSet::new(),
+        refunded: HashMap::new(),
+        sent_at: None,
     };
     // Queues in memory: Tokio's clock moves only when the harness moves it.
     let paused = kind == Kind::Memory && run.shape.queue.is_some();

@@ -218,6 +218,7 @@ impl<B: Backend> Run<'_, B> {
                 }
                 _ => self.judge_waiter(id, res).await,
             }
+            self.sent_at = None;
         }
         self.batch.clear();
         for (key, replica) in std::mem::take(&mut self.after_batch) {
@@ -245,6 +246,7 @@ impl<B: Backend> Run<'_, B> {
             }
         }
         let elapsed = w.joined.elapsed();
+        self.sent_at = Some(w.joined);
         let queued = res
             .extensions()
             .get::<Decision>()
@@ -328,6 +330,22 @@ impl<B: Backend> Run<'_, B> {
             && res.headers().contains_key("ratelimit")
             && in_flight;
         if !fields {
+            // On a cluster, a check that runs while another request of its key holds rate
+            // units that a refund is about to give back (taken on the rate limit's node, its
+            // slots refused on another) sees them used, and may be refused by the rate limit:
+            // counted, when a waiter of its key was in a line then (every check of a waiter
+            // takes its units and gives them back while the slots are full), or such a
+            // refusal of its key was answered after it was sent.
+            let raced = self.kind == Kind::Cluster
+                && refused_for(decision, "rate", DenyReason::OverLimit)
+                && (self.waiters.values().any(|w| w.r.key == r.key)
+                    || self
+                        .sent_at
+                        .is_some_and(|sent| self.refunded.get(r.key).is_some_and(|&t| t >= sent)));
+            if raced {
+                self.tally.refund_raced += 1;
+                return;
+            }
             self.fail(format!(
                 "{r:?}: refused for a full key with {:?} ({slots:?})",
                 res.headers()
