@@ -1052,14 +1052,17 @@ impl<B: tollgate_engine::Backend> super::Run<'_, B> {
                 ));
             }
         }
-        // Rule *no drain*: on Redis the quotas are per day and a sequence lasts seconds, so
-        // a GCRA key's level drains less than one unit while a run lasts; in memory the clock
-        // steps by hours and the level would need the algorithm.
-        if self.kind == super::Kind::Memory || !self.shape.exact() {
+        // Rule *no drain*: the quotas are per day, so a GCRA key's level drains less than one
+        // unit while less than an interval passes (on Redis a sequence lasts seconds; in
+        // memory the limiter's clock may step by hours, and a key is judged only when less
+        // than an interval passed since its first start).
+        if !self.shape.exact() {
             return;
         }
         for key in super::KEYS {
-            if self.trace.sanctioned(key) {
+            // Rule *shadowed*: a key once outside the enforced share was counted as a shadow
+            // limit counts, which the handler does not see.
+            if self.trace.sanctioned(key) || self.unjudged.contains(key) {
                 continue;
             }
             let Some((spec, level, from, _)) = self.trace.level(key, "rate") else {
@@ -1069,7 +1072,7 @@ impl<B: tollgate_engine::Backend> super::Run<'_, B> {
             if spec.limit != n_default && pro.is_none() {
                 continue;
             }
-            let now = sys_now();
+            let now = self.trace.now();
             let judged = if spec.gcra {
                 now.saturating_sub(from) < spec.interval()
             } else {
