@@ -526,11 +526,9 @@ impl Model {
         let window_end = mark;
         match algorithm {
             Algorithm::Gcra => {
-                let stored = state.tat.map(|(tat, interval)| algorithm::GcraState {
-                    tat,
-                    interval,
-                    since: state.since,
-                });
+                let stored = state
+                    .tat
+                    .map(|(tat, interval)| algorithm::GcraState::new(tat, interval, state.since));
                 if let Some(next) =
                     algorithm::gcra_settled(quota, stored, now, (now, mark), reserved, actual)
                 {

@@ -127,11 +127,20 @@ fn remaining_of(tolerance: Micros, used: Micros, interval: Micros) -> u64 {
 
 /// The stored state of one fixed-window key: the end of its window and the units counted in it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct WindowState {
     /// When the window that `count` belongs to ends (microseconds since the Unix epoch).
     pub window_end: Micros,
     /// Units admitted in that window.
     pub count: u64,
+}
+
+impl WindowState {
+    /// `count` units admitted in the window that ends at `window_end`.
+    #[inline]
+    pub const fn new(window_end: Micros, count: u64) -> Self {
+        Self { window_end, count }
+    }
 }
 
 /// The index of the window that holds `now`; windows are aligned to the Unix epoch.

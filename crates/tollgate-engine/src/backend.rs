@@ -238,6 +238,7 @@ impl<B: Backend> Backend for std::sync::Arc<B> {
 /// One key's state under one limit, read without consuming anything
 /// ([`Admin::peek`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct KeyState {
     /// Units the key may take now (for a concurrency limit: slots free now).
     pub remaining: u64,
@@ -263,6 +264,31 @@ pub enum Standing {
 }
 
 impl KeyState {
+    /// A key with `remaining` units left and its quota whole again in `reset`, that may take
+    /// a unit now and has no refusal standing on it.
+    pub fn new(remaining: u64, reset: Duration) -> Self {
+        Self {
+            remaining,
+            reset,
+            retry_after: None,
+            standing: None,
+        }
+    }
+
+    /// This state, able to take one more unit only after `retry_after`.
+    #[must_use]
+    pub fn with_retry_after(mut self, retry_after: Duration) -> Self {
+        self.retry_after = Some(retry_after);
+        self
+    }
+
+    /// This state, with `standing` refusing it whatever its quota has left.
+    #[must_use]
+    pub fn with_standing(mut self, standing: Standing) -> Self {
+        self.standing = Some(standing);
+        self
+    }
+
     /// The state a check of one unit of `check`'s limit saw, from its `verdict`, which the
     /// backend did not consume.
     pub fn from_probe(check: &Check<'_>, verdict: Verdict) -> Self {

@@ -6,7 +6,10 @@ use crate::limit::Limit;
 use crate::quota::Quota;
 
 /// One limit to check for one request: which limit, which key, what it costs.
+///
+/// Built with [`Check::new`] and the `with_*` setters; its fields stay readable.
 #[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
 pub struct Check<'a> {
     /// The limit.
     pub limit: &'a Limit,
@@ -69,6 +72,7 @@ impl<'a> Check<'a> {
     }
 
     /// This check, holding slot `slot` of a concurrency limit.
+    #[must_use]
     pub fn with_slot(mut self, slot: u128) -> Self {
         self.slot = slot;
         self
@@ -77,6 +81,7 @@ impl<'a> Check<'a> {
     /// This check counted against `quota` instead of the limit's default (one of the limit's
     /// [plan quotas](Limit::plan)).
     #[inline]
+    #[must_use]
     pub fn with_quota(mut self, quota: Quota) -> Self {
         self.quota = quota;
         self
@@ -86,6 +91,24 @@ impl<'a> Check<'a> {
     #[must_use]
     pub fn with_cost(mut self, cost: u32) -> Self {
         self.cost = cost;
+        self
+    }
+
+    /// This check, refusing the batch when it denies (`true`) or only reporting it
+    /// (`false`; see [`Check::enforce`]).
+    #[inline]
+    #[must_use]
+    pub fn with_enforce(mut self, enforce: bool) -> Self {
+        self.enforce = enforce;
+        self
+    }
+
+    /// This check as a quota lease's slice taken for a request of cost `slice_of` (see
+    /// [`Check::slice_of`]).
+    #[inline]
+    #[must_use]
+    pub fn with_slice_of(mut self, slice_of: u32) -> Self {
+        self.slice_of = slice_of;
         self
     }
 }
@@ -108,11 +131,28 @@ impl<'a> Check<'a> {
 /// [`Leased`](crate::leased::Leased)): a backend under `Leased` must honour the guard, as the
 /// in-memory backend does.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Receipt {
     /// The backend's time of the check, in microseconds since the Unix epoch.
     pub at: Micros,
     /// What the algorithm needs besides the time (see above).
     pub mark: u64,
+}
+
+impl Receipt {
+    /// The receipt of a check made at `at` (the backend's time) whose algorithm recorded
+    /// `mark`.
+    #[inline]
+    pub const fn new(at: Micros, mark: u64) -> Self {
+        Self { at, mark }
+    }
+
+    /// A *guarded* receipt: no time, and a settle that applies only while a GCRA key's TAT
+    /// is exactly `mark` (a quota lease's give-back).
+    #[inline]
+    pub const fn guarded(mark: u64) -> Self {
+        Self { at: 0, mark }
+    }
 }
 
 /// The settle of one check admitted earlier: it reserved `reserved` units, and should have
@@ -137,6 +177,7 @@ pub struct Receipt {
 ///   the charge's units at the time of the settle. A log holds at most twice the quota's
 ///   limit: a charge past that is cut to it. The debt leaves with its entries, a period later.
 #[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
 pub struct Settlement<'a> {
     /// The limit, as in the check.
     pub limit: &'a Limit,
@@ -154,6 +195,26 @@ pub struct Settlement<'a> {
 }
 
 impl<'a> Settlement<'a> {
+    /// The settle of a check of `key` against `limit` under `quota` that took `reserved`
+    /// units with `receipt`, and should have cost `actual`.
+    pub fn new(
+        limit: &'a Limit,
+        key: &'a [u8],
+        reserved: u32,
+        actual: u32,
+        receipt: Receipt,
+        quota: Quota,
+    ) -> Self {
+        Self {
+            limit,
+            key,
+            reserved,
+            actual,
+            receipt,
+            quota,
+        }
+    }
+
     /// The settle of `check`, admitted with `receipt`, which should have cost `actual` instead
     /// of the check's cost: under the check's limit, key and quota.
     pub fn of(check: &Check<'a>, receipt: Receipt, actual: u32) -> Self {

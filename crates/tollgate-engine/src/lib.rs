@@ -41,9 +41,12 @@ mod memory;
 pub mod notice;
 mod penalty;
 mod quota;
-pub mod reports;
+mod reports;
 mod sip;
 mod system_clock;
+// The Space-Saving summary the layer counts refusals in before a backend's `Reports` merges
+// them: shared by this workspace's crates, not part of the documented API.
+#[doc(hidden)]
 pub mod topk;
 mod tsc;
 mod verdict;
@@ -69,7 +72,11 @@ pub use limit::{
 pub use memory::{MemoryBackend, MemoryBackendBuilder, MemoryStats};
 pub use penalty::Penalty;
 pub use quota::Quota;
-pub use reports::Refused;
+pub use reports::{Refused, REPORT_BUCKET, REPORT_TICK};
+// What a backend's `Reports` needs to bucket and merge reports as the in-memory one does;
+// used by tollgate-redis, not part of the documented API.
+#[doc(hidden)]
+pub use reports::{bucket_of, combine};
 pub use system_clock::SystemClock;
 pub use verdict::{Status, Verdict};
 pub use verdicts::Verdicts;

@@ -41,6 +41,7 @@ pub enum Status {
 
 /// The answer of one limit for one request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Verdict {
     /// Admitted or why not.
     pub status: Status,
@@ -51,11 +52,18 @@ pub struct Verdict {
 }
 
 impl Verdict {
-    pub(crate) const EMPTY: Self = Self {
-        status: Status::Allowed,
-        remaining: 0,
-        reset: 0,
-    };
+    pub(crate) const EMPTY: Self = Self::new(Status::Allowed, 0, 0);
+
+    /// A verdict of `status`, with `remaining` units left and the quota whole again in
+    /// `reset` microseconds.
+    #[inline]
+    pub const fn new(status: Status, remaining: u64, reset: Micros) -> Self {
+        Self {
+            status,
+            remaining,
+            reset,
+        }
+    }
 
     /// Whether this limit admits the request.
     #[inline]

@@ -526,10 +526,7 @@ fn the_memory_backend_applies_a_guarded_gcra_refund_only_at_its_tat() {
     let v = w.memory.check_now(&[c]).unwrap();
     let tat = v.receipt(0).at + v[0].reset;
     // A receipt with a mark and no time: guarded by the mark alone, as a lease's give-back.
-    let guarded = |mark| Settlement {
-        receipt: tollgate_engine::Receipt { at: 0, mark },
-        ..Settlement::of(&c, v.receipt(0), 1)
-    };
+    let guarded = |mark| Settlement::of(&c, tollgate_engine::Receipt::guarded(mark), 1);
     // Another TAT than the key's: nothing changes.
     w.memory.settle_now(&[guarded(tat + 1)]);
     assert_eq!(w.remaining(&limit, b"k"), 6);

@@ -158,12 +158,9 @@ fn a_deny_refuses_every_request_until_undenied_and_survives_a_reset() {
     // A peek says the key is denied, and for how long.
     assert_eq!(
         backend.peek_now(&Check::new(&limit, b"k")),
-        KeyState {
-            remaining: 0,
-            reset: Duration::from_secs(3600),
-            retry_after: Some(Duration::from_secs(3600)),
-            standing: Some(Standing::Denied),
-        }
+        KeyState::new(0, Duration::from_secs(3600))
+            .with_retry_after(Duration::from_secs(3600))
+            .with_standing(Standing::Denied)
     );
     backend.reset_now(&Check::new(&limit, b"k")).unwrap();
     clock.advance(Duration::from_secs(60));

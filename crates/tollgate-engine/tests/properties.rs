@@ -32,10 +32,7 @@ fn run(limit: &Limit, steps: &[(u64, u32)]) -> Vec<(bool, Option<u64>, bool)> {
         .iter()
         .map(|&(gap, cost)| {
             clock.advance(Duration::from_micros(gap));
-            let check = Check {
-                cost,
-                ..Check::new(limit, b"key")
-            };
+            let check = Check::new(limit, b"key").with_cost(cost);
             let v = backend.check_now(&[check]).unwrap()[0];
             let remaining = v.is_allowed().then_some(v.remaining);
             (v.is_allowed(), remaining, v.status == Status::CostTooHigh)

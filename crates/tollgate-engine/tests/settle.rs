@@ -26,14 +26,14 @@ fn reserve_then_settle(
         .check_now(&[Check::new(limit, key).with_cost(reserved)])
         .unwrap();
     assert!(verdicts[0].is_allowed());
-    backend.settle_now(&[Settlement {
+    backend.settle_now(&[Settlement::new(
         limit,
         key,
         reserved,
         actual,
-        receipt: verdicts.receipt(0),
-        quota: *limit.quota(),
-    }]);
+        verdicts.receipt(0),
+        *limit.quota(),
+    )]);
     verdicts[0]
 }
 
@@ -125,14 +125,14 @@ fn a_gcra_refund_never_fills_the_bucket_past_full() {
         .unwrap();
     // A minute later the bucket is full again; the refund of 4 gives nothing more.
     clock.advance(Duration::from_secs(60));
-    backend.settle_now(&[Settlement {
-        limit: &limit,
-        key: b"shop",
-        reserved: 4,
-        actual: 0,
-        receipt: v.receipt(0),
-        quota: *limit.quota(),
-    }]);
+    backend.settle_now(&[Settlement::new(
+        &limit,
+        b"shop",
+        4,
+        0,
+        v.receipt(0),
+        *limit.quota(),
+    )]);
     assert_eq!(one(&backend, &limit, b"shop", 1).remaining, 9);
 }
 
@@ -147,14 +147,14 @@ fn a_fixed_window_settles_only_in_the_window_of_its_check() {
     clock.advance(Duration::from_secs(30));
     // The next window: the refund of 8 and the charge of 5 are both void.
     for actual in [0, 13] {
-        backend.settle_now(&[Settlement {
-            limit: &limit,
-            key: b"shop",
-            reserved: 8,
+        backend.settle_now(&[Settlement::new(
+            &limit,
+            b"shop",
+            8,
             actual,
-            receipt: v.receipt(0),
-            quota: *limit.quota(),
-        }]);
+            v.receipt(0),
+            *limit.quota(),
+        )]);
     }
     assert_eq!(one(&backend, &limit, b"shop", 1).remaining, 9);
 }
@@ -232,13 +232,13 @@ fn huge_charges_and_refunds_never_overflow() {
         let (backend, _) = backend();
         reserve_then_settle(&backend, &limit, b"shop", 1, u32::MAX);
         reserve_then_settle(&backend, &limit, b"other", 1, u32::MAX);
-        backend.settle_now(&[Settlement {
-            limit: &limit,
-            key: b"shop",
-            reserved: u32::MAX,
-            actual: 0,
-            receipt: Default::default(),
-            quota: *limit.quota(),
-        }]);
+        backend.settle_now(&[Settlement::new(
+            &limit,
+            b"shop",
+            u32::MAX,
+            0,
+            Default::default(),
+            *limit.quota(),
+        )]);
     }
 }

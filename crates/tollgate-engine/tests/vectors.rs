@@ -20,10 +20,7 @@ fn run(v: &Vector) -> Verdict {
         }
         (Algo::Fixed, State::None) => algorithm::fixed_window(&q, None, v.now, v.cost).0,
         (Algo::Fixed, State::Window { end, count }) => {
-            let state = WindowState {
-                window_end: *end,
-                count: *count,
-            };
+            let state = WindowState::new(*end, *count);
             algorithm::fixed_window(&q, Some(state), v.now, v.cost).0
         }
         (Algo::Sliding, State::None) => algorithm::sliding_log(&q, &[], v.now, v.cost).0,

@@ -198,13 +198,7 @@ impl Checks {
                     Algorithm::Gcra => answer.at.saturating_add(verdict.reset),
                     _ => answer.extra,
                 };
-                verdicts.set_receipt(
-                    verdicts.len() - 1,
-                    Receipt {
-                        at: answer.at,
-                        mark,
-                    },
-                );
+                verdicts.set_receipt(verdicts.len() - 1, Receipt::new(answer.at, mark));
             }
         }
         verdicts

@@ -124,10 +124,11 @@ fn foreseen_denial(
         },
         _ => return None,
     };
-    (retry_after > 0).then_some(Verdict {
-        status: Status::Denied { retry_after },
-        ..*verdict
-    })
+    (retry_after > 0).then_some(Verdict::new(
+        Status::Denied { retry_after },
+        verdict.remaining,
+        verdict.reset,
+    ))
 }
 
 #[cfg(test)]
@@ -171,20 +172,17 @@ mod tests {
         let q = Quota::per_second(10).unwrap();
         let (v, _) = algorithm::gcra(&q, None, 0, 1);
         assert_eq!(foreseen_denial(Algorithm::Gcra, (&q, 0), 1, &v), None);
-        let full = Verdict {
-            status: Status::Allowed,
-            remaining: 0,
-            reset: 1_000_000,
-        };
+        let full = Verdict::new(Status::Allowed, 0, 1_000_000);
         assert_eq!(
             foreseen_denial(Algorithm::SlidingLog, (&q, 0), 1, &full),
             None
         );
         // A denial stands as Redis gave it.
-        let denied = Verdict {
-            status: Status::Denied { retry_after: 5 },
-            ..full
-        };
+        let denied = Verdict::new(
+            Status::Denied { retry_after: 5 },
+            full.remaining,
+            full.reset,
+        );
         assert_eq!(
             foreseen_denial(Algorithm::SlidingLog, (&q, 0), 1, &denied),
             Some(denied)

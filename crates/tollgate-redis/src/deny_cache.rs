@@ -189,11 +189,7 @@ impl DenyCache {
             }
             entry.hits.increment(1);
             let left = micros_until(entry.denied_until, now);
-            return Lookup::Denied(Verdict {
-                status: sanction.status(left),
-                remaining: 0,
-                reset: left,
-            });
+            return Lookup::Denied(Verdict::new(sanction.status(left), 0, left));
         }
         if entry.quota != *quota || entry.delay != delay {
             // Made under another quota (a reload or another plan changed it since): it
@@ -226,11 +222,11 @@ impl DenyCache {
             entry.held = entry.held.saturating_add(1);
         }
         entry.hits.increment(1);
-        Lookup::Denied(Verdict {
-            status: Status::Denied { retry_after },
-            remaining: entry.remaining,
-            reset: micros_until(entry.reset_at, now),
-        })
+        Lookup::Denied(Verdict::new(
+            Status::Denied { retry_after },
+            entry.remaining,
+            micros_until(entry.reset_at, now),
+        ))
     }
 
     /// Remembers that Redis denied `digest`, a key of limit `limit`, for a request of `cost`
@@ -361,11 +357,7 @@ mod tests {
     }
 
     fn denied(retry_after: Micros) -> Verdict {
-        Verdict {
-            status: Status::Denied { retry_after },
-            remaining: 0,
-            reset: retry_after,
-        }
+        Verdict::new(Status::Denied { retry_after }, 0, retry_after)
     }
 
     #[tokio::test(start_paused = true)]
@@ -469,11 +461,7 @@ mod tests {
             &q(),
             1,
             Some(0),
-            &Verdict {
-                status: Status::Allowed,
-                remaining: 1,
-                reset: 5,
-            },
+            &Verdict::new(Status::Allowed, 1, 5),
         );
         assert!(cache.lookup(&e, 1, &q()).denial().is_none());
     }

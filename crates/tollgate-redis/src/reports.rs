@@ -16,7 +16,7 @@
 use std::sync::Arc;
 
 use redis::Value;
-use tollgate_engine::reports::{bucket_of, combine, REPORT_BUCKET};
+use tollgate_engine::{bucket_of, combine, REPORT_BUCKET};
 use tollgate_engine::{BackendError, Micros, Refused};
 
 use crate::failure::map_error;

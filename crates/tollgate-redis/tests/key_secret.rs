@@ -91,14 +91,7 @@ async fn settles_and_denies_go_to_the_keyed_digest() {
         .await
         .unwrap();
     assert!(v[0].is_allowed(), "{v:?}");
-    let settlement = Settlement {
-        limit: &limit,
-        key: b"shop",
-        reserved: 3,
-        actual: 1,
-        receipt: v.receipt(0),
-        quota: *limit.quota(),
-    };
+    let settlement = Settlement::new(&limit, b"shop", 3, 1, v.receipt(0), *limit.quota());
     a.settle_at(&[settlement], Some(T0)).await.unwrap();
     let mut count = 0;
     for _ in 0..5 {

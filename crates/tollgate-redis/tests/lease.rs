@@ -456,14 +456,8 @@ async fn a_trace_on_redis_matches_leases_over_memory() {
         let warm = Limit::gcra("warm", *limit.quota()).unwrap();
         at(&clock, &replicas[0], &[&warm], b"w", T0).await;
         replicas[0].settle_at(&[], Some(T0)).await.unwrap();
-        let settle = tollgate_engine::Settlement {
-            limit: &warm,
-            key: b"w",
-            reserved: 1,
-            actual: 0,
-            receipt: Default::default(),
-            quota: *warm.quota(),
-        };
+        let settle =
+            tollgate_engine::Settlement::new(&warm, b"w", 1, 0, Default::default(), *warm.quota());
         replicas[0].settle_at(&[settle], Some(T0)).await.unwrap();
         server.reset_stats();
         let mut seed = 0x5eed_u64 + i as u64;

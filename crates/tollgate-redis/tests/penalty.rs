@@ -311,14 +311,7 @@ async fn a_deny_outlives_a_refund_and_a_reset_of_its_key() {
     a.deny(&Check::new(&limit, b"tenant"), Duration::from_secs(3600))
         .await
         .unwrap();
-    let refund = Settlement {
-        limit: &limit,
-        key: b"tenant",
-        reserved: 1,
-        actual: 0,
-        receipt: admitted.receipt(0),
-        quota: *limit.quota(),
-    };
+    let refund = Settlement::new(&limit, b"tenant", 1, 0, admitted.receipt(0), *limit.quota());
     a.settle_at(&[refund], None).await.unwrap();
     assert!(matches!(
         check(&b).await[0].status,

@@ -67,10 +67,7 @@ fn redis_and_memory_give_the_same_verdicts() {
             clock.set(now);
             let batch: Vec<Check<'_>> = (0..3)
                 .filter(|i| mask & (1 << i) != 0)
-                .map(|i| Check {
-                    cost: costs[i],
-                    ..Check::new(&limits[i], &key)
-                })
+                .map(|i| Check::new(&limits[i], &key).with_cost(costs[i]))
                 .collect();
             let from_memory = memory.check_now(&batch).unwrap();
             let from_redis = runtime.block_on(backend.check_at(&batch, now)).unwrap();

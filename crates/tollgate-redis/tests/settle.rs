@@ -73,14 +73,8 @@ impl Target {
     ) {
         let v = self.check(limit, key, reserved, now).await;
         assert!(v[0].is_allowed(), "{v:?}");
-        let settlement = Settlement {
-            limit,
-            key,
-            reserved,
-            actual,
-            receipt: v.receipt(0),
-            quota: *limit.quota(),
-        };
+        let settlement =
+            Settlement::new(limit, key, reserved, actual, v.receipt(0), *limit.quota());
         self.settle(settlement, later).await;
     }
 }
@@ -150,13 +144,15 @@ async fn scenarios(target: &Target) {
     // only while the TAT is its mark: 4 units at `at` leave the TAT at `at + 24 s`, one
     // interval is 6 s.
     let guarded = Limit::gcra("guarded", minute).unwrap();
-    let refund = |mark: Micros| Settlement {
-        limit: &guarded,
-        key: b"shop",
-        reserved: 3,
-        actual: 0,
-        receipt: tollgate_engine::Receipt { at: 0, mark },
-        quota: *guarded.quota(),
+    let refund = |mark: Micros| {
+        Settlement::new(
+            &guarded,
+            b"shop",
+            3,
+            0,
+            tollgate_engine::Receipt::guarded(mark),
+            *guarded.quota(),
+        )
     };
     target.check(&guarded, b"shop", 4, at).await;
     target.settle(refund(at + 24 * S + 1), at).await;
@@ -223,22 +219,11 @@ async fn scenarios(target: &Target) {
     }
     let window = Limit::fixed_window("huge-window-refund", minute).unwrap();
     let v = target.check(&window, b"shop", 1, at).await;
-    let settlement = Settlement {
-        limit: &window,
-        key: b"shop",
-        reserved: 1,
-        actual: u32::MAX,
-        receipt: v.receipt(0),
-        quota: *window.quota(),
-    };
+    let settlement = Settlement::new(&window, b"shop", 1, u32::MAX, v.receipt(0), *window.quota());
     target.settle(settlement, at).await;
     // The count is 21 (1 + twice the limit): a refund of 12 in the same window leaves 9, one
     // unit free.
-    let refund = Settlement {
-        reserved: 12,
-        actual: 0,
-        ..settlement
-    };
+    let refund = Settlement::new(&window, b"shop", 12, 0, v.receipt(0), *window.quota());
     target.settle(refund, at).await;
     let v = target.check(&window, b"shop", 1, at).await;
     assert_eq!((v[0].status, v[0].remaining), (Status::Allowed, 0));
@@ -279,14 +264,7 @@ async fn scenarios(target: &Target) {
     // (T0's) leaving at +60 s.
     let v = target.check_under(&log, short, 1, T0 + 3 * S).await;
     assert_eq!(v[0].remaining, 9);
-    let charge = Settlement {
-        limit: &log,
-        key: b"shop",
-        reserved: 1,
-        actual: 3,
-        receipt: v.receipt(0),
-        quota: short,
-    };
+    let charge = Settlement::new(&log, b"shop", 1, 3, v.receipt(0), short);
     target.settle(charge, T0 + 3 * S).await;
     let v = target.check_under(&log, long, 1, T0 + 3 * S).await;
     assert_eq!(
@@ -320,21 +298,11 @@ async fn on_redis_settles_are_exact_and_one_call_each() {
         .await
         .unwrap();
     server.reset_stats();
-    let settlement = Settlement {
-        limit: &limit,
-        key: b"shop",
-        reserved: 10,
-        actual: 4,
-        receipt: v.receipt(0),
-        quota: *limit.quota(),
-    };
+    let settlement = Settlement::new(&limit, b"shop", 10, 4, v.receipt(0), *limit.quota());
     backend.settle_at(&[settlement], Some(T0)).await.unwrap();
     assert_eq!(server.calls("evalsha"), 1);
     // Nothing to settle: no call.
-    let same = Settlement {
-        actual: 10,
-        ..settlement
-    };
+    let same = Settlement::new(&limit, b"shop", 10, 10, v.receipt(0), *limit.quota());
     backend.settle_at(&[same], Some(T0)).await.unwrap();
     assert_eq!(server.calls("evalsha"), 1);
 }
@@ -364,14 +332,8 @@ async fn on_a_cluster_settles_are_exact_and_one_call_per_slot_group() {
             .unwrap();
         receipts.push(v.receipt(0));
     }
-    let settle = |key: &'static [u8], receipt| Settlement {
-        limit: &limit,
-        key,
-        reserved: 10,
-        actual: 0,
-        receipt,
-        quota: *limit.quota(),
-    };
+    let settle =
+        |key: &'static [u8], receipt| Settlement::new(&limit, key, 10, 0, receipt, *limit.quota());
     for node in cluster.nodes() {
         node.reset_stats();
     }
@@ -403,14 +365,7 @@ async fn a_refund_clears_this_replicas_cached_denial() {
     let denied = backend.check(&[Check::new(&limit, b"shop")]).await.unwrap();
     assert!(!denied[0].is_allowed());
     assert_eq!(backend.deny_cache_len(), 1);
-    let settlement = Settlement {
-        limit: &limit,
-        key: b"shop",
-        reserved: 10,
-        actual: 3,
-        receipt: first.receipt(0),
-        quota: *limit.quota(),
-    };
+    let settlement = Settlement::new(&limit, b"shop", 10, 3, first.receipt(0), *limit.quota());
     backend.settle_at(&[settlement], None).await.unwrap();
     assert_eq!(backend.deny_cache_len(), 0);
     server.reset_stats();
@@ -430,14 +385,14 @@ async fn the_backend_trait_sends_the_settle_without_waiting() {
         .unwrap();
     Backend::settle(
         &backend,
-        &[Settlement {
-            limit: &limit,
-            key: b"shop",
-            reserved: 100,
-            actual: 250,
-            receipt: v.receipt(0),
-            quota: *limit.quota(),
-        }],
+        &[Settlement::new(
+            &limit,
+            b"shop",
+            100,
+            250,
+            v.receipt(0),
+            *limit.quota(),
+        )],
     );
     // The settle is sent from a task: a check made once it has run sees it (each check is a
     // round trip, during which the task runs).
@@ -470,28 +425,21 @@ async fn settles_that_wait_for_the_call_in_flight_share_the_next_one() {
         receipts.push(v.receipt(0));
     }
     // The script is loaded by a first settle.
-    let warm = Settlement {
-        limit: &limit,
-        key: b"other",
-        reserved: 0,
-        actual: 1,
-        receipt: Default::default(),
-        quota: *limit.quota(),
-    };
+    let warm = Settlement::new(&limit, b"other", 0, 1, Default::default(), *limit.quota());
     backend.settle_at(&[warm], None).await.unwrap();
     server.reset_stats();
     // Fifty settles before the sending task first runs: one call carries them all.
     for receipt in receipts {
         Backend::settle(
             &backend,
-            &[Settlement {
-                limit: &limit,
-                key: b"shop",
-                reserved: 10,
-                actual: 4,
+            &[Settlement::new(
+                &limit,
+                b"shop",
+                10,
+                4,
                 receipt,
-                quota: *limit.quota(),
-            }],
+                *limit.quota(),
+            )],
         );
     }
     let mut checks = 0;
@@ -531,14 +479,7 @@ async fn on_redis_a_log_shared_by_plans_keeps_at_most_twice_the_largest_quota() 
         assert_eq!((v[0].status, v[0].remaining), (Status::Allowed, 0));
     }
     let v = target.check_under(&log, burst, 0, T0 + 3 * S).await;
-    let charge = Settlement {
-        limit: &log,
-        key: b"shop",
-        reserved: 0,
-        actual: 100,
-        receipt: v.receipt(0),
-        quota: burst,
-    };
+    let charge = Settlement::new(&log, b"shop", 0, 100, v.receipt(0), burst);
     target.settle(charge, T0 + 3 * S).await;
     let Target::Redis(backend) = &target else {
         unreachable!()

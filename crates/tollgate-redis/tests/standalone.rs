@@ -180,11 +180,7 @@ async fn denied_checks_write_nothing() {
     }
     // A cost above the quota writes nothing either.
     let g = gcra("fresh", 2);
-    let too_much = Check {
-        cost: 3,
-        enforce: true,
-        ..Check::new(&g, b"k")
-    };
+    let too_much = Check::new(&g, b"k").with_cost(3).with_enforce(true);
     let keys_before = server.dbsize();
     let v = backend.check_at(&[too_much], now).await.unwrap()[0];
     assert_eq!(v.status, Status::CostTooHigh);

@@ -60,12 +60,10 @@ fn prepare(
 
 /// The vector's check, enforced, with its cost.
 fn check_of<'a>(limit: &'a Limit, v: &Vector) -> Check<'a> {
-    Check {
-        cost: v.cost,
-        enforce: true,
-        delay: v.delay,
-        ..Check::new(limit, KEY)
-    }
+    Check::new(limit, KEY)
+        .with_cost(v.cost)
+        .with_enforce(true)
+        .with_delay(v.delay)
 }
 
 #[tokio::test]
@@ -163,10 +161,7 @@ fn core_second(v: &Vector) -> Verdict {
         }
         State::None | State::Window { .. } if v.algo == Algo::Fixed => {
             let state = match v.state {
-                State::Window { end, count } => Some(WindowState {
-                    window_end: end,
-                    count,
-                }),
+                State::Window { end, count } => Some(WindowState::new(end, count)),
                 _ => None,
             };
             let (_, state) = algorithm::fixed_window(q, state, v.now, v.cost);

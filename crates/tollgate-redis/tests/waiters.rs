@@ -91,14 +91,7 @@ async fn request(
 
 /// The refund of a request of one unit that was admitted with `receipt`.
 fn refund<'a>(limit: &'a Limit, key: &'a [u8], receipt: Receipt) -> Settlement<'a> {
-    Settlement {
-        limit,
-        key,
-        reserved: 1,
-        actual: 0,
-        receipt,
-        quota: *limit.quota(),
-    }
+    Settlement::new(limit, key, 1, 0, receipt, *limit.quota())
 }
 
 /// Requests due at 0, 1 and 2 s; the one due at 1 s is dropped (its refund comes at once):
@@ -190,14 +183,7 @@ async fn a_settle_under_a_smaller_plan_keeps_the_debt(target: &Target) {
         .check(Check::new(&limit, key).with_quota(pro).with_cost(99), NOW)
         .await;
     assert_eq!((v.status, v.remaining), (Status::Allowed, 0));
-    let settled = |actual| Settlement {
-        limit: &limit,
-        key,
-        reserved: 1,
-        actual,
-        receipt,
-        quota: free,
-    };
+    let settled = |actual| Settlement::new(&limit, key, 1, actual, receipt, free);
     let next_free = || target.check(Check::new(&limit, key).with_quota(free), NOW);
     target.settle(settled(0), NOW).await;
     let (v, _) = next_free().await;

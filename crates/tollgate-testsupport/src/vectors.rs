@@ -127,11 +127,7 @@ impl Vector {
             Expected::Denied(retry_after) => Status::Denied { retry_after },
             Expected::CostTooHigh => Status::CostTooHigh,
         };
-        Verdict {
-            status,
-            remaining: self.remaining,
-            reset: self.reset,
-        }
+        Verdict::new(status, self.remaining, self.reset)
     }
 }
 

@@ -235,12 +235,7 @@ async fn peek_and_reset<B: Backend>(backend: B) {
         .build()
         .unwrap();
     let mut svc = app(&layer);
-    let whole = |n| KeyState {
-        remaining: n,
-        reset: Duration::ZERO,
-        retry_after: None,
-        standing: None,
-    };
+    let whole = |n| KeyState::new(n, Duration::ZERO);
     assert_eq!(layer.peek("per-ip", "2001:db8::1").await.unwrap(), whole(5));
     assert_eq!(
         layer.peek("per-shop", "a.example").await.unwrap(),

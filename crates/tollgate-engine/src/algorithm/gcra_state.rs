@@ -21,6 +21,7 @@ use crate::quota::Quota;
 /// On Redis the value `<tat>:<interval>:<until>:<since>` at `<base>:v3` holds the same
 /// figures (`until`: when the key's sanctions end, 0 for none).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct GcraState {
     /// The theoretical arrival time, in microseconds since the Unix epoch.
     pub tat: Micros,
@@ -31,6 +32,17 @@ pub struct GcraState {
 }
 
 impl GcraState {
+    /// A key whose TAT is `tat`, counted in the emission interval `interval`, in a run that
+    /// began at `since`.
+    #[inline]
+    pub const fn new(tat: Micros, interval: Micros, since: Micros) -> Self {
+        Self {
+            tat,
+            interval,
+            since,
+        }
+    }
+
     /// The state written at `now` when a check, a charge or a pause moves the TAT of `old` to
     /// `tat` under `interval`: `old`'s run while its TAT is ahead of `now`, else a run that
     /// begins at `now`.
@@ -180,7 +192,7 @@ pub fn gcra_refund(
 /// // second is refunded while the third still waits: dropped, nobody moves ahead.
 /// let q = Quota::per_second(1)?.with_burst(1)?;
 /// let s = 1_000_000;
-/// let state = GcraState { tat: 13 * s, interval: s, since: 10 * s };
+/// let state = GcraState::new(13 * s, s, 10 * s);
 /// assert_eq!(algorithm::gcra_settled(&q, Some(state), 10 * s, (10 * s, 12 * s), 1, 0), None);
 /// // The third's own refund frees the last reservation: the TAT goes back to 12 s.
 /// let back = algorithm::gcra_settled(&q, Some(state), 10 * s, (10 * s, 13 * s), 1, 0);

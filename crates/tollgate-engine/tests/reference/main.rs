@@ -310,7 +310,7 @@ proptest! {
             prop_assert!(!algorithm::gcra_delayed(&g, tat, now + ra - 1, cost, delay).0.is_allowed());
         }
         let period = w.period_micros();
-        let state = Some(WindowState { window_end: (now / period + 1) * period, count: r % 14 });
+        let state = Some(WindowState::new((now / period + 1) * period, r % 14));
         if let Some(ra) = denied(&algorithm::fixed_window(&w, state, now, cost).0) {
             prop_assert!(ra > 0);
             prop_assert!(algorithm::fixed_window(&w, state, now + ra, cost).0.is_allowed());

@@ -98,11 +98,11 @@ impl Gcra {
         let served = first(now, |s| self.cells(tat, s, cost, 0).is_some());
         let after = self.cells(tat, served, cost, 0).unwrap_or(tat);
         GcraAnswer {
-            verdict: Verdict {
-                status: Status::Allowed,
-                remaining: self.room(after, now),
-                reset: self.whole_at(after, now) - now,
-            },
+            verdict: Verdict::new(
+                Status::Allowed,
+                self.room(after, now),
+                self.whole_at(after, now) - now,
+            ),
             wait: served - now,
             tat: Some(after),
         }
@@ -146,11 +146,7 @@ pub(crate) struct GcraAnswer {
 impl GcraAnswer {
     fn refused(status: Status, remaining: u64, reset: Micros) -> Self {
         Self {
-            verdict: Verdict {
-                status,
-                remaining,
-                reset,
-            },
+            verdict: Verdict::new(status, remaining, reset),
             wait: 0,
             tat: None,
         }
@@ -216,11 +212,7 @@ impl Windows {
         let count = self.counts.get(&index).copied().unwrap_or(0);
         let limit = u64::from(limit);
         let end = (index + 1) * period;
-        let verdict = |status, remaining| Verdict {
-            status,
-            remaining,
-            reset: end - now,
-        };
+        let verdict = |status, remaining| Verdict::new(status, remaining, end - now);
         if u64::from(cost) > limit {
             return verdict(Status::CostTooHigh, limit.saturating_sub(count));
         }
@@ -285,11 +277,7 @@ impl Log {
         let limit = u64::from(limit);
         let newest = self.units.iter().filter(|&&t| t + period > now).max();
         let reset = newest.map_or(0, |&t| t + period - now);
-        let refused = |status| Verdict {
-            status,
-            remaining: limit.saturating_sub(alive),
-            reset,
-        };
+        let refused = |status| Verdict::new(status, limit.saturating_sub(alive), reset);
         if u64::from(cost) > limit {
             return refused(Status::CostTooHigh);
         }
@@ -307,11 +295,11 @@ impl Log {
             });
         }
         self.units.extend(std::iter::repeat_n(now, cost as usize));
-        Verdict {
-            status: Status::Allowed,
-            remaining: limit - alive - u64::from(cost),
-            reset: if cost > 0 { period } else { reset },
-        }
+        Verdict::new(
+            Status::Allowed,
+            limit - alive - u64::from(cost),
+            if cost > 0 { period } else { reset },
+        )
     }
 }
 

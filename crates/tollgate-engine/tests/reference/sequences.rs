@@ -142,14 +142,7 @@ proptest! {
                     if actual == reserved || (actual < reserved && (waiting || !plain)) {
                         continue;
                     }
-                    backend.settle_now(&[Settlement {
-                        limit: &limit,
-                        key: b"k",
-                        reserved,
-                        actual,
-                        receipt,
-                        quota: *q,
-                    }]);
+                    backend.settle_now(&[Settlement::new(&limit, b"k", reserved, actual, receipt, *q)]);
                     key = Key { tat: m.settle(tat, now, reserved, actual), interval: m.t };
                 }
                 Op::Pause { plan, r } => {
@@ -265,14 +258,7 @@ fn windows_with_settles(
             if sliding && !settle_expired && receipt.at + period <= now {
                 continue;
             }
-            backend.settle_now(&[Settlement {
-                limit: &limit,
-                key: b"k",
-                reserved,
-                actual,
-                receipt,
-                quota: q,
-            }]);
+            backend.settle_now(&[Settlement::new(&limit, b"k", reserved, actual, receipt, q)]);
             if sliding {
                 log.settle(q.limit(), period, now, receipt.at, reserved, actual);
             } else {
@@ -373,14 +359,7 @@ fn a_refund_after_the_units_left_removes_nobody_elses() {
     assert!(first[0].is_allowed());
     clock.set(START + 10_000_000);
     assert!(check(1)[0].is_allowed());
-    backend.settle_now(&[Settlement {
-        limit: &limit,
-        key: b"k",
-        reserved: 1,
-        actual: 0,
-        receipt: first.receipt(0),
-        quota: q,
-    }]);
+    backend.settle_now(&[Settlement::new(&limit, b"k", 1, 0, first.receipt(0), q)]);
     let v = check(2)[0];
     assert_eq!(
         v.status,

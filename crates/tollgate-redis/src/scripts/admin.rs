@@ -160,10 +160,7 @@ pub(crate) fn key_state(
             let count = count
                 .parse::<u64>()
                 .map_err(|_| protocol("a window's count"))?;
-            let window = WindowState {
-                window_end: algorithm::window_end(quota, now),
-                count,
-            };
+            let window = WindowState::new(algorithm::window_end(quota, now), count);
             algorithm::fixed_window(quota, Some(window), now, 1).0
         }
         Algorithm::SlidingLog => {
@@ -229,11 +226,7 @@ fn standing(reply: &Value, now: Micros) -> Result<Option<Verdict>, BackendError>
         Status::Denylisted { retry_after } | Status::Blocked { retry_after } => retry_after,
         _ => 0,
     };
-    Ok(Some(Verdict {
-        status,
-        remaining: 0,
-        reset,
-    }))
+    Ok(Some(Verdict::new(status, 0, reset)))
 }
 
 fn split(reply: &Value) -> Result<(Micros, &Value), BackendError> {

@@ -8,11 +8,7 @@ use tollgate_engine::{
 use crate::scripts::check::EncodedCheck;
 
 /// The verdict of a check that was not checked.
-pub(crate) const NOT_CHECKED: Verdict = Verdict {
-    status: Status::NotChecked,
-    remaining: 0,
-    reset: 0,
-};
+pub(crate) const NOT_CHECKED: Verdict = Verdict::new(Status::NotChecked, 0, 0);
 
 /// The answer of a check that Redis did not evaluate.
 pub(crate) const UNANSWERED: Answer = Answer {
@@ -151,10 +147,8 @@ pub(crate) fn parse_replies(
                     }
                 }
                 Algorithm::FixedWindow => {
-                    let state = WindowState {
-                        window_end: algorithm::window_end(&p.quota, now),
-                        count: next(false)?,
-                    };
+                    let state =
+                        WindowState::new(algorithm::window_end(&p.quota, now), next(false)?);
                     let (verdict, _) = algorithm::fixed_window(&p.quota, Some(state), now, p.cost);
                     let extra = algorithm::window_index(&p.quota, now);
                     Answer {
@@ -182,11 +176,7 @@ pub(crate) fn parse_replies(
                         2 => Status::CostTooHigh,
                         other => return Err(protocol(format!("unknown status {other} in reply"))),
                     };
-                    let verdict = Verdict {
-                        status,
-                        remaining,
-                        reset,
-                    };
+                    let verdict = Verdict::new(status, remaining, reset);
                     Answer {
                         verdict,
                         extra,
@@ -238,11 +228,7 @@ fn sanctioned(
         Status::Denylisted { retry_after: left }
     };
     Ok(Some(Answer {
-        verdict: Verdict {
-            status,
-            remaining: 0,
-            reset: left,
-        },
+        verdict: Verdict::new(status, 0, left),
         extra: 0,
         at: now,
     }))

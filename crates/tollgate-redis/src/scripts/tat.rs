@@ -25,11 +25,7 @@ pub(crate) fn parse(value: &str) -> Option<(GcraState, u64)> {
         s.parse().ok()
     };
     let optional = |s: &str| if s.is_empty() { Some(0) } else { digits(s) };
-    let state = GcraState {
-        tat: digits(tat)?,
-        interval: digits(interval)?,
-        since: optional(since)?,
-    };
+    let state = GcraState::new(digits(tat)?, digits(interval)?, optional(since)?);
     Some((state, optional(until)?))
 }
 
@@ -39,11 +35,7 @@ mod tests {
 
     #[test]
     fn every_form_the_scripts_write_or_once_wrote_reads() {
-        let state = |tat, interval, since| GcraState {
-            tat,
-            interval,
-            since,
-        };
+        let state = |tat, interval, since| GcraState::new(tat, interval, since);
         assert_eq!(parse("30:6:0:12"), Some((state(30, 6, 12), 0)));
         assert_eq!(parse("30:6:90:12"), Some((state(30, 6, 12), 90)));
         assert_eq!(parse("30:6:90"), Some((state(30, 6, 0), 90)));

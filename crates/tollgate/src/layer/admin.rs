@@ -258,10 +258,10 @@ fn unsupported_now<T: Send + 'static>(kind: &str, what: &str) -> tollgate_engine
 
 impl<B: Backend> RateLimitLayer<B> {
     /// The `n` identities the limit named `limit` refused most, most refused first: over the
-    /// current bucket of [`REPORT_BUCKET`](tollgate_engine::reports::REPORT_BUCKET) and the
+    /// current bucket of [`REPORT_BUCKET`](tollgate_engine::REPORT_BUCKET) and the
     /// previous one, across every replica that shares the backend. This replica's refusals
     /// not yet handed to the backend are handed first; other replicas' reach it within a
-    /// [`REPORT_TICK`](tollgate_engine::reports::REPORT_TICK) of their next
+    /// [`REPORT_TICK`](tollgate_engine::REPORT_TICK) of their next
     /// refusal.
     ///
     /// Each entry names the client as the limit's extractor does ([`KeyExtractor::identity_of`]:

@@ -12,8 +12,8 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 
-use tollgate_engine::reports::REPORT_TICK;
 use tollgate_engine::topk::{Counter, SpaceSaving};
+use tollgate_engine::REPORT_TICK;
 use tollgate_engine::{Clock, Micros, Refused};
 
 use super::limits::Entry;

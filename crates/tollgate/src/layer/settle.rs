@@ -313,14 +313,14 @@ impl<B: Backend> Settler for SetSink<B> {
     }
 
     fn settle(&self, items: &[Item], actual: &[u32]) {
-        let empty = Settlement {
-            limit: &self.set.limits[0].limit,
-            key: b"",
-            reserved: 0,
-            actual: 0,
-            receipt: Receipt::default(),
-            quota: *self.set.limits[0].limit.quota(),
-        };
+        let empty = Settlement::new(
+            &self.set.limits[0].limit,
+            b"",
+            0,
+            0,
+            Receipt::default(),
+            *self.set.limits[0].limit.quota(),
+        );
         let mut remote = [empty; MAX_CHECKS];
         let mut local = [empty; MAX_CHECKS];
         let (mut r, mut l) = (0, 0);
@@ -337,14 +337,14 @@ impl<B: Backend> Settler for SetSink<B> {
                 (true, Some(local)) => local,
                 (true, None) => continue,
             };
-            let settlement = Settlement {
+            let settlement = Settlement::new(
                 limit,
-                key: held.key.as_bytes(),
-                reserved: held.units,
+                held.key.as_bytes(),
+                held.units,
                 actual,
-                receipt: held.receipt,
-                quota: held.quota,
-            };
+                held.receipt,
+                held.quota,
+            );
             if held.fallback {
                 local[l] = settlement;
                 l += 1;
