@@ -116,18 +116,21 @@ impl<'a> Check<'a> {
 /// Where an admitted check's units went, as the backend that took them recorded it: what a
 /// later [`Settlement`] of the same check needs to find them again.
 ///
-/// `at` is the backend's time of the check (for a sliding log, the time its units were
-/// recorded at); `mark` is the algorithm's: the end of a fixed window's window, the TAT a GCRA
-/// check's reservation left, the last sequence number of a sliding log's units on Redis, 0
-/// otherwise.
+/// [`at`](Self::at) is the backend's time of the check (for a sliding log, the time its
+/// units were recorded at). Besides the time, each algorithm records one figure of its own,
+/// made by its constructor and read by its accessor: a GCRA check's [`tat`](Self::tat) (the
+/// TAT its reservation left, [`Receipt::gcra`]), a fixed window's
+/// [`window_end`](Self::window_end) ([`Receipt::window`]), a sliding log's
+/// [`last_seq`](Self::last_seq) on Redis (the last sequence number of its units,
+/// [`Receipt::log`]); none otherwise ([`Receipt::new`]).
 ///
 /// A GCRA settle's refund moves the TAT back only within the run of its check (`at`), only
-/// when the TAT is still `mark` (it frees the last reservation) or nobody waits, and by the part
-/// of the reservation still ahead of now (see
+/// when the TAT is still the receipt's `tat` (it frees the last reservation) or nobody waits,
+/// and by the part of the reservation still ahead of now (see
 /// [`algorithm::gcra_refund`](crate::algorithm::gcra_refund)); otherwise it is dropped, and the
-/// key counts its units until its TAT reaches them. A receipt with a mark and
-/// no time (`at` 0) is *guarded*: its settle applies only while the key's TAT is exactly `mark`,
-/// and changes nothing otherwise. A quota lease's give-back is such a settle (see
+/// key counts its units until its TAT reaches them. A receipt with a TAT and no time
+/// ([`Receipt::guarded`]) is *guarded*: its settle applies only while the key's TAT is exactly
+/// that TAT, and changes nothing otherwise. A quota lease's give-back is such a settle (see
 /// [`Leased`](crate::leased::Leased)): a backend under `Leased` must honour the guard, as the
 /// in-memory backend does.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -135,23 +138,64 @@ impl<'a> Check<'a> {
 pub struct Receipt {
     /// The backend's time of the check, in microseconds since the Unix epoch.
     pub at: Micros,
-    /// What the algorithm needs besides the time (see above).
-    pub mark: u64,
+    /// The algorithm's figure: a TAT, a window's end or a sequence number (see above).
+    pub(crate) mark: u64,
 }
 
 impl Receipt {
-    /// The receipt of a check made at `at` (the backend's time) whose algorithm recorded
-    /// `mark`.
+    /// The receipt of a check made at `at` (the backend's time) that records nothing else: a
+    /// concurrency limit's, or a sliding log's in memory.
     #[inline]
-    pub const fn new(at: Micros, mark: u64) -> Self {
-        Self { at, mark }
+    pub const fn new(at: Micros) -> Self {
+        Self { at, mark: 0 }
     }
 
-    /// A *guarded* receipt: no time, and a settle that applies only while a GCRA key's TAT
-    /// is exactly `mark` (a quota lease's give-back).
+    /// The receipt of a GCRA check made at `at` whose reservation left the key's TAT at `tat`.
     #[inline]
-    pub const fn guarded(mark: u64) -> Self {
-        Self { at: 0, mark }
+    pub const fn gcra(at: Micros, tat: Micros) -> Self {
+        Self { at, mark: tat }
+    }
+
+    /// The receipt of a fixed-window check made at `at`, counted in the window that ends at
+    /// `window_end`.
+    #[inline]
+    pub const fn window(at: Micros, window_end: Micros) -> Self {
+        Self {
+            at,
+            mark: window_end,
+        }
+    }
+
+    /// The receipt of a sliding-log check whose units were recorded at `at`, the last of them
+    /// under the sequence number `last_seq`.
+    #[inline]
+    pub const fn log(at: Micros, last_seq: u64) -> Self {
+        Self { at, mark: last_seq }
+    }
+
+    /// A *guarded* GCRA receipt: no time, and a settle that applies only while the key's TAT
+    /// is exactly `tat` (a quota lease's give-back).
+    #[inline]
+    pub const fn guarded(tat: Micros) -> Self {
+        Self { at: 0, mark: tat }
+    }
+
+    /// A GCRA receipt's TAT ([`Receipt::gcra`], [`Receipt::guarded`]).
+    #[inline]
+    pub const fn tat(&self) -> Micros {
+        self.mark
+    }
+
+    /// A fixed-window receipt's end of its window ([`Receipt::window`]).
+    #[inline]
+    pub const fn window_end(&self) -> Micros {
+        self.mark
+    }
+
+    /// A sliding-log receipt's last sequence number ([`Receipt::log`]).
+    #[inline]
+    pub const fn last_seq(&self) -> u64 {
+        self.mark
     }
 }
 

@@ -7,8 +7,8 @@
 //! bound. So a counter never counts less than its key's true count, and over-counts by at most
 //! its error; and a key that occurs more than `N / k` times among `N` is always held.
 //!
-//! The counters stay where they were made; a binary min-heap by count orders their places,
-//! so that finding the smallest counter is free and every update moves a place along one
+//! The counters stay where they were made; a binary min-heap by count orders their indices,
+//! so that finding the smallest counter is free and every update moves an index along one
 //! path of the heap without touching a key: `O(log k)` comparisons, and one hash lookup per
 //! update (three when a new key takes the smallest counter).
 
@@ -52,14 +52,14 @@ pub struct Counter<K> {
 #[derive(Debug, Clone)]
 pub struct SpaceSaving<K> {
     k: usize,
-    /// The counters, each in the place it took: they never move, so that the heap's moves
+    /// The counters, each at the index it took: they never move, so that the heap's moves
     /// touch no key and no hash.
     counters: Vec<Counter<K>>,
-    /// A min-heap by count of places in `counters`.
+    /// A min-heap by count of indices in `counters`.
     heap: Vec<u32>,
-    /// Each place's position in `heap`.
+    /// Each index's position in `heap`.
     at: Vec<u32>,
-    /// Each key's place in `counters`.
+    /// Each key's index in `counters`.
     index: HashMap<K, u32>,
     /// Every count added since the summary was made or drained (`N`).
     total: u64,
@@ -116,19 +116,19 @@ impl<K: Hash + Eq + Clone> SpaceSaving<K> {
         Q: Hash + Eq + ToOwned<Owned = K> + ?Sized,
     {
         self.total = self.total.saturating_add(n);
-        if let Some(&place) = self.index.get(key) {
-            let c = &mut self.counters[place as usize];
+        if let Some(&idx) = self.index.get(key) {
+            let c = &mut self.counters[idx as usize];
             c.count = c.count.saturating_add(n);
             c.error = c.error.saturating_add(error);
             c.first_seen = c.first_seen.min(first);
             c.last_seen = c.last_seen.max(last);
-            self.sift_down(self.at[place as usize] as usize);
+            self.sift_down(self.at[idx as usize] as usize);
             return;
         }
         let owned = key.to_owned();
         if self.counters.len() < self.k {
-            let place = self.counters.len() as u32;
-            self.index.insert(owned.clone(), place);
+            let idx = self.counters.len() as u32;
+            self.index.insert(owned.clone(), idx);
             self.counters.push(Counter {
                 key: owned,
                 count: n,
@@ -136,14 +136,14 @@ impl<K: Hash + Eq + Clone> SpaceSaving<K> {
                 first_seen: first,
                 last_seen: last,
             });
-            self.heap.push(place);
-            self.at.push(place);
-            self.sift_up(place as usize);
+            self.heap.push(idx);
+            self.at.push(idx);
+            self.sift_up(idx as usize);
             return;
         }
         // Full: the new key takes the smallest counter and inherits its count as its error.
-        let place = self.heap[0];
-        let min = &mut self.counters[place as usize];
+        let idx = self.heap[0];
+        let min = &mut self.counters[idx as usize];
         let floor = min.count;
         let old = std::mem::replace(
             min,
@@ -156,7 +156,7 @@ impl<K: Hash + Eq + Clone> SpaceSaving<K> {
             },
         );
         self.index.remove::<K>(&old.key);
-        self.index.insert(owned, place);
+        self.index.insert(owned, idx);
         self.sift_down(0);
     }
 

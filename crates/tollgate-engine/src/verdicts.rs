@@ -52,7 +52,7 @@ impl Verdicts {
             from_lease: 0,
             storage: Storage::Inline {
                 items: [Verdict::EMPTY; INLINE],
-                receipts: [Receipt { at: 0, mark: 0 }; INLINE],
+                receipts: [Receipt::new(0); INLINE],
             },
         }
     }

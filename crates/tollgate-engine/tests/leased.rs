@@ -525,8 +525,8 @@ fn the_memory_backend_applies_a_guarded_gcra_refund_only_at_its_tat() {
     let c = Check::new(&limit, b"k").with_cost(4);
     let v = w.memory.check_now(&[c]).unwrap();
     let tat = v.receipt(0).at + v[0].reset;
-    // A receipt with a mark and no time: guarded by the mark alone, as a lease's give-back.
-    let guarded = |mark| Settlement::of(&c, tollgate_engine::Receipt::guarded(mark), 1);
+    // A receipt with a TAT and no time: guarded by the TAT alone, as a lease's give-back.
+    let guarded = |tat| Settlement::of(&c, tollgate_engine::Receipt::guarded(tat), 1);
     // Another TAT than the key's: nothing changes.
     w.memory.settle_now(&[guarded(tat + 1)]);
     assert_eq!(w.remaining(&limit, b"k"), 6);

@@ -17,7 +17,7 @@ use tollgate_engine::{
     Reports, Settlement, Slots,
 };
 
-use crate::future::ResponseFuture;
+use crate::future::CheckFuture;
 use crate::inner::{Config, Inner};
 use crate::keys;
 use crate::reports::Reports as ReportCalls;
@@ -144,7 +144,7 @@ impl RedisBackend {
 }
 
 impl Backend for RedisBackend {
-    type Future = ResponseFuture;
+    type Future = CheckFuture;
 
     /// Checks and consumes a batch in one script call (one per hash slot in a cluster).
     ///
@@ -154,8 +154,8 @@ impl Backend for RedisBackend {
     ///
     /// A check of a leased limit is answered from the slice this backend holds when it can
     /// (see [`tollgate_engine::Lease`]): at once, without I/O.
-    fn check(&self, checks: &[Check<'_>]) -> ResponseFuture {
-        ResponseFuture::new(self.leased.check(checks))
+    fn check(&self, checks: &[Check<'_>]) -> CheckFuture {
+        CheckFuture::new(self.leased.check(checks))
     }
 
     /// Sends the settlements from a task and returns at once: on a standalone server in one

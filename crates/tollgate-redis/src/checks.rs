@@ -8,12 +8,12 @@ use tokio::time::Instant;
 use tollgate_engine::{algorithm, Algorithm, BackendError, Micros, Receipt, Verdicts};
 
 use crate::cluster::Cluster;
-use crate::deny_cache::DenyCache;
+use crate::deny_cache::RefusedKeys;
 use crate::digests::DigestCache;
 use crate::keys::{KeyDigest, Keyer};
 use crate::scripts::check::EncodedCheck;
 use crate::scripts::reply::Answered;
-use crate::slots::{Slots, Unclaimed};
+use crate::slots::{SlotKeeper, Unclaimed};
 use crate::transport::breaker::Permit;
 use crate::transport::{Transport, BACKEND};
 
@@ -22,10 +22,10 @@ use crate::transport::{Transport, BACKEND};
 /// server is a cluster).
 pub(crate) struct Checks {
     transport: Arc<Transport>,
-    deny: Arc<DenyCache>,
+    deny: Arc<RefusedKeys>,
     /// The digests of recently checked (limit, key) pairs.
     digests: DigestCache,
-    slots: Arc<Slots>,
+    slots: Arc<SlotKeeper>,
     cluster: Arc<Cluster>,
 }
 
@@ -40,8 +40,8 @@ pub(crate) struct Started {
 impl Checks {
     pub(crate) fn new(
         transport: Arc<Transport>,
-        deny: Arc<DenyCache>,
-        slots: Arc<Slots>,
+        deny: Arc<RefusedKeys>,
+        slots: Arc<SlotKeeper>,
         keyer: Keyer,
     ) -> Self {
         let cluster = Arc::new(Cluster::new(
@@ -62,11 +62,11 @@ impl Checks {
         &self.transport
     }
 
-    pub(crate) fn deny(&self) -> &DenyCache {
+    pub(crate) fn deny(&self) -> &RefusedKeys {
         &self.deny
     }
 
-    pub(crate) fn slots(&self) -> &Arc<Slots> {
+    pub(crate) fn slots(&self) -> &Arc<SlotKeeper> {
         &self.slots
     }
 
@@ -187,18 +187,24 @@ impl Checks {
             }
             let _ = verdicts.push(verdict);
             if verdict.is_allowed() {
-                let mark = match p.algorithm {
-                    // The end of the window, as the in-memory backend marks it.
-                    Algorithm::FixedWindow => answer
-                        .extra
-                        .saturating_add(1)
-                        .saturating_mul(p.quota.period_micros()),
+                let receipt = match p.algorithm {
+                    // The end of the window, as the in-memory backend records it.
+                    Algorithm::FixedWindow => Receipt::window(
+                        answer.at,
+                        answer
+                            .extra
+                            .saturating_add(1)
+                            .saturating_mul(p.quota.period_micros()),
+                    ),
                     // The TAT the reservation left, which its refund compares (as the
-                    // in-memory backend marks it).
-                    Algorithm::Gcra => answer.at.saturating_add(verdict.reset),
-                    _ => answer.extra,
+                    // in-memory backend records it).
+                    Algorithm::Gcra => {
+                        Receipt::gcra(answer.at, answer.at.saturating_add(verdict.reset))
+                    }
+                    Algorithm::SlidingLog => Receipt::log(answer.at, answer.extra),
+                    _ => Receipt::new(answer.at),
                 };
-                verdicts.set_receipt(verdicts.len() - 1, Receipt::new(answer.at, mark));
+                verdicts.set_receipt(verdicts.len() - 1, receipt);
             }
         }
         verdicts

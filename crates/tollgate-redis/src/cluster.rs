@@ -10,12 +10,12 @@ use std::sync::Arc;
 use tokio::time::Instant;
 use tollgate_engine::{BackendError, Micros};
 
-use crate::deny_cache::DenyCache;
+use crate::deny_cache::RefusedKeys;
 use crate::failure::unavailable;
 use crate::scripts::check::EncodedCheck;
 use crate::scripts::refund;
 use crate::scripts::reply::{Answer, Answered, Reply, UNANSWERED};
-use crate::slots::Slots;
+use crate::slots::SlotKeeper;
 use crate::transport::breaker::Permit;
 use crate::transport::coalesce::NodeDelivery;
 use crate::transport::merged::{queue_in_hash_slot, queue_on_node};
@@ -26,13 +26,17 @@ use crate::transport::{Transport, BACKEND};
 pub(crate) struct Cluster {
     transport: Arc<Transport>,
     /// Told of the refunds, which reopen keys it may hold denials of.
-    deny: Arc<DenyCache>,
+    deny: Arc<RefusedKeys>,
     /// Gives back the slots of a late shadow group.
-    slots: Arc<Slots>,
+    slots: Arc<SlotKeeper>,
 }
 
 impl Cluster {
-    pub(crate) fn new(transport: Arc<Transport>, deny: Arc<DenyCache>, slots: Arc<Slots>) -> Self {
+    pub(crate) fn new(
+        transport: Arc<Transport>,
+        deny: Arc<RefusedKeys>,
+        slots: Arc<SlotKeeper>,
+    ) -> Self {
         Self {
             transport,
             deny,
@@ -304,7 +308,7 @@ impl Cluster {
 /// A late group's slots are given back by the backend once its call has answered: the
 /// request, told they were not checked, will not give them back itself.
 async fn shadowed(
-    slots: &Arc<Slots>,
+    slots: &Arc<SlotKeeper>,
     call: impl Future<Output = NodeDelivery> + Send + 'static,
     unanswered: Option<Vec<EncodedCheck>>,
     shadow_deadline: Instant,

@@ -3,12 +3,12 @@
 
 use tollgate_engine::{Algorithm, Check, Status, Verdict, Verdicts, MAX_CHECKS};
 
-use crate::deny_cache::{DenyCache, Lookup};
+use crate::deny_cache::{Lookup, RefusedKeys};
 use crate::keys::KeyDigest;
 use crate::scripts::check::EncodedCheck;
 use crate::scripts::reply::NOT_CHECKED;
 
-impl DenyCache {
+impl RefusedKeys {
     /// The batch's verdicts if an enforced check is in the cache; otherwise `asks` says which
     /// checks took the turn to ask Redis after a denial ran out.
     pub(crate) fn refuse(

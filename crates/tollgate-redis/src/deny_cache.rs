@@ -35,9 +35,11 @@ use crate::keys::KeyDigest;
 
 const SHARDS: usize = 16;
 
+/// The keys Redis refused, held to refuse them here until their refusal ends: 429 denials
+/// (under the quota and delay they were made under) and 403 sanctions (a block, a deny).
 #[derive(Debug)]
-pub(crate) struct DenyCache {
-    shards: Box<[Mutex<HashMap<KeyDigest, Entry>>]>,
+pub(crate) struct RefusedKeys {
+    shards: Box<[Mutex<HashMap<KeyDigest, KeyRefusal>>]>,
     per_shard: usize,
     /// How long the request that asks Redis after a denial ran out holds the others back.
     turn: Duration,
@@ -68,8 +70,9 @@ impl Lookup {
     }
 }
 
+/// One key's refusal, as Redis answered it.
 #[derive(Debug, Clone)]
-struct Entry {
+struct KeyRefusal {
     /// `tollgate_deny_cache_hits_total` of the entry's limit, registered when the entry is
     /// made: a hit increments it under the shard's lock it already holds, with no registry
     /// lookup.
@@ -100,7 +103,7 @@ struct Entry {
     held: u32,
 }
 
-impl Entry {
+impl KeyRefusal {
     /// Ends the turn: the next request takes a new one and asks Redis.
     fn reopen(&mut self) {
         self.until = Instant::now();
@@ -129,7 +132,7 @@ fn micros_until(t: Instant, now: Instant) -> Micros {
     u64::try_from(t.saturating_duration_since(now).as_micros()).unwrap_or(u64::MAX)
 }
 
-impl DenyCache {
+impl RefusedKeys {
     /// A cache of about `capacity` entries (0 disables it); `turn` (how long an asker holds the others back) is the backend's deadline;
     /// a denial is trusted for at most `ttl` before Redis is asked again.
     pub(crate) fn new(capacity: usize, turn: Duration, ttl: Duration) -> Self {
@@ -142,7 +145,10 @@ impl DenyCache {
         }
     }
 
-    fn shard(&self, digest: &KeyDigest) -> std::sync::MutexGuard<'_, HashMap<KeyDigest, Entry>> {
+    fn shard(
+        &self,
+        digest: &KeyDigest,
+    ) -> std::sync::MutexGuard<'_, HashMap<KeyDigest, KeyRefusal>> {
         self.shards[usize::from(digest[0]) % SHARDS]
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -265,7 +271,7 @@ impl DenyCache {
         }
         let now = Instant::now();
         let denied_until = now + Duration::from_micros(retry_after);
-        let mut entry = Entry {
+        let mut entry = KeyRefusal {
             hits: Counter::noop(),
             quota: *quota,
             delay,
@@ -362,7 +368,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn denies_until_the_time_redis_gave() {
-        let cache = DenyCache::new(100, Duration::from_millis(50), Duration::from_secs(3600));
+        let cache = RefusedKeys::new(100, Duration::from_millis(50), Duration::from_secs(3600));
         let d = [1u8; 16];
         cache.insert(&d, &limit(), &q(), 1, Some(0), &denied(1_000_000));
         let v = cache.lookup(&d, 1, &q()).denial().unwrap();
@@ -397,7 +403,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn room_for_fewer_than_were_held_back_lets_one_more_ask_alone() {
-        let cache = DenyCache::new(100, Duration::from_millis(50), Duration::from_secs(3600));
+        let cache = RefusedKeys::new(100, Duration::from_millis(50), Duration::from_secs(3600));
         let d = [4u8; 16];
         cache.insert(&d, &limit(), &q(), 1, Some(0), &denied(1_000));
         tokio::time::advance(Duration::from_millis(1)).await;
@@ -420,7 +426,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_turn_whose_answer_never_came_runs_out() {
-        let cache = DenyCache::new(100, Duration::from_millis(50), Duration::from_secs(3600));
+        let cache = RefusedKeys::new(100, Duration::from_millis(50), Duration::from_secs(3600));
         let d = [2u8; 16];
         cache.insert(&d, &limit(), &q(), 1, Some(0), &denied(1_000));
         tokio::time::advance(Duration::from_millis(1)).await;
@@ -433,7 +439,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_passed_turn_goes_to_the_next_request() {
-        let cache = DenyCache::new(100, Duration::from_millis(50), Duration::from_secs(3600));
+        let cache = RefusedKeys::new(100, Duration::from_millis(50), Duration::from_secs(3600));
         let d = [5u8; 16];
         cache.insert(&d, &limit(), &q(), 1, Some(0), &denied(1_000));
         tokio::time::advance(Duration::from_millis(1)).await;
@@ -445,7 +451,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_denial_covers_higher_costs_only() {
-        let cache = DenyCache::new(100, Duration::from_millis(50), Duration::from_secs(3600));
+        let cache = RefusedKeys::new(100, Duration::from_millis(50), Duration::from_secs(3600));
         let d = [2u8; 16];
         cache.insert(&d, &limit(), &q(), 3, Some(0), &denied(1_000));
         assert!(cache.lookup(&d, 3, &q()).denial().is_some());
@@ -472,7 +478,7 @@ mod tests {
             Some(Status::Denied { retry_after }) => Some(retry_after),
             _ => None,
         };
-        let cache = DenyCache::new(100, Duration::from_millis(50), Duration::from_secs(3600));
+        let cache = RefusedKeys::new(100, Duration::from_millis(50), Duration::from_secs(3600));
         // GCRA, one unit every 6 s: a request of 5 units waits 4 × 6 s more than one of 1.
         let gcra = [4u8; 16];
         cache.insert(
@@ -498,7 +504,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_denial_stands_only_under_the_quota_it_was_made_under() {
-        let cache = DenyCache::new(100, Duration::from_millis(50), Duration::from_secs(3600));
+        let cache = RefusedKeys::new(100, Duration::from_millis(50), Duration::from_secs(3600));
         let a = [1u8; 16];
         cache.insert(&a, &limit(), &q(), 1, Some(0), &denied(1_000_000));
         // A request under another quota (another plan, or a reload that changed the quota)
@@ -512,7 +518,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn stays_bounded_and_reclaims_expired_entries() {
-        let cache = DenyCache::new(
+        let cache = RefusedKeys::new(
             SHARDS * 2,
             Duration::from_millis(50),
             Duration::from_secs(3600),
@@ -536,7 +542,7 @@ mod tests {
         assert!(cache.lookup(&ds[2], 1, &q()).denial().is_some());
         assert_eq!(cache.len(), 2);
         // Disabled.
-        let off = DenyCache::new(0, Duration::from_millis(50), Duration::from_secs(3600));
+        let off = RefusedKeys::new(0, Duration::from_millis(50), Duration::from_secs(3600));
         off.insert(&ds[0], &limit(), &q(), 1, Some(0), &denied(1_000));
         assert!(off.lookup(&ds[0], 1, &q()).denial().is_none());
     }

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use tollgate_engine::{BackendError, BackendErrorKind, Check, Micros, Verdicts, MAX_CHECKS};
 
 use crate::checks::Checks;
-use crate::future::CheckFuture;
+use crate::future::InnerFuture;
 use crate::keys;
 use crate::scripts::check::EncodedCheck;
 use crate::transport::breaker::Permit;
@@ -19,15 +19,15 @@ impl Checks {
         self: &Arc<Self>,
         checks: &[Check<'_>],
         now: Option<Micros>,
-    ) -> CheckFuture {
+    ) -> InnerFuture {
         if checks.len() > MAX_CHECKS {
-            return CheckFuture::ready(Err(BackendError::new(
+            return InnerFuture::ready(Err(BackendError::new(
                 BackendErrorKind::Protocol,
                 format!("at most {MAX_CHECKS} checks per batch"),
             )));
         }
         if checks.is_empty() {
-            return CheckFuture::ready(Ok(Verdicts::new()));
+            return InnerFuture::ready(Ok(Verdicts::new()));
         }
         let mut digests = [[0u8; keys::DIGEST_LEN]; MAX_CHECKS];
         for (d, c) in digests.iter_mut().zip(checks) {
@@ -36,18 +36,18 @@ impl Checks {
         let mut asks = [false; MAX_CHECKS];
         if now.is_none() {
             if let Some(verdicts) = self.deny().refuse(checks, &digests, &mut asks) {
-                return CheckFuture::ready(Ok(verdicts));
+                return InnerFuture::ready(Ok(verdicts));
             }
         }
         let mut batch = Vec::with_capacity(checks.len());
         for ((c, d), asks) in checks.iter().zip(&digests).zip(asks) {
             match EncodedCheck::new(c, *d) {
                 Ok(p) => batch.push(EncodedCheck { asks, ..p }),
-                Err(e) => return CheckFuture::ready(Err(e)),
+                Err(e) => return InnerFuture::ready(Err(e)),
             }
         }
         let Some(permit) = self.transport().admit() else {
-            return CheckFuture::ready(Err(BackendError::new(
+            return InnerFuture::ready(Err(BackendError::new(
                 BackendErrorKind::CircuitOpen,
                 "Redis failed recently; the circuit breaker is open",
             )));
@@ -58,7 +58,7 @@ impl Checks {
             // key's slots held (see `slots::Releases`); other keys' releases do not matter.
             let checks = Arc::clone(self);
             let until = tokio::time::Instant::now() + checks.transport().deadline();
-            return CheckFuture::call(async move {
+            return InnerFuture::call(async move {
                 checks.slots().released(&releasing, until).await;
                 send(&checks, batch, now, permit).await
             });
@@ -74,12 +74,12 @@ fn send(
     batch: Vec<EncodedCheck>,
     now: Option<Micros>,
     permit: Permit,
-) -> CheckFuture {
+) -> InnerFuture {
     if now.is_none() && !checks.transport().is_cluster() {
         let started = checks.start(&batch, None);
         let deadline = started.at + checks.transport().deadline();
         let wait = Merged::new(batch, permit, deadline);
-        return CheckFuture::merged(Arc::clone(checks), wait, started);
+        return InnerFuture::merged(Arc::clone(checks), wait, started);
     }
-    CheckFuture::call(Arc::clone(checks).run(batch, now, permit))
+    InnerFuture::call(Arc::clone(checks).run(batch, now, permit))
 }

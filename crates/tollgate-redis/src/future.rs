@@ -20,17 +20,17 @@ type Boxed = Pin<Box<dyn Future<Output = Result<Verdicts, BackendError>> + Send 
 /// Ready at once for a batch answered from leased slices, a deny-cache hit or an open circuit
 /// breaker; otherwise a call to Redis bounded by the deadline.
 #[must_use = "futures do nothing unless polled"]
-pub struct ResponseFuture {
-    leased: LeasedFuture<CheckFuture>,
+pub struct CheckFuture {
+    leased: LeasedFuture<InnerFuture>,
 }
 
-impl ResponseFuture {
-    pub(crate) fn new(leased: LeasedFuture<CheckFuture>) -> Self {
+impl CheckFuture {
+    pub(crate) fn new(leased: LeasedFuture<InnerFuture>) -> Self {
         Self { leased }
     }
 }
 
-impl Future for ResponseFuture {
+impl Future for CheckFuture {
     type Output = Result<Verdicts, BackendError>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
@@ -38,9 +38,9 @@ impl Future for ResponseFuture {
     }
 }
 
-impl fmt::Debug for ResponseFuture {
+impl fmt::Debug for CheckFuture {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ResponseFuture")
+        f.debug_struct("CheckFuture")
             .field("leased", &self.leased)
             .finish()
     }
@@ -49,7 +49,7 @@ impl fmt::Debug for ResponseFuture {
 /// The answer of the Redis layers below the leases to one batch: ready (a deny-cache hit, an
 /// open circuit breaker), a standalone server's merged call, or a call of its own.
 #[must_use = "futures do nothing unless polled"]
-pub(crate) struct CheckFuture {
+pub(crate) struct InnerFuture {
     state: State,
 }
 
@@ -67,7 +67,7 @@ enum State {
     Call(Boxed),
 }
 
-impl CheckFuture {
+impl InnerFuture {
     pub(crate) fn ready(result: Result<Verdicts, BackendError>) -> Self {
         Self {
             state: State::Ready(Some(result)),
@@ -102,7 +102,7 @@ fn polled_after_completion() -> BackendError {
     )
 }
 
-impl Future for CheckFuture {
+impl Future for InnerFuture {
     type Output = Result<Verdicts, BackendError>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
@@ -129,13 +129,13 @@ impl Future for CheckFuture {
     }
 }
 
-impl fmt::Debug for CheckFuture {
+impl fmt::Debug for InnerFuture {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let state = match self.state {
             State::Ready(_) => "ready",
             State::Merged { .. } | State::Call(_) => "calling",
         };
-        f.debug_struct("CheckFuture")
+        f.debug_struct("InnerFuture")
             .field("state", &state)
             .finish()
     }

@@ -17,11 +17,11 @@ use tollgate_engine::{
 
 use crate::admin::{Admin, OwnedCheck};
 use crate::checks::Checks;
-use crate::deny_cache::DenyCache;
-use crate::future::CheckFuture;
+use crate::deny_cache::RefusedKeys;
+use crate::future::InnerFuture;
 use crate::keys::Keyer;
 use crate::settle::Settles;
-use crate::slots::Slots;
+use crate::slots::SlotKeeper;
 use crate::time::Time;
 use crate::transport::breaker::BreakerConfig;
 use crate::transport::conn::Target;
@@ -74,12 +74,15 @@ impl Inner {
                 probe_timeout: config.deadline * 2,
             },
         }));
-        let deny = Arc::new(DenyCache::new(
+        let deny = Arc::new(RefusedKeys::new(
             config.deny_cache_capacity,
             config.deadline,
             config.deny_cache_ttl,
         ));
-        let slots = Arc::new(Slots::new(Arc::clone(&transport), config.prefix.clone()));
+        let slots = Arc::new(SlotKeeper::new(
+            Arc::clone(&transport),
+            config.prefix.clone(),
+        ));
         let time = match config.clock {
             Some(clock) => Time::Test(clock),
             None => Time::Server(Arc::clone(&transport)),
@@ -132,18 +135,18 @@ impl Inner {
 }
 
 impl Backend for Inner {
-    type Future = CheckFuture;
+    type Future = InnerFuture;
 
     /// Checks and consumes a batch in one script call (one per hash slot in a cluster), at the
     /// server's time; at a test's, once the settles made before are answered.
-    fn check(&self, checks: &[Check<'_>]) -> CheckFuture {
+    fn check(&self, checks: &[Check<'_>]) -> InnerFuture {
         let now = self.time.call_time();
         let call = self.checks.dispatch(checks, now);
         if now.is_none() {
             return call;
         }
         let settled = self.settles.answered();
-        CheckFuture::call(async move {
+        InnerFuture::call(async move {
             settled.await;
             call.await
         })

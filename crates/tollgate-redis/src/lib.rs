@@ -302,6 +302,6 @@ pub use builder::{
     DEFAULT_PREFIX, MAX_DEADLINE, MAX_DENY_CACHE_TTL, MIN_KEY_SECRET_LEN,
 };
 pub use error::BuildError;
-pub use future::ResponseFuture;
+pub use future::CheckFuture;
 pub use tls::redact_url;
 pub use transport::breaker::CircuitState;

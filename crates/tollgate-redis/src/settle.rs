@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 
 use tollgate_engine::{BackendError, BackendErrorKind, Micros, Settlement};
 
-use crate::deny_cache::DenyCache;
+use crate::deny_cache::RefusedKeys;
 use crate::failure::unavailable;
 use crate::keys::{self, Keyer};
 use crate::pending::{Pending, Ticket};
@@ -19,7 +19,7 @@ use crate::transport::{Transport, BACKEND};
 /// transport; a refund clears the deny cache's denial of its key.
 pub(crate) struct Settles {
     transport: Arc<Transport>,
-    deny: Arc<DenyCache>,
+    deny: Arc<RefusedKeys>,
     /// How keys are digested (the backend's key secret).
     keyer: Keyer,
     /// Settles waiting for the call in flight to end, sent together next (standalone Redis).
@@ -106,7 +106,7 @@ impl Drop for Sending {
 }
 
 impl Settles {
-    pub(crate) fn new(transport: Arc<Transport>, deny: Arc<DenyCache>, keyer: Keyer) -> Self {
+    pub(crate) fn new(transport: Arc<Transport>, deny: Arc<RefusedKeys>, keyer: Keyer) -> Self {
         Self {
             transport,
             deny,

@@ -26,7 +26,7 @@ use crate::scripts::{renew, slot_id};
 use crate::transport::Transport;
 
 /// The concurrency slots of one backend: releases (retried) and renewals, on the transport.
-pub(crate) struct Slots {
+pub(crate) struct SlotKeeper {
     transport: Arc<Transport>,
     prefix: String,
     /// Releases sent and not answered yet: a concurrency check waits for them.
@@ -42,7 +42,7 @@ pub(crate) struct Held {
     ttl: Micros,
 }
 
-impl Slots {
+impl SlotKeeper {
     pub(crate) fn new(transport: Arc<Transport>, prefix: String) -> Self {
         Self {
             transport,
@@ -189,7 +189,7 @@ impl Slots {
 /// dropped with the call (the caller went away), or kept when the call failed after it may have
 /// been sent.
 pub(crate) struct Unclaimed {
-    slots: Arc<Slots>,
+    slots: Arc<SlotKeeper>,
     held: Vec<Held>,
 }
 
@@ -283,13 +283,13 @@ impl Releases {
 /// One release in flight, counted until dropped (also when its task is cancelled); its
 /// sender, dropped with it, tells the layer that the release has landed.
 struct InFlight {
-    slots: Arc<Slots>,
+    slots: Arc<SlotKeeper>,
     digests: Vec<KeyDigest>,
     _landed: oneshot::Sender<()>,
 }
 
 impl InFlight {
-    fn new(slots: &Arc<Slots>, held: &[Held], landed: oneshot::Sender<()>) -> Self {
+    fn new(slots: &Arc<SlotKeeper>, held: &[Held], landed: oneshot::Sender<()>) -> Self {
         let digests: Vec<KeyDigest> = held.iter().map(|h| h.digest).collect();
         slots.releases.begin(&digests);
         Self {

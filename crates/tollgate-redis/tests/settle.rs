@@ -140,17 +140,17 @@ async fn scenarios(target: &Target) {
     let v = target.check(&gcra, b"shop", 1, at + 66 * S).await;
     assert_eq!((v[0].status, v[0].remaining), (Status::Allowed, 0));
 
-    // A guarded GCRA refund (a lease's give-back: a receipt with a mark and no time) applies
-    // only while the TAT is its mark: 4 units at `at` leave the TAT at `at + 24 s`, one
+    // A guarded GCRA refund (a lease's give-back: a receipt with a TAT and no time) applies
+    // only while the TAT is the receipt's: 4 units at `at` leave the TAT at `at + 24 s`, one
     // interval is 6 s.
     let guarded = Limit::gcra("guarded", minute).unwrap();
-    let refund = |mark: Micros| {
+    let refund = |tat: Micros| {
         Settlement::new(
             &guarded,
             b"shop",
             3,
             0,
-            tollgate_engine::Receipt::guarded(mark),
+            tollgate_engine::Receipt::guarded(tat),
             *guarded.quota(),
         )
     };
@@ -160,7 +160,7 @@ async fn scenarios(target: &Target) {
     assert_eq!(v[0].remaining, 5, "another TAT: nothing given back");
     target.settle(refund(at + 30 * S), at).await;
     let v = target.check(&guarded, b"shop", 1, at).await;
-    assert_eq!(v[0].remaining, 7, "the TAT the mark names: 3 given back");
+    assert_eq!(v[0].remaining, 7, "the TAT the receipt names: 3 given back");
 
     // A fixed window's debt ends with its window; a settle after it changes nothing.
     let window = Limit::fixed_window("debt-window", minute).unwrap();

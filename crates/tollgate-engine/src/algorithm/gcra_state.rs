@@ -126,7 +126,7 @@ pub fn gcra_settle(
 }
 
 /// The TAT a GCRA refund of `units` leaves on `state` at `now`, under `quota`, for a
-/// reservation whose check ran at `at` and left the TAT at `mark` (its
+/// reservation whose check ran at `at` and left the TAT at `left_tat` (its
 /// [`Receipt`](crate::Receipt)); `None` when it gives nothing back.
 ///
 /// A delayed request's start is pinned to its reservation's place in the TAT: moving the TAT
@@ -135,11 +135,11 @@ pub fn gcra_settle(
 ///
 /// - within the run of its check: `since <= at` (a reset, or a bucket that was full again
 ///   since, began another run, which never counted the reservation); and
-/// - when it frees the *last* reservation (the TAT is still `mark`, under the same interval:
+/// - when it frees the *last* reservation (the TAT is still `left_tat`, under the same interval:
 ///   nothing was reserved after it), or when nobody waits (`TAT − burst × interval <= now`:
 ///   every reservation has started);
 ///
-/// and by the part of the reservation still ahead of `now` only (`mark − now`, at most the
+/// and by the part of the reservation still ahead of `now` only (`left_tat − now`, at most the
 /// refund's intervals): a reservation whose time has passed was refilled by time, and a request
 /// that started after it keeps its place. Never before `now`.
 ///
@@ -148,14 +148,14 @@ pub fn gcra_settle(
 /// each back by itself within `burst × interval + delay` (the farthest a TAT runs ahead of the
 /// clock when it is dropped).
 ///
-/// A receipt with no time (`at` 0) is guarded by its mark alone: the refund applies only while
-/// the TAT is exactly `mark` (a quota lease's give-back, see [`Receipt`](crate::Receipt)).
+/// A receipt with no time (`at` 0) is guarded by its TAT alone: the refund applies only while
+/// the TAT is exactly `left_tat` (a quota lease's give-back, see [`Receipt`](crate::Receipt)).
 #[inline]
 pub fn gcra_refund(
     quota: &Quota,
     state: &GcraState,
     now: Micros,
-    (at, mark): (Micros, Micros),
+    (at, left_tat): (Micros, Micros),
     units: u32,
 ) -> Option<Micros> {
     let interval = quota.emission_interval();
@@ -163,7 +163,7 @@ pub fn gcra_refund(
     if tat <= now {
         return None;
     }
-    let last = mark != 0 && state.interval == interval && state.tat == mark;
+    let last = left_tat != 0 && state.interval == interval && state.tat == left_tat;
     let applies = if at == 0 {
         last
     } else {
@@ -173,13 +173,13 @@ pub fn gcra_refund(
     };
     let back = interval
         .saturating_mul(u64::from(units))
-        .min(mark.saturating_sub(now));
+        .min(left_tat.saturating_sub(now));
     (applies && back > 0).then(|| tat.saturating_sub(back).max(now))
 }
 
 /// The state a GCRA settle writes at `now` (see [`Settlement`](crate::Settlement)), or `None`
 /// to leave `state` as it is: a refund moves the TAT back as [`gcra_refund`] says, for a check
-/// that ran at `at` and left the TAT at `mark`, within its run; a charge moves it on (see
+/// that ran at `at` and left the TAT at `left_tat`, within its run; a charge moves it on (see
 /// [`gcra_settle`]), in a new run if the bucket was full. The TAT is carried to `quota` first,
 /// whole. A returned TAT at or before `now` is a full bucket (no state).
 ///
@@ -257,8 +257,9 @@ mod tests {
             interval: S,
             since: 0,
         };
-        let refund = |state: &GcraState, now, at, mark| gcra_refund(&q, state, now, (at, mark), 1);
-        // The middle reservation (mark 2 s) while the last waits: dropped.
+        let refund =
+            |state: &GcraState, now, at, left_tat| gcra_refund(&q, state, now, (at, left_tat), 1);
+        // The middle reservation (TAT 2 s) while the last waits: dropped.
         assert_eq!(refund(&state, 0, 0, 2 * S), None);
         assert_eq!(refund(&state, 0, 1, 2 * S), None);
         // The last: back by one interval.
@@ -276,10 +277,10 @@ mod tests {
         // A reservation of an earlier run (a reset, a full bucket since): dropped.
         let later = GcraState { since: 5, ..state };
         assert_eq!(refund(&later, 0, 1, 3 * S), None);
-        // Without a time, only the exact mark (a lease's give-back).
+        // Without a time, only the exact TAT (a lease's give-back).
         assert_eq!(refund(&state, 2 * S, 0, 2 * S), None);
         assert_eq!(refund(&later, 0, 0, 3 * S), Some(2 * S));
-        // Under another interval, no mark is the last.
+        // Under another interval, no TAT is the last.
         let other = GcraState {
             interval: S / 2,
             ..state

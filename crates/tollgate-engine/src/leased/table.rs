@@ -19,7 +19,7 @@ use crate::verdict::{Status, Verdict};
 pub(super) const MAX_LEASED_KEYS: usize = 10_000;
 
 /// One leased limit's keys.
-type Keys = HashMap<Box<[u8]>, Entry>;
+type Keys = HashMap<Box<[u8]>, Holding>;
 
 /// Slices by limit name (a short list: few limits are leased), then by key: exact keys, so
 /// that no two keys ever share a slice.
@@ -33,7 +33,7 @@ pub(super) struct Table {
 }
 
 /// One leased key.
-pub(super) struct Entry {
+pub(super) struct Holding {
     limit: Limit,
     key: Box<[u8]>,
     pub(super) lease: Lease,
@@ -71,10 +71,7 @@ impl GiveBack {
     /// see [`Receipt`]).
     pub(super) fn settlement(&self) -> Settlement<'_> {
         let receipt = match self.limit.algorithm() {
-            Algorithm::Gcra => Receipt {
-                at: 0,
-                mark: self.only_at,
-            },
+            Algorithm::Gcra => Receipt::guarded(self.only_at),
             _ => self.receipt,
         };
         Settlement {
@@ -88,7 +85,7 @@ impl GiveBack {
     }
 }
 
-impl Entry {
+impl Holding {
     pub(super) fn new(c: &Check<'_>, lease: Lease) -> Self {
         Self {
             limit: c.limit.clone(),
@@ -161,7 +158,7 @@ impl Entry {
     pub(super) fn give_back(&self, units: u32, only_at: Micros, now: Micros) -> Option<GiveBack> {
         // A fixed window's units end with their window: nothing to give back after it.
         let counted = match self.algorithm() {
-            Algorithm::FixedWindow => now < self.receipt.mark,
+            Algorithm::FixedWindow => now < self.receipt.window_end(),
             _ => true,
         };
         (units > 0 && counted).then(|| GiveBack {
@@ -246,7 +243,7 @@ impl Table {
         lease: &Lease,
         now: Micros,
         back: &mut Vec<GiveBack>,
-    ) -> Option<&mut Entry> {
+    ) -> Option<&mut Holding> {
         let room = self.count < MAX_LEASED_KEYS;
         let at = match self.limits.iter().position(|(n, _)| **n == *c.limit.name()) {
             Some(at) => at,
@@ -262,19 +259,19 @@ impl Table {
             if !room {
                 return None;
             }
-            keys.insert(c.key.into(), Entry::new(c, *lease));
+            keys.insert(c.key.into(), Holding::new(c, *lease));
             self.count += 1;
         }
         let e = keys.get_mut(c.key)?;
         if !e.serves(c) {
             // The limit was reloaded under another quota or lease.
             back.extend(e.drain(now));
-            *e = Entry::new(c, *lease);
+            *e = Holding::new(c, *lease);
         }
         Some(e)
     }
 
-    pub(super) fn get_mut(&mut self, name: &str, key: &[u8]) -> Option<&mut Entry> {
+    pub(super) fn get_mut(&mut self, name: &str, key: &[u8]) -> Option<&mut Holding> {
         self.limits
             .iter_mut()
             .find(|(n, _)| **n == *name)?

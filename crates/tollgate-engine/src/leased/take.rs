@@ -14,7 +14,7 @@ use crate::quota::Quota;
 use crate::verdict::{Status, Verdict};
 use crate::verdicts::Verdicts;
 
-use super::table::{leasable, Entry, GiveBack};
+use super::table::{leasable, GiveBack, Holding};
 use super::{give_back, Leased, LeasedFuture, Shared, State};
 
 /// Where one check of a batch is answered.
@@ -268,7 +268,7 @@ impl<B: Backend, C: Clock> Batch<B, C> {
                     (Source::Take(units), e, Some(lease))
                         if e.as_ref().is_none_or(|e| !e.serves(&check)) =>
                     {
-                        let mut take = Entry::new(&check, *lease);
+                        let mut take = Holding::new(&check, *lease);
                         let extra = units - check.cost;
                         if admitted && verdict.is_allowed() {
                             fill(&mut take, lease, extra, at, verdict.reset);
@@ -324,7 +324,7 @@ impl<B: Backend, C: Clock> Batch<B, C> {
 /// Replaces `e`'s slice with `extra` units taken at `at` (the inner backend's time), whose
 /// answer said the quota is whole `reset` later: the earlier slice's units to give back,
 /// under that slice's own pace (the receipt is still the earlier take's).
-fn fill(e: &mut Entry, lease: &Lease, extra: u32, at: Micros, reset: Micros) -> Option<GiveBack> {
+fn fill(e: &mut Holding, lease: &Lease, extra: u32, at: Micros, reset: Micros) -> Option<GiveBack> {
     let fresh = lease.slice(e.algorithm(), &e.quota, extra, at, reset);
     let horizon = e.slice.horizon();
     let old = e.slice.refill(fresh);

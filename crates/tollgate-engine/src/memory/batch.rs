@@ -22,8 +22,8 @@ impl<C: Clock> Inner<C> {
     pub(super) fn check(&self, checks: &[Check<'_>]) -> Verdicts {
         let now = self.clock.now();
         let mask = self.shards.len() - 1;
-        let mut sweeps = Sweeps::new(self.places.shard_cap);
-        if self.places.full() {
+        let mut sweeps = Sweeps::new(self.key_cap.shard_cap);
+        if self.key_cap.full() {
             self.sweep_round(now, mask, &mut sweeps);
         }
         let mut verdicts = match checks {
@@ -37,14 +37,15 @@ impl<C: Clock> Inner<C> {
         }
         for (i, check) in checks.iter().enumerate() {
             if let Some(v) = verdicts.get(i).copied().filter(Verdict::is_allowed) {
-                let (at, mark) = match check.limit.algorithm() {
+                let receipt = match check.limit.algorithm() {
                     // The end of the window; the TAT the reservation left.
-                    Algorithm::FixedWindow | Algorithm::Gcra => (now, now + v.reset),
+                    Algorithm::FixedWindow => Receipt::window(now, now + v.reset),
+                    Algorithm::Gcra => Receipt::gcra(now, now + v.reset),
                     // The time its units were recorded at, set by the commit (`now` or later).
-                    Algorithm::SlidingLog => (verdicts.receipt(i).at.max(now), 0),
-                    Algorithm::Concurrency => (now, 0),
+                    Algorithm::SlidingLog => Receipt::new(verdicts.receipt(i).at.max(now)),
+                    Algorithm::Concurrency => Receipt::new(now),
                 };
-                verdicts.set_receipt(i, Receipt { at, mark });
+                verdicts.set_receipt(i, receipt);
             }
         }
         verdicts
@@ -103,7 +104,7 @@ impl<C> Inner<C> {
             };
             let (mut verdict, p, new) = shard.evaluate(check, &fps[i], now);
             if verdict.is_allowed() && new {
-                if shard.len() + added[at] < self.places.shard_cap && self.places.reserve() {
+                if shard.len() + added[at] < self.key_cap.shard_cap && self.key_cap.reserve() {
                     reserved[i] = true;
                     added[at] += 1;
                 } else {
@@ -121,14 +122,14 @@ impl<C> Inner<C> {
                 if let Some(shard) = guards[lock_of(i)].as_mut() {
                     let at = shard.commit(check, fps[i], pending[i], now);
                     if at != now {
-                        verdicts.set_receipt(i, Receipt { at, mark: 0 });
+                        verdicts.set_receipt(i, Receipt::new(at));
                     }
                 }
             }
         } else {
             for (i, check) in checks.iter().enumerate() {
                 if reserved[i] {
-                    self.places.free(1);
+                    self.key_cap.free(1);
                 }
                 let v = &mut verdicts.as_mut_slice()[i];
                 *v = algorithm::unconsumed(check.limit.algorithm(), &check.quota, *v, check.cost);
@@ -200,7 +201,7 @@ impl<C> Inner<C> {
         match (record, next) {
             (Some(record), Some(next)) => *record = S::new(next),
             (None, Some(next)) => {
-                if room && self.places.reserve() {
+                if room && self.key_cap.reserve() {
                     map.insert(fp, S::new(next));
                 } else {
                     verdict.status = self.at_capacity();
@@ -235,7 +236,7 @@ impl<C> Inner<C> {
         let mut verdicts = Verdicts::new();
         let _ = verdicts.push(verdict);
         if at != now {
-            verdicts.set_receipt(0, Receipt { at, mark: 0 });
+            verdicts.set_receipt(0, Receipt::new(at));
         }
         verdicts
     }
@@ -257,7 +258,7 @@ impl<C> Inner<C> {
         if let Some(refused) = shard.standing(&fp, now) {
             return (refused, now);
         }
-        let room = shard.len() < self.places.shard_cap;
+        let room = shard.len() < self.key_cap.shard_cap;
         let mut at = now;
         // GCRA and fixed window read and write a tracked key's state through one lookup.
         let mut verdict = match check.limit.algorithm() {
@@ -277,7 +278,7 @@ impl<C> Inner<C> {
             }),
             Algorithm::SlidingLog | Algorithm::Concurrency => {
                 let (mut verdict, pending, new) = shard.evaluate(check, &fp, now);
-                if verdict.is_allowed() && new && !(room && self.places.reserve()) {
+                if verdict.is_allowed() && new && !(room && self.key_cap.reserve()) {
                     verdict.status = self.at_capacity();
                 }
                 if verdict.is_allowed() {

@@ -6,7 +6,7 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use crate::clock::{micros, Clock};
-use crate::memory::inner::{Inner, Places, Sweeping};
+use crate::memory::inner::{Inner, KeyCap, Sweeping};
 use crate::memory::MemoryBackend;
 use crate::sip::Sip13;
 use crate::system_clock::SystemClock;
@@ -103,7 +103,7 @@ impl<C: Clock> MemoryBackendBuilder<C> {
                 shards: (0..shards).map(|_| RwLock::default()).collect(),
                 clock: self.clock,
                 reports: Board::default(),
-                places: Places {
+                key_cap: KeyCap {
                     max_keys: self.max_keys,
                     shard_cap,
                     tracked: AtomicUsize::new(0),

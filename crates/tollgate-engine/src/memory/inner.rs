@@ -1,5 +1,5 @@
 //! What every clone of a memory backend shares: the shards, the cap on tracked keys, and the
-//! sweeping that gives expired keys' places back.
+//! sweeping that gives expired keys' room under the cap back.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{PoisonError, RwLock, RwLockWriteGuard};
@@ -23,21 +23,21 @@ pub(super) struct Inner<C> {
     pub(super) reports: Board,
     /// The secret key of the fingerprints.
     pub(super) seed: Sip13,
-    pub(super) places: Places,
+    pub(super) key_cap: KeyCap,
     pub(super) sweeping: Sweeping,
 }
 
-/// The places for tracked keys: the cap over all shards, the cap of one shard, and how many
+/// The cap on tracked keys: the cap over all shards, the cap of one shard, and how many
 /// are taken.
-pub(super) struct Places {
+pub(super) struct KeyCap {
     pub(super) max_keys: usize,
     /// The most entries a shard holds, and the most one call sweeps.
     pub(super) shard_cap: usize,
     pub(super) tracked: AtomicUsize,
 }
 
-impl Places {
-    /// Takes one of the `max_keys` places, if one is free.
+impl KeyCap {
+    /// Takes room for one key under `max_keys`, if one is free.
     #[inline]
     pub(super) fn reserve(&self) -> bool {
         self.tracked
@@ -47,13 +47,13 @@ impl Places {
             .is_ok()
     }
 
-    /// Gives back `n` places.
+    /// Gives back room for `n` keys.
     #[inline]
     pub(super) fn free(&self, n: usize) {
         self.tracked.fetch_sub(n, Ordering::Relaxed);
     }
 
-    /// How many places are taken.
+    /// How many keys hold room.
     #[inline]
     pub(super) fn tracked(&self) -> usize {
         self.tracked.load(Ordering::Relaxed)
@@ -80,7 +80,7 @@ pub(super) struct Sweeping {
 }
 
 /// What one call has swept so far: it sweeps a shard only while the total stays within
-/// [`Places::shard_cap`] entries.
+/// [`KeyCap::shard_cap`] entries.
 pub(super) struct Sweeps {
     pub(super) swept: usize,
     pub(super) cap: usize,
@@ -131,7 +131,7 @@ impl<C> Inner<C> {
         *shard.next_sweep.get_mut() = now.saturating_add(self.sweeping.interval);
         sweeps.swept += entries;
         let freed = shard.sweep(now);
-        self.places.free(freed);
+        self.key_cap.free(freed);
         true
     }
 
@@ -159,7 +159,7 @@ impl<C> Inner<C> {
         (fp, shard)
     }
 
-    /// At the cap, expired keys in shards nobody touches would hold places forever: each call
+    /// At the cap, expired keys in shards nobody touches would hold room forever: each call
     /// at the cap takes the next few shards of a round through all of them, sweeping those whose
     /// sweep is due within the call's budget, one lock at a time. A round starts at most once
     /// per sweep interval.

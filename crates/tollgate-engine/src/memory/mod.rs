@@ -20,7 +20,7 @@
 //! reclaimed by the requests themselves: a shard touched after its sweep interval first drops
 //! its expired entries, so no background thread is needed and the cost is amortised. At the
 //! cap, the requests also walk the shards in turn, once per sweep interval, so that expired
-//! keys in shards nobody touches give their places back.
+//! keys in shards nobody touches give their room back.
 //!
 //! No check does more than a bounded amount of this work, however many keys are tracked. A
 //! full backend holds about 4,096 keys per shard (it gets more shards when its cap
@@ -105,8 +105,8 @@ impl<C: Clock> MemoryBackend<C> {
     /// How many keys are tracked, and the cap.
     pub fn stats(&self) -> MemoryStats {
         MemoryStats {
-            tracked_keys: self.inner.places.tracked(),
-            max_keys: self.inner.places.max_keys,
+            tracked_keys: self.inner.key_cap.tracked(),
+            max_keys: self.inner.key_cap.max_keys,
         }
     }
 
@@ -141,7 +141,7 @@ impl<C: Clock> MemoryBackend<C> {
             Algorithm::Concurrency => return Err(unsupported("memory", "reset")),
         };
         if removed {
-            inner.places.free(1);
+            inner.key_cap.free(1);
         }
         Ok(())
     }
@@ -180,7 +180,7 @@ impl<C: Clock> MemoryBackend<C> {
                 let left = held.get().saturating_sub(check.cost);
                 if left == 0 {
                     held.remove();
-                    inner.places.free(1);
+                    inner.key_cap.free(1);
                 } else {
                     *held.get_mut() = left;
                 }

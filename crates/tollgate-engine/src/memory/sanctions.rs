@@ -30,11 +30,11 @@ impl<C> Inner<C> {
         if !check.enforce || !matches!(verdict.status, Status::Denied { .. }) {
             return;
         }
-        let room = shard.len() < self.places.shard_cap;
+        let room = shard.len() < self.key_cap.shard_cap;
         let record = match shard.sanctions.entry(fp) {
             Entry::Occupied(e) => e.into_mut(),
             Entry::Vacant(e) => {
-                if !(room && self.places.reserve()) {
+                if !(room && self.key_cap.reserve()) {
                     return;
                 }
                 e.insert(Sanction::default())
@@ -59,20 +59,20 @@ impl<C: Clock> Inner<C> {
     ) -> bool {
         let now = self.clock.now();
         let (fp, mut shard) = self.key_shard(check);
-        let room = shard.len() < self.places.shard_cap;
+        let room = shard.len() < self.key_cap.shard_cap;
         match shard.sanctions.entry(fp) {
             Entry::Occupied(mut e) => {
                 f(e.get_mut(), now);
                 if !e.get().live(now) {
                     e.remove();
-                    self.places.free(1);
+                    self.key_cap.free(1);
                 }
             }
             Entry::Vacant(e) => {
                 if !create {
                     return true;
                 }
-                if !(room && self.places.reserve()) {
+                if !(room && self.key_cap.reserve()) {
                     return false;
                 }
                 let mut record = Sanction::default();
@@ -80,7 +80,7 @@ impl<C: Clock> Inner<C> {
                 if record.live(now) {
                     e.insert(record);
                 } else {
-                    self.places.free(1);
+                    self.key_cap.free(1);
                 }
             }
         }
@@ -103,7 +103,7 @@ impl<C: Clock> Inner<C> {
             .saturating_add(micros)
             .saturating_add(interval.saturating_mul(u64::from(quota.burst().saturating_sub(1))));
         let (fp, mut shard) = self.key_shard(check);
-        let room = shard.len() < self.places.shard_cap;
+        let room = shard.len() < self.key_cap.shard_cap;
         let state = shard
             .gcra
             .get_mut(&fp)
@@ -112,7 +112,7 @@ impl<C: Clock> Inner<C> {
         if tat.is_some_and(|t| t >= target) {
             return;
         }
-        if tat.is_none() && !(room && self.places.reserve()) {
+        if tat.is_none() && !(room && self.key_cap.reserve()) {
             return;
         }
         let next = crate::algorithm::GcraState::moved(state, target, interval, now);

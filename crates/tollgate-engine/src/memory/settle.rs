@@ -17,7 +17,7 @@ impl<C: Clock> Inner<C> {
     pub(super) fn settle(&self, settlements: &[Settlement<'_>]) {
         let now = self.clock.now();
         let mask = self.shards.len() - 1;
-        let mut sweeps = Sweeps::new(self.places.shard_cap);
+        let mut sweeps = Sweeps::new(self.key_cap.shard_cap);
         for s in settlements {
             if s.actual == s.reserved {
                 continue;
@@ -26,7 +26,7 @@ impl<C: Clock> Inner<C> {
             let fp = self.fingerprint(&Check::new(s.limit, s.key).with_quota(s.quota));
             let mut guard = self.lock(fp.shard(mask), now, &mut sweeps);
             let shard = &mut *guard;
-            let room = shard.len() < self.places.shard_cap;
+            let room = shard.len() < self.key_cap.shard_cap;
             // The quota the check was made under (its plan's), never the limit's default.
             let quota = &s.quota;
             match s.limit.algorithm() {
@@ -37,30 +37,33 @@ impl<C: Clock> Inner<C> {
                     // A refund applies only within its check's run and when it frees the last
                     // reservation or nobody waits (algorithm::gcra_refund); the TAT is carried
                     // first if another quota wrote it.
-                    let receipt = (s.receipt.at, s.receipt.mark);
+                    let receipt = (s.receipt.at, s.receipt.tat());
                     let (reserved, actual) = (s.reserved, s.actual);
                     match algorithm::gcra_settled(quota, stored, now, receipt, reserved, actual) {
                         Some(t) if t.tat <= now && shard.gcra.remove(&fp).is_some() => {
-                            self.places.free(1);
+                            self.key_cap.free(1);
                         }
                         Some(t) if t.tat <= now => {}
-                        Some(t) if stored.is_some() || (room && self.places.reserve()) => {
+                        Some(t) if stored.is_some() || (room && self.key_cap.reserve()) => {
                             store(&mut shard.gcra, fp, t);
                         }
                         _ => {}
                     }
                 }
                 Algorithm::FixedWindow => {
-                    if s.receipt.mark <= now {
+                    if s.receipt.window_end() <= now {
                         continue;
                     }
                     let state = shard.windows.get(&fp).copied();
                     let most = s.reserved.saturating_add(quota.limit().saturating_mul(2));
                     let actual = s.actual.min(most);
-                    if let Some(next) =
-                        algorithm::fixed_window_settle(state, s.receipt.mark, s.reserved, actual)
-                    {
-                        if state.is_some() || (room && self.places.reserve()) {
+                    if let Some(next) = algorithm::fixed_window_settle(
+                        state,
+                        s.receipt.window_end(),
+                        s.reserved,
+                        actual,
+                    ) {
+                        if state.is_some() || (room && self.key_cap.reserve()) {
                             store(&mut shard.windows, fp, next);
                         }
                     }
@@ -84,7 +87,7 @@ impl<C: Clock> Inner<C> {
                         let log = match shard.logs.entry(fp) {
                             Entry::Occupied(e) => e.into_mut(),
                             Entry::Vacant(e) => {
-                                if !(room && self.places.reserve()) {
+                                if !(room && self.key_cap.reserve()) {
                                     continue;
                                 }
                                 // Kept as a check's entries are (`Shard::commit`).

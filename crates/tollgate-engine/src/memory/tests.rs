@@ -203,7 +203,7 @@ fn no_call_sweeps_more_than_a_shards_worth_and_expired_keys_make_room() {
         .clock(clock.clone())
         .build();
     assert_eq!(b.inner.shards.len(), 16);
-    assert_eq!(b.inner.places.shard_cap, 8_192);
+    assert_eq!(b.inner.key_cap.shard_cap, 8_192);
     // A key's state lasts one second.
     let l = Limit::gcra("l", Quota::per_second(1).unwrap()).unwrap();
     let check = |i: u32| b.check_now(&[Check::new(&l, &i.to_le_bytes())]).unwrap()[0];
@@ -217,7 +217,7 @@ fn no_call_sweeps_more_than_a_shards_worth_and_expired_keys_make_room() {
         }
     );
     assert_eq!(b.stats().tracked_keys, 50_000);
-    // Every key has expired: the next ones take their places, and no call sweeps the whole
+    // Every key has expired: the next ones take their room, and no call sweeps the whole
     // backend to make room.
     clock.advance(Duration::from_secs(2));
     for i in 100_000..110_000 {
@@ -232,12 +232,12 @@ fn no_call_sweeps_more_than_a_shards_worth_and_expired_keys_make_room() {
 fn the_shard_count_follows_the_cap() {
     let b = MemoryBackend::builder().max_keys(100_000).shards(1).build();
     assert_eq!(b.inner.shards.len(), 32);
-    assert_eq!(b.inner.places.shard_cap, 8_192);
+    assert_eq!(b.inner.key_cap.shard_cap, 8_192);
     let b = MemoryBackend::builder().max_keys(1 << 20).build();
     assert_eq!(b.inner.shards.len(), 256);
     let b = MemoryBackend::builder().max_keys(1 << 30).build();
     assert_eq!(b.inner.shards.len(), 1 << 16);
-    assert_eq!(b.inner.places.shard_cap, 32_768);
+    assert_eq!(b.inner.key_cap.shard_cap, 32_768);
 }
 
 #[test]
@@ -247,7 +247,7 @@ fn a_full_shard_refuses_new_keys_as_the_cap_does() {
         .shards(1)
         .clock(FakeClock::new(1_000_000_000))
         .build();
-    Arc::get_mut(&mut b1.inner).unwrap().places.shard_cap = 2;
+    Arc::get_mut(&mut b1.inner).unwrap().key_cap.shard_cap = 2;
     let l = Limit::gcra("l", Quota::per_minute(5).unwrap()).unwrap();
     let w = Limit::fixed_window("w", Quota::per_minute(5).unwrap()).unwrap();
     assert!(b1.check_now(&[Check::new(&l, b"a")]).unwrap()[0].is_allowed());

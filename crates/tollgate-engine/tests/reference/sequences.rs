@@ -262,7 +262,14 @@ fn windows_with_settles(
             if sliding {
                 log.settle(q.limit(), period, now, receipt.at, reserved, actual);
             } else {
-                windows.settle(q.limit(), period, now, receipt.mark, reserved, actual);
+                windows.settle(
+                    q.limit(),
+                    period,
+                    now,
+                    receipt.window_end(),
+                    reserved,
+                    actual,
+                );
             }
             continue;
         };

@@ -133,7 +133,7 @@ pub(crate) struct EncodedCheck {
     /// A concurrency refusal's `Retry-After`, in microseconds.
     pub(crate) busy_retry_after: Micros,
     /// Whether it is this check's turn to ask Redis about a key whose cached denial ran out
-    /// (see `DenyCache::lookup`).
+    /// (see `RefusedKeys::lookup`).
     pub(crate) asks: bool,
     /// Whether `cost` is a quota lease's slice (the request's cost and more,
     /// [`Check::slice_of`]): its answer says nothing of the request's own cost to the deny

@@ -44,8 +44,8 @@ pub(crate) struct Settling {
 
 impl Settling {
     /// `s` encoded. A GCRA refund applies within its check's run, when the key's TAT is still
-    /// the receipt's mark or nobody waits; one whose receipt has no time only while the TAT is
-    /// exactly the mark (a lease's give-back, see [`Receipt`](tollgate_engine::Receipt)).
+    /// the receipt's TAT or nobody waits; one whose receipt has no time only while the TAT is
+    /// exactly the receipt's TAT (a lease's give-back, see [`Receipt`](tollgate_engine::Receipt)).
     pub(crate) fn new(s: &Settlement<'_>, keyer: &Keyer) -> Result<Option<Self>, BackendError> {
         // A concurrency slot is one request: nothing to settle.
         if s.actual == s.reserved || s.limit.algorithm() == Algorithm::Concurrency {
@@ -78,20 +78,20 @@ impl Settling {
                         charge.min(most),
                         interval,
                         span,
-                        s.receipt.mark,
+                        s.receipt.tat(),
                         s.receipt.at,
                     ],
                 )
             }
             Algorithm::FixedWindow => {
                 let period = quota.period_micros();
-                let Some(index) = (s.receipt.mark / period).checked_sub(1) else {
+                let Some(index) = (s.receipt.window_end() / period).checked_sub(1) else {
                     return Ok(None);
                 };
                 let most = u64::from(quota.limit()).saturating_mul(2);
                 (
                     [Some(Suffix::Window(index)), None],
-                    [2, refund, charge.min(most), s.receipt.mark, 0, 0, 0],
+                    [2, refund, charge.min(most), s.receipt.window_end(), 0, 0, 0],
                 )
             }
             _ => {
@@ -110,7 +110,7 @@ impl Settling {
                         refund.min(u64::from(s.reserved)),
                         charge.min(2 * limit),
                         stamp_or_keep,
-                        s.receipt.mark,
+                        s.receipt.last_seq(),
                         quota.period_micros(),
                         2 * limit,
                     ],

@@ -42,8 +42,9 @@ pub(crate) type Delivery = Result<(Vec<EncodedCheck>, Reply), BackendError>;
 /// or `None` if the call did not run for a hash slot that moved (see `nodes::slot_moved`).
 pub(crate) type NodeDelivery = Result<(Vec<EncodedCheck>, Option<Reply>), BackendError>;
 
-/// One request's batch, waiting for a call.
-pub(crate) struct Waiter<D = Delivery> {
+/// One request's batch, riding the next merged call (a *rider*: the delay's waiters are the
+/// layer's).
+pub(crate) struct Rider<D = Delivery> {
     pub(crate) batch: Vec<EncodedCheck>,
     pub(crate) reply: oneshot::Sender<D>,
     /// When the request's answer is due, a timeout if need be.
@@ -59,7 +60,7 @@ pub(crate) struct Coalescer {
 
 #[derive(Default)]
 struct Queue {
-    waiting: VecDeque<Waiter>,
+    waiting: VecDeque<Rider>,
     callers: usize,
 }
 
@@ -79,12 +80,12 @@ impl Coalescer {
     }
 
     /// Queues a batch.
-    pub(crate) fn push(&self, waiter: Waiter) -> Push {
+    pub(crate) fn push(&self, rider: Rider) -> Push {
         let mut q = self.lock();
         if q.waiting.len() >= MAX_WAITING {
             return Push::Full;
         }
-        q.waiting.push_back(waiter);
+        q.waiting.push_back(rider);
         if q.callers < MAX_CALLERS {
             q.callers += 1;
             Push::StartCaller
@@ -124,7 +125,7 @@ impl Coalescer {
 /// The requests waiting for merged calls: on a standalone server in one queue, in a cluster
 /// in one per node (or per hash slot, where a node's call cannot be made).
 #[derive(Default)]
-pub(crate) struct Queues {
+pub(crate) struct Coalescers {
     pub(crate) all: Coalescer,
     pub(crate) by_hash_slot: KeyedCoalescer,
     /// A cluster's calls per node, in the cross-slot form.
@@ -133,7 +134,7 @@ pub(crate) struct Queues {
 
 /// The batches for the next call from `waiting`, oldest first, skipping those whose caller
 /// gave up and setting apart those whose deadline is not after `now`.
-fn take<D>(waiting: &mut VecDeque<Waiter<D>>, now: Instant) -> Call<D> {
+fn take<D>(waiting: &mut VecDeque<Rider<D>>, now: Instant) -> Call<D> {
     let mut call = Call {
         send: Vec::with_capacity(waiting.len().min(MAX_REQUESTS_PER_CALL)),
         late: Vec::new(),
@@ -181,7 +182,7 @@ struct HashSlots<D> {
 }
 
 struct HashSlotQueue<D> {
-    waiting: VecDeque<Waiter<D>>,
+    waiting: VecDeque<Rider<D>>,
     /// Whether a task sends this hash slot's calls.
     sending: bool,
 }
@@ -192,7 +193,7 @@ impl<D> KeyedCoalescer<D> {
     }
 
     /// Queues a batch whose keys are all in `hash_slot`.
-    pub(crate) fn push(&self, hash_slot: u16, waiter: Waiter<D>) -> Push {
+    pub(crate) fn push(&self, hash_slot: u16, rider: Rider<D>) -> Push {
         let mut s = self.lock();
         if s.waiting >= MAX_WAITING {
             return Push::Full;
@@ -202,7 +203,7 @@ impl<D> KeyedCoalescer<D> {
             waiting: VecDeque::new(),
             sending: false,
         });
-        q.waiting.push_back(waiter);
+        q.waiting.push_back(rider);
         if q.sending {
             Push::Waits
         } else {
@@ -266,10 +267,10 @@ impl<D> KeyedCoalescer<D> {
 /// What a calling task takes from the queue at once.
 pub(crate) struct Call<D = Delivery> {
     /// The batches to send in one call.
-    pub(crate) send: Vec<Waiter<D>>,
+    pub(crate) send: Vec<Rider<D>>,
     /// Requests whose deadline passed while they waited: to be answered with a timeout, and
     /// not sent, so that they consume nothing.
-    pub(crate) late: Vec<Waiter<D>>,
+    pub(crate) late: Vec<Rider<D>>,
 }
 
 impl<D> Call<D> {
@@ -332,10 +333,10 @@ impl<D> Drop for KeyedCaller<'_, D> {
 mod tests {
     use super::*;
 
-    fn waiter_until(deadline: Instant) -> (Waiter, oneshot::Receiver<Delivery>) {
+    fn rider_until(deadline: Instant) -> (Rider, oneshot::Receiver<Delivery>) {
         let (reply, rx) = oneshot::channel();
         (
-            Waiter {
+            Rider {
                 batch: Vec::new(),
                 reply,
                 deadline,
@@ -345,8 +346,8 @@ mod tests {
         )
     }
 
-    fn waiter() -> (Waiter, oneshot::Receiver<Delivery>) {
-        waiter_until(Instant::now() + std::time::Duration::from_secs(3_600))
+    fn rider() -> (Rider, oneshot::Receiver<Delivery>) {
+        rider_until(Instant::now() + std::time::Duration::from_secs(3_600))
     }
 
     fn sent(call: Option<Call>) -> Option<usize> {
@@ -359,7 +360,7 @@ mod tests {
         let mut receivers = Vec::new();
         let mut started = 0;
         for _ in 0..100 {
-            let (w, rx) = waiter();
+            let (w, rx) = rider();
             receivers.push(rx);
             if matches!(c.push(w), Push::StartCaller) {
                 started += 1;
@@ -375,23 +376,23 @@ mod tests {
         assert!(caller.next_call(now).is_none());
         drop(caller);
         // The caller stopped: the next batch starts one again, and only one.
-        let (w, _rx) = waiter();
+        let (w, _rx) = rider();
         assert!(matches!(c.push(w), Push::StartCaller));
-        let (w, _rx) = waiter();
+        let (w, _rx) = rider();
         assert!(matches!(c.push(w), Push::Waits));
     }
 
     #[test]
     fn a_caller_dropped_midway_is_counted_out() {
         let c = Coalescer::default();
-        let (w, _rx) = waiter();
+        let (w, _rx) = rider();
         assert!(matches!(c.push(w), Push::StartCaller));
-        let (w, _rx2) = waiter();
+        let (w, _rx2) = rider();
         assert!(matches!(c.push(w), Push::Waits));
         let mut caller = c.caller();
         assert!(caller.next_call(Instant::now()).is_some());
         drop(caller); // its task was dropped with a call in flight
-        let (w, _rx3) = waiter();
+        let (w, _rx3) = rider();
         assert!(matches!(c.push(w), Push::StartCaller));
     }
 
@@ -402,13 +403,13 @@ mod tests {
         let now = Instant::now() + second;
         let mut receivers = Vec::new();
         for deadline in [now, now + second, now - second, now + second] {
-            let (w, rx) = waiter_until(deadline);
+            let (w, rx) = rider_until(deadline);
             receivers.push(rx);
             c.push(w);
         }
         let mut caller = c.caller();
         let call = caller.next_call(now).unwrap();
-        let deadlines = |ws: &[Waiter]| ws.iter().map(|w| w.deadline).collect::<Vec<_>>();
+        let deadlines = |ws: &[Rider]| ws.iter().map(|w| w.deadline).collect::<Vec<_>>();
         assert_eq!(deadlines(&call.send), [now + second, now + second]);
         assert_eq!(deadlines(&call.late), [now, now - second]);
         assert!(caller.next_call(now).is_none());
@@ -420,7 +421,7 @@ mod tests {
         let mut receivers = Vec::new();
         let mut started = Vec::new();
         for i in 0..100u16 {
-            let (w, rx) = waiter();
+            let (w, rx) = rider();
             receivers.push(rx);
             let hash_slot = i % 2 * 7;
             if matches!(c.push(hash_slot, w), Push::StartCaller) {
@@ -435,9 +436,9 @@ mod tests {
         drop(zero);
         // Hash slot 0 is idle again, hash slot 7 still has its caller and waiting batches.
         assert_eq!(c.busy_hash_slots(), 1);
-        let (w, _rx) = waiter();
+        let (w, _rx) = rider();
         assert!(matches!(c.push(0, w), Push::StartCaller));
-        let (w, _rx) = waiter();
+        let (w, _rx) = rider();
         assert!(matches!(c.push(7, w), Push::Waits));
         let mut seven = c.caller(7);
         assert_eq!(sent(seven.next_call(now)), Some(51));
@@ -448,14 +449,14 @@ mod tests {
     #[test]
     fn a_hash_slot_caller_dropped_midway_lets_the_next_batch_start_one() {
         let c = KeyedCoalescer::default();
-        let (w, _rx) = waiter();
+        let (w, _rx) = rider();
         assert!(matches!(c.push(3, w), Push::StartCaller));
         let mut caller = c.caller(3);
         assert!(caller.next_call(Instant::now()).is_some());
-        let (w, _rx2) = waiter();
+        let (w, _rx2) = rider();
         assert!(matches!(c.push(3, w), Push::Waits));
         drop(caller); // its task was dropped with a call in flight
-        let (w, _rx3) = waiter();
+        let (w, _rx3) = rider();
         assert!(matches!(c.push(3, w), Push::StartCaller));
         // The batch that waited behind the dropped caller is still there for the new one.
         let mut caller = c.caller(3);
@@ -467,16 +468,16 @@ mod tests {
         let c = KeyedCoalescer::default();
         let mut receivers = Vec::new();
         for i in 0..MAX_WAITING {
-            let (w, rx) = waiter();
+            let (w, rx) = rider();
             receivers.push(rx);
             assert!(!matches!(c.push((i % 16_384) as u16, w), Push::Full));
         }
-        let (w, _rx) = waiter();
+        let (w, _rx) = rider();
         assert!(matches!(c.push(16_000, w), Push::Full));
         // Sent batches free their places.
         let mut caller = c.caller(0);
         assert!(caller.next_call(Instant::now()).is_some());
-        let (w, _rx) = waiter();
+        let (w, _rx) = rider();
         assert!(!matches!(c.push(16_000, w), Push::Full));
     }
 
@@ -485,11 +486,11 @@ mod tests {
         let c = Coalescer::default();
         let mut receivers = Vec::new();
         for _ in 0..MAX_WAITING {
-            let (w, rx) = waiter();
+            let (w, rx) = rider();
             receivers.push(rx);
             assert!(!matches!(c.push(w), Push::Full));
         }
-        let (w, _rx) = waiter();
+        let (w, _rx) = rider();
         assert!(matches!(c.push(w), Push::Full));
     }
 }

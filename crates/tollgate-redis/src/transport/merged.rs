@@ -18,7 +18,7 @@ use crate::scripts::check::{EncodedCheck, Form};
 use crate::scripts::reply::Reply;
 use crate::transport::breaker::Permit;
 use crate::transport::coalesce::{
-    Call, Delivery, KeyedCoalescer, NodeDelivery, Push, Queues, Waiter,
+    Call, Coalescers, Delivery, KeyedCoalescer, NodeDelivery, Push, Rider,
 };
 use crate::transport::{nodes, CheckError, Transport};
 
@@ -66,13 +66,13 @@ impl Merged {
                         unreachable!("matched above");
                     };
                     let (reply, answer) = oneshot::channel();
-                    let waiter = Waiter {
+                    let rider = Rider {
                         batch,
                         reply,
                         deadline: self.deadline,
                         permit,
                     };
-                    match transport.queues().all.push(waiter) {
+                    match transport.coalescers().all.push(rider) {
                         Push::Waits => {}
                         Push::StartCaller => {
                             let task = Unstarted(Some(Arc::clone(transport)));
@@ -98,7 +98,7 @@ impl Merged {
                 Step::Done => {
                     return Poll::Ready(Err(BackendError::new(
                         BackendErrorKind::Protocol,
-                        "ResponseFuture polled after completion",
+                        "CheckFuture polled after completion",
                     )))
                 }
             }
@@ -116,9 +116,9 @@ impl Merged {
 /// call is answered a timeout alone, then. Each call is reported to the breaker once, as a probe
 /// if any of its requests holds the probe's permit.
 async fn send_merged(transport: Arc<Transport>) {
-    let mut caller = transport.queues().all.caller();
+    let mut caller = transport.coalescers().all.caller();
     loop {
-        gather(|| transport.queues().all.waiting()).await;
+        gather(|| transport.coalescers().all.waiting()).await;
         let Some(call) = caller.next_call(Instant::now()) else {
             break;
         };
@@ -167,20 +167,20 @@ pub(crate) fn queue_in_hash_slot(
 }
 
 /// The queues of hash slots' calls.
-fn by_hash_slot(queues: &Queues) -> &KeyedCoalescer {
-    &queues.by_hash_slot
+fn by_hash_slot(coalescers: &Coalescers) -> &KeyedCoalescer {
+    &coalescers.by_hash_slot
 }
 
 /// The queues of nodes' calls.
-fn by_node(queues: &Queues) -> &KeyedCoalescer<NodeDelivery> {
-    &queues.by_node
+fn by_node(coalescers: &Coalescers) -> &KeyedCoalescer<NodeDelivery> {
+    &coalescers.by_node
 }
 
 /// Queues `batch` in the keyed queue that `queue` picks, under `key`, starting `send` for that
 /// key if no task sends its calls; and returns the wait for the answer.
 fn queue_keyed<T: Send + 'static, F>(
     transport: &Arc<Transport>,
-    queue: fn(&Queues) -> &KeyedCoalescer<Result<T, BackendError>>,
+    queue: fn(&Coalescers) -> &KeyedCoalescer<Result<T, BackendError>>,
     send: fn(Arc<Transport>, u16) -> F,
     key: u16,
     batch: Vec<EncodedCheck>,
@@ -191,13 +191,13 @@ where
     F: Future<Output = ()> + Send + 'static,
 {
     let (reply, answer) = oneshot::channel();
-    let waiter = Waiter {
+    let rider = Rider {
         batch,
         reply,
         deadline,
         permit,
     };
-    let queued = match queue(transport.queues()).push(key, waiter) {
+    let queued = match queue(transport.coalescers()).push(key, rider) {
         Push::Waits => Ok(()),
         Push::StartCaller => {
             let task = UnstartedKeyed {
@@ -228,9 +228,9 @@ where
 /// slots bound for one node share its connection: those sent while the connection writes go
 /// out in one write, and their answers come back in one read.
 async fn send_hash_slot_merged(transport: Arc<Transport>, hash_slot: u16) {
-    let mut caller = transport.queues().by_hash_slot.caller(hash_slot);
+    let mut caller = transport.coalescers().by_hash_slot.caller(hash_slot);
     loop {
-        gather(|| transport.queues().by_hash_slot.waiting(hash_slot)).await;
+        gather(|| transport.coalescers().by_hash_slot.waiting(hash_slot)).await;
         let Some(call) = caller.next_call(Instant::now()) else {
             break;
         };
@@ -262,9 +262,9 @@ pub(crate) fn queue_on_node(
 /// Sends what waits for `node`, one merged call after the other, on the node's own
 /// connection, until nothing does; as [`send_merged`].
 async fn send_node_merged(transport: Arc<Transport>, node: u16) {
-    let mut caller = transport.queues().by_node.caller(node);
+    let mut caller = transport.coalescers().by_node.caller(node);
     loop {
-        gather(|| transport.queues().by_node.waiting(node)).await;
+        gather(|| transport.coalescers().by_node.waiting(node)).await;
         let Some(call) = caller.next_call(Instant::now()) else {
             break;
         };
@@ -335,19 +335,19 @@ struct Carried<D> {
 }
 
 impl<D> Carried<D> {
-    /// The call of `waiters`; `None` for none.
-    fn of(waiters: Vec<Waiter<Result<D, BackendError>>>) -> Option<Self> {
-        if waiters.is_empty() {
+    /// The call of `riders`; `None` for none.
+    fn of(riders: Vec<Rider<Result<D, BackendError>>>) -> Option<Self> {
+        if riders.is_empty() {
             return None;
         }
-        let permit = Permit::any(waiters.iter().map(|w| w.permit));
+        let permit = Permit::any(riders.iter().map(|w| w.permit));
         let mut call = Self {
-            batches: Vec::with_capacity(waiters.len()),
-            replies: Vec::with_capacity(waiters.len()),
-            deadlines: Vec::with_capacity(waiters.len()),
+            batches: Vec::with_capacity(riders.len()),
+            replies: Vec::with_capacity(riders.len()),
+            deadlines: Vec::with_capacity(riders.len()),
             permit,
         };
-        for w in waiters {
+        for w in riders {
             call.batches.push(w.batch);
             call.replies.push(Some(w.reply));
             call.deadlines.push(w.deadline);
@@ -413,7 +413,7 @@ async fn until_each<T, D>(
 
 /// Answers the requests whose deadline passed while they waited for a call: `Overloaded`, a
 /// process that could not send its checks in time, which says nothing of Redis.
-fn answer_late<T>(transport: &Transport, late: Vec<Waiter<Result<T, BackendError>>>) {
+fn answer_late<T>(transport: &Transport, late: Vec<Rider<Result<T, BackendError>>>) {
     for late in late {
         let _ = late.reply.send(Err(overloaded(format!(
             "the rate-limit check waited {:?} for a call to Redis, and was not sent",
@@ -474,7 +474,7 @@ impl Drop for Unstarted {
     fn drop(&mut self) {
         if let Some(transport) = self.0.take() {
             // A caller dropped before it is told to stop counts itself out.
-            drop(transport.queues().all.caller());
+            drop(transport.coalescers().all.caller());
         }
     }
 }
@@ -482,7 +482,7 @@ impl Drop for Unstarted {
 /// As [`Unstarted`], for the task of one key (a hash slot or a node) of a keyed queue.
 struct UnstartedKeyed<D: 'static> {
     transport: Option<Arc<Transport>>,
-    queue: fn(&Queues) -> &KeyedCoalescer<D>,
+    queue: fn(&Coalescers) -> &KeyedCoalescer<D>,
     key: u16,
 }
 
@@ -498,7 +498,7 @@ impl<D> UnstartedKeyed<D> {
 impl<D> Drop for UnstartedKeyed<D> {
     fn drop(&mut self) {
         if let Some(transport) = self.transport.take() {
-            drop((self.queue)(transport.queues()).caller(self.key));
+            drop((self.queue)(transport.coalescers()).caller(self.key));
         }
     }
 }

@@ -35,7 +35,7 @@ use args::Args;
 use breaker::{Breaker, BreakerConfig, CircuitState, Permit};
 pub(crate) use check_error::CheckError;
 use clock::ServerClock;
-use coalesce::Queues;
+use coalesce::Coalescers;
 use conn::{Connector, Target};
 use direct::Direct;
 use nodes::{Nodes, Route};
@@ -73,7 +73,7 @@ pub(crate) struct Transport {
     /// Whether calls that fit it use the lean `CHECK` script.
     lean: bool,
     /// The requests waiting for a merged `CHECK` call.
-    queues: Queues,
+    coalescers: Coalescers,
     clock: ServerClock,
     /// Registered on the first call, like the layer's, so that a recorder installed after the
     /// backend was built still receives them; after that a call only updates them.
@@ -108,7 +108,7 @@ impl Transport {
             nodes,
             breaker: Breaker::new(config.breaker),
             lean: config.lean,
-            queues: Queues::default(),
+            coalescers: Coalescers::default(),
             clock: ServerClock::default(),
             metrics: OnceLock::new(),
         }
@@ -167,8 +167,8 @@ impl Transport {
     }
 
     /// The merged-call queues.
-    pub(crate) fn queues(&self) -> &Queues {
-        &self.queues
+    pub(crate) fn coalescers(&self) -> &Coalescers {
+        &self.coalescers
     }
 
     /// The client's estimate of the server's `TIME` (see [`ServerClock`]).

@@ -16,7 +16,7 @@ use super::queue::Queueing;
 use super::settle::{Item, Reservation};
 use super::slots::Taken;
 use super::state::Shared;
-use super::wait::Places;
+use super::wait::WaitSeats;
 use crate::cost::OnDrop;
 use crate::decision::{Decision, DenyReason, Outcome, SkipReason, Source};
 use crate::key::Key;
@@ -42,8 +42,8 @@ pub(crate) enum Decided {
 pub(crate) struct Wait {
     /// How long it waits (the latest of its delayed limits' times).
     pub(crate) wait: Duration,
-    /// Its places among the waiters of the limits it waits for.
-    pub(crate) places: Option<Places>,
+    /// Its seats among the waiters of the limits it waits for.
+    pub(crate) seats: Option<WaitSeats>,
     /// What it gives back if it is dropped while it waits: every unit it took (settled with
     /// an actual cost of 0).
     pub(crate) refund: Vec<Item>,
@@ -115,8 +115,8 @@ impl<B: Backend> Shared<B> {
         }
         obs::record_span(&facts.span, &decision);
         facts.span.record(&decision, true);
-        // The places of the limits the request waits for are kept; the others go back.
-        let places = facts.places.take();
+        // The seats of the limits the request waits for are kept; the others go back.
+        let seats = facts.seats.take();
         if admitted {
             // Only a layer with a delayed limit looks: the others pay for nothing.
             let delayed = if facts.set.delays {
@@ -128,7 +128,7 @@ impl<B: Backend> Shared<B> {
             let wait = delayed.map(|wait| {
                 Box::new(Wait {
                     wait,
-                    places: places.and_then(|p| p.keep_waiting(&waits)),
+                    seats: seats.and_then(|p| p.keep_waiting(&waits)),
                     refund: refund(&decision, facts, kept, &receipts),
                 })
             });
@@ -187,7 +187,7 @@ impl<B: Backend> Shared<B> {
         let Some(key) = key else {
             return false;
         };
-        match self.queues.join(&entry.limit, line, key.as_bytes(), false) {
+        match self.lines.join(&entry.limit, line, key.as_bytes(), false) {
             Some(ticket) => {
                 *queueing = Some(Box::new(Queueing::new(ticket)));
                 true

@@ -99,7 +99,7 @@ impl<B: Backend> Shared<B> {
         if closed || !fallback {
             return;
         }
-        // A fallback limit keeps its key (`Entry::keeps_key`), so its check is the one the
+        // A fallback limit keeps its key (`SetLimit::keeps_key`), so its check is the one the
         // backend was asked, in the local limiter with the quota's local share.
         let mut checks = [Check::new(&limits[0].limit, b""); MAX_CHECKS];
         let mut index = [0usize; MAX_CHECKS];

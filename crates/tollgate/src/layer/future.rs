@@ -19,9 +19,9 @@ use super::limits::LimitSet;
 use super::prepare::{Facts, KeptKeys};
 use super::queued::Queued;
 use super::settle::{Owed, Refund, SetSink, Settler};
-use super::slots::Slots;
+use super::slots::HeldSlots;
 use super::state::Shared;
-use super::wait::Places;
+use super::wait::WaitSeats;
 use crate::cost::Settle;
 use crate::decision::Decision;
 
@@ -68,7 +68,7 @@ pin_project! {
             // dropped before its answer follows their drop policy.
             owed: Option<Box<Owed>>,
             // Given back when this future is dropped unanswered, or when the body ends.
-            slots: Option<Slots<B>>,
+            slots: Option<HeldSlots<B>>,
         },
         Refused {
             response: Option<Response<Bytes>>,
@@ -95,9 +95,9 @@ struct Waiting<S, B: Backend, ReqBody> {
     /// Gives the request's units back if it is dropped while it waits; what it owes its
     /// metered limits when its time comes.
     owed: Refund,
-    slots: Option<Slots<B>>,
-    /// Its places among the waiters: given back when the wait ends or is dropped.
-    places: Option<Places>,
+    slots: Option<HeldSlots<B>>,
+    /// Its seats among the waiters: given back when the wait ends or is dropped.
+    seats: Option<WaitSeats>,
 }
 
 /// The inner service that answers an admitted request: the one the layer's service holds
@@ -184,7 +184,7 @@ where
         match decided {
             Decided::Admit(decision, owed, slots, wait) => {
                 let slots = match (slots, checked) {
-                    (Some(taken), Some(checked)) => Some(Slots::hold(&shared, taken, checked)),
+                    (Some(taken), Some(checked)) => Some(HeldSlots::hold(&shared, taken, checked)),
                     _ => None,
                 };
                 // A copy stays for the response, unless the layer adds nothing to it.
@@ -222,7 +222,7 @@ where
                 if let Some(wait) = wait {
                     let Wait {
                         wait,
-                        places,
+                        seats,
                         refund,
                     } = *wait;
                     let refund = match checked {
@@ -239,7 +239,7 @@ where
                                 finish,
                                 owed: Refund::new(refund, owed),
                                 slots,
-                                places,
+                                seats,
                             })),
                         },
                     };
@@ -356,12 +356,12 @@ where
                         finish,
                         owed,
                         slots,
-                        places,
+                        seats,
                         ..
                     } = *w;
-                    // Its time has come: the units stay taken, and its places go back.
+                    // Its time has come: the units stay taken, and its seats go back.
                     let owed = owed.release();
-                    drop(places);
+                    drop(seats);
                     this.state.set(State::Calling {
                         call: inner.call(req),
                         finish,
@@ -446,20 +446,20 @@ mod tests {
 
     /// What one waiting request of one delayed limit holds, in bytes, on a 64-bit target
     /// (written in docs/benchmarks.md): the boxed state (the request's head and the service
-    /// included) and its timer, one place's entry, and the limit's refund; besides, its key's
-    /// bytes twice (the place's copy, and the refund's key, inline when short).
+    /// included) and its timer, one seat's entry, and the limit's refund; besides, its key's
+    /// bytes twice (the seat's copy, and the refund's key, inline when short).
     #[test]
     fn a_waiter_holds_under_a_kilobyte() {
         let state = std::mem::size_of::<Waiting<Handler, MemoryBackend, Full<Bytes>>>();
         let sleep = std::mem::size_of::<Sleep>();
-        // One place: its entry in the request's `Places` (and the key's copy, beside the
+        // One seat: its entry in the request's `WaitSeats` (and the key's copy, beside the
         // waiters' map's entry, which is per key).
-        let place = std::mem::size_of::<(usize, u64, Box<[u8]>)>();
+        let seat = std::mem::size_of::<(usize, u64, Box<[u8]>)>();
         // The refund of one limit: its `Item` and the settle sink's `Arc` (two counts, two
         // pointers).
         let refund = std::mem::size_of::<Item>() + 2 * 8 + 2 * 8;
-        let total = state + sleep + place + refund;
-        println!("waiter: state {state} + sleep {sleep} + place {place} + refund {refund} = {total} bytes, plus its key");
+        let total = state + sleep + seat + refund;
+        println!("waiter: state {state} + sleep {sleep} + seat {seat} + refund {refund} = {total} bytes, plus its key");
         assert!(total < 1024, "{total}");
     }
 }

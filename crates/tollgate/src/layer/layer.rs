@@ -399,7 +399,7 @@ impl<B: Backend> RateLimitLayerBuilder<B> {
                 unavailable_retry_after: self.unavailable_retry_after,
                 last_refusal: Last::default(),
                 waiters: Arc::default(),
-                queues: Arc::default(),
+                lines: Arc::default(),
                 near_limit: self.near_limit,
             }),
         })

@@ -200,7 +200,7 @@ impl Limits {
             .any(|(_, _, m)| m.as_ref().is_some_and(|m| m.by_handler));
         let limits = limits
             .into_iter()
-            .map(|(limit, key, metered)| Entry {
+            .map(|(limit, key, metered)| SetLimit {
                 keeps_key: delays
                     || queues
                     || (reports && !limit.is_shadow())
@@ -243,7 +243,7 @@ impl fmt::Debug for Limits {
 
 /// One version of a layer's limits, checked whole.
 pub(crate) struct LimitSet {
-    pub(crate) limits: Box<[Entry]>,
+    pub(crate) limits: Box<[SetLimit]>,
     /// The requests admitted without counting; `None` when there is no rule.
     pub(crate) allowlist: Option<Allowlist>,
     /// The requests refused outright (unless allowlisted); `None` when there is no rule.
@@ -276,7 +276,7 @@ impl fmt::Debug for LimitSet {
 }
 
 /// One limit of a [`LimitSet`], with what the layer needs beside it.
-pub(crate) struct Entry {
+pub(crate) struct SetLimit {
     pub(crate) limit: Limit,
     pub(crate) key: Box<dyn KeyExtractor>,
     /// Where the cost comes from and how it settles, for a metered limit.
@@ -292,7 +292,7 @@ pub(crate) struct Entry {
     pub(crate) keeps_key: bool,
 }
 
-impl Entry {
+impl SetLimit {
     /// This limit's part of a decision.
     pub(crate) fn decision(
         &self,
@@ -326,7 +326,7 @@ impl Entry {
     }
 }
 
-/// Whether `limit`'s key is needed after the check (see [`Entry::keeps_key`]).
+/// Whether `limit`'s key is needed after the check (see [`SetLimit::keeps_key`]).
 fn keeps_key(limit: &Limit, metered: Option<&Metered>) -> bool {
     limit.algorithm() == Algorithm::Concurrency
         || metered.is_some_and(Metered::settles)

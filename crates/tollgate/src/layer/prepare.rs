@@ -3,7 +3,7 @@
 //!
 //! Every extractor runs here and nowhere else. A key borrows from the request while the
 //! checks are made; one that is needed after the check (to settle, to give a slot back, or for
-//! the local fallback limiter: [`Entry::keeps_key`]) is kept owned in the [`KeptKeys`] beside
+//! the local fallback limiter: [`SetLimit::keeps_key`]) is kept owned in the [`KeptKeys`] beside
 //! the [`Facts`], inline when short. The backend's future owns what it needs, so nothing
 //! borrows the request once the call has started.
 
@@ -13,11 +13,11 @@ use bytes::Bytes;
 use http::{Request, Response};
 use tollgate_engine::{Algorithm, Backend, Check, MissingKeyPolicy, MAX_CHECKS};
 
-use super::limits::{Entry, LimitSet};
+use super::limits::{LimitSet, SetLimit};
 use super::queue::{Queueing, Ticket};
 use super::slots::next_id;
 use super::state::Shared;
-use super::wait::Places;
+use super::wait::WaitSeats;
 use crate::decision::{Decision, Outcome, Source};
 use crate::key::{Key, MissingKey, RequestView};
 use crate::metrics as obs;
@@ -51,10 +51,10 @@ pub(crate) struct Facts {
     pub(crate) slot: u128,
     /// The request's `tollgate.check` span, open from the keys to the decision.
     pub(crate) span: CheckSpan,
-    /// The places the request took among delayed limits' waiters, so that it was checked
+    /// The seats the request took among delayed limits' waiters, so that it was checked
     /// with their delays (only in a set with a delayed limit): given back by the decision
     /// unless the request waits.
-    pub(crate) places: Option<Places>,
+    pub(crate) seats: Option<WaitSeats>,
     /// Its place in a queued concurrency limit's line, while it waits for a slot (boxed:
     /// most requests never wait).
     pub(crate) queueing: Option<Box<Queueing>>,
@@ -68,7 +68,7 @@ impl Facts {
     }
 }
 
-/// The keys of a request that are needed after its check ([`Entry::keeps_key`]), by limit.
+/// The keys of a request that are needed after its check ([`SetLimit::keeps_key`]), by limit.
 ///
 /// Beside the [`Facts`] rather than in them, and made only when a limit keeps its key: most
 /// layers keep none, and their requests then neither fill nor move nor drop room for eight
@@ -151,7 +151,7 @@ impl<B: Backend> Shared<B> {
         };
         let slot = if set.has_slots { next_id() } else { 0 };
         // Given back if the request is refused before its check.
-        let mut places = set.delays.then(|| Places::new(&self.waiters));
+        let mut seats = set.delays.then(|| WaitSeats::new(&self.waiters));
         let mut n = 0;
         let mut limit_of = [0; MAX_CHECKS];
         let mut quota_of = [0u8; MAX_CHECKS];
@@ -180,7 +180,7 @@ impl<B: Backend> Shared<B> {
                             Ok(check) => check,
                             Err(refusal) => return Start::Refuse(*refusal),
                         };
-                    let check = delayed(check, 0, places.as_mut());
+                    let check = delayed(check, 0, seats.as_mut());
                     (quota_of[0], cost[0], n) = (quota, check.cost, 1);
                     shadowed = u8::from(!check.enforce);
                     if set.queues {
@@ -219,7 +219,7 @@ impl<B: Backend> Shared<B> {
                     };
                 (quota_of[i], cost[i]) = (quota, check.cost);
                 shadowed |= u8::from(!check.enforce) << i;
-                checks[n] = delayed(check, i, places.as_mut());
+                checks[n] = delayed(check, i, seats.as_mut());
                 if set.queues && behind.is_none() {
                     behind = self.behind(&checks[n], i);
                 }
@@ -239,7 +239,7 @@ impl<B: Backend> Shared<B> {
             shadowed,
             slot,
             span,
-            places: places.filter(|p| !p.is_empty()),
+            seats: seats.filter(|p| !p.is_empty()),
             queueing: behind.map(|ticket| Box::new(Queueing::new(ticket))),
         };
         match check {
@@ -255,14 +255,14 @@ impl<B: Backend> Shared<B> {
         if check.limit.queue_micros() == 0 || !check.enforce {
             return None;
         }
-        self.queues.join(check.limit, i, check.key, true)
+        self.lines.join(check.limit, i, check.key, true)
     }
 
     /// `entry`'s check of `key` under the request's plan (and the index of its quota), with
     /// the request's cost for a metered limit; or the refusal of a cost that is not one.
     fn check_of<'k, T>(
         &self,
-        entry: &'k Entry,
+        entry: &'k SetLimit,
         key: &'k [u8],
         plan_name: Option<&str>,
         slot: u128,
@@ -290,13 +290,13 @@ impl<B: Backend> Shared<B> {
 
 /// `check` with its limit's delay (the limit at `i` of the layer): an unenforced check's always
 /// (it reports what its delay would do, and nobody waits for it), an enforced limit's only
-/// when the request takes a place among the key's waiters (checked without it otherwise).
+/// when the request takes a seat among the key's waiters (checked without it otherwise).
 #[inline]
-fn delayed<'k>(check: Check<'k>, i: usize, places: Option<&mut Places>) -> Check<'k> {
+fn delayed<'k>(check: Check<'k>, i: usize, seats: Option<&mut WaitSeats>) -> Check<'k> {
     let delay = check.limit.delay_micros();
-    match places {
-        Some(places) if delay > 0 => {
-            if !check.enforce || places.enter(i, check.limit, check.key) {
+    match seats {
+        Some(seats) if delay > 0 => {
+            if !check.enforce || seats.enter(i, check.limit, check.key) {
                 check.with_delay(delay)
             } else {
                 check
@@ -310,7 +310,7 @@ fn delayed<'k>(check: Check<'k>, i: usize, places: Option<&mut Places>) -> Check
 /// `i`) when the entry keeps its key, else borrowed.
 #[inline]
 fn extract<'r>(
-    entry: &Entry,
+    entry: &SetLimit,
     view: &RequestView<'r>,
     kept: &mut KeptKeys,
     i: usize,

@@ -5,7 +5,7 @@
 //! key's line (`decide.rs`); a request that finds the line not empty takes one without a
 //! check (`prepare.rs`), so that it never passes those ahead of it in this process. Only the
 //! request at the front checks again: when a slot of its key is given back here
-//! (`slots.rs` calls [`Queues::wake`]), when it has just come to the front, or when its poll
+//! (`slots.rs` calls [`Lines::wake`]), when it has just come to the front, or when its poll
 //! of a shared backend is due (`queued.rs`). A place holds nothing but itself: no slot and no
 //! unit of any limit. Lines are bounded per key (the limit's `max_waiting`) and per limit
 //! ([`MAX_WAITERS_PER_LIMIT`]).
@@ -59,7 +59,7 @@ struct PerLimit {
 /// Every queued limit's lines, by limit id (its name: a reload that keeps the name keeps the
 /// lines), shared by the layer's clones.
 #[derive(Debug, Default)]
-pub(crate) struct Queues {
+pub(crate) struct Lines {
     limits: Mutex<HashMap<u64, PerLimit>>,
     /// Numbers places in the order they are taken.
     next: std::sync::atomic::AtomicU64,
@@ -74,7 +74,7 @@ pub(crate) struct Turn {
     pub(crate) woken: u32,
 }
 
-impl Queues {
+impl Lines {
     /// Takes a place at the back of `key`'s line under `limit` (the limit at `entry` of the
     /// layer), if the key and the limit have room; with `behind`, only if the line has
     /// someone in it already.
@@ -114,7 +114,7 @@ impl Queues {
         per.total += 1;
         drop(limits);
         Some(Ticket {
-            queues: Arc::clone(self),
+            lines: Arc::clone(self),
             id: limit.id(),
             key: key.into(),
             number,
@@ -231,7 +231,7 @@ impl Queueing {
 /// One request's place in a line; given back when dropped.
 #[derive(Debug)]
 pub(crate) struct Ticket {
-    queues: Arc<Queues>,
+    lines: Arc<Lines>,
     id: u64,
     key: Box<[u8]>,
     number: u64,
@@ -252,7 +252,7 @@ impl Ticket {
     /// slots it was woken for are its own to hand on, until it checks again
     /// ([`Ticket::checked`]).
     pub(crate) fn turn(&mut self, cx: &Context<'_>) -> Turn {
-        let turn = self.queues.turn(self, cx);
+        let turn = self.lines.turn(self, cx);
         self.carry = self.carry.saturating_add(turn.woken);
         turn
     }
@@ -271,7 +271,7 @@ impl Ticket {
 
 impl Drop for Ticket {
     fn drop(&mut self) {
-        self.queues.leave(self);
+        self.lines.leave(self);
     }
 }
 
@@ -290,15 +290,15 @@ mod tests {
     #[test]
     fn the_front_is_woken_and_the_next_comes_to_the_front_when_it_leaves() {
         let limit = limit(2);
-        let queues = Arc::new(Queues::default());
+        let lines = Arc::new(Lines::default());
         // Nobody in line: nothing to wait behind.
-        assert!(queues.join(&limit, 0, b"k", true).is_none());
-        let mut a = queues.join(&limit, 0, b"k", false).unwrap();
-        let mut b = queues.join(&limit, 0, b"k", true).unwrap();
+        assert!(lines.join(&limit, 0, b"k", true).is_none());
+        let mut a = lines.join(&limit, 0, b"k", false).unwrap();
+        let mut b = lines.join(&limit, 0, b"k", true).unwrap();
         // Two of two: full.
-        assert!(queues.join(&limit, 0, b"k", false).is_none());
-        let other = queues.join(&limit, 0, b"other", false).unwrap();
-        assert_eq!(queues.count(limit.id(), b"k"), (3, 2));
+        assert!(lines.join(&limit, 0, b"k", false).is_none());
+        let other = lines.join(&limit, 0, b"other", false).unwrap();
+        assert_eq!(lines.count(limit.id(), b"k"), (3, 2));
         let cx = Context::from_waker(Waker::noop());
         let (front, back) = (
             Turn {
@@ -312,7 +312,7 @@ mod tests {
         );
         assert_eq!((a.turn(&cx), b.turn(&cx)), (front, back));
         // A slot comes back: only the front is woken, once.
-        queues.wake(limit.id(), b"k");
+        lines.wake(limit.id(), b"k");
         assert_eq!(
             (a.turn(&cx), b.turn(&cx)),
             (
@@ -329,11 +329,11 @@ mod tests {
         drop(a);
         assert_eq!(b.turn(&cx), front);
         // Two slots come back; the front takes one and hands the other on.
-        queues.wake(limit.id(), b"k");
-        queues.wake(limit.id(), b"k");
+        lines.wake(limit.id(), b"k");
+        lines.wake(limit.id(), b"k");
         assert_eq!(b.turn(&cx).woken, 2);
         b.checked(Some(true));
-        let mut c = queues.join(&limit, 0, b"k", false).unwrap();
+        let mut c = lines.join(&limit, 0, b"k", false).unwrap();
         drop(b);
         assert_eq!(
             c.turn(&cx),
@@ -343,8 +343,8 @@ mod tests {
             }
         );
         drop((c, other));
-        assert_eq!(queues.count(limit.id(), b"k"), (0, 0));
-        assert!(queues
+        assert_eq!(lines.count(limit.id(), b"k"), (0, 0));
+        assert!(lines
             .limits
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -354,16 +354,16 @@ mod tests {
     #[test]
     fn a_place_that_leaves_from_the_middle_wakes_nobody_and_the_front_hands_on_its_slot() {
         let limit = limit(3);
-        let queues = Arc::new(Queues::default());
-        let mut a = queues.join(&limit, 0, b"k", false).unwrap();
-        let b = queues.join(&limit, 0, b"k", false).unwrap();
-        let mut c = queues.join(&limit, 0, b"k", false).unwrap();
+        let lines = Arc::new(Lines::default());
+        let mut a = lines.join(&limit, 0, b"k", false).unwrap();
+        let b = lines.join(&limit, 0, b"k", false).unwrap();
+        let mut c = lines.join(&limit, 0, b"k", false).unwrap();
         let cx = Context::from_waker(Waker::noop());
         drop(b);
         assert_eq!(a.turn(&cx).woken, 0);
         assert_eq!(c.turn(&cx).woken, 0);
         // The front leaves unserved with the slot it was woken for: the next gets it.
-        queues.wake(limit.id(), b"k");
+        lines.wake(limit.id(), b"k");
         drop(a);
         assert_eq!(
             c.turn(&cx),

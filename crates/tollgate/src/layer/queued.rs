@@ -173,7 +173,7 @@ impl<B: Backend> Shared<B> {
                 .with_cost(facts.cost[i])
                 .with_slot(facts.slot);
             let delay = limit.delay_micros();
-            let placed = facts.places.as_ref().is_some_and(|p| p.holds(i));
+            let placed = facts.seats.as_ref().is_some_and(|p| p.holds(i));
             if delay > 0 && (!check.enforce || placed) {
                 check = check.with_delay(delay);
             }

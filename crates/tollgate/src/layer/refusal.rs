@@ -8,7 +8,7 @@ use bytes::Bytes;
 use http::{Request, Response};
 use tollgate_engine::Backend;
 
-use super::limits::{Entry, LimitSet};
+use super::limits::{LimitSet, SetLimit};
 use super::respond::{policy_for, put_decision};
 use super::state::Shared;
 use crate::decision::{Decision, Outcome, Source};
@@ -22,7 +22,7 @@ impl<B: Backend> Shared<B> {
     /// The refusal of a request without `entry`'s key, under a limit that rejects it.
     pub(crate) fn refuse_keyless<T>(
         &self,
-        entry: &Entry,
+        entry: &SetLimit,
         missing: MissingKey,
         req: &Request<T>,
         span: &tracing::Span,
@@ -44,7 +44,7 @@ impl<B: Backend> Shared<B> {
     /// The refusal of a request whose cost for `entry` is not a whole number of units.
     pub(crate) fn refuse_invalid_cost<T>(
         &self,
-        entry: &Entry,
+        entry: &SetLimit,
         req: &Request<T>,
         span: &tracing::Span,
     ) -> Response<Bytes> {

@@ -16,7 +16,7 @@ use tollgate_engine::topk::{Counter, SpaceSaving};
 use tollgate_engine::REPORT_TICK;
 use tollgate_engine::{Clock, Micros, Refused};
 
-use super::limits::Entry;
+use super::limits::SetLimit;
 
 /// Every limit's summary of refused keys in this process, by limit name (a reload that keeps
 /// a limit's name keeps its summary).
@@ -98,7 +98,7 @@ impl Refusals {
 }
 
 /// `counters` of `entry`'s keys, named as requests carry them.
-pub(super) fn named(entry: &Entry, counters: Vec<Counter<Vec<u8>>>) -> Vec<Refused> {
+pub(super) fn named(entry: &SetLimit, counters: Vec<Counter<Vec<u8>>>) -> Vec<Refused> {
     counters
         .into_iter()
         .map(|c| {

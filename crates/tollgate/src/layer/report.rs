@@ -6,7 +6,7 @@ use std::task::{Context, Poll, Waker};
 use tollgate_engine::topk::Counter;
 use tollgate_engine::{AdminFuture, Backend, Micros};
 
-use super::limits::Entry;
+use super::limits::SetLimit;
 use super::prepare::{Facts, KeptKeys};
 use super::refused::named;
 use super::state::Shared;
@@ -36,7 +36,7 @@ impl<B: Backend> Shared<B> {
 
     /// Hands `counters` to the backend's reports without waiting: a networked backend's call
     /// goes on in a task (outside a Tokio runtime it is dropped).
-    fn hand(&self, entry: &Entry, counters: Vec<Counter<Vec<u8>>>, now: Micros) {
+    fn hand(&self, entry: &SetLimit, counters: Vec<Counter<Vec<u8>>>, now: Micros) {
         let Some(reports) = self.backend.reports() else {
             return;
         };

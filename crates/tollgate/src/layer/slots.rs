@@ -1,6 +1,6 @@
 //! The concurrency slots an admitted request holds, given back exactly once.
 //!
-//! A [`Slots`] is made when a request that took slots is admitted, travels with the response
+//! A [`HeldSlots`] is made when a request that took slots is admitted, travels with the response
 //! future and then the response body, and gives its slots back when it is dropped: when the
 //! body ends, when the body is dropped unfinished, or when the future is dropped before the
 //! service answered (the client went away, the handler panicked). Ownership makes "exactly
@@ -77,14 +77,14 @@ impl<B: Backend> Held<B> {
 }
 
 /// The slots one admitted request holds; dropping it gives them back.
-pub(crate) struct Slots<B: Backend> {
+pub(crate) struct HeldSlots<B: Backend> {
     held: Arc<Held<B>>,
     renewing: Option<tokio::task::AbortHandle>,
     /// Whether the slots were given back already (by [`Hold::finish`]).
     given: bool,
 }
 
-impl<B: Backend> Slots<B> {
+impl<B: Backend> HeldSlots<B> {
     /// Holds the slots `taken` under the request's slot id `slot` and the limits `set` it was
     /// checked under (a reload may have replaced them since) until dropped, renewing them
     /// while the backend's slots expire.
@@ -155,7 +155,7 @@ impl<B: Backend> Slots<B> {
             for (i, key, source) in &held.items {
                 let limit = &held.set.limits[*i].limit;
                 if *source == Source::Backend && limit.queue_micros() > 0 {
-                    held.shared.queues.wake(limit.id(), key.as_bytes());
+                    held.shared.lines.wake(limit.id(), key.as_bytes());
                 }
             }
         }
@@ -163,7 +163,7 @@ impl<B: Backend> Slots<B> {
     }
 }
 
-impl<B: Backend> Hold for Slots<B> {
+impl<B: Backend> Hold for HeldSlots<B> {
     fn finish(mut self: Box<Self>) -> Option<Landing> {
         self.give_back(true)
     }
@@ -182,15 +182,15 @@ fn renew_every<B: Backend>(held: &Held<B>) -> Option<Duration> {
         .min()
 }
 
-impl<B: Backend> Drop for Slots<B> {
+impl<B: Backend> Drop for HeldSlots<B> {
     fn drop(&mut self) {
         let _ = self.give_back(false);
     }
 }
 
-impl<B: Backend> std::fmt::Debug for Slots<B> {
+impl<B: Backend> std::fmt::Debug for HeldSlots<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Slots")
+        f.debug_struct("HeldSlots")
             .field("slot", &self.held.slot)
             .field("limits", &self.held.items.len())
             .finish()

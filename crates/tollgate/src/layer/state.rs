@@ -11,7 +11,7 @@ use http::Response;
 use tollgate_engine::{Backend, Clock, MemoryBackend};
 
 use super::limits::LimitSet;
-use super::queue::Queues;
+use super::queue::Lines;
 use super::refused::Refusals;
 use super::wait::Waiters;
 use crate::fields::FieldOptions;
@@ -51,7 +51,7 @@ pub(crate) struct Shared<B> {
     /// The requests that wait for delayed limits, counted per limit and key.
     pub(crate) waiters: Arc<Waiters>,
     /// The lines of requests that wait for queued concurrency limits' slots.
-    pub(crate) queues: Arc<Queues>,
+    pub(crate) lines: Arc<Lines>,
     /// The share of a quota, in percent, at or below which an admission's remaining units
     /// count in `tollgate_near_limit_total`.
     pub(crate) near_limit: u8,

@@ -1,11 +1,11 @@
 //! Delayed limits' waiters: how many requests wait per (limit, key), bounded, and what a
 //! request that waits holds until its time comes.
 //!
-//! A request takes a place among its key's waiters before its check (`prepare.rs`): only a
+//! A request takes a seat among its key's waiters before its check (`prepare.rs`): only a
 //! request that holds one is checked with the limit's delay, so a key never has more than
 //! its limit's `max_waiting` requests waiting, nor a limit more than
 //! [`MAX_WAITERS_PER_LIMIT`], whatever the backend answers and however many replicas ask it.
-//! A request that the check admits without a wait, or refuses, gives its place back at once
+//! A request that the check admits without a wait, or refuses, gives its seat back at once
 //! (`decide.rs`); one that waits gives it back when its wait ends or it is dropped.
 
 use std::collections::HashMap;
@@ -16,13 +16,13 @@ use tollgate_engine::{Limit, MAX_CHECKS, MAX_WAITERS_PER_LIMIT};
 /// The waiters of one limit.
 #[derive(Debug, Default)]
 struct PerLimit {
-    /// Places taken over every key.
+    /// Seats taken over every key.
     total: u32,
-    /// Places taken per key; a key leaves when its count drops to 0.
+    /// Seats taken per key; a key leaves when its count drops to 0.
     keys: HashMap<Box<[u8]>, u32>,
 }
 
-/// The places taken among every delayed limit's waiters, by limit id (the limit's name: so a
+/// The seats taken among every delayed limit's waiters, by limit id (the limit's name: so a
 /// reload that keeps the name keeps counting the requests that wait under the old set).
 #[derive(Debug, Default)]
 pub(crate) struct Waiters {
@@ -30,7 +30,7 @@ pub(crate) struct Waiters {
 }
 
 impl Waiters {
-    /// Takes a place for a request of `key` under `limit`, if the key and the limit have room.
+    /// Takes a seat for a request of `key` under `limit`, if the key and the limit have room.
     fn enter(&self, limit: &Limit, key: &[u8]) -> bool {
         let mut limits = self.limits.lock().unwrap_or_else(PoisonError::into_inner);
         let per = limits.entry(limit.id()).or_default();
@@ -51,7 +51,7 @@ impl Waiters {
         true
     }
 
-    /// Gives back a place of `key` under the limit `id`.
+    /// Gives back a seat of `key` under the limit `id`.
     fn leave(&self, id: u64, key: &[u8]) {
         let mut limits = self.limits.lock().unwrap_or_else(PoisonError::into_inner);
         let Some(per) = limits.get_mut(&id) else {
@@ -69,7 +69,7 @@ impl Waiters {
         }
     }
 
-    /// Requests waiting (or holding a place for their check) under the limit `id`, and under
+    /// Requests waiting (or holding a seat for their check) under the limit `id`, and under
     /// its `key`.
     #[cfg(test)]
     pub(crate) fn count(&self, id: u64, key: &[u8]) -> (u32, u32) {
@@ -80,15 +80,15 @@ impl Waiters {
     }
 }
 
-/// The places one request holds, by the index of their limit in the layer; given back when
+/// The seats one request holds, by the index of their limit in the layer; given back when
 /// dropped.
 #[derive(Debug)]
-pub(crate) struct Places {
+pub(crate) struct WaitSeats {
     waiters: Arc<Waiters>,
     held: Vec<(usize, u64, Box<[u8]>)>,
 }
 
-impl Places {
+impl WaitSeats {
     pub(crate) fn new(waiters: &Arc<Waiters>) -> Self {
         Self {
             waiters: Arc::clone(waiters),
@@ -96,18 +96,18 @@ impl Places {
         }
     }
 
-    /// Takes a place for the limit at `entry` (of the layer) and `key`, if there is room.
+    /// Takes a seat for the limit at `entry` (of the layer) and `key`, if there is room.
     pub(crate) fn enter(&mut self, entry: usize, limit: &Limit, key: &[u8]) -> bool {
         if !self.waiters.enter(limit, key) {
             return false;
         }
-        // Most requests take one place: room for one, not the vector's default four.
+        // Most requests take one seat: room for one, not the vector's default four.
         self.held.reserve_exact(1);
         self.held.push((entry, limit.id(), key.into()));
         true
     }
 
-    /// Keeps only the places of the limits whose `waits[entry]` is not 0; gives back the rest.
+    /// Keeps only the seats of the limits whose `waits[entry]` is not 0; gives back the rest.
     /// `None` when nothing is left to hold.
     pub(crate) fn keep_waiting(mut self, waits: &[u64; MAX_CHECKS]) -> Option<Self> {
         let waiters = Arc::clone(&self.waiters);
@@ -121,18 +121,18 @@ impl Places {
         (!self.held.is_empty()).then_some(self)
     }
 
-    /// Whether a place is held for the limit at `entry` (of the layer).
+    /// Whether a seat is held for the limit at `entry` (of the layer).
     pub(crate) fn holds(&self, entry: usize) -> bool {
         self.held.iter().any(|(e, _, _)| *e == entry)
     }
 
-    /// Whether no place is held.
+    /// Whether no seat is held.
     pub(crate) fn is_empty(&self) -> bool {
         self.held.is_empty()
     }
 }
 
-impl Drop for Places {
+impl Drop for WaitSeats {
     fn drop(&mut self) {
         for (_, id, key) in &self.held {
             self.waiters.leave(*id, key);
@@ -154,15 +154,15 @@ mod tests {
             .max_waiting(2)
             .unwrap();
         let waiters = Arc::new(Waiters::default());
-        let mut a = Places::new(&waiters);
-        let mut b = Places::new(&waiters);
+        let mut a = WaitSeats::new(&waiters);
+        let mut b = WaitSeats::new(&waiters);
         assert!(a.enter(0, &limit, b"k"));
         assert!(b.enter(0, &limit, b"k"));
-        let mut c = Places::new(&waiters);
+        let mut c = WaitSeats::new(&waiters);
         assert!(!c.enter(0, &limit, b"k"));
         assert!(c.enter(0, &limit, b"other"));
         assert_eq!(waiters.count(limit.id(), b"k"), (3, 2));
-        // `a` waits for nothing: its place goes back.
+        // `a` waits for nothing: its seat goes back.
         assert!(a.keep_waiting(&[0; MAX_CHECKS]).is_none());
         assert_eq!(waiters.count(limit.id(), b"k"), (2, 1));
         let b = b.keep_waiting(&[1, 0, 0, 0, 0, 0, 0, 0]);
