@@ -24,7 +24,7 @@ use crate::scripts::check::{EncodedCheck, Form};
 use crate::scripts::{Script, TAT};
 use tollgate_engine::Micros;
 
-use crate::transport::args::Args;
+use crate::scripts::args::Args;
 
 /// The script's body, after the GCRA value's functions (`tat.lua`) and the line that names its
 /// keys `K`.

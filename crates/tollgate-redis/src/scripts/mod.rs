@@ -25,6 +25,7 @@
 //! so numbers that become strings go through `fmt`, an integer format (`%d`, a C `long`).
 
 pub(crate) mod admin;
+pub(crate) mod args;
 pub(crate) mod check;
 pub(crate) mod lean;
 pub(crate) mod refund;

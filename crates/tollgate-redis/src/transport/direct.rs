@@ -27,8 +27,8 @@ use tokio::sync::Notify;
 
 use crate::failure::breaks_connection;
 use crate::keys::decimal;
+use crate::scripts::args::Args;
 use crate::scripts::Script;
-use crate::transport::args::Args;
 
 /// Where the direct connection goes, and how it logs in.
 pub(crate) struct Direct {

@@ -7,7 +7,6 @@
 //! health gauge and duration histogram. What a call means (a check, a settle, a refund) is
 //! the business of the layers above; what it sends and reads is the scripts' codecs'.
 
-pub(crate) mod args;
 pub(crate) mod breaker;
 mod check_error;
 pub(crate) mod clock;
@@ -27,11 +26,11 @@ use tollgate_engine::{BackendError, BackendErrorKind, Micros};
 
 use crate::failure::{breaks_connection, map_error};
 use crate::keys::{self, Suffix};
+use crate::scripts::args::Args;
 use crate::scripts::check::{CheckArgs, EncodedCheck, Form};
 use crate::scripts::lean;
 use crate::scripts::reply::{self, Reply};
 use crate::scripts::Script;
-use args::Args;
 use breaker::{Breaker, BreakerConfig, CircuitState, Permit};
 pub(crate) use check_error::CheckError;
 use clock::ServerClock;

@@ -1,4 +1,5 @@
-//! Where a script call's arguments are written.
+//! Where a script call's arguments are written: below the transport, which sends them, and
+//! beside the codecs, which write them.
 
 /// Where a script call's arguments go: a redis-rs command for the shared connection, or RESP
 /// written in place for the `CHECK` calls' own connection (`direct`).
