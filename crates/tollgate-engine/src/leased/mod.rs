@@ -58,19 +58,30 @@ use table::{GiveBack, Table};
 /// # Examples
 ///
 /// ```
+/// use std::future::Future;
 /// use std::sync::Arc;
+/// use std::task::{Context, Poll, Waker};
 /// use tollgate_engine::leased::Leased;
-/// use tollgate_engine::{Backend, Check, FakeClock, Lease, Limit, MemoryBackend, Quota};
+/// use tollgate_engine::{Backend, Check, FakeClock, Lease, Limit, MemoryBackend, Quota, Verdicts};
+///
+/// // Over the in-memory backend, every answer is ready on its first poll.
+/// fn check(backend: &impl Backend, check: Check<'_>) -> Verdicts {
+///     let mut answer = std::pin::pin!(backend.check(&[check]));
+///     match answer.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
+///         Poll::Ready(verdicts) => verdicts.expect("memory does not fail"),
+///         Poll::Pending => unreachable!("memory answers at once"),
+///     }
+/// }
 ///
 /// let clock = FakeClock::new(1_000_000);
 /// let shared = Arc::new(MemoryBackend::builder().clock(clock.clone()).build());
 /// let replica = Leased::new(Arc::clone(&shared), clock.clone());
 /// let limit = Limit::fixed_window("daily", Quota::per_day(100)?)?.with_lease(Lease::new(5)?)?;
 ///
-/// let first = replica.check_now(&[Check::new(&limit, b"shop-1")]).unwrap();
+/// let first = check(&replica, Check::new(&limit, b"shop-1"));
 /// assert!(first[0].is_allowed() && !first.from_lease(0));
 /// assert_eq!(replica.leased_units(), 4); // 5 units taken: the request's and 4 more
-/// let second = replica.check_now(&[Check::new(&limit, b"shop-1")]).unwrap();
+/// let second = check(&replica, Check::new(&limit, b"shop-1"));
 /// assert!(second.from_lease(0)); // answered without asking `shared`
 /// # Ok::<(), tollgate_engine::ConfigError>(())
 /// ```
@@ -146,6 +157,8 @@ impl<B: Backend, C: Clock> Leased<B, C> {
     /// not ready.
     ///
     /// [`BackendErrorKind::Unavailable`]: crate::BackendErrorKind::Unavailable
+    #[cfg(feature = "testing")]
+    #[doc(hidden)]
     pub fn check_now(&self, checks: &[Check<'_>]) -> Result<Verdicts, BackendError> {
         let mut future = self.check(checks);
         let mut cx = Context::from_waker(std::task::Waker::noop());
