@@ -208,3 +208,56 @@ async fn bearer_tokens_are_keys() {
     assert_eq!(code, StatusCode::BAD_REQUEST);
     assert!(body.contains("invalid bearer token"), "{body}");
 }
+
+/// A limits file keys on an API key (`key = { api_key = "x-api-key" }`, bounds with
+/// `min_len`/`max_len`) or a bearer token (`key = "bearer"`), as `ApiKey` does.
+#[tokio::test]
+async fn a_limits_file_keys_on_an_api_key_or_a_bearer_token() {
+    let file = |key: &str| {
+        format!(
+            "[[limit]]\nname = \"per-key\"\nalgorithm = \"gcra\"\nquota = 1\nperiod = \"1m\"\nkey = {key}\n"
+        )
+    };
+    let limits = tollgate::LimitsFile::new()
+        .parse(&file(
+            r#"{ api_key = "x-api-key", min_len = 8, max_len = 40 }"#,
+        ))
+        .unwrap();
+    let layer = RateLimitLayer::builder()
+        .backend(MemoryBackend::builder().clock(FakeClock::new(T0)).build())
+        .limits(limits)
+        .build()
+        .unwrap();
+    let mut svc = app(&layer);
+    assert_eq!(status(&mut svc, KEY).await, StatusCode::OK);
+    assert_eq!(status(&mut svc, KEY_OTHER_CASE).await, StatusCode::OK);
+    assert_eq!(status(&mut svc, KEY).await, StatusCode::TOO_MANY_REQUESTS);
+    // 8 bytes is the file's minimum (the extractor's default is 16): a key; 7 is too short.
+    assert_eq!(status(&mut svc, "abcd+/==").await, StatusCode::OK);
+    assert_eq!(status(&mut svc, "abcd+/=").await, StatusCode::BAD_REQUEST);
+
+    let limits = tollgate::LimitsFile::new()
+        .parse(&file(r#""bearer""#))
+        .unwrap();
+    let layer = RateLimitLayer::builder()
+        .backend(MemoryBackend::builder().clock(FakeClock::new(T0)).build())
+        .limits(limits)
+        .build()
+        .unwrap();
+    let mut svc = app(&layer);
+    let bearer = format!("Bearer {KEY}");
+    assert_eq!(
+        send(&mut svc, "authorization", Some(&bearer)).await.0,
+        StatusCode::OK
+    );
+    assert_eq!(
+        send(&mut svc, "authorization", Some(&bearer)).await.0,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+
+    let bad = tollgate::LimitsFile::new()
+        .parse(&file(r#"{ api_key = "x-api-key", min_len = 0 }"#))
+        .unwrap_err()
+        .to_string();
+    assert!(bad.contains("line 6"), "{bad}");
+}

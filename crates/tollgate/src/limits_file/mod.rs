@@ -20,8 +20,8 @@ use toml::Spanned;
 use crate::allowlist::Allowlist;
 use crate::denylist::Denylist;
 use crate::key::{
-    Cidr, ClientIp, ForwardedHeader, Global, Identity, KeyExtractor, Principal, PrincipalId,
-    Tenant, TrustedProxies,
+    ApiKey, Cidr, ClientIp, ForwardedHeader, Global, Identity, KeyExtractor, Principal,
+    PrincipalId, Tenant, TrustedProxies,
 };
 use crate::layer::limits::Limits;
 
@@ -433,9 +433,10 @@ impl LimitsFile {
             KeySpec::Word(w) if w == "global" => Ok(Box::new(Global)),
             KeySpec::Word(w) if w == "ip" => Ok(Box::new(ClientIp::peer())),
             KeySpec::Word(w) if w == "principal" => self.principal_key("principal"),
+            KeySpec::Word(w) if w == "bearer" => Ok(Box::new(ApiKey::bearer())),
             KeySpec::Word(w) => Err(format!(
-                "unknown key {w:?} (global, ip, principal, {{ ip = ... }}, {{ header = ... }}, \
-                 {{ principal = ... }})"
+                "unknown key {w:?} (global, ip, principal, bearer, {{ ip = ... }}, \
+                 {{ header = ... }}, {{ api_key = ... }}, {{ principal = ... }})"
             )),
             KeySpec::Principal { principal } => self.principal_key(principal),
             KeySpec::Header { header, max_len } => {
@@ -448,6 +449,29 @@ impl LimitsFile {
                 }
             }
             KeySpec::Ip { ip } => Ok(Box::new(ip_key(ip)?)),
+            KeySpec::ApiKey {
+                api_key,
+                min_len,
+                max_len,
+            } => {
+                let key = if api_key == "bearer" {
+                    ApiKey::bearer()
+                } else {
+                    let name = HeaderName::from_str(api_key)
+                        .map_err(|_| format!("{api_key:?} is not a header name"))?;
+                    ApiKey::header_name(name)
+                };
+                match (min_len, max_len) {
+                    (None, None) => Ok(Box::new(key)),
+                    (min, max) => {
+                        let min = min.unwrap_or(ApiKey::DEFAULT_MIN_LEN);
+                        let max = max.unwrap_or(ApiKey::DEFAULT_MAX_LEN);
+                        Ok(Box::new(
+                            key.len_range(min, max).map_err(|e| e.to_string())?,
+                        ))
+                    }
+                }
+            }
         }
     }
 

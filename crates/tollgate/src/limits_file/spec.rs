@@ -363,6 +363,11 @@ pub(super) enum KeySpec {
     Ip {
         ip: IpSpec,
     },
+    ApiKey {
+        api_key: String,
+        min_len: Option<usize>,
+        max_len: Option<usize>,
+    },
 }
 
 #[derive(Deserialize)]
