@@ -1062,7 +1062,12 @@ impl<B: tollgate_engine::Backend> super::Run<'_, B> {
         for key in super::KEYS {
             // Rule *shadowed*: a key once outside the enforced share was counted as a shadow
             // limit counts, which the handler does not see.
-            if self.trace.sanctioned(key) || self.unjudged.contains(key) {
+            // Rule *blocked*: a key blocked by a refusal of a waiter (which the trace does not
+            // learn of) peeks 0 left until its block ends.
+            if self.trace.sanctioned(key)
+                || self.unjudged.contains(key)
+                || self.model.standing(key).is_some()
+            {
                 continue;
             }
             let Some((spec, level, from, _)) = self.trace.level(key, "rate") else {
