@@ -127,6 +127,9 @@
 //! is stored under then, which a check of another plan may have carried it to; fixed window:
 //! `DECRBY`; sliding log: `ZREM` of the members added). The consume and the refund run in a task
 //! of their own, so a caller that gives up at its deadline does not leave them half done.
+//! Between the two, the units are held: a check of the same key that runs meanwhile (another
+//! request, or a waiter of a queued limit checked again while its slots are full) sees them
+//! used and may be refused for them. This errs toward limiting, for one round trip.
 //!
 //! A call per hash slot goes on the shared connection. The cluster client routes each call by its keys' hash slot, and when a hash slot moves (`MOVED`, or
 //! `ASK` while it migrates) it sends that call again to the node named, after `ASKING` for an
