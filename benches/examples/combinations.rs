@@ -1962,6 +1962,20 @@ async fn drive<B: Backend>(
     (run.violations, run.tally)
 }
 
+/// A Redis backend of the harness: a server's or a cluster's, under `prefix`, with a 2 s
+/// deadline.
+fn redis_backend(kind: Kind, urls: &[String], prefix: &str) -> RedisBackend {
+    let builder = RedisBackend::builder()
+        .prefix(prefix)
+        .deadline(Duration::from_secs(2));
+    match kind {
+        Kind::Redis => builder.url(&urls[0]),
+        _ => builder.cluster(urls.to_vec()),
+    }
+    .build()
+    .unwrap()
+}
+
 /// Builds `shape` on `replicas` replicas, or says why not.
 fn build<B: Backend>(
     shape: &Shape,
@@ -2050,17 +2064,7 @@ async fn sequence(
             let Some(urls) = target else {
                 return (shape, vec!["no server".into()], Tally::default());
             };
-            let backend = || {
-                let builder = RedisBackend::builder()
-                    .prefix(&prefix)
-                    .deadline(Duration::from_secs(2));
-                match kind {
-                    Kind::Redis => builder.url(&urls[0]),
-                    _ => builder.cluster(urls.clone()),
-                }
-                .build()
-                .unwrap()
-            };
+            let backend = || redis_backend(kind, &urls, &prefix);
             let setup = (
                 verbose,
                 raw_count(&shape, backend(), &urls, kind),

@@ -25,7 +25,6 @@ use tollgate::cost::{Metered, OnDrop};
 use tollgate::key::{Cidr, ClientIp, Tenant, TrustedProxies};
 use tollgate::{Decision, DenyReason, Denylist, Limit, Limits, Plan, Quota, RateLimitLayer};
 use tollgate_engine::{Backend, Clock, ConfigError, MemoryBackend, Micros, MissingKeyPolicy};
-use tollgate_redis::RedisBackend;
 use tower::ServiceExt;
 
 use super::flight::InFlight;
@@ -491,17 +490,7 @@ pub(crate) async fn sequence(
                     .as_ref()
                     .map(tollgate_testsupport::RedisCluster::urls),
             }?;
-            let backend = || {
-                let builder = RedisBackend::builder()
-                    .prefix(&prefix)
-                    .deadline(Duration::from_secs(2));
-                match kind {
-                    Kind::Redis => builder.url(&urls[0]),
-                    _ => builder.cluster(urls.clone()),
-                }
-                .build()
-                .unwrap()
-            };
+            let backend = || super::redis_backend(kind, &urls, &prefix);
             let trace = Trace::new(Frame::Real, None);
             let played = play((scenario, &shots, verbose), backend, &trace).await;
             found.extend(trace.judge());
