@@ -98,12 +98,17 @@ async fn spread(backends: [RedisBackend; 2], n: usize) -> (Vec<u16>, usize, Arc<
 
 const N: usize = 40;
 
+/// A deadline long enough for a loaded machine: a call past the default deadline fails, and
+/// the limit fails open, which would admit requests together.
+const LOADED: Duration = Duration::from_secs(10);
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_replicas_share_one_slot_and_serve_every_waiter_one_at_a_time() {
     let server = RedisServer::start();
     let backend = || {
         RedisBackend::builder()
             .url(server.url().as_str())
+            .deadline(LOADED)
             .build()
             .unwrap()
     };
@@ -123,6 +128,7 @@ async fn two_replicas_share_one_slot_on_a_cluster() {
     let backend = || {
         RedisBackend::builder()
             .cluster(cluster.urls())
+            .deadline(LOADED)
             .build()
             .unwrap()
     };
