@@ -145,3 +145,48 @@ async fn at_most_n_in_flight_over_two_instances_on_a_cluster() {
     };
     assert_eq!(until(0, held).await, 0, "every slot given back");
 }
+
+/// Over real HTTP/1 connections: a client of one request at a time, alternating between two
+/// servers that share a concurrency limit of 1 on Redis, whose handler answers an empty body
+/// (which HTTP/1 would end without polling it). It reads each response to its end before it
+/// sends the next: the end reaches it only once Redis has the release, so every request finds
+/// the slot free. Exactly 40 of 40 admitted, on keep-alive connections.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_empty_body_over_http_ends_only_once_its_slot_is_back() {
+    use http_body_util::{BodyExt, Empty};
+    use hyper_util::client::legacy::Client;
+    use hyper_util::rt::TokioExecutor;
+
+    let server = RedisServer::start();
+    let mut addrs = Vec::new();
+    for _ in 0..2 {
+        let redis = backend(RedisBackend::builder().url(server.url().as_str()));
+        let limits = RateLimitLayer::builder()
+            .limit(
+                Limit::concurrency("one", 1).unwrap(),
+                Tenant::header("x-shop-domain"),
+            )
+            .backend(redis)
+            .build()
+            .unwrap();
+        // `()`: an empty body, its size exactly 0.
+        let app = Router::new().route("/empty", get(|| async {}).route_layer(limits));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        addrs.push(listener.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    }
+    let client = Client::builder(TokioExecutor::new()).build_http::<Empty<bytes::Bytes>>();
+    let mut status = Vec::new();
+    for i in 0..40 {
+        let req = Request::get(format!("http://{}/empty", addrs[i % 2]))
+            .header("x-shop-domain", "shop.example")
+            .body(Empty::new())
+            .unwrap();
+        let res = client.request(req).await.unwrap();
+        let code = res.status().as_u16();
+        status.push(code);
+        let body = res.into_body().collect().await.unwrap().to_bytes();
+        assert!(code != 200 || body.is_empty());
+    }
+    assert_eq!(status, [200; 40]);
+}
