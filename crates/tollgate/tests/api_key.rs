@@ -218,17 +218,16 @@ async fn a_limits_file_keys_on_an_api_key_or_a_bearer_token() {
             "[[limit]]\nname = \"per-key\"\nalgorithm = \"gcra\"\nquota = 1\nperiod = \"1m\"\nkey = {key}\n"
         )
     };
-    let limits = tollgate::LimitsFile::new()
-        .parse(&file(
-            r#"{ api_key = "x-api-key", min_len = 8, max_len = 40 }"#,
-        ))
-        .unwrap();
-    let layer = RateLimitLayer::builder()
-        .backend(MemoryBackend::builder().clock(FakeClock::new(T0)).build())
-        .limits(limits)
-        .build()
-        .unwrap();
-    let mut svc = app(&layer);
+    let from_file = |key: &str| {
+        let limits = tollgate::LimitsFile::new().parse(&file(key)).unwrap();
+        let layer = RateLimitLayer::builder()
+            .backend(MemoryBackend::builder().clock(FakeClock::new(T0)).build())
+            .limits(limits)
+            .build()
+            .unwrap();
+        app(&layer)
+    };
+    let mut svc = from_file(r#"{ api_key = "x-api-key", min_len = 8, max_len = 40 }"#);
     assert_eq!(status(&mut svc, KEY).await, StatusCode::OK);
     assert_eq!(status(&mut svc, KEY_OTHER_CASE).await, StatusCode::OK);
     assert_eq!(status(&mut svc, KEY).await, StatusCode::TOO_MANY_REQUESTS);
@@ -236,15 +235,7 @@ async fn a_limits_file_keys_on_an_api_key_or_a_bearer_token() {
     assert_eq!(status(&mut svc, "abcd+/==").await, StatusCode::OK);
     assert_eq!(status(&mut svc, "abcd+/=").await, StatusCode::BAD_REQUEST);
 
-    let limits = tollgate::LimitsFile::new()
-        .parse(&file(r#""bearer""#))
-        .unwrap();
-    let layer = RateLimitLayer::builder()
-        .backend(MemoryBackend::builder().clock(FakeClock::new(T0)).build())
-        .limits(limits)
-        .build()
-        .unwrap();
-    let mut svc = app(&layer);
+    let mut svc = from_file(r#""bearer""#);
     let bearer = format!("Bearer {KEY}");
     assert_eq!(
         send(&mut svc, "authorization", Some(&bearer)).await.0,
