@@ -119,6 +119,9 @@ pub enum ConfigError {
     },
     /// An enforced share ([`crate::Limit::enforce_percent`]) above 100 percent.
     InvalidEnforcePercent(u32),
+    /// An adaptive concurrency limit's settings that cannot work together (a floor above the
+    /// ceiling, a reserve over 100 percent...): what is wrong, in words.
+    InvalidAdaptive(String),
 }
 
 /// The words of `Display`: `main() -> Result<(), Box<dyn Error>>` prints an error with
@@ -233,6 +236,7 @@ impl fmt::Display for ConfigError {
                  emission time, and only a GCRA limit has one",
                 algorithm.as_str()
             ),
+            Self::InvalidAdaptive(why) => write!(f, "invalid adaptive concurrency limit: {why}"),
             Self::InvalidEnforcePercent(p) => write!(
                 f,
                 "enforce_percent {p} is invalid: it must be between 0 (shadow) and 100 (enforced)"

@@ -3,6 +3,8 @@ use std::time::Duration;
 
 use tollgate_engine::{Algorithm, BackendErrorKind, Quota, Status, Verdict};
 
+use crate::adaptive::AdaptiveDecision;
+
 /// Why a limit refused a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
@@ -392,6 +394,8 @@ impl LimitDecision {
 #[derive(Clone)]
 pub struct Decision {
     limits: Limits,
+    /// The adaptive concurrency limit's part, in a layer that has one.
+    adaptive: Option<AdaptiveDecision>,
 }
 
 /// A decision's parts. Most layers have one limit: its part is kept inline, so that making a
@@ -409,13 +413,16 @@ impl FromIterator<LimitDecision> for Decision {
             (Some(one), None) => Limits::One(one),
             (first, second) => Limits::Many(first.into_iter().chain(second).chain(iter).collect()),
         };
-        Self { limits }
+        Self {
+            limits,
+            adaptive: None,
+        }
     }
 }
 
 impl PartialEq for Decision {
     fn eq(&self, other: &Self) -> bool {
-        self.limits() == other.limits()
+        self.limits() == other.limits() && self.adaptive == other.adaptive
     }
 }
 
@@ -423,9 +430,12 @@ impl Eq for Decision {}
 
 impl std::fmt::Debug for Decision {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Decision")
-            .field("limits", &self.limits())
-            .finish()
+        let mut d = f.debug_struct("Decision");
+        d.field("limits", &self.limits());
+        if let Some(adaptive) = &self.adaptive {
+            d.field("adaptive", adaptive);
+        }
+        d.finish()
     }
 }
 
@@ -450,16 +460,41 @@ impl Decision {
     pub(crate) fn one(limit: LimitDecision) -> Self {
         Self {
             limits: Limits::One(limit),
+            adaptive: None,
         }
     }
 
-    /// This decision's limits followed by `inner`'s: what two stacked layers decided.
+    /// This decision with the adaptive concurrency limit's part.
+    pub(crate) fn with_adaptive(mut self, part: AdaptiveDecision) -> Self {
+        self.adaptive = Some(part);
+        self
+    }
+
+    /// The adaptive concurrency limit's part ([`crate::adaptive`]): the request's class, and
+    /// whether it was shed (or, monitor-only, would have been). `None` in a layer without
+    /// one.
+    pub fn adaptive(&self) -> Option<&AdaptiveDecision> {
+        self.adaptive.as_ref()
+    }
+
+    /// Whether the adaptive concurrency limit shed the request (`503`).
+    pub fn is_shed(&self) -> bool {
+        self.adaptive.is_some_and(|a| a.is_shed())
+    }
+
+    /// This decision's limits followed by `inner`'s: what two stacked layers decided (the
+    /// inner layer's adaptive part, else the outer's).
     pub(crate) fn then(&self, inner: &Decision) -> Decision {
-        self.limits()
+        let both: Decision = self
+            .limits()
             .iter()
             .chain(inner.limits())
             .cloned()
-            .collect()
+            .collect();
+        Decision {
+            adaptive: inner.adaptive.or(self.adaptive),
+            ..both
+        }
     }
 
     /// One limit's part, by name.
@@ -467,9 +502,9 @@ impl Decision {
         self.limits().iter().find(|l| l.name() == name)
     }
 
-    /// Whether every limit admits the request.
+    /// Whether every limit admits the request (and the adaptive limit did not shed it).
     pub fn is_admitted(&self) -> bool {
-        !self.limits().iter().any(LimitDecision::refuses)
+        !self.limits().iter().any(LimitDecision::refuses) && !self.is_shed()
     }
 
     /// Whether the request matched the layer's [`Allowlist`](crate::Allowlist): admitted,
@@ -544,45 +579,4 @@ impl Decision {
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used)]
-mod tests {
-    use super::*;
-
-    fn part(name: &str, remaining: u64) -> LimitDecision {
-        LimitDecision::new(
-            name.into(),
-            Quota::per_minute(10).unwrap(),
-            Outcome::Allowed {
-                remaining,
-                reset: Duration::from_secs(6),
-            },
-            Source::Backend,
-            false,
-        )
-    }
-
-    #[test]
-    fn one_part_or_many_read_the_same() {
-        let one = Decision::new(vec![part("a", 3)]);
-        assert_eq!(one.limits(), [part("a", 3)]);
-        assert_eq!(one.remaining(), Some(3));
-        // Collected from an iterator whose length is not known in advance.
-        let filtered: Decision = [part("a", 3), part("b", 1)]
-            .into_iter()
-            .filter(|p| p.name() == "a")
-            .collect();
-        assert_eq!(filtered, one);
-        for n in [0, 2, 3] {
-            let parts: Vec<_> = (0..n).map(|i| part(&format!("l{i}"), i)).collect();
-            let many = Decision::new(parts.clone());
-            assert_eq!(many.limits(), parts.as_slice());
-            let collected: Decision = parts.iter().filter(|_| true).cloned().collect();
-            assert_eq!(collected.limits(), parts.as_slice());
-        }
-        assert_eq!(
-            format!("{:?}", Decision::new(vec![])),
-            "Decision { limits: [] }"
-        );
-        assert_eq!(one.clone(), one);
-    }
-}
+mod tests;

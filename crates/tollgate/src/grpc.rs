@@ -11,6 +11,7 @@
 //! | a fail-closed limit's backend failed | 14 `UNAVAILABLE` |
 //! | a missing or invalid key under the reject policy | 3 `INVALID_ARGUMENT` |
 //! | a deny list matched the call | 7 `PERMISSION_DENIED` |
+//! | the adaptive concurrency limit shed the call (the server is overloaded) | 14 `UNAVAILABLE` |
 //!
 //! The retry delay, when there is one, is in a `retry-after` metadata entry (whole seconds,
 //! rounded up, as the HTTP header) and, with the `tonic` feature, in a `google.rpc.RetryInfo`
@@ -78,6 +79,10 @@ fn message(rejection: &Rejection<'_>) -> String {
             crate::fields::whole_seconds(after)
         ),
         (RejectionKind::Denylisted, None) => "the call is refused by a deny list".to_owned(),
+        (RejectionKind::Shed, after) => format!(
+            "the server is overloaded (\"{limit}\"); retry in {} s",
+            after.map_or(1, crate::fields::whole_seconds)
+        ),
     }
 }
 
@@ -192,6 +197,16 @@ mod tests {
                 ),
                 "7",
                 "the call is refused by a deny list; retry in 90 s",
+            ),
+            (
+                Rejection::new(
+                    RejectionKind::Shed,
+                    "api",
+                    Some(Duration::from_millis(1_000)),
+                    None,
+                ),
+                "14",
+                "the server is overloaded (\"api\"); retry in 1 s",
             ),
         ];
         for (rejection, code, message) in cases {

@@ -75,6 +75,14 @@
 //! [`Settle`](cost::Settle) handle (usable until the response body ends) or a
 //! [`Charge`](cost::Charge). See [`cost`].
 //!
+//! # Protecting the service itself
+//!
+//! [`RateLimitLayerBuilder::adaptive`] adds an [`Adaptive`] concurrency limit: how many
+//! requests this process runs at once, learned from their latency, with [`Priority`] classes
+//! (the lowest shed first, a reserve for critical ones), fairness between keys and a short
+//! queue. A shed request is answered `503` with `Retry-After`, before any other limit is
+//! asked, so it consumes nothing. See [`adaptive`].
+//!
 //! # Observability
 //!
 //! Through the [`metrics`](https://docs.rs/metrics) facade (install any exporter) and
@@ -98,6 +106,8 @@ pub mod key;
 
 pub mod cost;
 
+pub mod adaptive;
+
 mod allowlist;
 mod canary;
 mod decision;
@@ -120,6 +130,7 @@ mod upstream;
 /// The parts that know nothing of HTTP: quotas, algorithms, clocks, backends.
 pub use tollgate_engine as engine;
 
+pub use adaptive::{Adaptive, AdaptiveDecision, AdaptiveLimit, Priority, ShedReason};
 pub use allowlist::Allowlist;
 pub use canary::{Canary, CanaryHandle, CanaryStatus, CANARY_LIMIT};
 pub use decision::{

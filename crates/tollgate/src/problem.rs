@@ -89,6 +89,13 @@ pub(crate) fn problem_body(rejection: &Rejection<'_>) -> Bytes {
             b"",
             b"",
         ],
+        (RejectionKind::Shed, after) => [
+            b"The server is overloaded (\\\"",
+            name,
+            b"\\\"); retry in ",
+            digits(after.map_or(1, whole_seconds), &mut seconds),
+            b" s.",
+        ],
     };
     let head: [&[u8]; 5] = [
         b"{\"type\":\"about:blank\",\"title\":\"",

@@ -30,6 +30,10 @@ pub enum RejectionKind {
     /// backend's for a limit's key): `403 Forbidden`, with `Retry-After` only when the deny
     /// has an end.
     Denylisted,
+    /// The adaptive concurrency limit shed the request: the server is overloaded (not the
+    /// client over its quota): `503 Service Unavailable` with `Retry-After`, gRPC
+    /// `UNAVAILABLE`. The [`limit`](Rejection::limit) is the adaptive limit's name.
+    Shed,
 }
 
 /// A refused request, as handed to a custom responder.
@@ -85,12 +89,13 @@ impl<'a> Rejection<'a> {
 
     /// The gRPC status code a gRPC refusal carries: 8 (`RESOURCE_EXHAUSTED`) for a used-up
     /// limit, 14 (`UNAVAILABLE`) for a fail-closed limit whose backend failed, 3
-    /// (`INVALID_ARGUMENT`) for a missing key, 7 (`PERMISSION_DENIED`) for a deny list.
+    /// (`INVALID_ARGUMENT`) for a missing key, 7 (`PERMISSION_DENIED`) for a deny list, 14
+    /// for a request the adaptive limit shed.
     pub fn grpc_code(&self) -> u8 {
         match self.kind {
             RejectionKind::TooManyRequests => RESOURCE_EXHAUSTED,
             RejectionKind::Denylisted => PERMISSION_DENIED,
-            RejectionKind::Unavailable => UNAVAILABLE,
+            RejectionKind::Unavailable | RejectionKind::Shed => UNAVAILABLE,
             RejectionKind::MissingKey(_) | RejectionKind::InvalidCost => INVALID_ARGUMENT,
         }
     }
@@ -105,7 +110,7 @@ impl<'a> Rejection<'a> {
         match self.kind {
             RejectionKind::TooManyRequests => StatusCode::TOO_MANY_REQUESTS,
             RejectionKind::Denylisted => StatusCode::FORBIDDEN,
-            RejectionKind::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+            RejectionKind::Unavailable | RejectionKind::Shed => StatusCode::SERVICE_UNAVAILABLE,
             RejectionKind::MissingKey(_) | RejectionKind::InvalidCost => StatusCode::BAD_REQUEST,
         }
     }

@@ -7,6 +7,7 @@ use pin_project_lite::pin_project;
 use tollgate_engine::Landing;
 
 use super::settle::Owed;
+use crate::adaptive::Permit;
 
 pin_project! {
     /// The response body of [`RateLimit`](super::RateLimit): the inner service's body, or the
@@ -36,6 +37,36 @@ pub(crate) trait Hold: Send + Sync {
     /// (see [`Slots::release_landing`](tollgate_engine::Slots::release_landing)), if it has to
     /// be.
     fn finish(self: Box<Self>) -> Option<Landing>;
+}
+
+/// Two holds, given back together.
+pub(crate) struct Both(Box<dyn Hold>, Box<dyn Hold>);
+
+impl Both {
+    /// What holds `a` and `b`, whichever there are.
+    pub(crate) fn of(a: Option<Box<dyn Hold>>, b: Option<Box<dyn Hold>>) -> Option<Box<dyn Hold>> {
+        match (a, b) {
+            (Some(a), Some(b)) => Some(Box::new(Both(a, b))),
+            (a, b) => a.or(b),
+        }
+    }
+}
+
+impl Hold for Both {
+    fn finish(self: Box<Self>) -> Option<Landing> {
+        let Both(a, b) = *self;
+        let landing = a.finish();
+        // Only slots wait for the backend; a permit goes back at once.
+        b.finish().or(landing)
+    }
+}
+
+/// The adaptive limit's permit goes back when the body ends.
+impl Hold for Permit {
+    fn finish(self: Box<Self>) -> Option<Landing> {
+        drop(self);
+        None
+    }
 }
 
 pin_project! {

@@ -13,15 +13,17 @@ use tokio::time::{Instant, Sleep};
 use tollgate_engine::Backend;
 use tower_service::Service;
 
-use super::body::{Hold, ResponseBody};
+use super::body::{Both, Hold, ResponseBody};
 use super::decide::{Decided, Wait};
 use super::limits::LimitSet;
 use super::prepare::{Facts, KeptKeys};
 use super::queued::Queued;
+use super::service::start;
 use super::settle::{Owed, Refund, SetSink, Settler};
 use super::slots::HeldSlots;
 use super::state::Shared;
 use super::wait::WaitSeats;
+use crate::adaptive::{AdaptiveDecision, Permit, PermitWait};
 use crate::cost::Settle;
 use crate::decision::Decision;
 
@@ -34,6 +36,9 @@ pin_project! {
     {
         #[pin]
         state: State<S, B, ReqBody>,
+        // The adaptive limit's permit: given back when the request is refused, when this
+        // future is dropped unanswered, or with the response body.
+        permit: Option<Permit>,
     }
 }
 
@@ -49,6 +54,11 @@ pin_project! {
         // stays small.
         Checking {
             checking: Option<Box<Checking<S, B, ReqBody>>>,
+        },
+        // Waits in the adaptive limit's queue for a permit, before anything else. Boxed: only
+        // such requests pay for the room.
+        Admitting {
+            admitting: Option<Box<Admitting<S, B, ReqBody>>>,
         },
         // Refused by a queued limit's full key: waits in the key's line for its turn, then
         // is checked again. Boxed: only such requests pay for the room.
@@ -86,6 +96,14 @@ struct Checking<S, B: Backend, ReqBody> {
     shared: Arc<Shared<B>>,
 }
 
+/// A request waiting in the adaptive limit's queue, with the service that will answer it.
+struct Admitting<S, B, ReqBody> {
+    waiting: PermitWait,
+    req: Request<ReqBody>,
+    inner: S,
+    shared: Arc<Shared<B>>,
+}
+
 /// A request admitted ahead of its time, with everything its call needs once the time comes.
 struct Waiting<S, B: Backend, ReqBody> {
     sleep: Pin<Box<Sleep>>,
@@ -111,7 +129,7 @@ pub(crate) enum Svc<'a, S> {
 }
 
 impl<S> Svc<'_, S> {
-    fn call<R>(self, req: R) -> S::Future
+    pub(crate) fn call<R>(self, req: R) -> S::Future
     where
         S: Service<R>,
     {
@@ -121,7 +139,7 @@ impl<S> Svc<'_, S> {
         }
     }
 
-    fn owned(self) -> S {
+    pub(crate) fn owned(self) -> S {
         match self {
             Self::Ready(inner, clone) => {
                 let fresh = clone(inner);
@@ -145,6 +163,7 @@ where
         shared: Arc<Shared<B>>,
     ) -> Self {
         Self {
+            permit: None,
             state: State::Checking {
                 checking: Some(Box::new(Checking {
                     check,
@@ -158,6 +177,35 @@ where
         }
     }
 
+    /// A request that waits in the adaptive limit's queue before anything else.
+    pub(crate) fn admitting(
+        waiting: PermitWait,
+        req: Request<ReqBody>,
+        inner: S,
+        shared: Arc<Shared<B>>,
+    ) -> Self {
+        Self {
+            permit: None,
+            state: State::Admitting {
+                admitting: Some(Box::new(Admitting {
+                    waiting,
+                    req,
+                    inner,
+                    shared,
+                })),
+            },
+        }
+    }
+
+    /// This future, holding the adaptive limit's `permit` until the response ends (given back
+    /// at once if the request is refused).
+    pub(crate) fn holding(mut self, permit: Permit) -> Self {
+        if !matches!(self.state, State::Refused { .. }) {
+            self.permit = Some(permit);
+        }
+        self
+    }
+
     /// A request that waits in a queued limit's line (`facts.queueing`) before its check.
     pub(crate) fn queued(
         req: Request<ReqBody>,
@@ -166,6 +214,7 @@ where
         shared: Arc<Shared<B>>,
     ) -> Self {
         Self {
+            permit: None,
             state: State::Queued {
                 queued: Some(Box::new(Queued::new(req, inner, parts, shared))),
             },
@@ -180,9 +229,14 @@ where
         inner: Svc<'_, S>,
         shared: Arc<Shared<B>>,
         checked: Option<(&Arc<LimitSet>, u128)>,
+        part: Option<AdaptiveDecision>,
     ) -> Self {
         match decided {
             Decided::Admit(decision, owed, slots, wait) => {
+                let decision = match part {
+                    Some(part) => decision.with_adaptive(part),
+                    None => decision,
+                };
                 let slots = match (slots, checked) {
                     (Some(taken), Some(checked)) => Some(HeldSlots::hold(&shared, taken, checked)),
                     _ => None,
@@ -231,6 +285,7 @@ where
                     };
                     let finish = for_response.map(|decision| (decision, shared));
                     return Self {
+                        permit: None,
                         state: State::Waiting {
                             waiting: Some(Box::new(Waiting {
                                 sleep: Box::pin(tokio::time::sleep_until(Instant::now() + wait)),
@@ -245,6 +300,7 @@ where
                     };
                 }
                 Self {
+                    permit: None,
                     state: State::Calling {
                         call: inner.call(req),
                         finish: for_response.map(|decision| (decision, shared)),
@@ -259,6 +315,7 @@ where
 
     pub(crate) fn refused(response: Response<Bytes>) -> Self {
         Self {
+            permit: None,
             state: State::Refused {
                 response: Some(response),
             },
@@ -279,6 +336,27 @@ where
         let mut this = self.project();
         loop {
             match this.state.as_mut().project() {
+                StateProj::Admitting { admitting } => {
+                    let Some(a) = admitting.as_mut() else {
+                        panic!("{DONE}");
+                    };
+                    let turn = ready!(a.waiting.poll_turn(cx));
+                    let Some(a) = admitting.take() else {
+                        panic!("{DONE}");
+                    };
+                    let Admitting {
+                        req, inner, shared, ..
+                    } = *a;
+                    let next = match turn {
+                        Ok(permit) => {
+                            let part = Some(permit.part);
+                            start(&shared, req, Svc::Owned(inner), part).holding(permit)
+                        }
+                        Err(part) => Self::refused(shared.refuse_shed(part, &req)),
+                    };
+                    *this.permit = next.permit;
+                    this.state.set(next.state);
+                }
                 StateProj::Checking { checking } => {
                     let Some(waiting) = checking.as_mut() else {
                         panic!("{DONE}");
@@ -304,6 +382,7 @@ where
                         this.state.set(queued.state);
                         continue;
                     };
+                    let part = this.permit.as_ref().map(|p| p.part);
                     this.state.set(
                         Self::decided(
                             decided,
@@ -311,6 +390,7 @@ where
                             Svc::Owned(inner),
                             shared,
                             Some((&facts.set, facts.slot)),
+                            part,
                         )
                         .state,
                     );
@@ -331,6 +411,7 @@ where
                         ..
                     } = *q;
                     // Its place goes back with its facts, once it holds what it was given.
+                    let part = this.permit.as_ref().map(|p| p.part);
                     this.state.set(
                         Self::decided(
                             decided,
@@ -338,6 +419,7 @@ where
                             Svc::Owned(inner),
                             shared,
                             Some((&facts.set, facts.slot)),
+                            part,
                         )
                         .state,
                     );
@@ -375,9 +457,15 @@ where
                     owed,
                     slots,
                 } => {
+                    if let Some(permit) = this.permit.as_mut() {
+                        permit.start();
+                    }
                     let mut response = match ready!(call.poll(cx)) {
                         Ok(response) => response,
                         Err(error) => {
+                            if let Some(mut permit) = this.permit.take() {
+                                permit.answered(true);
+                            }
                             // No response: `count_if` judges the error as the 500 a server
                             // makes of it, and the reservations settle now.
                             if let Some(mut owed) = owed.take() {
@@ -386,8 +474,12 @@ where
                             return Poll::Ready(Err(error));
                         }
                     };
-                    // The slots stay held until the body ends or is dropped.
-                    let hold = slots.take().map(|s| Box::new(s) as Box<dyn Hold>);
+                    // The slots and the permit stay held until the body ends or is dropped.
+                    let permit = this.permit.take().map(|mut permit| {
+                        permit.answered(response.status().is_server_error());
+                        Box::new(permit) as Box<dyn Hold>
+                    });
+                    let hold = Both::of(slots.take().map(|s| Box::new(s) as Box<dyn Hold>), permit);
                     let Some(mut owed) = owed.take() else {
                         if let Some((decision, shared)) = finish.take() {
                             shared.finish(&mut response, decision);
@@ -416,6 +508,8 @@ where
                     let Some(response) = response.take() else {
                         panic!("{DONE}");
                     };
+                    // Refused by another limit: no sample, and the permit goes back now.
+                    drop(this.permit.take());
                     return Poll::Ready(Ok(response.map(ResponseBody::refusal)));
                 }
             }

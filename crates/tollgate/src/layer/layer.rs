@@ -18,6 +18,7 @@ use super::refused::Refusals;
 use super::reload::Reloader;
 use super::service::RateLimit;
 use super::state::{PlanFn, Responder, Shared};
+use crate::adaptive::{Adaptive, AdaptiveLimit, Guard};
 use crate::allowlist::Allowlist;
 use crate::cost::Metered;
 use crate::denylist::Denylist;
@@ -82,6 +83,7 @@ impl RateLimitLayer<MemoryBackend> {
             fallback_max_keys: 100_000,
             unavailable_retry_after: Duration::from_secs(1),
             top_refused_k: DEFAULT_TOP_K,
+            adaptive: None,
         }
     }
 }
@@ -101,6 +103,14 @@ impl<B> RateLimitLayer<B> {
             .iter()
             .map(|e| e.limit.clone())
             .collect()
+    }
+
+    /// The running adaptive concurrency limit, if the layer has one (see [`crate::adaptive`]).
+    pub fn adaptive(&self) -> Option<AdaptiveLimit> {
+        self.shared
+            .adaptive
+            .as_ref()
+            .map(|guard| AdaptiveLimit::new(Arc::clone(&guard.gate)))
     }
 
     /// A handle that replaces this layer's limits at run time (see [`Reloader`]).
@@ -178,9 +188,23 @@ pub struct RateLimitLayerBuilder<B> {
     fallback_max_keys: usize,
     unavailable_retry_after: Duration,
     top_refused_k: usize,
+    adaptive: Option<(Adaptive, Box<dyn KeyExtractor>)>,
 }
 
 impl<B: Backend> RateLimitLayerBuilder<B> {
+    /// Adds an adaptive concurrency limit (see [`crate::adaptive`]): how many requests this
+    /// process lets run at once, learned from their latency, with priority classes; `key`
+    /// is what fairness within a class counts by (the heaviest keys are shed first).
+    ///
+    /// It is asked first, before the backend: a shed request (`503` with `Retry-After`)
+    /// consumes nothing of the other limits, and a request they refuse gives its permit back
+    /// at once. A layer has at most one; a second replaces the first. Its settings are
+    /// checked by [`build`](Self::build).
+    pub fn adaptive(mut self, adaptive: Adaptive, key: impl KeyExtractor) -> Self {
+        self.adaptive = Some((adaptive, Box::new(key)));
+        self
+    }
+
     /// Adds a limit, counted per key that `key` extracts.
     pub fn limit(mut self, limit: Limit, key: impl KeyExtractor) -> Self {
         self.limits.push(limit, Box::new(key));
@@ -274,6 +298,7 @@ impl<B: Backend> RateLimitLayerBuilder<B> {
             fallback_max_keys: self.fallback_max_keys,
             unavailable_retry_after: self.unavailable_retry_after,
             top_refused_k: self.top_refused_k,
+            adaptive: self.adaptive,
         }
     }
 
@@ -378,8 +403,14 @@ impl<B: Backend> RateLimitLayerBuilder<B> {
     /// window or a sliding log (shadow limits aside): the window counts a request when it is
     /// checked, and a delayed one may run in the next window. A window on a layer of its own
     /// inside the delayed one counts requests when they run.
+    /// [`ConfigError::InvalidAdaptive`] for an adaptive limit whose settings cannot work
+    /// (see [`Adaptive`]).
     pub fn build(self) -> Result<RateLimitLayer<B>, ConfigError> {
         let set = self.limits.compile(self.top_refused_k > 0)?;
+        let adaptive = match self.adaptive {
+            Some((adaptive, key)) => Some(Guard::new(adaptive.build()?, key)),
+            None => None,
+        };
         Ok(RateLimitLayer {
             shared: Arc::new(Shared {
                 backend: self.backend,
@@ -401,6 +432,7 @@ impl<B: Backend> RateLimitLayerBuilder<B> {
                 waiters: Arc::default(),
                 lines: Arc::default(),
                 near_limit: self.near_limit,
+                adaptive,
             }),
         })
     }

@@ -11,7 +11,8 @@ use tollgate_engine::Backend;
 use super::limits::{LimitSet, SetLimit};
 use super::respond::{policy_for, put_decision};
 use super::state::Shared;
-use crate::decision::{Decision, Outcome, Source};
+use crate::adaptive::AdaptiveDecision;
+use crate::decision::{Decision, Outcome, SkipReason, Source};
 use crate::fields::{self, Fields};
 use crate::key::MissingKey;
 use crate::metrics as obs;
@@ -78,6 +79,38 @@ impl<B: Backend> Shared<B> {
         obs::record_span(span, &decision);
         crate::span::record(span, &decision, None);
         self.refuse_decision(decision, req, set)
+    }
+
+    /// The refusal of a request that the adaptive limit shed (`part`): `503` with its
+    /// `Retry-After` and no rate-limit fields (it says nothing of a quota). No other limit was
+    /// asked: each says `Skipped` (`NotChecked`), and counts it so.
+    pub(crate) fn refuse_shed<T>(
+        &self,
+        part: AdaptiveDecision,
+        req: &Request<T>,
+    ) -> Response<Bytes> {
+        let set = self.set.load();
+        let skipped = Outcome::Skipped {
+            reason: SkipReason::NotChecked,
+        };
+        let decision: Decision = set
+            .limits
+            .iter()
+            .map(|entry| entry.decision(skipped, Source::Backend, 0))
+            .collect();
+        for (entry, d) in set.limits.iter().zip(decision.limits()) {
+            entry.metrics.record(d, false, 0);
+        }
+        let decision = decision.with_adaptive(part);
+        let (name, after) = match &self.adaptive {
+            Some(guard) => (guard.name(), guard.retry_after()),
+            None => ("adaptive", Duration::from_secs(1)),
+        };
+        let rejection = Rejection::new(RejectionKind::Shed, name, Some(after), Some(&decision))
+            .grpc(grpc::is_grpc(req.headers()));
+        let mut response = self.refuse(&rejection);
+        put_decision(&mut response, decision);
+        response
     }
 
     /// The refusal of a request that `decision` refused under `set`'s limits: it carries the

@@ -25,6 +25,8 @@ use crate::limits_file::LimitsFile;
 /// - A limit whose quotas changed is seen at once: a cached denial (the Redis backend's deny
 ///   cache) stands only under the quota it was made under.
 /// - Each attempt counts in `tollgate_config_reloads_total{result}` (`ok` or `error`).
+/// - An adaptive concurrency limit ([`crate::adaptive`]) learns its baseline latency again
+///   after a reload, as at start (its limit is pinned to its floor meanwhile).
 ///
 /// # Examples
 ///
@@ -152,6 +154,10 @@ impl<B: Backend> Reloader<B> {
         }
         *applied = ticket;
         self.shared.set.store(new);
+        // A reload often comes with a deploy: the adaptive limit learns its baseline again.
+        if let Some(adaptive) = &self.shared.adaptive {
+            crate::adaptive::AdaptiveLimit::new(Arc::clone(&adaptive.gate)).restart();
+        }
         Ok(())
     }
 }

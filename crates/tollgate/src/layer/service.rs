@@ -15,8 +15,9 @@ use tower_service::Service;
 use super::body::ResponseBody;
 use super::decide::Decided;
 use super::future::{ResponseFuture, Svc};
-use super::prepare::{Facts, KeptKeys, Start};
+use super::prepare::{KeptKeys, Start};
 use super::state::Shared;
+use crate::adaptive::{AdaptiveDecision, Admission};
 
 /// The service a [`RateLimitLayer`](crate::RateLimitLayer) wraps around `S`.
 ///
@@ -72,67 +73,83 @@ where
     }
 
     fn call(&mut self, req: Request<ReqBody>) -> Self::Future {
-        // The prepared check (its answer inline) is a few hundred bytes: it is answered in
-        // place, and only a pending answer moves it, into the future.
-        let mut kept = KeptKeys::default();
-        let mut start = self.shared.prepare(&req, &mut kept);
-        if let Start::Ask(check, facts) = &mut start {
-            // The in-memory backend, and a networked one's local deny cache, answer at once.
-            // Then the request goes straight to the service that was polled ready: no clone of
-            // it, and no trip of the request through the future.
-            let answer = Pin::new(check).poll(&mut Context::from_waker(Waker::noop()));
-            if let Poll::Ready(result) = &answer {
-                if let Some(decided) = self.shared.decide(result, &req, facts, &mut kept) {
-                    return ResponseFuture::decided(
-                        decided,
-                        req,
-                        Svc::Ready(&mut self.inner, S::clone),
-                        Arc::clone(&self.shared),
-                        Some((&facts.set, facts.slot)),
-                    );
-                }
-            }
-        }
-        match start {
-            // Refused by a queued limit's full key, or behind others in its line: waits for
-            // its turn with the service that was polled ready; a fresh clone takes its place.
-            Start::Ask(_, facts) if facts.queueing.is_some() => self.queue(req, facts, kept),
-            Start::Queue(facts) => self.queue(req, facts, kept),
-            // Pending: polled again, with the task's waker, by the future. The service that
-            // was polled ready is called later; a fresh clone takes its place.
-            Start::Ask(check, facts) => {
-                let clone = self.inner.clone();
-                let inner = std::mem::replace(&mut self.inner, clone);
-                let shared = Arc::clone(&self.shared);
-                ResponseFuture::checking(check, req, inner, (facts, kept), shared)
-            }
-            Start::Refuse(response) => ResponseFuture::refused(response),
-            Start::Admit(decision) => ResponseFuture::decided(
-                Decided::Admit(decision, None, None, None),
+        let Some(guard) = &self.shared.adaptive else {
+            return start(
+                &self.shared,
                 req,
                 Svc::Ready(&mut self.inner, S::clone),
-                Arc::clone(&self.shared),
                 None,
-            ),
+            );
+        };
+        // The adaptive limit first: a shed request never reaches the backend.
+        match guard.admit(&req) {
+            Admission::Admitted(permit) => {
+                let part = Some(permit.part);
+                let svc = Svc::Ready(&mut self.inner, S::clone);
+                start(&self.shared, req, svc, part).holding(permit)
+            }
+            // Waits for its turn with the service that was polled ready; a fresh clone takes
+            // its place.
+            Admission::Wait(waiting) => {
+                let inner = Svc::Ready(&mut self.inner, S::clone).owned();
+                ResponseFuture::admitting(waiting, req, inner, Arc::clone(&self.shared))
+            }
+            Admission::Shed(part) => ResponseFuture::refused(self.shared.refuse_shed(part, &req)),
         }
     }
 }
 
-impl<S: Clone, B: Backend> RateLimit<S, B> {
-    /// The future of a request that waits in a queued limit's line (its place in `facts`),
-    /// with the service that was polled ready; a fresh clone takes its place.
-    fn queue<ReqBody>(
-        &mut self,
-        req: Request<ReqBody>,
-        facts: Facts,
-        kept: KeptKeys,
-    ) -> ResponseFuture<S, B, ReqBody>
-    where
-        S: Service<Request<ReqBody>>,
-    {
-        let clone = self.inner.clone();
-        let inner = std::mem::replace(&mut self.inner, clone);
-        ResponseFuture::queued(req, inner, (facts, kept), Arc::clone(&self.shared))
+/// A request's way through the layer's limits once the adaptive limit (if any) admitted it
+/// (`part`): its facts, its check, and then the service (`inner`) or its refusal.
+pub(crate) fn start<S, B, ReqBody>(
+    shared: &Arc<Shared<B>>,
+    req: Request<ReqBody>,
+    inner: Svc<'_, S>,
+    part: Option<AdaptiveDecision>,
+) -> ResponseFuture<S, B, ReqBody>
+where
+    S: Service<Request<ReqBody>>,
+    B: Backend,
+{
+    // The prepared check (its answer inline) is a few hundred bytes: it is answered in
+    // place, and only a pending answer moves it, into the future.
+    let mut kept = KeptKeys::default();
+    let mut start = shared.prepare(&req, &mut kept);
+    if let Start::Ask(check, facts) = &mut start {
+        // The in-memory backend, and a networked one's local deny cache, answer at once.
+        // Then the request goes straight to the service that was polled ready: no clone of
+        // it, and no trip of the request through the future.
+        let answer = Pin::new(check).poll(&mut Context::from_waker(Waker::noop()));
+        if let Poll::Ready(result) = &answer {
+            if let Some(decided) = shared.decide(result, &req, facts, &mut kept) {
+                let checked = Some((&facts.set, facts.slot));
+                let shared = Arc::clone(shared);
+                return ResponseFuture::decided(decided, req, inner, shared, checked, part);
+            }
+        }
+    }
+    let shared = Arc::clone(shared);
+    match start {
+        // Refused by a queued limit's full key, or behind others in its line: waits for
+        // its turn with the service that was polled ready; a fresh clone takes its place.
+        Start::Ask(_, facts) if facts.queueing.is_some() => {
+            ResponseFuture::queued(req, inner.owned(), (facts, kept), shared)
+        }
+        Start::Queue(facts) => ResponseFuture::queued(req, inner.owned(), (facts, kept), shared),
+        // Pending: polled again, with the task's waker, by the future. The service that
+        // was polled ready is called later; a fresh clone takes its place.
+        Start::Ask(check, facts) => {
+            ResponseFuture::checking(check, req, inner.owned(), (facts, kept), shared)
+        }
+        Start::Refuse(response) => ResponseFuture::refused(response),
+        Start::Admit(decision) => ResponseFuture::decided(
+            Decided::Admit(decision, None, None, None),
+            req,
+            inner,
+            shared,
+            None,
+            part,
+        ),
     }
 }
 

@@ -14,6 +14,7 @@ use super::limits::LimitSet;
 use super::queue::Lines;
 use super::refused::Refusals;
 use super::wait::Waiters;
+use crate::adaptive::Guard;
 use crate::fields::FieldOptions;
 use crate::key::RequestView;
 use crate::plan::Plan;
@@ -57,6 +58,8 @@ pub(crate) struct Shared<B> {
     pub(crate) near_limit: u8,
     /// Each limit's summary of refused keys, for the reports of who is refused.
     pub(crate) refused: Refusals,
+    /// The adaptive concurrency limit, asked before the backend.
+    pub(crate) adaptive: Option<Guard>,
 }
 
 impl<B: Backend> fmt::Debug for Shared<B> {
