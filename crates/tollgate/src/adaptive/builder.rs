@@ -133,7 +133,7 @@ impl Adaptive {
         self
     }
 
-    /// How much slower than the baseline the median latency may be before the limit falls
+    /// How much slower than the baseline the mean latency may be before the limit falls
     /// (default 1.1: 10%), from 1 to 10.
     pub fn tolerance(mut self, tolerance: f64) -> Self {
         self.tolerance = tolerance;

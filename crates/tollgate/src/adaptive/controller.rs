@@ -2,21 +2,24 @@
 //! the latencies of finished requests and the time (microseconds since the limit was made).
 //!
 //! - **The gradient.** Samples are gathered over a window (at least 100 ms, and at least the
-//!   baseline); at its end the window's median latency `rtt` gives
+//!   baseline); at its end the window's mean latency `rtt` (by Little's law, `n / N` times
+//!   the baseline when `n` requests share `N` workers) gives
 //!   `gradient = clamp(tolerance × baseline / rtt, 0.5, 1)` and the limit moves a
-//!   `smoothing` share of the way to `limit × gradient + headroom` (headroom: the `probe`, or
-//!   ⌈√limit⌉). At the service's capacity `N` requests in flight take `limit / N` times the
-//!   baseline, so the limit settles near `tolerance × N + headroom`.
+//!   `smoothing` share of the way to `limit × gradient`, plus a headroom (the `probe`, or
+//!   ⌈√limit⌉) when the gradient is 1 (the service is as fast as alone): past the service's
+//!   capacity `N`, `n` requests in flight take `n / N` times the baseline, so the requests in
+//!   flight settle near `tolerance × N`.
 //! - **The baseline** (the latency of a lone request) is measured in a window where the limit
 //!   is pinned to its floor (`min`): at start, after [`Controller::restart`], and again every
-//!   `remeasure` (±20%, drawn). It is the median of the latencies of the requests admitted in
-//!   that window (so while few were in flight), never above `max_baseline`: a baseline that
+//!   `remeasure` (±20%, drawn). It is taken from the latencies of the requests admitted in
+//!   that window (so while few were in flight): their mean, never above `max_baseline`: a baseline that
 //!   grows with the load would let the limit grow with it. A baseline poisoned by fast
 //!   answers makes every later window look slow and the limit fall to its floor, until the
 //!   next measurement sets it right.
-//! - **Overload.** A failed request (a 5xx, an error) counts as a sample at the timeout, as
-//!   does a request that took the timeout or longer: they never look fast. A window with any
-//!   of them never grows the limit; a window whose median is at the timeout halves it.
+//! - **Overload.** A failed request (a 5xx, an error) and one that took the timeout or longer
+//!   are failures, never fast samples. A window with any failure never grows the limit; a
+//!   window where they are half of the samples or more (a latency flat at the timeout)
+//!   halves it.
 //! - **Only real demand grows the limit**: a window grows it only if the requests in flight
 //!   reached half of it, or a request was shed or queued meanwhile.
 
@@ -41,8 +44,6 @@ const WINDOW: u64 = 100_000;
 const MEASURE_SAMPLES: usize = 16;
 /// ...or after this long with at least one (microseconds)...
 const MEASURE_FOR: u64 = 2_000_000;
-/// The most samples one window keeps (the median of more says nothing new).
-const MAX_SAMPLES: usize = 1024;
 
 /// What a finished request says of the service.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -66,8 +67,10 @@ enum Phase {
 #[derive(Debug, Default)]
 struct Window {
     since: u64,
-    samples: Vec<u64>,
-    overloaded: bool,
+    /// The answered requests' latencies, summed, and their count.
+    sum: u64,
+    answered: u64,
+    failed: u64,
     /// The most requests in flight at an admission.
     peak: u32,
     /// A request was shed or queued.
@@ -172,10 +175,13 @@ impl Controller {
             }
             Phase::Steady { .. } => {
                 let w = &mut self.window;
-                if w.samples.len() < MAX_SAMPLES {
-                    w.samples.push(value.unwrap_or(self.s.timeout));
+                match value {
+                    Some(rtt) => {
+                        w.sum = w.sum.saturating_add(rtt);
+                        w.answered += 1;
+                    }
+                    None => w.failed += 1,
                 }
-                w.overloaded |= value.is_none();
             }
         }
         self.tick(now);
@@ -193,8 +199,9 @@ impl Controller {
                     || (!samples.is_empty() && elapsed >= MEASURE_FOR)
                     || (self.baseline.is_some() && elapsed >= MEASURE_FOR.max(self.s.timeout));
                 if done {
-                    if let Some(median) = median(samples) {
-                        self.baseline = Some(median.clamp(1, self.s.max_baseline));
+                    if !samples.is_empty() {
+                        let mean = samples.iter().sum::<u64>() / samples.len() as u64;
+                        self.baseline = Some(mean.clamp(1, self.s.max_baseline));
                     }
                     let next = now + self.jittered();
                     self.phase = Phase::Steady { next };
@@ -224,22 +231,27 @@ impl Controller {
 
     /// The end of a window: the gradient's step.
     fn update(&mut self) {
-        let (Some(rtt), Some(baseline)) = (median(&mut self.window.samples), self.baseline) else {
+        let w = &self.window;
+        let Some(baseline) = self.baseline.filter(|_| w.answered + w.failed > 0) else {
             return;
         };
         let (min, max) = (f64::from(self.s.min), f64::from(self.s.max));
-        if rtt >= self.s.timeout {
-            // Flat at the timeout: overload, whatever the gradient says.
+        if w.failed >= w.answered {
+            // Half the requests failed or took the timeout: overload, whatever the latency
+            // of the others.
             self.limit = (self.limit / 2.0).clamp(min, max);
             return;
         }
+        let rtt = (w.sum / w.answered).max(1);
+        let overloaded = w.failed > 0;
         let gradient = (self.s.tolerance * baseline as f64 / rtt as f64).clamp(0.5, 1.0);
-        let w = &self.window;
         let demanded = w.demand || f64::from(w.peak) * 2.0 >= self.limit.floor();
-        if gradient >= 1.0 && (w.overloaded || !demanded) {
+        if gradient >= 1.0 && (overloaded || !demanded) {
             return;
         }
-        let headroom = if w.overloaded {
+        // Probe only while healthy: a headroom added under a slow mean would hold the
+        // limit up (at about 4 requests with ⌈√limit⌉) however slow the service gets.
+        let headroom = if overloaded || gradient < 1.0 {
             0.0
         } else {
             match self.s.probe {
@@ -263,15 +275,6 @@ impl Controller {
         let spread = self.s.remeasure / 5;
         self.s.remeasure - spread + z % (2 * spread + 1)
     }
-}
-
-/// The median of `samples` (the upper one of an even count), reordering them.
-fn median(samples: &mut [u64]) -> Option<u64> {
-    if samples.is_empty() {
-        return None;
-    }
-    let mid = samples.len() / 2;
-    Some(*samples.select_nth_unstable(mid).1)
 }
 
 #[cfg(test)]
@@ -305,7 +308,7 @@ mod tests {
             c.sample(1, Sample::Answered(50 * MS), i * MS);
         }
         assert!(c.is_measuring());
-        c.sample(1, Sample::Answered(60 * MS), 20 * MS);
+        c.sample(1, Sample::Answered(50 * MS), 20 * MS);
         assert!(!c.is_measuring());
         assert_eq!(c.baseline(), Some(50 * MS));
         assert_eq!(c.limit(), 10);
@@ -313,15 +316,15 @@ mod tests {
         c.admitted(10);
         c.sample(2, Sample::Answered(50 * MS), 120 * MS);
         assert!((c.limit - 10.8).abs() < 1e-9, "{}", c.limit);
-        // Twice the baseline: 0.55 × 10.8 + 4, a fifth of the way.
+        // Twice the baseline: 0.55 × 10.8 (no headroom), a fifth of the way.
         c.admitted(10);
         c.sample(2, Sample::Answered(100 * MS), 220 * MS);
-        assert!((c.limit - (10.8 * 0.8 + (10.8 * 0.55 + 4.0) * 0.2)).abs() < 1e-9);
+        assert!((c.limit - (10.8 * 0.8 + (10.8 * 0.55) * 0.2)).abs() < 1e-9);
         // Not in demand: stays.
         let before = c.limit;
         c.sample(2, Sample::Answered(50 * MS), 320 * MS);
         assert_eq!(c.limit, before);
-        // Failures: at the timeout; half the window or more halves the limit.
+        // Failures (and a request at the timeout): half the window or more halves the limit.
         c.sample(2, Sample::Failed, 400 * MS);
         c.sample(2, Sample::Answered(2_000 * MS), 420 * MS);
         assert_eq!(c.limit, before / 2.0);

@@ -8,8 +8,9 @@
 //! that fairness counts by.
 //!
 //! - **The limit** follows a gradient (see [`Adaptive::gradient`]): at each window (at least
-//!   100 ms) it moves toward `limit × min(1, tolerance × baseline / median latency) +
-//!   headroom`, so it settles near what the service runs at its baseline latency. The
+//!   100 ms) it moves toward `limit × min(1, tolerance × baseline / mean latency)`, plus a
+//!   headroom while the latency is within the tolerance, so it settles near what the service
+//!   runs at its baseline latency. The
 //!   baseline is measured with the limit pinned to its floor, at start and every minute or so
 //!   (jittered), under a ceiling. The latency of a request runs from its handler's start to
 //!   its response head; a 5xx, an error of the service, or a request that took the timeout

@@ -15,6 +15,7 @@ use tollgate::engine::{Backend, BackendError, BackendErrorKind, Check, Verdicts}
 use tollgate::MemoryBackend;
 
 pub mod clients;
+pub mod sim;
 
 /// One metric series: its name and its labels, sorted.
 pub type Series = (String, Vec<(String, String)>);
