@@ -40,6 +40,12 @@ impl Sim {
         }
     }
 
+    /// Lets `n` more requests run at once (a service of no workers holds every request
+    /// until then).
+    pub fn open(&self, n: usize) {
+        self.workers.add_permits(n);
+    }
+
     pub fn running(&self) -> u32 {
         self.running.load(Ordering::SeqCst)
     }
