@@ -480,3 +480,33 @@ async fn the_queue_serves_the_highest_class_first() {
     );
     assert_eq!(adaptive.queue_depth(), 0);
 }
+
+/// A layer may hold an adaptive limit alone: admitted requests carry a decision with no
+/// limit (and no rate-limit fields), shed ones a 503.
+#[tokio::test(start_paused = true)]
+async fn an_adaptive_limit_alone() {
+    let layer = RateLimitLayer::builder()
+        .adaptive(fixed(1), Global)
+        .build()
+        .unwrap();
+    let sim = Sim::new(0, MS);
+    let svc = layer.layer(sim.service());
+    let held = send(&svc, request(Priority::Default, "a"));
+    tokio::time::sleep(MS).await;
+    let (status, decision) = send(&svc, request(Priority::Critical, "a")).await.unwrap();
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(decision.unwrap().limits().is_empty());
+    sim.open(1);
+    let (status, decision) = held.await.unwrap();
+    assert_eq!(status, StatusCode::OK);
+    let decision = decision.unwrap();
+    assert_eq!(decision.adaptive().unwrap().priority(), Priority::Default);
+    assert!(decision.limits().is_empty() && decision.is_admitted());
+    let response = svc
+        .clone()
+        .oneshot(request(Priority::Default, "a"))
+        .await
+        .unwrap();
+    assert!(!response.headers().contains_key("ratelimit"));
+    assert!(!response.headers().contains_key("ratelimit-policy"));
+}

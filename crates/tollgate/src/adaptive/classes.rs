@@ -8,7 +8,7 @@ use http::HeaderValue;
 ///
 /// The application sets it as a request extension
 /// (`req.extensions_mut().insert(Priority::Critical)`), or lets the adaptive limit read it
-/// from a header it names ([`AdaptiveBuilder::priority_header`](super::AdaptiveBuilder::priority_header)).
+/// from a header it names ([`Adaptive::priority_header`](super::Adaptive::priority_header)).
 /// A request with neither is [`Priority::Default`].
 ///
 /// Under load the lowest levels are shed first: a request of level `L` is admitted only while

@@ -80,7 +80,7 @@ impl AdaptiveDecision {
     }
 
     /// Why the request was shed, or, under
-    /// [`monitor_only`](super::AdaptiveBuilder::monitor_only), would have been; `None` when it
+    /// [`monitor_only`](super::Adaptive::monitor_only), would have been; `None` when it
     /// was admitted on its merits.
     pub fn shed_reason(&self) -> Option<ShedReason> {
         self.shed

@@ -394,7 +394,8 @@ impl<B: Backend> RateLimitLayerBuilder<B> {
     ///
     /// # Errors
     ///
-    /// [`ConfigError::NoLimits`], [`ConfigError::TooManyLimits`] (more than
+    /// [`ConfigError::NoLimits`] (a layer with an adaptive limit may have no other),
+    /// [`ConfigError::TooManyLimits`] (more than
     /// [`MAX_CHECKS`](tollgate_engine::MAX_CHECKS)), [`ConfigError::DuplicateName`],
     /// [`ConfigError::ReservedName`] for a limit named [`CANARY_LIMIT`](crate::CANARY_LIMIT),
     /// which only the canary may use, [`ConfigError::PauseUnsupported`] for
@@ -406,7 +407,9 @@ impl<B: Backend> RateLimitLayerBuilder<B> {
     /// [`ConfigError::InvalidAdaptive`] for an adaptive limit whose settings cannot work
     /// (see [`Adaptive`]).
     pub fn build(self) -> Result<RateLimitLayer<B>, ConfigError> {
-        let set = self.limits.compile(self.top_refused_k > 0)?;
+        let set = self
+            .limits
+            .compile(self.top_refused_k > 0, self.adaptive.is_some())?;
         let adaptive = match self.adaptive {
             Some((adaptive, key)) => Some(Guard::new(adaptive.build()?, key)),
             None => None,

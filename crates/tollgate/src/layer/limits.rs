@@ -167,8 +167,12 @@ impl Limits {
     /// Checks the whole set and prepares it for requests.
     ///
     /// With `reports`, every enforced limit keeps its key, to count the request's refusal.
-    pub(crate) fn compile(self, reports: bool) -> Result<LimitSet, ConfigError> {
-        self.check()?;
+    /// With `adaptive` (the layer has an adaptive limit), a set without limits is one.
+    pub(crate) fn compile(self, reports: bool, adaptive: bool) -> Result<LimitSet, ConfigError> {
+        match self.check() {
+            Err(ConfigError::NoLimits) if adaptive => {}
+            checked => checked?,
+        }
         let allowlist = (!self.allowlist.is_empty()).then_some(self.allowlist);
         let denylist = (!self.denylist.is_empty()).then_some(self.denylist);
         let limits = self.entries;

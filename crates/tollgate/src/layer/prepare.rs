@@ -138,6 +138,10 @@ impl<B: Backend> Shared<B> {
                 return Start::Refuse(self.refuse_denylisted(&set, req, &span, None));
             }
         }
+        // A layer of an adaptive limit alone (which admitted the request before).
+        if set.limits.is_empty() {
+            return Start::Admit(Decision::new(Vec::new()));
+        }
         // The request's plan is looked up only when some limit has plans: its extension, or
         // what the layer's plan function makes of the request.
         let chosen;

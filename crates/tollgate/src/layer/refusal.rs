@@ -122,8 +122,10 @@ impl<B: Backend> Shared<B> {
         req: &Request<T>,
         set: &LimitSet,
     ) -> Response<Bytes> {
-        let (kind, limit) = refusal_of(&decision)
-            .unwrap_or((RejectionKind::TooManyRequests, set.limits[0].limit.name()));
+        let (kind, limit) = refusal_of(&decision).unwrap_or_else(|| {
+            let first = set.limits.first().map_or("", |e| e.limit.name());
+            (RejectionKind::TooManyRequests, first)
+        });
         let rejection = Rejection::new(kind, limit, decision.retry_after(), Some(&decision))
             .grpc(grpc::is_grpc(req.headers()));
         let mut response = match kind {

@@ -139,7 +139,10 @@ impl<B: Backend> Reloader<B> {
     fn swap(&self, limits: Limits, ticket: u64) -> Result<(), ReloadError> {
         let new = Arc::new(
             limits
-                .compile(self.shared.refused.enabled())
+                .compile(
+                    self.shared.refused.enabled(),
+                    self.shared.adaptive.is_some(),
+                )
                 .map_err(ReloadError::Config)?,
         );
         // Two reloads at once must each compare against the set they replace.

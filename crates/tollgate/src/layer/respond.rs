@@ -19,7 +19,8 @@ impl<B: Backend> Shared<B> {
     }
 
     fn fields_on_allowed(&self, decision: &Decision) -> bool {
-        self.fields.on_allowed && !decision.is_allowlisted()
+        // A layer of an adaptive limit alone has no quota to tell.
+        self.fields.on_allowed && !decision.is_allowlisted() && !decision.limits().is_empty()
     }
 
     /// Adds the decision and (if configured) the rate-limit fields to an admitted response.
