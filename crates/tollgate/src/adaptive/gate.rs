@@ -90,7 +90,7 @@ impl Gate {
     ) -> Self {
         let start = Instant::now();
         Self {
-            metrics: Metrics::new(Arc::clone(&name)),
+            metrics: Metrics::new(Arc::clone(&name), s.monitor_only),
             name,
             s,
             start,
@@ -155,13 +155,13 @@ impl Gate {
         wake: &mut Vec<Waker>,
     ) -> Admission {
         if self.s.monitor_only {
-            self.metrics.shed(true, level, reason);
+            self.metrics.shed(level, reason);
             let epoch = st.take(fp);
             let part = AdaptiveDecision::new(level, Some(reason), true);
             return Admission::Admitted(Permit::new(Arc::clone(self), fp, epoch, part));
         }
         let shed = |reason| {
-            self.metrics.shed(false, level, reason);
+            self.metrics.shed(level, reason);
             Admission::Shed(AdaptiveDecision::new(level, Some(reason), false))
         };
         let Some((percent, wait)) = self.s.queue.filter(|_| reason == ShedReason::Limit) else {
@@ -247,7 +247,7 @@ impl Gate {
 
     /// Counts a request of `level` shed from the queue.
     pub(crate) fn count_shed(&self, level: Priority, reason: ShedReason) {
-        self.metrics.shed(false, level, reason);
+        self.metrics.shed(level, reason);
     }
 
     fn show(&self, st: &State) {

@@ -10,7 +10,8 @@
 //!   monitor-only limit would have shed (and admitted).
 //!
 //! Handles are registered on first use, as the layer's are, so that a recorder installed after
-//! the layer was built sees them; the named classes' shed counters exist (at 0) from then on.
+//! the layer was built sees them; the named classes' shed counters (the shadow ones under
+//! monitor-only) exist (at 0) from then on.
 
 use std::sync::{Arc, OnceLock};
 
@@ -23,6 +24,8 @@ const NAMED: [Priority; 3] = [Priority::Critical, Priority::Default, Priority::B
 
 pub(crate) struct Metrics {
     name: Arc<str>,
+    /// Which shed counter the limit counts in: the shadow one when monitor-only.
+    shadow: bool,
     handles: OnceLock<Handles>,
 }
 
@@ -31,8 +34,8 @@ struct Handles {
     in_flight: Gauge,
     min_rtt: Gauge,
     queue: Gauge,
-    /// By named class, then reason; shed, then shadow.
-    shed: [[[Counter; ShedReason::ALL.len()]; NAMED.len()]; 2],
+    /// By named class, then reason.
+    shed: [[Counter; ShedReason::ALL.len()]; NAMED.len()],
 }
 
 /// What the gauges show.
@@ -44,9 +47,10 @@ pub(crate) struct Levels {
 }
 
 impl Metrics {
-    pub(crate) fn new(name: Arc<str>) -> Self {
+    pub(crate) fn new(name: Arc<str>, shadow: bool) -> Self {
         Self {
             name,
+            shadow,
             handles: OnceLock::new(),
         }
     }
@@ -57,23 +61,21 @@ impl Metrics {
 
     fn handles(&self) -> &Handles {
         self.handles.get_or_init(|| {
-            let shed = |shadow: bool| {
-                NAMED.map(|priority| {
-                    ShedReason::ALL.map(|reason| self.counter(shadow, priority, reason))
-                })
-            };
+            let shed = NAMED.map(|priority| {
+                ShedReason::ALL.map(|reason| self.counter(priority, reason))
+            });
             Handles {
                 limit: metrics::gauge!("tollgate_adaptive_limit", "limit" => self.label()),
                 in_flight: metrics::gauge!("tollgate_adaptive_in_flight", "limit" => self.label()),
                 min_rtt: metrics::gauge!("tollgate_adaptive_min_rtt_seconds", "limit" => self.label()),
                 queue: metrics::gauge!("tollgate_adaptive_queue_depth", "limit" => self.label()),
-                shed: [shed(false), shed(true)],
+                shed,
             }
         })
     }
 
-    fn counter(&self, shadow: bool, priority: Priority, reason: ShedReason) -> Counter {
-        let name = if shadow {
+    fn counter(&self, priority: Priority, reason: ShedReason) -> Counter {
+        let name = if self.shadow {
             "tollgate_adaptive_shadow_shed_total"
         } else {
             "tollgate_adaptive_shed_total"
@@ -95,13 +97,13 @@ impl Metrics {
         h.queue.set(levels.queue as f64);
     }
 
-    /// Counts a request shed (or, `shadow`, one a monitor-only limit would have shed).
-    pub(crate) fn shed(&self, shadow: bool, priority: Priority, reason: ShedReason) {
+    /// Counts a request shed (or, monitor-only, one that would have been).
+    pub(crate) fn shed(&self, priority: Priority, reason: ShedReason) {
         let h = self.handles();
         match NAMED.iter().position(|&p| p == priority) {
-            Some(i) => h.shed[usize::from(shadow)][i][reason.index()].increment(1),
+            Some(i) => h.shed[i][reason.index()].increment(1),
             // Levels other than the named three are rarer: looked up each time.
-            None => self.counter(shadow, priority, reason).increment(1),
+            None => self.counter(priority, reason).increment(1),
         }
     }
 }
