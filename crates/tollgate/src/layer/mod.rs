@@ -3,6 +3,10 @@
 //!
 //! One request's way through it:
 //!
+//! 0. With an adaptive concurrency limit ([`crate::adaptive`]), its permit first (or a wait in
+//!    its queue, or `503`): a shed request never reaches the backend. `service.rs` `start`
+//!    then runs the steps below; the permit goes back with the response body, or at once
+//!    when another limit refuses.
 //! 1. `prepare.rs`: the request's facts, decided once: each limit's key (no I/O; a missing key
 //!    applies the limit's [`MissingKeyPolicy`]: refuse with 400, skip the limit, or count in a
 //!    shared bucket), quota and cost, and the one backend call that checks every limit,
