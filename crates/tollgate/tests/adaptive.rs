@@ -221,3 +221,28 @@ async fn refused_and_cancelled_requests_are_not_samples() {
     }
     assert!(adaptive.learned() > 10, "{}", adaptive.learned());
 }
+
+/// 5xx answers are overload, however fast: with every answer a 500, each window halves the
+/// limit, down to its floor; answers of 200 again let it grow back.
+#[tokio::test(start_paused = true)]
+async fn failures_are_overload_however_fast() {
+    let sim = Sim::new(10, 50 * MS);
+    let layer = layer(Adaptive::gradient().min(2).initial(10).max(200));
+    let adaptive = layer.adaptive().unwrap();
+    let svc = layer.layer(sim.service());
+    load(svc.clone(), 12, Duration::from_secs(2)).await;
+    let before = adaptive.learned();
+    assert!(before >= 12, "{before}");
+    sim.status.store(500, Ordering::SeqCst);
+    let mut seen = Vec::new();
+    for _ in 0..6 {
+        load(svc.clone(), 12, 100 * MS).await;
+        seen.push(adaptive.learned());
+    }
+    // Halved a window (100 ms) at a time.
+    assert_eq!(seen[0], before / 2, "{before} {seen:?}");
+    assert_eq!(seen[5], 2, "{seen:?}");
+    sim.status.store(0, Ordering::SeqCst);
+    load(svc.clone(), 12, Duration::from_secs(3)).await;
+    assert!(adaptive.learned() >= 10, "{}", adaptive.learned());
+}
