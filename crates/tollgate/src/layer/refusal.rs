@@ -67,15 +67,7 @@ impl<B: Backend> Shared<B> {
         span: &tracing::Span,
         retry_after: Option<Duration>,
     ) -> Response<Bytes> {
-        let outcome = Outcome::Denylisted { retry_after };
-        let decision: Decision = set
-            .limits
-            .iter()
-            .map(|entry| entry.decision(outcome, Source::Backend, 0))
-            .collect();
-        for (entry, d) in set.limits.iter().zip(decision.limits()) {
-            entry.metrics.record(d, false, 0);
-        }
+        let decision = refused_at_all(set, Outcome::Denylisted { retry_after });
         obs::record_span(span, &decision);
         crate::span::record(span, &decision, None);
         self.refuse_decision(decision, req, set)
@@ -89,19 +81,10 @@ impl<B: Backend> Shared<B> {
         part: AdaptiveDecision,
         req: &Request<T>,
     ) -> Response<Bytes> {
-        let set = self.set.load();
         let skipped = Outcome::Skipped {
             reason: SkipReason::NotChecked,
         };
-        let decision: Decision = set
-            .limits
-            .iter()
-            .map(|entry| entry.decision(skipped, Source::Backend, 0))
-            .collect();
-        for (entry, d) in set.limits.iter().zip(decision.limits()) {
-            entry.metrics.record(d, false, 0);
-        }
-        let decision = decision.with_adaptive(part);
+        let decision = refused_at_all(&self.set.load(), skipped).with_adaptive(part);
         let (name, after) = match &self.adaptive {
             Some(guard) => (guard.name(), guard.retry_after()),
             None => ("adaptive", Duration::from_secs(1)),
@@ -174,6 +157,20 @@ impl<B: Backend> Shared<B> {
         fields::write_headers(response.headers_mut(), &fields, policy, self.fields);
         response
     }
+}
+
+/// The decision of a request refused before any check: `outcome` at every limit of `set`,
+/// counted as a refused request's.
+fn refused_at_all(set: &LimitSet, outcome: Outcome) -> Decision {
+    let decision: Decision = set
+        .limits
+        .iter()
+        .map(|entry| entry.decision(outcome, Source::Backend, 0))
+        .collect();
+    for (entry, d) in set.limits.iter().zip(decision.limits()) {
+        entry.metrics.record(d, false, 0);
+    }
+    decision
 }
 
 #[cfg(test)]
