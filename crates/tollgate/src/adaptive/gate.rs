@@ -16,7 +16,6 @@ use super::fairness::{self, Keys};
 use super::line::{Line, Place, Turn};
 use super::metrics::{Levels, Metrics};
 use super::outcome::{AdaptiveDecision, ShedReason};
-use super::permit::{Permit, PermitWait};
 
 /// The adaptive limit's settings besides the controller's.
 #[derive(Debug, Clone)]
@@ -50,12 +49,21 @@ pub(crate) struct Gate {
 }
 
 /// What the gate answered a request.
-pub(crate) enum Admission {
-    /// Admitted: it holds a permit (under monitor-only, perhaps one it would have been
-    /// refused: its decision says so).
-    Admitted(Permit),
-    /// Waits in the queue.
-    Wait(PermitWait),
+pub(crate) enum Answer {
+    /// Admitted, counted in flight in `epoch` under the key `fp` (under monitor-only, perhaps
+    /// one it would have refused: `part` says so).
+    Admitted {
+        fp: u64,
+        epoch: u64,
+        part: AdaptiveDecision,
+    },
+    /// Waits in the queue at `place`, at most `wait`.
+    Wait {
+        place: Place,
+        fp: u64,
+        level: Priority,
+        wait: Duration,
+    },
     /// Shed.
     Shed(AdaptiveDecision),
 }
@@ -120,7 +128,7 @@ impl Gate {
     }
 
     /// Admits, queues or sheds a request of `level` whose key's fingerprint is `fp`.
-    pub(crate) fn admit(self: &Arc<Self>, level: Priority, fp: u64) -> Admission {
+    pub(crate) fn admit(&self, level: Priority, fp: u64) -> Answer {
         let now = self.now();
         let mut wake = Vec::new();
         let mut st = self.lock();
@@ -129,11 +137,11 @@ impl Gate {
         }
         let refusal = st.refusal(level, fp, self.s.reserve_percent);
         let answer = match refusal {
-            None => {
-                let epoch = st.take(fp);
-                let part = AdaptiveDecision::new(level, None, self.s.monitor_only);
-                Admission::Admitted(Permit::new(Arc::clone(self), fp, epoch, part))
-            }
+            None => Answer::Admitted {
+                fp,
+                epoch: st.take(fp),
+                part: AdaptiveDecision::new(level, None, self.s.monitor_only),
+            },
             Some(reason) => {
                 st.ctl.demanded();
                 self.refused(&mut st, level, fp, reason, &mut wake)
@@ -147,22 +155,24 @@ impl Gate {
 
     /// The answer to a request that may not start now.
     fn refused(
-        self: &Arc<Self>,
+        &self,
         st: &mut State,
         level: Priority,
         fp: u64,
         reason: ShedReason,
         wake: &mut Vec<Waker>,
-    ) -> Admission {
+    ) -> Answer {
         if self.s.monitor_only {
             self.metrics.shed(level, reason);
-            let epoch = st.take(fp);
-            let part = AdaptiveDecision::new(level, Some(reason), true);
-            return Admission::Admitted(Permit::new(Arc::clone(self), fp, epoch, part));
+            return Answer::Admitted {
+                fp,
+                epoch: st.take(fp),
+                part: AdaptiveDecision::new(level, Some(reason), true),
+            };
         }
         let shed = |reason| {
             self.metrics.shed(level, reason);
-            Admission::Shed(AdaptiveDecision::new(level, Some(reason), false))
+            Answer::Shed(AdaptiveDecision::new(level, Some(reason), false))
         };
         let Some((percent, wait)) = self.s.queue.filter(|_| reason == ShedReason::Limit) else {
             return shed(reason);
@@ -174,8 +184,12 @@ impl Gate {
                 None => return shed(ShedReason::QueueFull),
             }
         }
-        let place = st.line.join(level, fp);
-        Admission::Wait(PermitWait::new(Arc::clone(self), (place, fp), level, wait))
+        Answer::Wait {
+            place: st.line.join(level, fp),
+            fp,
+            level,
+            wait,
+        }
     }
 
     /// Admits the waiters that may start now, in the order of service.

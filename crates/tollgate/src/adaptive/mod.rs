@@ -76,8 +76,10 @@ pub use builder::Adaptive;
 pub use classes::Priority;
 pub use outcome::{AdaptiveDecision, ShedReason};
 
-pub(crate) use gate::{Admission, Gate};
+pub(crate) use gate::Gate;
 pub(crate) use permit::{Permit, PermitWait};
+
+use gate::Answer;
 
 use crate::key::{KeyExtractor, RequestView};
 
@@ -138,6 +140,17 @@ impl AdaptiveLimit {
     }
 }
 
+/// What the adaptive limit answered a request.
+pub(crate) enum Admission {
+    /// Admitted: it holds a permit (under monitor-only, perhaps one it would have been
+    /// refused: its decision says so).
+    Admitted(Permit),
+    /// Waits in the queue.
+    Wait(PermitWait),
+    /// Shed.
+    Shed(AdaptiveDecision),
+}
+
 /// What a layer holds of its adaptive limit: the limit, and the key fairness counts by.
 pub(crate) struct Guard {
     pub(crate) gate: Arc<Gate>,
@@ -170,7 +183,19 @@ impl Guard {
         let view = RequestView::new(req);
         let key = self.key.extract(&view).ok();
         let fp = self.gate.fingerprint(key.as_ref().map(|k| k.as_bytes()));
-        self.gate.admit(level, fp)
+        let gate = Arc::clone(&self.gate);
+        match self.gate.admit(level, fp) {
+            Answer::Admitted { fp, epoch, part } => {
+                Admission::Admitted(Permit::new(gate, fp, epoch, part))
+            }
+            Answer::Wait {
+                place,
+                fp,
+                level,
+                wait,
+            } => Admission::Wait(PermitWait::new(gate, (place, fp), level, wait)),
+            Answer::Shed(part) => Admission::Shed(part),
+        }
     }
 
     pub(crate) fn name(&self) -> &str {
