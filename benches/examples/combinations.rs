@@ -90,8 +90,8 @@ use axum::Router;
 use tollgate::cost::{Metered, Settle};
 use tollgate::key::{KeyExtractor, Tenant};
 use tollgate::{
-    AdminError, Allowlist, Decision, DenyReason, Denylist, Limit, Limits, Outcome, Penalty, Plan,
-    Quota, RateLimitLayer,
+    Adaptive, AdminError, Allowlist, Decision, DenyReason, Denylist, Limit, Limits, Outcome,
+    Penalty, Plan, Quota, RateLimitLayer,
 };
 use tollgate_engine::algorithm::{self, WindowState};
 use tollgate_engine::leased::Leased;
@@ -611,6 +611,9 @@ fn key_static(key: &str) -> &'static str {
         .unwrap_or(VIP)
 }
 
+/// The adaptive limit of a layer with a concurrency limit: never reached by a sequence.
+const ADAPTIVE_LIMIT: u32 = 10_000;
+
 /// One replica: its layer (for resets, peeks and reloads) and its router.
 struct Replica<B> {
     layer: RateLimitLayer<B>,
@@ -622,10 +625,19 @@ fn replica<B: Backend>(
     backend: B,
     (flight, trace): (&Arc<InFlight>, &Arc<Trace>),
 ) -> Result<Replica<B>, ConfigError> {
-    let layer = RateLimitLayer::builder()
-        .limits(shape.limits(0)?)
-        .backend(backend)
-        .build()?;
+    let mut layer = RateLimitLayer::builder().limits(shape.limits(0)?);
+    if shape.slots.is_some() {
+        // An adaptive limit too large to shed here: every request takes and gives back a
+        // permit (refused ones at once, held ones with their body), which `quiesce` counts.
+        let all = ADAPTIVE_LIMIT;
+        let adaptive = Adaptive::gradient()
+            .name("adaptive")
+            .min(all)
+            .initial(all)
+            .max(all);
+        layer = layer.adaptive(adaptive, tollgate::key::Global);
+    }
+    let layer = layer.backend(backend).build()?;
     let flight = Arc::clone(flight);
     let trace = Arc::clone(trace);
     let app = Router::new()
@@ -1523,6 +1535,29 @@ impl<B: Backend> Run<'_, B> {
         ));
     }
 
+    /// Every replica's adaptive limit has every permit back: none is held once every
+    /// response has ended, whatever refused, queued or dropped the requests.
+    async fn expect_permits_back(&mut self) {
+        for r in 0..self.replicas.len() {
+            let Some(adaptive) = self.replicas[r].layer.adaptive() else {
+                return;
+            };
+            let mut seen = adaptive.in_flight();
+            for _ in 0..200 {
+                if seen == 0 {
+                    break;
+                }
+                self.before_next_look().await;
+                seen = adaptive.in_flight();
+            }
+            if seen != 0 {
+                self.fail(format!(
+                    "at the end: replica {r} holds {seen} adaptive permits"
+                ));
+            }
+        }
+    }
+
     /// Polls the first replica's `peek` until it says the model's remaining units of `key`.
     async fn expect_remaining(&mut self, key: &'static str, pro: bool, when: &str) {
         if !self.shape.exact() {
@@ -1803,6 +1838,7 @@ impl<B: Backend> Run<'_, B> {
         for key in KEYS {
             self.expect_slots(key, "at the end").await;
         }
+        self.expect_permits_back().await;
         for key in KEYS {
             self.expect_remaining(key, false, "at the end").await;
             if self.shape.pro.is_some() {
