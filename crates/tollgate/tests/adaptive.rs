@@ -246,3 +246,57 @@ async fn failures_are_overload_however_fast() {
     load(svc.clone(), 12, Duration::from_secs(3)).await;
     assert!(adaptive.learned() >= 10, "{}", adaptive.learned());
 }
+
+/// A latency flat at the timeout is overload: every answer taking the timeout halves the
+/// limit at each window (where a slow latency under the timeout moves it a tenth at most).
+#[tokio::test(start_paused = true)]
+async fn a_latency_at_the_timeout_halves_the_limit() {
+    let sim = Sim::new(100, 200 * MS);
+    sim.fast.store(true, Ordering::SeqCst);
+    let layer = layer(
+        Adaptive::gradient()
+            .min(2)
+            .initial(20)
+            .max(200)
+            .timeout(200 * MS)
+            .max_baseline(100 * MS),
+    );
+    let adaptive = layer.adaptive().unwrap();
+    let svc = layer.layer(sim.service());
+    load(svc.clone(), 4, 100 * MS).await;
+    assert_eq!((adaptive.min_rtt(), adaptive.learned()), (Some(MS), 20));
+    sim.fast.store(false, Ordering::SeqCst);
+    let mut seen = Vec::new();
+    for _ in 0..4 {
+        load(svc.clone(), 4, 200 * MS).await;
+        seen.push(adaptive.learned());
+    }
+    // The first answers at the timeout land as the first 200 ms end; then each window halves.
+    assert_eq!(seen, [20, 10, 5, 2]);
+}
+
+/// A reload of the layer's limits makes the adaptive limit measure its baseline again, at its
+/// floor, as at start.
+#[tokio::test(start_paused = true)]
+async fn a_reload_measures_the_baseline_again() {
+    let sim = Sim::new(10, 50 * MS);
+    let layer = layer(Adaptive::gradient().min(3).initial(10).max(200));
+    let adaptive = layer.adaptive().unwrap();
+    let svc = layer.layer(sim.service());
+    assert!(adaptive.is_measuring());
+    load(svc.clone(), 4, Duration::from_secs(1)).await;
+    assert!(!adaptive.is_measuring());
+    assert_eq!(adaptive.limit(), 10);
+    layer
+        .reloader()
+        .reload(tollgate::Limits::new().limit(
+            Limit::gcra("all", Quota::per_second(50_000).unwrap()).unwrap(),
+            Global,
+        ))
+        .unwrap();
+    assert!(adaptive.is_measuring());
+    assert_eq!((adaptive.limit(), adaptive.learned()), (3, 10));
+    load(svc.clone(), 4, Duration::from_secs(1)).await;
+    assert!(!adaptive.is_measuring());
+    assert_eq!(adaptive.min_rtt(), Some(50 * MS));
+}
