@@ -37,8 +37,9 @@ pin_project! {
         #[pin]
         state: State<S, B, ReqBody>,
         // The adaptive limit's permit: given back when the request is refused, when this
-        // future is dropped unanswered, or with the response body.
-        permit: Option<Permit>,
+        // future is dropped unanswered, or with the response body. Boxed: the future of a
+        // layer without one stays as small as it was.
+        permit: Option<Box<Permit>>,
     }
 }
 
@@ -201,7 +202,7 @@ where
     /// at once if the request is refused).
     pub(crate) fn holding(mut self, permit: Permit) -> Self {
         if !matches!(self.state, State::Refused { .. }) {
-            self.permit = Some(permit);
+            self.permit = Some(Box::new(permit));
         }
         self
     }
@@ -477,7 +478,7 @@ where
                     // The slots and the permit stay held until the body ends or is dropped.
                     let permit = this.permit.take().map(|mut permit| {
                         permit.answered(response.status().is_server_error());
-                        Box::new(permit) as Box<dyn Hold>
+                        permit as Box<dyn Hold>
                     });
                     let hold = Both::of(slots.take().map(|s| Box::new(s) as Box<dyn Hold>), permit);
                     let Some(mut owed) = owed.take() else {
