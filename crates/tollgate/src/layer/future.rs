@@ -130,7 +130,7 @@ pub(crate) enum Svc<'a, S> {
 }
 
 impl<S> Svc<'_, S> {
-    pub(crate) fn call<R>(self, req: R) -> S::Future
+    fn call<R>(self, req: R) -> S::Future
     where
         S: Service<R>,
     {
