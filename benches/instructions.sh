@@ -9,7 +9,8 @@
 # and the end of a DURATION-second wrk run at CONNS connections (8 unless set), divided by the
 # requests. With KEEP=1 the callgrind files stay in OUT for callgrind_annotate. Builds the
 # server with line tables (in CARGO_TARGET_DIR, default target/) so that the profile names
-# functions.
+# functions. With SERVER=PATH it measures that bench-server binary instead, unbuilt (a copy kept
+# while the tree changes).
 # Only 127.0.0.1 is ever contacted.
 set -euo pipefail
 
@@ -24,8 +25,10 @@ MODES=("$@")
 for tool in valgrind:valgrind wrk:wrk curl:curl; do
     command -v "${tool%%:*}" >/dev/null || apt-get install -y -qq "${tool#*:}" >/dev/null
 done
-(cd "$ROOT" && CARGO_PROFILE_RELEASE_DEBUG=line-tables-only cargo build --release -q -p tollgate-bench --bin bench-server)
-SERVER=$TARGET/release/bench-server
+if [[ -z ${SERVER:-} ]]; then
+    (cd "$ROOT" && CARGO_PROFILE_RELEASE_DEBUG=line-tables-only cargo build --release -q -p tollgate-bench --bin bench-server)
+    SERVER=$TARGET/release/bench-server
+fi
 
 # shellcheck source=common.sh
 source "$ROOT/benches/common.sh"

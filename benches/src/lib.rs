@@ -4,9 +4,12 @@
 //!
 //! - [`naive`]: the reference a user would otherwise write by hand, a per-request
 //!   `INCR` + `EXPIRE NX` middleware on Redis.
+//! - [`layers`]: the in-memory layers measured feature by feature (the bench server's
+//!   `tollgate-mem-allow+FEATURE` modes, and the allocation count).
 //! - [`ip_key`]: the key bytes tollgate's `ClientIp` extractor makes for an IPv4 peer, so that
 //!   the micro benchmarks hash what a real request hashes.
 
+pub mod layers;
 pub mod naive;
 
 use std::net::Ipv4Addr;
