@@ -10,10 +10,11 @@
 //! - Legacy `X-RateLimit-Limit`, `X-RateLimit-Remaining` and `X-RateLimit-Reset` for the most
 //!   constrained limit, when enabled.
 
+use std::cell::RefCell;
 use std::fmt::Write as _;
 use std::time::Duration;
 
-use bytes::Bytes;
+use bytes::BytesMut;
 use http::header::{HeaderMap, HeaderName, HeaderValue, RETRY_AFTER};
 
 use tollgate_engine::{Quota, MAX_CHECKS};
@@ -155,22 +156,39 @@ impl<'a> Fields<'a> {
         self.limits().map(|(_, item)| item)
     }
 
-    /// The `RateLimit` value, written without `fmt` straight into an exactly-sized buffer
-    /// that the `HeaderValue` takes over as it is (this runs on every admitted request).
+    /// The `RateLimit` value, written without `fmt` into this thread's block of values
+    /// (this runs on every admitted request): the `HeaderValue` shares the block, so that one
+    /// allocation serves the values of many responses.
     fn value(&self) -> Option<HeaderValue> {
-        let mut out = Vec::with_capacity(self.len().checked_sub(2)?);
-        for (i, (remaining, seconds, name)) in self.items().enumerate() {
-            out.extend_from_slice(if i == 0 { b"\"" } else { b", \"" });
-            out.extend_from_slice(name.as_bytes());
-            out.extend_from_slice(b"\";r=");
-            out.extend_from_slice(digits(remaining, &mut [0; 20]));
-            if let Some(seconds) = seconds {
-                out.extend_from_slice(b";t=");
-                out.extend_from_slice(digits(seconds, &mut [0; 20]));
+        let len = self.len().checked_sub(2)?;
+        let bytes = VALUES.with_borrow_mut(|block| {
+            // A full block is left to the values that share it; a new one takes its place.
+            if block.capacity() < len {
+                *block = BytesMut::with_capacity(VALUES_BLOCK.max(len));
             }
-        }
-        HeaderValue::from_maybe_shared(Bytes::from(out)).ok()
+            for (i, (remaining, seconds, name)) in self.items().enumerate() {
+                block.extend_from_slice(if i == 0 { b"\"" } else { b", \"" });
+                block.extend_from_slice(name.as_bytes());
+                block.extend_from_slice(b"\";r=");
+                block.extend_from_slice(digits(remaining, &mut [0; 20]));
+                if let Some(seconds) = seconds {
+                    block.extend_from_slice(b";t=");
+                    block.extend_from_slice(digits(seconds, &mut [0; 20]));
+                }
+            }
+            block.split().freeze()
+        });
+        HeaderValue::from_maybe_shared(bytes).ok()
     }
+}
+
+/// The size of a thread's block of `RateLimit` values: about a hundred values of one limit.
+const VALUES_BLOCK: usize = 4096;
+
+thread_local! {
+    /// Where this thread writes `RateLimit` values: each value is a shared slice of the block,
+    /// which is freed when the last response holding one is.
+    static VALUES: RefCell<BytesMut> = RefCell::new(BytesMut::new());
 }
 
 /// Seconds for a header: rounded up, at least 1.
