@@ -10,7 +10,7 @@ use tollgate_engine::{
 };
 
 use super::layer::RateLimitLayer;
-use super::refused::named;
+use super::report::named;
 use crate::key::{Identity, IdentityError};
 
 /// Why [`RateLimitLayer::peek`] or [`RateLimitLayer::reset`] could not answer.

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use http::HeaderValue;
 use tollgate_engine::{Algorithm, ConfigError, FailurePolicy, Limit, MAX_CHECKS};
 
+use super::refused::Handle;
 use crate::allowlist::Allowlist;
 use crate::canary::CANARY_LIMIT;
 use crate::cost::Metered;
@@ -205,6 +206,7 @@ impl Limits {
         let limits = limits
             .into_iter()
             .map(|(limit, key, metered)| SetLimit {
+                refused: Handle::default(),
                 keeps_key: delays
                     || queues
                     || (reports && !limit.is_shadow())
@@ -294,6 +296,8 @@ pub(crate) struct SetLimit {
     /// Whether a request's key is needed after its check: to settle, to give a slot back, to
     /// ask the local fallback limiter, or to count its refusal (`layer/refused.rs`). Only then is it kept (owned) past the check.
     pub(crate) keeps_key: bool,
+    /// Its handle on the summary of the keys it refused (`layer/refused.rs`).
+    pub(crate) refused: Handle,
 }
 
 impl SetLimit {

@@ -3,20 +3,18 @@
 //! [`Reports`](tollgate_engine::Reports) at most once per [`REPORT_TICK`];
 //! `RateLimitLayer::top_refused` (`admin.rs`) hands what is left and reads the reports.
 //!
-//! A refusal costs one lookup of its limit's summary (a read lock), one mutex and one
-//! summary update (a hash lookup and a walk along one path of a heap of `k` counters); once per
-//! tick one refusal also names the summary's keys (`KeyExtractor::identity_of`) and hands them
-//! over: in memory at once, on a networked backend in a task that nobody waits for. Identities
-//! are never metric labels.
+//! A refusal costs one mutex and one summary update (a hash lookup and a walk along one path
+//! of a heap of `k` counters); a limit finds its summary by name, under a read lock, once (at
+//! its first refusal, and again after a reload). Once per tick one refusal also names the
+//! summary's keys (`KeyExtractor::identity_of`) and hands them over: in memory at once, on a
+//! networked backend in a task that nobody waits for. Identities are never metric labels.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError, RwLock};
 
 use tollgate_engine::topk::{Counter, SpaceSaving};
 use tollgate_engine::REPORT_TICK;
-use tollgate_engine::{Clock, Micros, Refused};
-
-use super::limits::SetLimit;
+use tollgate_engine::{Clock, Micros};
 
 /// Every limit's summary of refused keys in this process, by limit name (a reload that keeps
 /// a limit's name keeps its summary).
@@ -26,6 +24,11 @@ pub(crate) struct Refusals {
     clock: Arc<dyn Clock>,
     limits: RwLock<HashMap<Box<str>, Arc<Mutex<Local>>>>,
 }
+
+/// A limit's own handle on its summary, found by name at its first refusal and kept beside
+/// the limit, so that a refusal (the path a flood takes) neither locks nor searches the map.
+#[derive(Default)]
+pub(crate) struct Handle(OnceLock<Arc<Mutex<Local>>>);
 
 /// One limit's refusals since they were last handed to the backend.
 struct Local {
@@ -73,11 +76,17 @@ impl Refusals {
         Arc::clone(local)
     }
 
-    /// Counts one refusal of `key` by `limit` now; the counters to hand to the backend when a
-    /// tick has passed since they were last handed.
-    pub(super) fn count(&self, limit: &str, key: &[u8]) -> Option<(Vec<Counter<Vec<u8>>>, Micros)> {
+    /// Counts one refusal of `key` by `limit` now (`handle`: the limit's own handle on its
+    /// summary); the counters to hand to the backend when a tick has passed since they were
+    /// last handed.
+    pub(super) fn count(
+        &self,
+        limit: &str,
+        handle: &Handle,
+        key: &[u8],
+    ) -> Option<(Vec<Counter<Vec<u8>>>, Micros)> {
         let now = self.clock.now();
-        let local = self.local(limit);
+        let local = handle.0.get_or_init(|| self.local(limit));
         let mut local = local.lock().unwrap_or_else(PoisonError::into_inner);
         local.summary.add(key, 1, now);
         if now.saturating_sub(local.handed_at) < REPORT_TICK.as_micros() as Micros {
@@ -95,15 +104,4 @@ impl Refusals {
         local.handed_at = now;
         (local.summary.drain(), now)
     }
-}
-
-/// `counters` of `entry`'s keys, named as requests carry them.
-pub(super) fn named(entry: &SetLimit, counters: Vec<Counter<Vec<u8>>>) -> Vec<Refused> {
-    counters
-        .into_iter()
-        .map(|c| {
-            let identity = entry.key.identity_of(&c.key);
-            Refused::new(identity, c.count, c.error, c.first_seen, c.last_seen)
-        })
-        .collect()
 }

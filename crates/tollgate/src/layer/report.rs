@@ -4,11 +4,10 @@
 use std::task::{Context, Poll, Waker};
 
 use tollgate_engine::topk::Counter;
-use tollgate_engine::{AdminFuture, Backend, Micros};
+use tollgate_engine::{AdminFuture, Backend, Micros, Refused};
 
 use super::limits::SetLimit;
 use super::prepare::{Facts, KeptKeys};
-use super::refused::named;
 use super::state::Shared;
 use crate::decision::{Decision, Outcome};
 
@@ -28,7 +27,10 @@ impl<B: Backend> Shared<B> {
             let Some(key) = kept.get(i) else {
                 continue;
             };
-            if let Some((counters, now)) = self.refused.count(entry.limit.name(), key.as_bytes()) {
+            if let Some((counters, now)) =
+                self.refused
+                    .count(entry.limit.name(), &entry.refused, key.as_bytes())
+            {
                 self.hand(entry, counters, now);
             }
         }
@@ -62,4 +64,15 @@ fn spawn(merge: AdminFuture<()>, limit: &str) {
             tracing::debug!(limit, error = %e, "refusals not reported");
         }
     });
+}
+
+/// `counters` of `entry`'s keys, named as requests carry them.
+pub(super) fn named(entry: &SetLimit, counters: Vec<Counter<Vec<u8>>>) -> Vec<Refused> {
+    counters
+        .into_iter()
+        .map(|c| {
+            let identity = entry.key.identity_of(&c.key);
+            Refused::new(identity, c.count, c.error, c.first_seen, c.last_seen)
+        })
+        .collect()
 }
