@@ -63,6 +63,9 @@ pub struct SpaceSaving<K> {
     index: HashMap<K, u32>,
     /// Every count added since the summary was made or drained (`N`).
     total: u64,
+    /// The index of the counter counted last: a flood repeats one key, whose count then goes
+    /// up without hashing it (its key is compared first).
+    last: Option<u32>,
 }
 
 impl<K: Hash + Eq + Clone> SpaceSaving<K> {
@@ -76,6 +79,7 @@ impl<K: Hash + Eq + Clone> SpaceSaving<K> {
             at: Vec::new(),
             index: HashMap::new(),
             total: 0,
+            last: None,
         }
     }
 
@@ -116,7 +120,13 @@ impl<K: Hash + Eq + Clone> SpaceSaving<K> {
         Q: Hash + Eq + ToOwned<Owned = K> + ?Sized,
     {
         self.total = self.total.saturating_add(n);
-        if let Some(&idx) = self.index.get(key) {
+        let repeated = self.last.filter(|&idx| {
+            self.counters
+                .get(idx as usize)
+                .is_some_and(|c| c.key.borrow() == key)
+        });
+        if let Some(idx) = repeated.or_else(|| self.index.get(key).copied()) {
+            self.last = Some(idx);
             let c = &mut self.counters[idx as usize];
             c.count = c.count.saturating_add(n);
             c.error = c.error.saturating_add(error);
@@ -139,6 +149,7 @@ impl<K: Hash + Eq + Clone> SpaceSaving<K> {
             self.heap.push(idx);
             self.at.push(idx);
             self.sift_up(idx as usize);
+            self.last = Some(idx);
             return;
         }
         // Full: the new key takes the smallest counter and inherits its count as its error.
@@ -158,6 +169,7 @@ impl<K: Hash + Eq + Clone> SpaceSaving<K> {
         self.index.remove::<K>(&old.key);
         self.index.insert(owned, idx);
         self.sift_down(0);
+        self.last = Some(idx);
     }
 
     /// The `n` largest counters, largest first (ties: the smaller error, then the earlier
@@ -175,6 +187,7 @@ impl<K: Hash + Eq + Clone> SpaceSaving<K> {
         self.heap.clear();
         self.at.clear();
         self.total = 0;
+        self.last = None;
         std::mem::take(&mut self.counters)
     }
 
@@ -240,6 +253,22 @@ pub fn sort_counters<K>(counters: &mut [Counter<K>]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A key counted again at once, or after another took its counter, is counted where it
+    /// is held, never on the counter counted last.
+    #[test]
+    fn a_repeated_key_counts_on_its_own_counter() {
+        let mut top = SpaceSaving::<String>::new(2);
+        for key in ["a", "a", "a", "a", "a", "b", "c", "c", "b", "c", "a"] {
+            top.add(key, 1, 0);
+        }
+        let got: Vec<_> = top
+            .top(2)
+            .into_iter()
+            .map(|c| (c.key, c.count, c.error))
+            .collect();
+        assert_eq!(got, [("a".into(), 6, 0), ("c".into(), 5, 4)]);
+    }
 
     /// A key counted more than N/k times is held, with its exact count when it came first;
     /// the summary never holds more than k counters.
