@@ -2,7 +2,7 @@
 //! can run in CI and fail when an allocation comes back.
 //!
 //! ```text
-//! allocs [--requests N] [--check] [--only MODE]
+//! allocs [--requests N] [--check] [--only MODE] [--redis redis://127.0.0.1:6379/]
 //! ```
 //!
 //! Each row is an axum router (a hello handler, the client's address in `ConnectInfo`) bare or
@@ -12,6 +12,9 @@
 //! allocations per request minus bare's (the request, the router and the body are the same in
 //! every row). With `--check` it exits 1 when a row's figure is above its budget below: lower a
 //! budget when an allocation is removed, so that it cannot come back unseen.
+//!
+//! With `--redis`, a row `tollgate-redis-allow` (one GCRA limit per IP that admits every request,
+//! on that Redis) is printed too, not checked: CI starts no Redis for it.
 //!
 //! The counter is the `stats_alloc` crate's wrapper of the system allocator: a global allocator
 //! is an `unsafe impl`, which this workspace forbids in its own code.
@@ -137,12 +140,14 @@ fn main() {
     let mut n = 20_000;
     let mut check = false;
     let mut only = None;
+    let mut redis = None;
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         match arg.as_str() {
             "--requests" => n = args.next().unwrap().parse().unwrap(),
             "--check" => check = true,
             "--only" => only = args.next(),
+            "--redis" => redis = args.next(),
             other => panic!("unknown argument {other}"),
         }
     }
@@ -202,6 +207,32 @@ fn main() {
         if own > budget * 100 + 50 {
             over.push(name.clone());
         }
+    }
+    if let Some(url) = redis {
+        let backend = tollgate_redis::RedisBackend::builder()
+            .url(url.as_str())
+            .build()
+            .unwrap();
+        let quota = tollgate::Quota::per_second(1_000_000)
+            .unwrap()
+            .with_burst(u32::MAX)
+            .unwrap();
+        let layer = tollgate::RateLimitLayer::builder()
+            .limit(
+                tollgate::Limit::gcra("per-ip", quota).unwrap(),
+                tollgate::key::ClientIp::peer(),
+            )
+            .backend(backend)
+            .build()
+            .unwrap();
+        let total = per_request(app().layer(layer), n);
+        let own = total.saturating_sub(bare);
+        let name = "tollgate-redis-allow";
+        println!(
+            "{name:<44} {:>10} {:>8}",
+            hundredths(total),
+            hundredths(own)
+        );
     }
     if check && !over.is_empty() {
         eprintln!("allocations per request over budget: {}", over.join(", "));
