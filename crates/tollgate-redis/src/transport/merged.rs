@@ -288,12 +288,10 @@ async fn send_node_call(transport: &Arc<Transport>, node: u16, call: Call<NodeDe
     };
     let batches: Vec<&[EncodedCheck]> = call.batches.iter().map(Vec::as_slice).collect();
     let eval = transport.eval_checks_on(&batches, None, Some(&direct), Form::CrossSlot);
-    let result = until_each(transport, &call.deadlines, &mut call.replies, async {
-        Ok(eval.await)
-    })
-    .await
-    .map_err(CheckError::Backend)
-    .and_then(|r| r);
+    let result = until_each(transport, &mut call.answers, async { Ok(eval.await) })
+        .await
+        .map_err(CheckError::Backend)
+        .and_then(|r| r);
     let result = match result {
         Ok(replies) => {
             if replies.iter().any(Option::is_none) {
@@ -325,13 +323,18 @@ async fn send_node_call(transport: &Arc<Transport>, node: u16, call: Call<NodeDe
     }
 }
 
-/// The requests one merged call carries, in order: their batches, the senders of their
-/// answers (taken once answered), their deadlines, and the breaker's permit for the call.
+/// The requests one merged call carries, in order: their batches, what answers each (its
+/// sender, taken once answered, and its deadline), and the breaker's permit for the call.
 struct Carried<D> {
     batches: Vec<Vec<EncodedCheck>>,
-    replies: Vec<Option<oneshot::Sender<Result<D, BackendError>>>>,
-    deadlines: Vec<Instant>,
+    answers: Vec<Answer<D>>,
     permit: Permit,
+}
+
+/// Where one carried request's answer goes, and by when.
+struct Answer<D> {
+    reply: Option<oneshot::Sender<Result<D, BackendError>>>,
+    deadline: Instant,
 }
 
 impl<D> Carried<D> {
@@ -343,14 +346,15 @@ impl<D> Carried<D> {
         let permit = Permit::any(riders.iter().map(|w| w.permit));
         let mut call = Self {
             batches: Vec::with_capacity(riders.len()),
-            replies: Vec::with_capacity(riders.len()),
-            deadlines: Vec::with_capacity(riders.len()),
+            answers: Vec::with_capacity(riders.len()),
             permit,
         };
         for w in riders {
             call.batches.push(w.batch);
-            call.replies.push(Some(w.reply));
-            call.deadlines.push(w.deadline);
+            call.answers.push(Answer {
+                reply: Some(w.reply),
+                deadline: w.deadline,
+            });
         }
         Some(call)
     }
@@ -358,36 +362,37 @@ impl<D> Carried<D> {
     /// Answers each request not answered yet (one whose own deadline passed during the call
     /// was) with what `answer` makes of its batch and its place in the call.
     fn answer(self, mut answer: impl FnMut(Vec<EncodedCheck>, usize) -> Result<D, BackendError>) {
-        for (i, (batch, reply)) in self.batches.into_iter().zip(self.replies).enumerate() {
+        for (i, (batch, to)) in self.batches.into_iter().zip(self.answers).enumerate() {
             let answered = answer(batch, i);
-            if let Some(reply) = reply {
+            if let Some(reply) = to.reply {
                 let _ = reply.send(answered);
             }
         }
     }
 }
 
-/// `call`'s answer, or a timeout at the latest of the requests' `deadlines`: a request whose
-/// own deadline passes first is answered a timeout then, through its sender in `replies`, and
+/// `call`'s answer, or a timeout at the latest of the requests' deadlines: a request whose
+/// own deadline passes first is answered a timeout then, through its sender in `answers`, and
 /// fails alone. One timer for the call, moved from one deadline to the next.
 async fn until_each<T, D>(
     transport: &Transport,
-    deadlines: &[Instant],
-    replies: &mut [Option<oneshot::Sender<Result<D, BackendError>>>],
+    answers: &mut [Answer<D>],
     call: impl Future<Output = Result<T, BackendError>>,
 ) -> Result<T, BackendError> {
-    let Some(latest) = deadlines.iter().copied().max() else {
+    let Some(latest) = answers.iter().map(|a| a.deadline).max() else {
         return call.await;
     };
-    let mut order: Vec<usize> = (0..deadlines.len()).collect();
-    order.sort_by_key(|&i| deadlines[i]);
-    // Only the requests due before the latest deadline have a timer of their own.
-    order.retain(|&i| deadlines[i] < latest);
+    // Only the requests due before the latest deadline have a timer of their own (a lone
+    // request has none, and nothing is allocated for it).
+    let mut order: Vec<usize> = (0..answers.len())
+        .filter(|&i| answers[i].deadline < latest)
+        .collect();
+    order.sort_by_key(|&i| answers[i].deadline);
     let call = transport.until(latest, call, "from Redis");
     let mut call = std::pin::pin!(call);
     let mut next = 0;
     let mut timer = std::pin::pin!(tokio::time::sleep_until(
-        order.first().map_or(latest, |&i| deadlines[i])
+        order.first().map_or(latest, |&i| answers[i].deadline)
     ));
     std::future::poll_fn(|cx| {
         if let Poll::Ready(answer) = call.as_mut().poll(cx) {
@@ -395,7 +400,7 @@ async fn until_each<T, D>(
         }
         while let Some(&i) = order.get(next) {
             ready!(timer.as_mut().poll(cx));
-            if let Some(reply) = replies[i].take() {
+            if let Some(reply) = answers[i].reply.take() {
                 let _ = reply.send(Err(BackendError::new(
                     BackendErrorKind::Timeout,
                     format!("no answer from Redis within {:?}", transport.deadline()),
@@ -403,7 +408,7 @@ async fn until_each<T, D>(
             }
             next += 1;
             if let Some(&j) = order.get(next) {
-                timer.as_mut().reset(deadlines[j]);
+                timer.as_mut().reset(answers[j].deadline);
             }
         }
         Poll::Pending
@@ -431,9 +436,21 @@ async fn send_call(transport: &Transport, call: Call) {
         return;
     };
     let carried = call.batches.len();
-    let batches: Vec<&[EncodedCheck]> = call.batches.iter().map(Vec::as_slice).collect();
-    let eval = transport.eval_checks(&batches, None);
-    let result = until_each(transport, &call.deadlines, &mut call.replies, eval).await;
+    // A lone request (every call when requests do not overlap) lends its batch as it is.
+    let one: [&[EncodedCheck]; 1];
+    let many: Vec<&[EncodedCheck]>;
+    let batches: &[&[EncodedCheck]] = match &call.batches[..] {
+        [batch] => {
+            one = [batch.as_slice()];
+            &one
+        }
+        all => {
+            many = all.iter().map(Vec::as_slice).collect();
+            &many
+        }
+    };
+    let eval = transport.eval_checks(batches, None);
+    let result = until_each(transport, &mut call.answers, eval).await;
     transport.report(result.as_ref().map(|_| ()), call.permit);
     match result {
         Ok(replies) => {
