@@ -5,6 +5,8 @@
 //! A layer is a base path, one GCRA limit per client IP that either admits every request
 //! ([`Path::Allow`]) or refuses all but the first of a day ([`Path::Deny`]), plus features.
 
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
 use std::time::Duration;
 
 use tollgate::cost::Metered;
@@ -31,6 +33,9 @@ pub enum Feature {
     NoHeaders,
     /// `decision_on_allowed(false)`: no `Decision` in admitted responses.
     NoDecision,
+    /// A metrics recorder ([`Counting`]) installed: the layer's counters count (the layer is
+    /// the same; whoever runs it installs the recorder).
+    Metrics,
     /// `near_limit_percent(100)`: every admission counts as near the limit.
     NearLimit,
     /// `top_refused_k(0)`: refusals are not summarised for the reports of who is refused.
@@ -55,9 +60,10 @@ pub enum Feature {
 
 impl Feature {
     /// Every feature, in the order of the table in `docs/benchmarks.md`.
-    pub const ALL: [Feature; 12] = [
+    pub const ALL: [Feature; 13] = [
         Feature::NoHeaders,
         Feature::NoDecision,
+        Feature::Metrics,
         Feature::NearLimit,
         Feature::NoTopRefused,
         Feature::Penalty,
@@ -75,6 +81,7 @@ impl Feature {
         match self {
             Feature::NoHeaders => "no-headers",
             Feature::NoDecision => "no-decision",
+            Feature::Metrics => "metrics",
             Feature::NearLimit => "near-limit",
             Feature::NoTopRefused => "no-top-refused",
             Feature::Penalty => "penalty",
@@ -170,4 +177,46 @@ pub fn memory_layer(path: Path, features: &[Feature]) -> RateLimitLayer {
         .decision_on_allowed(!on(Feature::NoDecision))
         .build()
         .unwrap()
+}
+
+/// A metrics recorder whose counters and gauges are atomics, made once per metric (the layer
+/// keeps its handles): what an exporter's registry costs a request, without the exporter.
+#[derive(Debug, Default)]
+pub struct Counting;
+
+impl metrics::Recorder for Counting {
+    fn describe_counter(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_gauge(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_histogram(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn register_counter(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
+        metrics::Counter::from_arc(Arc::new(AtomicU64::new(0)))
+    }
+    fn register_gauge(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
+        metrics::Gauge::from_arc(Arc::new(AtomicU64::new(0)))
+    }
+    fn register_histogram(
+        &self,
+        _: &metrics::Key,
+        _: &metrics::Metadata<'_>,
+    ) -> metrics::Histogram {
+        metrics::Histogram::noop()
+    }
 }

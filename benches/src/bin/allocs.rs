@@ -32,7 +32,7 @@ use axum::http::Request;
 use axum::routing::get;
 use axum::Router;
 use stats_alloc::{Region, StatsAlloc, INSTRUMENTED_SYSTEM};
-use tollgate_bench::layers::{memory_layer, Feature, Path};
+use tollgate_bench::layers::{memory_layer, Counting, Feature, Path};
 use tower::{Service, ServiceExt};
 use tower_governor::governor::GovernorConfigBuilder;
 use tower_governor::GovernorLayer;
@@ -48,6 +48,7 @@ const BUDGETS: &[(&str, u64)] = &[
     ("tollgate-mem-allow+no-headers+no-decision", 6),
     ("tollgate-mem-allow+no-headers", 9),
     ("tollgate-mem-allow+no-decision", 6),
+    ("tollgate-mem-allow+metrics", 9),
     ("tollgate-mem-allow+near-limit", 9),
     ("tollgate-mem-allow+no-top-refused", 9),
     ("tollgate-mem-allow+penalty", 9),
@@ -60,6 +61,7 @@ const BUDGETS: &[(&str, u64)] = &[
     ("tollgate-mem-allow+queue", 13),
     ("tollgate-mem-deny+no-headers", 4),
     ("tollgate-mem-deny+no-decision", 4),
+    ("tollgate-mem-deny+metrics", 4),
     ("tollgate-mem-deny+near-limit", 4),
     ("tollgate-mem-deny+no-top-refused", 4),
     ("tollgate-mem-deny+penalty", 4),
@@ -194,7 +196,12 @@ fn main() {
     }
     for (name, path, features) in &rows {
         let layer = memory_layer(*path, features);
-        let total = per_request(app().layer(layer), n);
+        let router = app().layer(layer);
+        let total = if features.contains(&Feature::Metrics) {
+            metrics::with_local_recorder(&Counting, || per_request(router, n))
+        } else {
+            per_request(router, n)
+        };
         let own = total.saturating_sub(bare);
         let budget = budget(name);
         println!(

@@ -31,7 +31,7 @@
 //! | `tollgate-cluster-spread` | as `tollgate-redis-spread`, on the cluster: a key of its own per request |
 //! | `tollgate-cluster-allow3` | as `tollgate-redis-allow3`, on the cluster: 3 stacked limits, in 3 slots |
 //! | `tollgate-redis-lease-hot` | tollgate on Redis, one global GCRA limit (100,000,000 a day) leased in slices of up to 10,000: the hot key every request touches |
-//! | `tollgate-mem-allow+F+...`, `tollgate-mem-deny+F+...` | the in-memory layer with features `F` (`tollgate_bench::layers`: `no-headers`, `no-decision`, `near-limit`, `no-top-refused`, `penalty`, `denylist`, `allowlist`, `plans`, `costs`, `delay`, `slots`, `queue`) |
+//! | `tollgate-mem-allow+F+...`, `tollgate-mem-deny+F+...` | the in-memory layer with features `F` (`tollgate_bench::layers`: `no-headers`, `no-decision`, `metrics`, `near-limit`, `no-top-refused`, `penalty`, `denylist`, `allowlist`, `plans`, `costs`, `delay`, `slots`, `queue`) |
 //! | `naive-incr` | per-request `INCR` + `EXPIRE NX` on Redis, a limit nothing reaches |
 //!
 //! In `tollgate-redis-lease-hot` the server stops gracefully on SIGINT or SIGTERM and then
@@ -321,6 +321,9 @@ async fn app(args: &Args) -> Router {
         }
         other => match tollgate_bench::layers::parse_mode(other) {
             Some((path, features)) => {
+                if features.contains(&tollgate_bench::layers::Feature::Metrics) {
+                    metrics::set_global_recorder(tollgate_bench::layers::Counting).unwrap();
+                }
                 app.layer(tollgate_bench::layers::memory_layer(path, &features))
             }
             None => panic!("unknown mode {other:?}"),
