@@ -6,11 +6,14 @@
 //!   `INCR` + `EXPIRE NX` middleware on Redis.
 //! - [`layers`]: the in-memory layers measured feature by feature (the bench server's
 //!   `tollgate-mem-allow+FEATURE` modes, and the allocation count).
+//! - [`overload`]: the overload benchmark's server of known capacity, the systems it
+//!   compares, its open-loop load and its figures (`benches/overload.sh`).
 //! - [`ip_key`]: the key bytes tollgate's `ClientIp` extractor makes for an IPv4 peer, so that
 //!   the micro benchmarks hash what a real request hashes.
 
 pub mod layers;
 pub mod naive;
+pub mod overload;
 
 use std::net::Ipv4Addr;
 
