@@ -9,8 +9,9 @@
 #
 #   benches/overload.sh              # about 2.5 minutes once built
 #   PHASE_SECS=2 benches/overload.sh # a quick look
+#   ROUNDS=3 benches/overload.sh     # every system 3 times, then each figure's median
 #
-# Settings (environment): PHASE_SECS (5) per phase, WARMUP_SECS (2) at 0.5x C before the
+# Settings (environment): ROUNDS (1), PHASE_SECS (5) per phase, WARMUP_SECS (2) at 0.5x C before the
 # first, WORKERS (8) and SERVICE_US (20000): the capacity C = WORKERS / SERVICE (400 req/s),
 # TIMEOUT_MS (1000) the client's deadline, SYSTEMS ("none static tower-acc tollgate"; none
 # always runs, first), SERVER_CPU (0) and LOAD_CPU (1) the CPUs the server and the load

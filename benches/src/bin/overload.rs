@@ -45,6 +45,10 @@ fn parse<T: FromStr>(name: &str, value: &str) -> Result<T, String> {
         .map_err(|_| format!("{name}: not a valid value: {value:?}"))
 }
 
+fn ms(d: Option<Duration>) -> String {
+    d.map_or("-".into(), |d| format!("{:.1} ms", d.as_secs_f64() * 1e3))
+}
+
 /// A setting from the environment, or its default.
 fn env<T: FromStr>(name: &str, default: T) -> Result<T, String> {
     match std::env::var(name) {
@@ -94,6 +98,7 @@ fn serve(args: &[String]) -> Result<(), String> {
 }
 
 struct Config {
+    rounds: u32,
     quiet_pct: u64,
     quiet_max: u32,
     capacity: Capacity,
@@ -130,6 +135,7 @@ fn config() -> Result<Config, String> {
         }
     }
     Ok(Config {
+        rounds: env("ROUNDS", 1)?.max(1),
         quiet_pct: env("QUIET_PCT", 20)?,
         quiet_max: env("QUIET_MAX", 5)?,
         capacity,
@@ -206,44 +212,68 @@ fn drive() -> Result<(), String> {
             .join(", "),
         config.settings.timeout.as_millis(),
     );
-    println!("\n{}", stats::header());
-    let mut rows = Vec::new();
-    let mut unloaded = None;
-    let mut others = Vec::new();
-    for &system in &config.systems {
-        quiet(&config);
-        let (mut child, port) = start(&config, system)?;
-        let target = Target {
-            port,
-            pid: child.id(),
-        };
-        let before = Ticks::now(child.id());
-        let run = runtime.block_on(load::run(target, config.settings, &config.phases));
-        let other = Ticks::now(child.id()).other_since(before);
-        let _ = child.kill();
-        let _ = child.wait();
-        let run = run?;
-        others.push((system.name(), other));
-        if system == System::None {
-            unloaded = stats::steady_p99(&run, &config.phases);
-        }
-        for row in stats::rows(system.name(), &run, &config.phases, c, unloaded) {
-            println!("{}", stats::line(&row, length));
-            rows.push(row);
-        }
-    }
-    let names: Vec<&str> = config.systems.iter().map(|s| s.name()).collect();
-    println!("\nother load on the machine during each run (% of one CPU; neither the server nor the load):");
-    for (name, other) in others {
+    let mut rounds = Vec::new();
+    let mut unloaded_p99s = Vec::new();
+    for round in 1..=config.rounds {
         println!(
-            "  {name}: {}",
-            other.map_or("-".into(), |o| format!("{o:.0}%"))
+            "\nround {round} of {}\n\n{}",
+            config.rounds,
+            stats::header()
         );
+        let mut rows = Vec::new();
+        let mut unloaded = None;
+        let mut others = Vec::new();
+        for &system in &config.systems {
+            quiet(&config);
+            let (mut child, port) = start(&config, system)?;
+            let target = Target {
+                port,
+                pid: child.id(),
+            };
+            let before = Ticks::now(child.id());
+            let run = runtime.block_on(load::run(target, config.settings, &config.phases));
+            let other = Ticks::now(child.id()).other_since(before);
+            let _ = child.kill();
+            let _ = child.wait();
+            let run = run?;
+            others.push(format!(
+                "{}: {}",
+                system.name(),
+                other.map_or("-".into(), |o| format!("{o:.0}%"))
+            ));
+            if system == System::None {
+                unloaded = stats::steady_p99(&run, &config.phases);
+            }
+            for row in stats::rows(system.name(), &run, &config.phases, c, unloaded) {
+                println!("{}", stats::line(&row, length));
+                rows.push(row);
+            }
+        }
+        println!(
+            "\nunloaded p99 (none, steady): {}; other load on the machine during each system's run (% of one CPU, neither the server nor the load): {}",
+            ms(unloaded),
+            others.join(", ")
+        );
+        unloaded_p99s.extend(unloaded);
+        rounds.push(rows);
     }
-    println!(
-        "\nunloaded p99 (none, steady): {} ms\n",
-        unloaded.map_or("-".into(), |u| format!("{:.1}", u.as_secs_f64() * 1e3))
-    );
+    let rows = if rounds.len() > 1 {
+        let rows = stats::median(&rounds);
+        println!("\nmedian of {} rounds\n\n{}", rounds.len(), stats::header());
+        for row in &rows {
+            println!("{}", stats::line(row, length));
+        }
+        let unloaded = stats::middle(unloaded_p99s.iter().map(Duration::as_secs_f64));
+        println!(
+            "\nunloaded p99 (none, steady), median: {}",
+            ms(unloaded.map(Duration::from_secs_f64))
+        );
+        rows
+    } else {
+        rounds.pop().unwrap_or_default()
+    };
+    let names: Vec<&str> = config.systems.iter().map(|s| s.name()).collect();
+    println!();
     print!("{}", stats::cpu_table(&rows, &names));
     println!();
     if config.systems.contains(&System::TowerAcc) {

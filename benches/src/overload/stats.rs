@@ -270,3 +270,60 @@ pub fn summary(prefix: &str, system: &str, rows: &[Row], phase_length: Duration)
         "{prefix}: critical {critical}% at 10x, goodput {goodput}% of capacity, p99 {p99}× unloaded, recovery {recovery} s"
     )
 }
+
+/// Each figure's median over rounds of the same rows (the same systems and phases, in the
+/// same order): a stall of the machine in one round moves no median of three. A recovery not
+/// seen counts as the slowest.
+pub fn median(rounds: &[Vec<Row>]) -> Vec<Row> {
+    let Some(first) = rounds.first() else {
+        return Vec::new();
+    };
+    (0..first.len())
+        .map(|i| {
+            let all: Vec<&Row> = rounds.iter().filter_map(|r| r.get(i)).collect();
+            let of = |f: &dyn Fn(&Row) -> Option<f64>| middle(all.iter().filter_map(|r| f(r)));
+            let secs = |f: &dyn Fn(&Row) -> Option<Duration>| {
+                of(&|r| f(r).map(|d| d.as_secs_f64())).map(Duration::from_secs_f64)
+            };
+            let recovery = of(&|r| {
+                r.recovery.map(|rec| match rec {
+                    Recovery::After(d) => d.as_secs_f64(),
+                    Recovery::Not => f64::INFINITY,
+                })
+            })
+            .map(|s| match Duration::try_from_secs_f64(s) {
+                Ok(d) => Recovery::After(d),
+                Err(_) => Recovery::Not,
+            });
+            Row {
+                system: first[i].system,
+                phase: first[i].phase,
+                sent: of(&|r| Some(r.sent as f64)).map_or(0, |n| n as usize),
+                rate: of(&|r| Some(r.rate)).unwrap_or(0.0),
+                success: [0, 1, 2].map(|c| of(&|r| r.success[c])),
+                goodput: of(&|r| Some(r.goodput)).unwrap_or(0.0),
+                p50: secs(&|r| r.p50),
+                p99: secs(&|r| r.p99),
+                p99_unloaded: of(&|r| r.p99_unloaded),
+                refused: of(&|r| Some(r.refused)).unwrap_or(0.0),
+                timeouts: of(&|r| Some(r.timeouts)).unwrap_or(0.0),
+                errors: of(&|r| Some(r.errors as f64)).map_or(0, |n| n as usize),
+                late_p99: secs(&|r| r.late_p99),
+                cpu_per_request: secs(&|r| r.cpu_per_request),
+                recovery,
+            }
+        })
+        .collect()
+}
+
+/// The median of `values` (the mean of the two middle ones when their number is even).
+pub fn middle(values: impl Iterator<Item = f64>) -> Option<f64> {
+    let mut v: Vec<f64> = values.collect();
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    match n {
+        0 => None,
+        _ if n % 2 == 1 => Some(v[n / 2]),
+        _ => Some((v[n / 2 - 1] + v[n / 2]) / 2.0),
+    }
+}
