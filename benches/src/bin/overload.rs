@@ -212,7 +212,7 @@ fn drive() -> Result<(), String> {
             .join(", "),
         config.settings.timeout.as_millis(),
     );
-    let mut rounds = Vec::new();
+    let mut runs = Vec::new();
     let mut unloaded_p99s = Vec::new();
     for round in 1..=config.rounds {
         println!(
@@ -220,7 +220,7 @@ fn drive() -> Result<(), String> {
             config.rounds,
             stats::header()
         );
-        let mut rows = Vec::new();
+        let mut round_runs = Vec::new();
         let mut unloaded = None;
         let mut others = Vec::new();
         for &system in &config.systems {
@@ -246,8 +246,8 @@ fn drive() -> Result<(), String> {
             }
             for row in stats::rows(system.name(), &run, &config.phases, c, unloaded) {
                 println!("{}", stats::line(&row, length));
-                rows.push(row);
             }
+            round_runs.push((system, run));
         }
         println!(
             "\nunloaded p99 (none, steady): {}; other load on the machine during each system's run (% of one CPU, neither the server nor the load): {}",
@@ -255,23 +255,35 @@ fn drive() -> Result<(), String> {
             others.join(", ")
         );
         unloaded_p99s.extend(unloaded);
-        rounds.push(rows);
+        runs.push(round_runs);
     }
-    let rows = if rounds.len() > 1 {
-        let rows = stats::median(&rounds);
-        println!("\nmedian of {} rounds\n\n{}", rounds.len(), stats::header());
+    // Every round's figures against the same unloaded p99 (the rounds' median), so that the
+    // ratios and recoveries of all rounds judge by one measure.
+    let unloaded =
+        stats::middle(unloaded_p99s.iter().map(Duration::as_secs_f64)).map(Duration::from_secs_f64);
+    let rounds: Vec<Vec<stats::Row>> = runs
+        .iter()
+        .map(|round| {
+            round
+                .iter()
+                .flat_map(|(system, run)| {
+                    stats::rows(system.name(), run, &config.phases, c, unloaded)
+                })
+                .collect()
+        })
+        .collect();
+    let rows = stats::median(&rounds, unloaded);
+    if rounds.len() > 1 {
+        println!(
+            "\nmedian of {} rounds, all against their median unloaded p99 ({})\n\n{}",
+            rounds.len(),
+            ms(unloaded),
+            stats::header()
+        );
         for row in &rows {
             println!("{}", stats::line(row, length));
         }
-        let unloaded = stats::middle(unloaded_p99s.iter().map(Duration::as_secs_f64));
-        println!(
-            "\nunloaded p99 (none, steady), median: {}",
-            ms(unloaded.map(Duration::from_secs_f64))
-        );
-        rows
-    } else {
-        rounds.pop().unwrap_or_default()
-    };
+    }
     let names: Vec<&str> = config.systems.iter().map(|s| s.name()).collect();
     println!();
     print!("{}", stats::cpu_table(&rows, &names));

@@ -273,8 +273,9 @@ pub fn summary(prefix: &str, system: &str, rows: &[Row], phase_length: Duration)
 
 /// Each figure's median over rounds of the same rows (the same systems and phases, in the
 /// same order): a stall of the machine in one round moves no median of three. A recovery not
-/// seen counts as the slowest.
-pub fn median(rounds: &[Vec<Row>]) -> Vec<Row> {
+/// seen counts as the slowest; `p99 × unloaded` is the median p99 over `unloaded`, the p99
+/// every round was judged against.
+pub fn median(rounds: &[Vec<Row>], unloaded: Option<Duration>) -> Vec<Row> {
     let Some(first) = rounds.first() else {
         return Vec::new();
     };
@@ -304,7 +305,9 @@ pub fn median(rounds: &[Vec<Row>]) -> Vec<Row> {
                 goodput: of(&|r| Some(r.goodput)).unwrap_or(0.0),
                 p50: secs(&|r| r.p50),
                 p99: secs(&|r| r.p99),
-                p99_unloaded: of(&|r| r.p99_unloaded),
+                p99_unloaded: secs(&|r| r.p99)
+                    .zip(unloaded)
+                    .map(|(p, u)| p.as_secs_f64() / u.as_secs_f64()),
                 refused: of(&|r| Some(r.refused)).unwrap_or(0.0),
                 timeouts: of(&|r| Some(r.timeouts)).unwrap_or(0.0),
                 errors: of(&|r| Some(r.errors as f64)).map_or(0, |n| n as usize),
