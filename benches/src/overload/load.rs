@@ -2,6 +2,8 @@
 //! a task of its own with a deadline, over pooled HTTP/1.1 connections (a connection whose
 //! request timed out is closed, and a new one opened when none is idle).
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use http_body_util::{BodyExt, Empty};
@@ -14,7 +16,7 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 
 use super::phases::Phase;
-use super::server::SERVICE_TIME_PATH;
+use super::server::{LIMIT_PATH, SERVICE_TIME_PATH};
 use super::{Capacity, Class, PRIORITY_HEADER};
 
 type HttpClient = Client<HttpConnector, Empty<Bytes>>;
@@ -60,6 +62,19 @@ pub struct Run {
     /// The server's CPU time (all threads, user and system) during each phase, when it could
     /// be read.
     pub cpu: Vec<Option<Duration>>,
+    /// The adaptive limit's value, read every 100 ms, when the system has one.
+    pub limits: Vec<LimitSample>,
+}
+
+/// An adaptive limit's value at one moment.
+#[derive(Clone, Copy, Debug)]
+pub struct LimitSample {
+    /// The index of the phase it was read in.
+    pub phase: usize,
+    /// When, from the start of the phase.
+    pub at: Duration,
+    /// The limit.
+    pub limit: usize,
 }
 
 /// How the load is sent.
@@ -120,6 +135,13 @@ pub async fn run(target: Target, settings: Settings, phases: &[Phase]) -> Result
         slowdown: p.slowdown,
     }));
 
+    let stop = Arc::new(AtomicBool::new(false));
+    let poller = tokio::spawn(poll_limit(
+        client.clone(),
+        format!("{base}{LIMIT_PATH}"),
+        Arc::clone(&stop),
+    ));
+    let mut phase_starts = Vec::new();
     let mut tasks = JoinSet::new();
     let mut samples = Vec::new();
     let mut cpu_marks = Vec::new();
@@ -134,6 +156,7 @@ pub async fn run(target: Target, settings: Settings, phases: &[Phase]) -> Result
         }
         if segment.phase.is_some() {
             cpu_marks.push(cpu_time(target.pid));
+            phase_starts.push((start, segment.length));
         }
         let end = start + segment.length;
         let total = (segment.rate * segment.length.as_secs_f64()).round() as u64;
@@ -169,6 +192,7 @@ pub async fn run(target: Target, settings: Settings, phases: &[Phase]) -> Result
         start = end;
     }
     cpu_marks.push(cpu_time(target.pid));
+    stop.store(true, Ordering::Relaxed);
     while let Some(done) = tasks.join_next().await {
         samples.extend(done.ok().flatten());
     }
@@ -179,7 +203,57 @@ pub async fn run(target: Target, settings: Settings, phases: &[Phase]) -> Result
             _ => None,
         })
         .collect();
-    Ok(Run { samples, cpu })
+    let limits = poller
+        .await
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|(at, limit)| {
+            let phase = phase_starts
+                .iter()
+                .position(|&(start, length)| at >= start && at < start + length)?;
+            let at = at - phase_starts[phase].0;
+            Some(LimitSample { phase, at, limit })
+        })
+        .collect();
+    Ok(Run {
+        samples,
+        cpu,
+        limits,
+    })
+}
+
+/// Reads the server's adaptive limit every 100 ms until `stop`; nothing when the server has
+/// none (404).
+async fn poll_limit(
+    client: HttpClient,
+    uri: String,
+    stop: Arc<AtomicBool>,
+) -> Vec<(Instant, usize)> {
+    let mut read = Vec::new();
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    while !stop.load(Ordering::Relaxed) {
+        tick.tick().await;
+        let Ok(request) = Request::builder().uri(&uri).body(Empty::new()) else {
+            break;
+        };
+        let answer = tokio::time::timeout(Duration::from_millis(500), async {
+            let response = client.request(request).await.ok()?;
+            let status = response.status();
+            let body = response.into_body().collect().await.ok()?.to_bytes();
+            Some((status, body))
+        })
+        .await;
+        match answer {
+            Ok(Some((StatusCode::NOT_FOUND, _))) => break,
+            Ok(Some((status, body))) if status.is_success() => {
+                let limit = std::str::from_utf8(&body).ok().and_then(|t| t.parse().ok());
+                read.extend(limit.map(|l| (Instant::now(), l)));
+            }
+            _ => {}
+        }
+    }
+    read
 }
 
 struct Planned {

@@ -14,11 +14,14 @@ use axum::Router;
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 
-use super::systems::System;
+use super::systems::{LimitGauge, System};
 use super::Capacity;
 
 /// The path the control route sets the service time at: `POST /_ctl/service-us/{µs}`.
 pub const SERVICE_TIME_PATH: &str = "/_ctl/service-us";
+/// The path that answers an adaptive limit's current value (`GET`; 404 for a system without
+/// one).
+pub const LIMIT_PATH: &str = "/_ctl/limit";
 
 /// The workers and the time a request takes now, shared by every request.
 #[derive(Debug)]
@@ -57,6 +60,12 @@ async fn set_service(State(workers): State<Arc<Workers>>, Path(us): Path<u64>) -
     StatusCode::NO_CONTENT
 }
 
+async fn limit(State(gauge): State<Option<LimitGauge>>) -> Result<String, StatusCode> {
+    gauge
+        .map(|g| g.get().to_string())
+        .ok_or(StatusCode::NOT_FOUND)
+}
+
 /// The handler every system protects, as a service of its own.
 pub fn handler(workers: Arc<Workers>) -> MethodRouter {
     get(work).with_state(workers)
@@ -70,11 +79,14 @@ pub fn handler(workers: Arc<Workers>) -> MethodRouter {
 /// When the system cannot be built (a limiter's configuration it refuses).
 pub fn app(system: System, capacity: Capacity) -> Result<Router, String> {
     let workers = Workers::new(capacity);
-    let limited = system.build(handler(Arc::clone(&workers)), capacity)?;
+    let (limited, gauge) = system.build(handler(Arc::clone(&workers)), capacity)?;
     let control = Router::new()
         .route(&format!("{SERVICE_TIME_PATH}/{{us}}"), post(set_service))
         .with_state(workers);
-    Ok(limited.merge(control))
+    let limit = Router::new()
+        .route(LIMIT_PATH, get(limit))
+        .with_state(gauge);
+    Ok(limited.merge(control).merge(limit))
 }
 
 /// Serves `app` on `listener` until the process ends, with `TCP_NODELAY` on every connection.

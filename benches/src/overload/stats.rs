@@ -40,6 +40,8 @@ pub struct Row {
     pub timeouts: f64,
     /// Connection errors and statuses other than 2xx, 429 and 503.
     pub errors: usize,
+    /// The mean of the adaptive limit's values read in the phase, when the system has one.
+    pub limit: Option<f64>,
     /// The 99th percentile of how late the load generator started requests.
     pub late_p99: Option<Duration>,
     /// The server's CPU time in the phase over the requests sent in it.
@@ -113,6 +115,15 @@ pub fn rows(
                 timeouts: share(count(Outcome::Timeout)),
                 errors: count(Outcome::Error) + count(Outcome::Failed),
                 late_p99: percentile(&mut late, 0.99),
+                limit: {
+                    let read: Vec<f64> = run
+                        .limits
+                        .iter()
+                        .filter(|l| l.phase == i)
+                        .map(|l| l.limit as f64)
+                        .collect();
+                    (!read.is_empty()).then(|| read.iter().sum::<f64>() / read.len() as f64)
+                },
                 cpu_per_request: cpu.and_then(|c| c.checked_div(samples.len().try_into().ok()?)),
                 recovery: phase
                     .recovery
@@ -186,8 +197,8 @@ fn pct(p: Option<f64>) -> String {
 
 /// The header of the table of rows (Markdown).
 pub fn header() -> String {
-    "| system | phase | req/s | critical ok % | default ok % | batch ok % | goodput % of C | p50 ms | p99 ms | p99 × unloaded | refused % | timed out % | errors | server CPU µs/req | recovery s | sent late p99 ms |\n\
-     |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    "| system | phase | req/s | critical ok % | default ok % | batch ok % | goodput % of C | p50 ms | p99 ms | p99 × unloaded | refused % | timed out % | errors | server CPU µs/req | recovery s | limit | sent late p99 ms |\n\
+     |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
         .into()
 }
 
@@ -203,7 +214,7 @@ pub fn line(row: &Row, phase_length: Duration) -> String {
         .cpu_per_request
         .map_or("-".into(), |c| format!("{:.0}", c.as_secs_f64() * 1e6));
     format!(
-        "| {} | {} | {:.0} | {critical} | {default} | {batch} | {:.1} | {} | {} | {} | {:.1} | {:.1} | {} | {cpu} | {recovery} | {} |",
+        "| {} | {} | {:.0} | {critical} | {default} | {batch} | {:.1} | {} | {} | {} | {:.1} | {:.1} | {} | {cpu} | {recovery} | {} | {} |",
         row.system,
         row.phase,
         row.rate,
@@ -214,6 +225,7 @@ pub fn line(row: &Row, phase_length: Duration) -> String {
         row.refused,
         row.timeouts,
         row.errors,
+        row.limit.map_or(String::new(), |l| format!("{l:.0}")),
         ms(row.late_p99),
     )
 }
@@ -312,6 +324,7 @@ pub fn median(rounds: &[Vec<Row>], unloaded: Option<Duration>) -> Vec<Row> {
                 timeouts: of(&|r| Some(r.timeouts)).unwrap_or(0.0),
                 errors: of(&|r| Some(r.errors as f64)).map_or(0, |n| n as usize),
                 late_p99: secs(&|r| r.late_p99),
+                limit: of(&|r| r.limit),
                 cpu_per_request: secs(&|r| r.cpu_per_request),
                 recovery,
             }

@@ -2,6 +2,10 @@
 //! limit at the known capacity, tower-acc's Gradient2, and tollgate
 //! ([`tollgate_adaptive`], the one place that builds it).
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
 use axum::error_handling::HandleErrorLayer;
 use axum::extract::Request;
 use axum::http::{header, StatusCode};
@@ -53,14 +57,21 @@ impl System {
         System::ALL.into_iter().find(|s| s.name() == name)
     }
 
-    /// The system in front of `handler`, at `/`.
+    /// The system in front of `handler`, at `/`, and the gauge of its limit when it has one
+    /// that moves.
     ///
     /// # Errors
     ///
     /// When the limiter refuses its configuration.
-    pub fn build(self, handler: MethodRouter, capacity: Capacity) -> Result<Router, String> {
+    pub fn build(
+        self,
+        handler: MethodRouter,
+        capacity: Capacity,
+    ) -> Result<(Router, Option<LimitGauge>), String> {
         let router = Router::new();
-        Ok(match self {
+        let gauge = LimitGauge::default();
+        let with_gauge = matches!(self, System::TowerAcc);
+        let router = match self {
             System::None => router.route_service("/", handler),
             System::Static => router.route_service(
                 "/",
@@ -75,11 +86,50 @@ impl System {
                 ServiceBuilder::new()
                     .layer(HandleErrorLayer::new(shed))
                     .load_shed()
-                    .layer(tower_acc::ConcurrencyLimitLayer::new(gradient2()))
+                    .layer(tower_acc::ConcurrencyLimitLayer::new(Gauged {
+                        inner: gradient2(),
+                        gauge: gauge.clone(),
+                    }))
                     .service(handler),
             ),
             System::Tollgate => tollgate_adaptive(handler, capacity).map_err(|e| e.to_string())?,
-        })
+        };
+        Ok((router, with_gauge.then_some(gauge)))
+    }
+}
+
+/// An adaptive limit's current value, as its limiter last set it.
+#[derive(Clone, Debug, Default)]
+pub struct LimitGauge(Arc<AtomicUsize>);
+
+impl LimitGauge {
+    /// The limit now.
+    pub fn get(&self) -> usize {
+        self.0.load(Ordering::Relaxed)
+    }
+
+    fn set(&self, limit: usize) {
+        self.0.store(limit, Ordering::Relaxed);
+    }
+}
+
+/// A tower-acc algorithm that also publishes its limit.
+#[derive(Clone, Debug)]
+struct Gauged<A> {
+    inner: A,
+    gauge: LimitGauge,
+}
+
+impl<A: tower_acc::Algorithm> tower_acc::Algorithm for Gauged<A> {
+    fn max_concurrency(&self) -> usize {
+        let limit = self.inner.max_concurrency();
+        self.gauge.set(limit);
+        limit
+    }
+
+    fn update(&mut self, rtt: Duration, num_inflight: usize, is_error: bool, is_canceled: bool) {
+        self.inner.update(rtt, num_inflight, is_error, is_canceled);
+        self.gauge.set(self.inner.max_concurrency());
     }
 }
 
