@@ -12,7 +12,7 @@ use axum::http::{header, StatusCode};
 use axum::routing::MethodRouter;
 use axum::Router;
 use tollgate::key::Global;
-use tollgate::{Limit, RateLimitLayer};
+use tollgate::{Adaptive, Priority, RateLimitLayer};
 use tower::ServiceBuilder;
 
 use super::{Capacity, Class};
@@ -69,8 +69,8 @@ impl System {
         capacity: Capacity,
     ) -> Result<(Router, Option<LimitGauge>), String> {
         let router = Router::new();
-        let gauge = LimitGauge::default();
-        let with_gauge = matches!(self, System::TowerAcc);
+        let published = Arc::new(AtomicUsize::new(0));
+        let mut gauge = None;
         let router = match self {
             System::None => router.route_service("/", handler),
             System::Static => router.route_service(
@@ -86,50 +86,65 @@ impl System {
                 ServiceBuilder::new()
                     .layer(HandleErrorLayer::new(shed))
                     .load_shed()
-                    .layer(tower_acc::ConcurrencyLimitLayer::new(Gauged {
+                    .layer(tower_acc::ConcurrencyLimitLayer::new(Published {
                         inner: gradient2(),
-                        gauge: gauge.clone(),
+                        limit: Arc::clone(&published),
                     }))
                     .service(handler),
             ),
-            System::Tollgate => tollgate_adaptive(handler, capacity).map_err(|e| e.to_string())?,
+            System::Tollgate => {
+                let (router, limit) = tollgate_adaptive(handler).map_err(|e| e.to_string())?;
+                gauge = limit;
+                router
+            }
         };
-        Ok((router, with_gauge.then_some(gauge)))
+        if self == System::TowerAcc {
+            gauge = Some(LimitGauge::new(move || published.load(Ordering::Relaxed)));
+        }
+        Ok((router, gauge))
     }
 }
 
-/// An adaptive limit's current value, as its limiter last set it.
-#[derive(Clone, Debug, Default)]
-pub struct LimitGauge(Arc<AtomicUsize>);
+/// An adaptive limit's current value, read from its limiter.
+#[derive(Clone)]
+pub struct LimitGauge(Arc<dyn Fn() -> usize + Send + Sync>);
 
 impl LimitGauge {
-    /// The limit now.
-    pub fn get(&self) -> usize {
-        self.0.load(Ordering::Relaxed)
+    /// A gauge that reads `read`.
+    pub fn new(read: impl Fn() -> usize + Send + Sync + 'static) -> Self {
+        LimitGauge(Arc::new(read))
     }
 
-    fn set(&self, limit: usize) {
-        self.0.store(limit, Ordering::Relaxed);
+    /// The limit now.
+    pub fn get(&self) -> usize {
+        (self.0)()
+    }
+}
+
+impl std::fmt::Debug for LimitGauge {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("LimitGauge").field(&self.get()).finish()
     }
 }
 
 /// A tower-acc algorithm that also publishes its limit.
 #[derive(Clone, Debug)]
-struct Gauged<A> {
+struct Published<A> {
     inner: A,
-    gauge: LimitGauge,
+    limit: Arc<AtomicUsize>,
 }
 
-impl<A: tower_acc::Algorithm> tower_acc::Algorithm for Gauged<A> {
+impl<A: tower_acc::Algorithm> tower_acc::Algorithm for Published<A> {
     fn max_concurrency(&self) -> usize {
         let limit = self.inner.max_concurrency();
-        self.gauge.set(limit);
+        self.limit.store(limit, Ordering::Relaxed);
         limit
     }
 
     fn update(&mut self, rtt: Duration, num_inflight: usize, is_error: bool, is_canceled: bool) {
         self.inner.update(rtt, num_inflight, is_error, is_canceled);
-        self.gauge.set(self.inner.max_concurrency());
+        self.limit
+            .store(self.inner.max_concurrency(), Ordering::Relaxed);
     }
 }
 
@@ -152,32 +167,35 @@ async fn shed(_: tower::BoxError) -> (StatusCode, [(header::HeaderName, &'static
     )
 }
 
-/// tollgate's system: the one place that builds it.
+/// tollgate's system: the one place that builds it, and the gauge of its limit.
 ///
-/// Today it is tollgate's static concurrency limit at the known capacity `W` (one key for
-/// the whole server: [`Global`]), which refuses (429) what finds `W` in flight. The adaptive
-/// limit with priority classes replaces the limit and inserts each request's class, as the
-/// comments below say; nothing else in the benchmark changes.
+/// tollgate's adaptive concurrency limit (a gradient, between 4 and 512, its defaults
+/// otherwise), one key for the whole server ([`Global`]), each request's class from its
+/// `x-priority` as a [`Priority`] extension. A shed request gets 503 with `Retry-After`.
 ///
 /// # Errors
 ///
 /// When tollgate refuses the configuration.
 pub fn tollgate_adaptive(
     handler: MethodRouter,
-    capacity: Capacity,
-) -> Result<Router, tollgate::engine::ConfigError> {
+) -> Result<(Router, Option<LimitGauge>), tollgate::engine::ConfigError> {
     let layer = RateLimitLayer::builder()
-        // Adaptive: `.adaptive(Adaptive::gradient().min(4).max(512), Global)` instead.
-        .limit(Limit::concurrency("in-flight", capacity.workers)?, Global)
+        .adaptive(Adaptive::gradient().min(4).max(512), Global)
         .build()?;
+    let gauge = layer
+        .adaptive()
+        .map(|limit| LimitGauge::new(move || limit.limit() as usize));
     let service = ServiceBuilder::new()
         .map_request(|mut request: Request| {
-            let class = Class::of(request.headers());
-            // Adaptive: insert `tollgate::Priority::{Critical, Default, Batch}` for `class`.
-            request.extensions_mut().insert(class);
+            let priority = match Class::of(request.headers()) {
+                Class::Critical => Priority::Critical,
+                Class::Default => Priority::Default,
+                Class::Batch => Priority::Batch,
+            };
+            request.extensions_mut().insert(priority);
             request
         })
         .layer(layer)
         .service(handler);
-    Ok(Router::new().route_service("/", service))
+    Ok((Router::new().route_service("/", service), gauge))
 }
