@@ -11,7 +11,8 @@
 #   PHASE_SECS=2 benches/overload.sh # a quick look
 #   ROUNDS=3 benches/overload.sh     # every system 3 times, then each figure's median
 #
-# Settings (environment): ROUNDS (1), PHASE_SECS (5) per phase, WARMUP_SECS (2) at 0.5x C before the
+# Settings (environment): MIX (spike: above 0.5x C the extra load is default and batch, critical
+# stays at 0.1x C; fixed: 20/50/30 at every load, where 10x C holds twice C of critical alone), ROUNDS (1), PHASE_SECS (5) per phase, WARMUP_SECS (2) at 0.5x C before the
 # first, WORKERS (8) and SERVICE_US (20000): the capacity C = WORKERS / SERVICE (400 req/s),
 # TIMEOUT_MS (1000) the client's deadline, SYSTEMS ("none static tower-acc tollgate"; none
 # always runs, first), SERVER_CPU (0) and LOAD_CPU (1) the CPUs the server and the load

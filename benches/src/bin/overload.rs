@@ -14,7 +14,7 @@ use std::process::{Command, ExitCode, Stdio};
 use std::str::FromStr;
 use std::time::Duration;
 
-use tollgate_bench::overload::load::{self, Settings, Target};
+use tollgate_bench::overload::load::{self, Mix, Settings, Target};
 use tollgate_bench::overload::phases::{self, Phase};
 use tollgate_bench::overload::server;
 use tollgate_bench::overload::stats;
@@ -125,6 +125,10 @@ fn config() -> Result<Config, String> {
         timeout: Duration::from_millis(env("TIMEOUT_MS", 1_000)?),
         warmup: Duration::try_from_secs_f64(env("WARMUP_SECS", 2.0)?)
             .map_err(|e| format!("WARMUP_SECS: {e}"))?,
+        mix: {
+            let mix = env("MIX", "spike".to_string())?;
+            Mix::parse(&mix).ok_or(format!("MIX: {mix:?} is neither spike nor fixed"))?
+        },
     };
     // `none` always runs, first: its steady phase gives the unloaded p99.
     let mut systems = vec![System::None];
@@ -212,6 +216,15 @@ fn drive() -> Result<(), String> {
             .join(", "),
         config.settings.timeout.as_millis(),
     );
+    println!(
+        "classes: {}",
+        match config.settings.mix {
+            Mix::Spike =>
+                "20% critical, 50% default, 30% batch up to 0.5x C; above it critical \
+                           stays at 0.1x C and the rest is default and batch, 5 to 3 (MIX=spike)",
+            Mix::Fixed => "20% critical, 50% default, 30% batch at every load (MIX=fixed)",
+        }
+    );
     let mut runs = Vec::new();
     let mut unloaded_p99s = Vec::new();
     for round in 1..=config.rounds {
@@ -287,6 +300,11 @@ fn drive() -> Result<(), String> {
     println!();
     print!("{}", stats::cpu_table(&rows, &names));
     println!();
+    for (prefix, system) in [("tower-acc", "tower-acc"), ("tollgate", "tollgate")] {
+        if let Some(line) = stats::limit_summary(prefix, system, &rows) {
+            println!("{line}");
+        }
+    }
     if config.systems.contains(&System::TowerAcc) {
         println!(
             "{}",

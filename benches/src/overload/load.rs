@@ -86,6 +86,52 @@ pub struct Settings {
     pub timeout: Duration,
     /// Load at 0.5× C before the first phase, not counted.
     pub warmup: Duration,
+    /// How the classes share a phase's load.
+    pub mix: Mix,
+}
+
+/// How the classes share a phase's load.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mix {
+    /// 20% critical, 50% default, 30% batch at every load up to 0.5× C; above it, critical
+    /// requests keep the rate they have at 0.5× C (0.1× C) and the rest of the load is default
+    /// and batch, 5 to 3: a spike of the traffic that can wait, as when a client's prefetches
+    /// or a batch job floods a service while its users' requests go on. (At 10× C, 20% of the
+    /// load would be twice what the server can do for critical requests alone: no limiter
+    /// could serve them all.)
+    Spike,
+    /// 20% critical, 50% default, 30% batch at every load.
+    Fixed,
+}
+
+impl Mix {
+    /// `spike` or `fixed`.
+    pub fn parse(name: &str) -> Option<Mix> {
+        match name {
+            "spike" => Some(Mix::Spike),
+            "fixed" => Some(Mix::Fixed),
+            _ => None,
+        }
+    }
+
+    /// The class of the `i`th request of a segment sent at `rate` requests per second (the
+    /// `n`th of the run), for a server of capacity `c` requests per second.
+    fn class(self, i: u64, n: u64, rate: f64, c: f64) -> Class {
+        let critical = 0.1 * c;
+        if self == Mix::Fixed || rate <= 0.5 * c * (1.0 + 1e-9) {
+            return Class::nth(n);
+        }
+        // Critical requests spread evenly at their own rate; the others 5 default to 3 batch.
+        let share = critical / rate;
+        let before = (i as f64 * share).floor() as u64;
+        if ((i + 1) as f64 * share).floor() as u64 > before {
+            return Class::Critical;
+        }
+        match (i - before) % 8 {
+            1 | 4 | 6 => Class::Batch,
+            _ => Class::Default,
+        }
+    }
 }
 
 /// The server a run is sent to.
@@ -172,7 +218,7 @@ pub async fn run(target: Target, settings: Settings, phases: &[Phase]) -> Result
                 let at = start + Duration::from_secs_f64(i as f64 / segment.rate);
                 let request = Planned {
                     phase: segment.phase,
-                    class: Class::nth(n),
+                    class: settings.mix.class(i, n, segment.rate, c),
                     at,
                     sent: at - start,
                     deadline: at + settings.timeout,

@@ -42,6 +42,11 @@ pub struct Row {
     pub errors: usize,
     /// The mean of the adaptive limit's values read in the phase, when the system has one.
     pub limit: Option<f64>,
+    /// When the limit moved as the phase asks, from the phase's start: in a recovery phase,
+    /// the first reading within 10% of the steady phase's mean limit; in a slower phase (S
+    /// doubled), the first reading at or below 60% of the last reading before it. `None`:
+    /// never in the phase, or no limit.
+    pub limit_moved: Option<Duration>,
     /// The 99th percentile of how late the load generator started requests.
     pub late_p99: Option<Duration>,
     /// The server's CPU time in the phase over the requests sent in it.
@@ -124,6 +129,7 @@ pub fn rows(
                         .collect();
                     (!read.is_empty()).then(|| read.iter().sum::<f64>() / read.len() as f64)
                 },
+                limit_moved: limit_moved(run, phases, i),
                 cpu_per_request: cpu.and_then(|c| c.checked_div(samples.len().try_into().ok()?)),
                 recovery: phase
                     .recovery
@@ -132,6 +138,29 @@ pub fn rows(
             }
         })
         .collect()
+}
+
+/// See [`Row::limit_moved`].
+fn limit_moved(run: &Run, phases: &[Phase], i: usize) -> Option<Duration> {
+    let phase = phases.get(i)?;
+    let mut read = run.limits.iter().filter(|l| l.phase == i);
+    if phase.recovery {
+        let steady = phases.iter().position(|p| p.name == STEADY)?;
+        let values: Vec<f64> = run
+            .limits
+            .iter()
+            .filter(|l| l.phase == steady)
+            .map(|l| l.limit as f64)
+            .collect();
+        let mean = values.iter().sum::<f64>() / values.len().max(1) as f64;
+        read.find(|l| (l.limit as f64 - mean).abs() <= 0.1 * mean)
+            .map(|l| l.at)
+    } else if phase.slowdown > 1 {
+        let before = run.limits.iter().rfind(|l| l.phase + 1 == i)?.limit as f64;
+        read.find(|l| l.limit as f64 <= 0.6 * before).map(|l| l.at)
+    } else {
+        None
+    }
 }
 
 fn admitted<'a>(samples: impl Iterator<Item = &'a Sample>) -> Vec<Duration> {
@@ -197,8 +226,8 @@ fn pct(p: Option<f64>) -> String {
 
 /// The header of the table of rows (Markdown).
 pub fn header() -> String {
-    "| system | phase | req/s | critical ok % | default ok % | batch ok % | goodput % of C | p50 ms | p99 ms | p99 × unloaded | refused % | timed out % | errors | server CPU µs/req | recovery s | limit | sent late p99 ms |\n\
-     |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    "| system | phase | req/s | critical ok % | default ok % | batch ok % | goodput % of C | p50 ms | p99 ms | p99 × unloaded | refused % | timed out % | errors | server CPU µs/req | recovery s | limit | limit moved s | sent late p99 ms |\n\
+     |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
         .into()
 }
 
@@ -214,7 +243,7 @@ pub fn line(row: &Row, phase_length: Duration) -> String {
         .cpu_per_request
         .map_or("-".into(), |c| format!("{:.0}", c.as_secs_f64() * 1e6));
     format!(
-        "| {} | {} | {:.0} | {critical} | {default} | {batch} | {:.1} | {} | {} | {} | {:.1} | {:.1} | {} | {cpu} | {recovery} | {} | {} |",
+        "| {} | {} | {:.0} | {critical} | {default} | {batch} | {:.1} | {} | {} | {} | {:.1} | {:.1} | {} | {cpu} | {recovery} | {} | {} | {} |",
         row.system,
         row.phase,
         row.rate,
@@ -226,6 +255,8 @@ pub fn line(row: &Row, phase_length: Duration) -> String {
         row.timeouts,
         row.errors,
         row.limit.map_or(String::new(), |l| format!("{l:.0}")),
+        row.limit_moved
+            .map_or(String::new(), |d| format!("{:.1}", d.as_secs_f64())),
         ms(row.late_p99),
     )
 }
@@ -283,6 +314,27 @@ pub fn summary(prefix: &str, system: &str, rows: &[Row], phase_length: Duration)
     )
 }
 
+/// The line on a system's adaptive limit, when it has one: the steady phase's mean, how soon
+/// after the spike it was back within 10% of it, and how soon the slower dependency took it to
+/// 60% of where it stood.
+pub fn limit_summary(prefix: &str, system: &str, rows: &[Row]) -> Option<String> {
+    let find = |phase: &str| rows.iter().find(|r| r.system == system && r.phase == phase);
+    let steady = find(STEADY)?.limit?;
+    let secs = |r: Option<&Row>| {
+        r.and_then(|r| r.limit_moved)
+            .map_or("never".into(), |d| format!("{:.1} s", d.as_secs_f64()))
+    };
+    let slow = rows
+        .iter()
+        .find(|r| r.system == system && r.phase == "slow-dep");
+    Some(format!(
+        "{prefix} limit: steady {steady:.0}; after the spike within 10% of it in {}; slower dependency: mean {} (60% of before in {})",
+        secs(find(AFTER_SPIKE)),
+        slow.and_then(|r| r.limit).map_or("-".into(), |l| format!("{l:.0}")),
+        secs(slow),
+    ))
+}
+
 /// Each figure's median over rounds of the same rows (the same systems and phases, in the
 /// same order): a stall of the machine in one round moves no median of three. A recovery not
 /// seen counts as the slowest; `p99 × unloaded` is the median p99 over `unloaded`, the p99
@@ -325,6 +377,7 @@ pub fn median(rounds: &[Vec<Row>], unloaded: Option<Duration>) -> Vec<Row> {
                 errors: of(&|r| Some(r.errors as f64)).map_or(0, |n| n as usize),
                 late_p99: secs(&|r| r.late_p99),
                 limit: of(&|r| r.limit),
+                limit_moved: secs(&|r| r.limit_moved),
                 cpu_per_request: secs(&|r| r.cpu_per_request),
                 recovery,
             }

@@ -22,6 +22,13 @@
 //!   halves it.
 //! - **Only real demand grows the limit**: a window grows it only if the requests in flight
 //!   reached half of it, or a request was shed or queued meanwhile.
+//! - **Back to the limit it held once the overload is over.** A window that is healthy (as
+//!   fast as the baseline allows, nothing failed) with no demand above the limit remembers
+//!   the limit as the one the service held. After an overload lowered it, the first such
+//!   window (the load has fallen back, the latency with it) moves the limit halfway back to
+//!   that one, and each next one halfway again: within 10% in four windows, without waiting
+//!   for a demand that would only come with the next spike. A window with demand or a slow
+//!   mean never does, so a service that really became slower keeps its lower limit.
 
 /// The controller's settings, checked by the builder.
 #[derive(Debug, Clone)]
@@ -88,6 +95,9 @@ pub(crate) struct Controller {
     epoch: u64,
     window: Window,
     rng: u64,
+    /// The limit of the last healthy window without demand: the one the service held before
+    /// an overload, which the limit returns to once the overload is over.
+    held: f64,
 }
 
 impl Controller {
@@ -102,6 +112,7 @@ impl Controller {
             epoch: 0,
             window: Window::default(),
             rng: seed | 1,
+            held: limit,
         };
         c.measure(now);
         c
@@ -246,6 +257,15 @@ impl Controller {
         let overloaded = w.failed > 0;
         let gradient = (self.s.tolerance * baseline as f64 / rtt as f64).clamp(0.5, 1.0);
         let demanded = w.demand || f64::from(w.peak) * 2.0 >= self.limit.floor();
+        if gradient >= 1.0 && !overloaded {
+            // Healthy at this limit: the service held it.
+            self.held = self.held.max(self.limit);
+            if !demanded {
+                // Below its limit: back toward the one it held before an overload.
+                self.limit = ((self.limit + self.held) / 2.0).clamp(min, max);
+                return;
+            }
+        }
         if gradient >= 1.0 && (overloaded || !demanded) {
             return;
         }
@@ -320,14 +340,49 @@ mod tests {
         c.admitted(10);
         c.sample(2, Sample::Answered(100 * MS), 220 * MS);
         assert!((c.limit - (10.8 * 0.8 + (10.8 * 0.55) * 0.2)).abs() < 1e-9);
-        // Not in demand: stays.
-        let before = c.limit;
+        // Fast and not in demand: halfway back to the limit the service was fast at (10;
+        // 10.8 was grown to, never shown fast).
+        let fell = c.limit;
         c.sample(2, Sample::Answered(50 * MS), 320 * MS);
-        assert_eq!(c.limit, before);
+        assert!((c.limit - (fell + 10.0) / 2.0).abs() < 1e-9, "{}", c.limit);
+        let before = c.limit;
         // Failures (and a request at the timeout): half the window or more halves the limit.
         c.sample(2, Sample::Failed, 400 * MS);
         c.sample(2, Sample::Answered(2_000 * MS), 420 * MS);
         assert_eq!(c.limit, before / 2.0);
+    }
+
+    /// After a spike lowered it, the limit is back within 10% of the one it held before in
+    /// four healthy windows without demand; a window that is still slow keeps it down.
+    #[test]
+    fn the_limit_returns_to_the_one_it_held_once_the_overload_is_over() {
+        let mut c = Controller::new(settings(), 7, 0);
+        for i in 0..16 {
+            c.sample(1, Sample::Answered(50 * MS), i * MS);
+        }
+        assert_eq!(c.limit(), 10);
+        let mut t = 100 * MS;
+        // Held at 10: fast, not in demand.
+        c.sample(2, Sample::Answered(50 * MS), t);
+        // A spike: in demand, three times the baseline, window after window.
+        for _ in 0..10 {
+            t += 100 * MS;
+            c.admitted(10);
+            c.demanded();
+            c.sample(2, Sample::Answered(150 * MS), t);
+        }
+        let low = c.limit();
+        assert!(low <= 5, "{low}");
+        // Still slow without demand (a slower dependency): stays down.
+        t += 100 * MS;
+        c.sample(2, Sample::Answered(150 * MS), t);
+        assert!(c.limit() <= low, "{}", c.limit());
+        // Fast again, not in demand: 10% of 10 within four windows.
+        for _ in 0..4 {
+            t += 100 * MS;
+            c.sample(2, Sample::Answered(50 * MS), t);
+        }
+        assert!(c.limit >= 9.0, "{}", c.limit);
     }
 
     #[test]
