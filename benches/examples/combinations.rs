@@ -7,7 +7,9 @@
 //!
 //! Each seed draws a layer (a GCRA or fixed-window limit with or without a `pro` plan, metered
 //! with a refund on `500` or a charge by the handler or not at all, a concurrency limit
-//! stacked on it or not, queued or not, an allowlisted key or not, a static denylist or not, a quota lease or
+//! stacked on it or not (with an adaptive limit beside it: for half of them, but not with a
+//! queue on Redis, one of 1 or 2 permits per replica that sheds, else one that never does),
+//! queued or not, an allowlisted key or not, a static denylist or not, a quota lease or
 //! not, a penalty box on the rate limit or not (with a lease: refused at build; without one,
 //! sometimes dropped by every other reload and brought back by the next), in memory a
 //! delay on a GCRA limit without a lease or not) and runs it on 2 to 4
@@ -41,6 +43,11 @@
 //!   no other does; a block stands to its end after a reload dropped the penalty, and no
 //!   refusal counts toward one meanwhile; a peek of a blocked or denied key says nothing is
 //!   left;
+//! - a request sent while its replica's open responses and waiters hold every permit of a
+//!   small adaptive limit is shed (503, `Retry-After: 1`, every limit not asked), and no
+//!   other is; a shed request counts nowhere (no unit, no slot, no refusal toward a penalty:
+//!   the model does not count it, and the later answers and peeks agree). Such seeds draw no
+//!   restart, whose own requests must not be shed;
 //! - an allowlisted request is marked so and counts nowhere; a request answered while Redis
 //!   is down is `Bypassed` and counts nowhere;
 //! - a leased GCRA limit that settles, and a leased limit with a penalty, are refused when
@@ -91,7 +98,7 @@ use tollgate::cost::{Metered, Settle};
 use tollgate::key::{KeyExtractor, Tenant};
 use tollgate::{
     Adaptive, AdminError, Allowlist, Decision, DenyReason, Denylist, Limit, Limits, Outcome,
-    Penalty, Plan, Quota, RateLimitLayer,
+    Penalty, Plan, Quota, RateLimitLayer, SkipReason,
 };
 use tollgate_engine::algorithm::{self, WindowState};
 use tollgate_engine::leased::Leased;
@@ -203,6 +210,9 @@ struct Shape {
     /// The rate limit's enforced share of each reload generation (`Limit::enforce_percent`,
     /// 100: not set): a key outside it is under a shadow limit.
     enforce: [u32; 2],
+    /// An adaptive limit small enough to shed (its floor, start and ceiling: it never
+    /// moves), drawn by `draw_shedding`; `None`: one too large to shed.
+    adaptive: Option<u32>,
 }
 
 impl Shape {
@@ -267,6 +277,19 @@ impl Shape {
             queue,
             queue_on_rate,
             enforce,
+            adaptive: None,
+        }
+    }
+
+    /// Draws, for some shapes with a concurrency limit, an adaptive limit of 1 or 2 permits
+    /// per replica, so that a request sent while its replica's responses hold them is shed.
+    /// From a generator of its own, so that the rest of a seed's draw stays as it was. Not
+    /// with a queue on Redis: there a waiter takes its permit when its task runs, which the
+    /// harness does not see.
+    fn draw_shedding(&mut self, rng: &mut Rng, kind: Kind) {
+        let queued_in_real_time = self.queue.is_some() && kind != Kind::Memory;
+        if self.slots.is_some() && !queued_in_real_time && rng.chance(50) {
+            self.adaptive = Some(rng.pick(&[1, 2]));
         }
     }
 
@@ -611,7 +634,8 @@ fn key_static(key: &str) -> &'static str {
         .unwrap_or(VIP)
 }
 
-/// The adaptive limit of a layer with a concurrency limit: never reached by a sequence.
+/// The adaptive limit of a layer with a concurrency limit that does not shed: never reached
+/// by a sequence.
 const ADAPTIVE_LIMIT: u32 = 10_000;
 
 /// One replica: its layer (for resets, peeks and reloads) and its router.
@@ -627,14 +651,17 @@ fn replica<B: Backend>(
 ) -> Result<Replica<B>, ConfigError> {
     let mut layer = RateLimitLayer::builder().limits(shape.limits(0)?);
     if shape.slots.is_some() {
-        // An adaptive limit too large to shed here: every request takes and gives back a
-        // permit (refused ones at once, held ones with their body), which `quiesce` counts.
-        let all = ADAPTIVE_LIMIT;
+        // Every request takes and gives back a permit (refused ones at once, held ones with
+        // their body), which `quiesce` counts. A limit pinned (floor = start = ceiling), with
+        // no reserve, has exactly that many permits for requests of every class: a small one
+        // sheds exactly when the replica's open responses and waiters hold them all.
+        let all = shape.adaptive.unwrap_or(ADAPTIVE_LIMIT);
         let adaptive = Adaptive::gradient()
             .name("adaptive")
             .min(all)
             .initial(all)
-            .max(all);
+            .max(all)
+            .critical_reserve_percent(0);
         layer = layer.adaptive(adaptive, tollgate::key::Global);
     }
     let layer = layer.backend(backend).build()?;
@@ -800,6 +827,8 @@ fn draw_ops(rng: &mut Rng, shape: &Shape, kind: Kind, replicas: usize, n: usize)
 #[derive(Default, Debug, Clone, Copy)]
 struct Tally {
     admitted: u64,
+    /// Shed by the adaptive limit (nothing consumed).
+    shed: u64,
     /// On a cluster, waiters refused by the rate limit while a refund of their key's units
     /// was on its way (see `expect_queue_answer`).
     refund_raced: u64,
@@ -844,6 +873,7 @@ struct Tally {
 impl Tally {
     fn add(&mut self, o: &Tally) {
         self.admitted += o.admitted;
+        self.shed += o.shed;
         self.refund_raced += o.refund_raced;
         self.delayed += o.delayed;
         self.refused += o.refused;
@@ -937,6 +967,8 @@ struct Run<'a, B> {
     refunded: HashMap<&'static str, tokio::time::Instant>,
     /// When the request being judged was sent, for a request sent on a task of its own.
     sent_at: Option<tokio::time::Instant>,
+    /// The model sheds the request sent last (until it is judged).
+    expect_shed: bool,
 }
 
 /// Whether `decision` says the limit named `limit` refused the request for `why`.
@@ -1047,10 +1079,26 @@ impl<B: Backend> Run<'_, B> {
         req
     }
 
+    /// The adaptive permits `replica` holds: one per open response and per waiter (a
+    /// waiter holds its permit while it waits).
+    fn permits_held(&self, replica: usize) -> usize {
+        let open = self.held.iter().filter(|h| h.4 == replica).count();
+        let waiting = self.waiters.values().filter(|w| w.r.replica == replica);
+        open + waiting.count()
+    }
+
+    /// Whether the adaptive limit sheds `r` sent now: its replica holds every permit.
+    pub(crate) fn sheds(&self, r: Req) -> bool {
+        self.shape
+            .adaptive
+            .is_some_and(|all| self.permits_held(r.replica) >= all as usize)
+    }
+
     async fn request(&mut self, r: Req) {
         if self.shape.queue.is_some() {
             return self.send_queued(r).await;
         }
+        self.expect_shed = self.sheds(r);
         // A delayed request waits in the layer for its time (hours of a per-day quota): Tokio's
         // clock runs it at once while the backend's `FakeClock` stands still.
         let delays = self.shape.delay.is_some();
@@ -1079,6 +1127,30 @@ impl<B: Backend> Run<'_, B> {
         let status = res.status();
         let admitted = status != StatusCode::TOO_MANY_REQUESTS && status != StatusCode::FORBIDDEN;
         let cost = if self.shape.metered() { r.cost } else { 1 };
+
+        // The adaptive limit is asked first, before the lists and the backend. A waiter took
+        // its permit when it was sent.
+        let expect_shed = from.is_none() && std::mem::take(&mut self.expect_shed);
+        let shed = decision.as_ref().is_some_and(Decision::is_shed);
+        if shed != expect_shed {
+            self.fail(format!(
+                "{r:?}: answered {status}, shed: {shed}; the model says {} ({} permits of \
+                 replica {} held, of {:?})",
+                if expect_shed { "shed" } else { "not shed" },
+                self.permits_held(r.replica),
+                r.replica,
+                self.shape.adaptive,
+            ));
+        }
+        if shed {
+            // Nothing consumed: no unit, no slot, no refusal toward a penalty.
+            if self.verbose {
+                println!("    {r:?} -> {status} shed");
+            }
+            self.tally.shed += 1;
+            self.expect_shed_answer(r, &res, decision.as_ref());
+            return self.end(res, r, false).await;
+        }
 
         if r.key == VIP && self.shape.allowlist {
             self.tally.allowlisted += 1;
@@ -1397,6 +1469,29 @@ impl<B: Backend> Run<'_, B> {
             return;
         }
         self.end(res, r, counts_slot).await;
+    }
+
+    /// A shed request's answer: `503` with the adaptive limit's `Retry-After` (1 s), and
+    /// every limit says it was not asked.
+    fn expect_shed_answer(&mut self, r: Req, res: &Response, decision: Option<&Decision>) {
+        let retry_after = res.headers().get(RETRY_AFTER).and_then(|v| v.to_str().ok());
+        let unasked = decision.is_some_and(|d| {
+            d.limits().len() == 1 + usize::from(self.shape.slots.is_some())
+                && d.limits().iter().all(|l| {
+                    matches!(
+                        l.outcome(),
+                        Outcome::Skipped {
+                            reason: SkipReason::NotChecked
+                        }
+                    )
+                })
+        });
+        if res.status() != StatusCode::SERVICE_UNAVAILABLE || retry_after != Some("1") || !unasked {
+            self.fail(format!(
+                "{r:?}: shed, answered {} with Retry-After {retry_after:?} and {decision:?}",
+                res.status()
+            ));
+        }
     }
 
     /// A refusal by a block or a deny says when it ends: `left` in whole seconds, rounded up;
@@ -1954,6 +2049,7 @@ async fn drive<B: Backend>(
         unjudged: std::collections::HashSet::new(),
         refunded: HashMap::new(),
         sent_at: None,
+        expect_shed: false,
     };
     // Queues in memory: Tokio's clock moves only when the harness moves it.
     let paused = kind == Kind::Memory && run.shape.queue.is_some();
@@ -1979,7 +2075,7 @@ async fn drive<B: Backend>(
                 if verbose {
                     println!("  tollgate_decisions_total of rate: {decided:?}");
                 }
-                let seen = run.trace.metrics("rate", &decided);
+                let seen = run.trace.metrics("rate", &decided, run.tally.shed);
                 run.violations.extend(seen);
             }
         }
@@ -2069,8 +2165,17 @@ async fn sequence(
     if kind != Kind::Memory {
         shape.delay = None;
     }
+    shape.draw_shedding(&mut Rng(seed ^ 0x5eed_5bed), kind);
     let replicas = 2 + rng.below(3) as usize;
-    let ops = draw_ops(&mut rng, &shape, kind, replicas, ops);
+    let mut ops = draw_ops(&mut rng, &shape, kind, replicas, ops);
+    if shape.adaptive.is_some() {
+        // A restart sends requests of its own on every replica, which must not be shed.
+        for op in &mut ops {
+            if matches!(op, Op::Restart) {
+                *op = Op::Finish;
+            }
+        }
+    }
     if verbose {
         println!("seed {seed}: {shape:?} on {replicas} replicas");
     }

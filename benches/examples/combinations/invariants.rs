@@ -607,7 +607,15 @@ impl Trace {
     /// (`tollgate_decisions_total`, whatever its outcome), and its admissions (`allowed`,
     /// `delayed`, `queued`) are the requests that reached the handler counted there.
     /// `decided`: the counters since the sequence began.
-    pub(crate) fn metrics(&self, limit: &str, decided: &HashMap<String, u64>) -> Vec<String> {
+    ///
+    /// Rule *shed*: a request the adaptive limit shed (`shed` of them) asked no limit: it is
+    /// counted once, as `skipped`, at every limit, and never reaches the handler.
+    pub(crate) fn metrics(
+        &self,
+        limit: &str,
+        decided: &HashMap<String, u64>,
+        shed: u64,
+    ) -> Vec<String> {
         let sent = *self.sends.lock().unwrap();
         let reached = self
             .state
@@ -625,7 +633,14 @@ impl Trace {
             .iter()
             .filter_map(|o| decided.get(*o))
             .sum();
+        let skipped = decided.get("skipped").copied().unwrap_or(0);
         let mut out = Vec::new();
+        if skipped < shed {
+            out.push(format!(
+                "invariant metrics: {limit}: tollgate_decisions_total counted {skipped} \
+                 skipped ({decided:?}); the adaptive limit shed {shed}"
+            ));
+        }
         if total != sent || admitted != reached {
             out.push(format!(
                 "invariant metrics: {limit}: tollgate_decisions_total counted {total} requests, \

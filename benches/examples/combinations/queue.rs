@@ -126,7 +126,9 @@ impl<B: Backend> Run<'_, B> {
         self.take_answers().await;
         let id = self.sent;
         self.sent += 1;
-        let waits = self.waits(r);
+        // A shed request is answered at once, and takes no place.
+        self.expect_shed = self.sheds(r);
+        let waits = !self.expect_shed && self.waits(r);
         let req = self.request_of(r);
         let app = self.replicas[r.replica].app.clone();
         let answered = Arc::clone(&self.answered);
