@@ -3,7 +3,7 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{ready, Context, Poll};
+use std::task::{ready, Context, Poll, Waker};
 
 use bytes::Bytes;
 use http::{Request, Response};
@@ -16,12 +16,12 @@ use tower_service::Service;
 use super::body::{Both, Hold, ResponseBody};
 use super::decide::{Decided, Wait};
 use super::limits::LimitSet;
-use super::prepare::{Facts, KeptKeys};
+use super::prepare::{Facts, KeptKeys, Start};
 use super::queued::Queued;
-use super::service::start;
 use super::settle::{Owed, Refund, SetSink, Settler};
 use super::slots::HeldSlots;
 use super::state::Shared;
+pub(crate) use super::svc::Svc;
 use super::wait::WaitSeats;
 use crate::adaptive::{AdaptiveDecision, Permit, PermitWait};
 use crate::cost::Settle;
@@ -117,38 +117,6 @@ struct Waiting<S, B: Backend, ReqBody> {
     slots: Option<HeldSlots<B>>,
     /// Its seats among the waiters: given back when the wait ends or is dropped.
     seats: Option<WaitSeats>,
-}
-
-/// The inner service that answers an admitted request: the one the layer's service holds
-/// (polled ready; a clone takes its place when the request must wait for it), or one that
-/// the future owns already.
-pub(crate) enum Svc<'a, S> {
-    /// The service's own, and how to clone it.
-    Ready(&'a mut S, fn(&S) -> S),
-    /// Owned by the future.
-    Owned(S),
-}
-
-impl<S> Svc<'_, S> {
-    fn call<R>(self, req: R) -> S::Future
-    where
-        S: Service<R>,
-    {
-        match self {
-            Self::Ready(inner, _) => inner.call(req),
-            Self::Owned(mut inner) => inner.call(req),
-        }
-    }
-
-    pub(crate) fn owned(self) -> S {
-        match self {
-            Self::Ready(inner, clone) => {
-                let fresh = clone(inner);
-                std::mem::replace(inner, fresh)
-            }
-            Self::Owned(inner) => inner,
-        }
-    }
 }
 
 impl<S, B, ReqBody> ResponseFuture<S, B, ReqBody>
@@ -525,6 +493,60 @@ where
 {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ResponseFuture").finish_non_exhaustive()
+    }
+}
+
+/// A request's way through the layer's limits once the adaptive limit (if any) admitted it
+/// (`part`): its facts, its check, and then the service (`inner`) or its refusal.
+pub(crate) fn start<S, B, ReqBody>(
+    shared: &Arc<Shared<B>>,
+    req: Request<ReqBody>,
+    inner: Svc<'_, S>,
+    part: Option<AdaptiveDecision>,
+) -> ResponseFuture<S, B, ReqBody>
+where
+    S: Service<Request<ReqBody>>,
+    B: Backend,
+{
+    // The prepared check (its answer inline) is a few hundred bytes: it is answered in
+    // place, and only a pending answer moves it, into the future.
+    let mut kept = KeptKeys::default();
+    let mut start = shared.prepare(&req, &mut kept);
+    if let Start::Ask(check, facts) = &mut start {
+        // The in-memory backend, and a networked one's local deny cache, answer at once.
+        // Then the request goes straight to the service that was polled ready: no clone of
+        // it, and no trip of the request through the future.
+        let answer = Pin::new(check).poll(&mut Context::from_waker(Waker::noop()));
+        if let Poll::Ready(result) = &answer {
+            if let Some(decided) = shared.decide(result, &req, facts, &mut kept) {
+                let checked = Some((&facts.set, facts.slot));
+                let shared = Arc::clone(shared);
+                return ResponseFuture::decided(decided, req, inner, shared, checked, part);
+            }
+        }
+    }
+    let shared = Arc::clone(shared);
+    match start {
+        // Refused by a queued limit's full key, or behind others in its line: waits for
+        // its turn with the service that was polled ready; a fresh clone takes its place.
+        Start::Ask(_, facts) if facts.queueing.is_some() => {
+            ResponseFuture::queued(req, inner.owned(), (facts, kept), shared)
+        }
+        Start::Queue(facts) => ResponseFuture::queued(req, inner.owned(), (facts, kept), shared),
+        // Pending: polled again, with the task's waker, by the future. The service that
+        // was polled ready is called later; a fresh clone takes its place.
+        Start::Ask(check, facts) => {
+            ResponseFuture::checking(check, req, inner.owned(), (facts, kept), shared)
+        }
+        Start::Refuse(response) => ResponseFuture::refused(response),
+        Start::Admit(decision) => ResponseFuture::decided(
+            Decided::Admit(decision, None, None, None),
+            req,
+            inner,
+            shared,
+            None,
+            part,
+        ),
     }
 }
 

@@ -47,4 +47,5 @@ pub(crate) mod service;
 mod settle;
 mod slots;
 mod state;
+pub(crate) mod svc;
 mod wait;

@@ -1,10 +1,8 @@
 //! [`RateLimit`], the service a [`RateLimitLayer`](crate::RateLimitLayer) wraps around
 //! another.
 
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll, Waker};
+use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use http::{Request, Response};
@@ -13,11 +11,10 @@ use tollgate_engine::{Backend, MemoryBackend};
 use tower_service::Service;
 
 use super::body::ResponseBody;
-use super::decide::Decided;
-use super::future::{ResponseFuture, Svc};
-use super::prepare::{KeptKeys, Start};
+use super::future::{start, ResponseFuture};
 use super::state::Shared;
-use crate::adaptive::{AdaptiveDecision, Admission};
+use super::svc::Svc;
+use crate::adaptive::Admission;
 
 /// The service a [`RateLimitLayer`](crate::RateLimitLayer) wraps around `S`.
 ///
@@ -96,60 +93,6 @@ where
             }
             Admission::Shed(part) => ResponseFuture::refused(self.shared.refuse_shed(part, &req)),
         }
-    }
-}
-
-/// A request's way through the layer's limits once the adaptive limit (if any) admitted it
-/// (`part`): its facts, its check, and then the service (`inner`) or its refusal.
-pub(crate) fn start<S, B, ReqBody>(
-    shared: &Arc<Shared<B>>,
-    req: Request<ReqBody>,
-    inner: Svc<'_, S>,
-    part: Option<AdaptiveDecision>,
-) -> ResponseFuture<S, B, ReqBody>
-where
-    S: Service<Request<ReqBody>>,
-    B: Backend,
-{
-    // The prepared check (its answer inline) is a few hundred bytes: it is answered in
-    // place, and only a pending answer moves it, into the future.
-    let mut kept = KeptKeys::default();
-    let mut start = shared.prepare(&req, &mut kept);
-    if let Start::Ask(check, facts) = &mut start {
-        // The in-memory backend, and a networked one's local deny cache, answer at once.
-        // Then the request goes straight to the service that was polled ready: no clone of
-        // it, and no trip of the request through the future.
-        let answer = Pin::new(check).poll(&mut Context::from_waker(Waker::noop()));
-        if let Poll::Ready(result) = &answer {
-            if let Some(decided) = shared.decide(result, &req, facts, &mut kept) {
-                let checked = Some((&facts.set, facts.slot));
-                let shared = Arc::clone(shared);
-                return ResponseFuture::decided(decided, req, inner, shared, checked, part);
-            }
-        }
-    }
-    let shared = Arc::clone(shared);
-    match start {
-        // Refused by a queued limit's full key, or behind others in its line: waits for
-        // its turn with the service that was polled ready; a fresh clone takes its place.
-        Start::Ask(_, facts) if facts.queueing.is_some() => {
-            ResponseFuture::queued(req, inner.owned(), (facts, kept), shared)
-        }
-        Start::Queue(facts) => ResponseFuture::queued(req, inner.owned(), (facts, kept), shared),
-        // Pending: polled again, with the task's waker, by the future. The service that
-        // was polled ready is called later; a fresh clone takes its place.
-        Start::Ask(check, facts) => {
-            ResponseFuture::checking(check, req, inner.owned(), (facts, kept), shared)
-        }
-        Start::Refuse(response) => ResponseFuture::refused(response),
-        Start::Admit(decision) => ResponseFuture::decided(
-            Decided::Admit(decision, None, None, None),
-            req,
-            inner,
-            shared,
-            None,
-            part,
-        ),
     }
 }
 
