@@ -220,3 +220,26 @@ impl metrics::Recorder for Counting {
         metrics::Histogram::noop()
     }
 }
+
+/// tower_governor per client IP (the bench server's `governor-*` modes, and `allocs`' rows):
+/// a token every `period`, `burst` at once.
+///
+/// # Panics
+///
+/// If tower_governor refuses the configuration (a zero period or burst).
+#[allow(clippy::unwrap_used)]
+pub fn governor(
+    period: Duration,
+    burst: u32,
+) -> tower_governor::GovernorLayer<
+    tower_governor::key_extractor::PeerIpKeyExtractor,
+    governor::middleware::NoOpMiddleware<governor::clock::QuantaInstant>,
+    axum::body::Body,
+> {
+    let config = tower_governor::governor::GovernorConfigBuilder::default()
+        .period(period)
+        .burst_size(burst)
+        .finish()
+        .unwrap();
+    tower_governor::GovernorLayer::new(config)
+}

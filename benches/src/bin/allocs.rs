@@ -32,10 +32,9 @@ use axum::http::Request;
 use axum::routing::get;
 use axum::Router;
 use stats_alloc::{Region, StatsAlloc, INSTRUMENTED_SYSTEM};
+use tollgate_bench::layers::governor;
 use tollgate_bench::layers::{memory_layer, Counting, Feature, Path};
 use tower::{Service, ServiceExt};
-use tower_governor::governor::GovernorConfigBuilder;
-use tower_governor::GovernorLayer;
 
 #[global_allocator]
 static GLOBAL: &StatsAlloc<System> = &INSTRUMENTED_SYSTEM;
@@ -115,23 +114,6 @@ fn per_request(router: Router, n: u64) -> u64 {
         let stats = region.change();
         (stats.allocations + stats.reallocations) as u64 * 100 / n
     })
-}
-
-/// tower_governor per client IP, as the bench server's `governor-*` modes.
-fn governor(
-    period: Duration,
-    burst: u32,
-) -> GovernorLayer<
-    tower_governor::key_extractor::PeerIpKeyExtractor,
-    governor::middleware::NoOpMiddleware<governor::clock::QuantaInstant>,
-    Body,
-> {
-    let config = GovernorConfigBuilder::default()
-        .period(period)
-        .burst_size(burst)
-        .finish()
-        .unwrap();
-    GovernorLayer::new(config)
 }
 
 fn app() -> Router {

@@ -49,10 +49,9 @@ use axum::Router;
 use tollgate::cost::Metered;
 use tollgate::key::{ClientIp, Global};
 use tollgate::{Limit, Quota, RateLimitLayer};
+use tollgate_bench::layers::governor;
 use tollgate_bench::naive::NaiveIncr;
 use tollgate_redis::RedisBackend;
-use tower_governor::governor::GovernorConfigBuilder;
-use tower_governor::GovernorLayer;
 
 struct Args {
     mode: String,
@@ -122,22 +121,6 @@ fn delayed(quota: Quota) -> RateLimitLayer {
         .limit(limit, ClientIp::peer())
         .build()
         .unwrap()
-}
-
-fn governor(
-    period: Duration,
-    burst: u32,
-) -> GovernorLayer<
-    tower_governor::key_extractor::PeerIpKeyExtractor,
-    governor::middleware::NoOpMiddleware<governor::clock::QuantaInstant>,
-    axum::body::Body,
-> {
-    let config = GovernorConfigBuilder::default()
-        .period(period)
-        .burst_size(burst)
-        .finish()
-        .unwrap();
-    GovernorLayer::new(config)
 }
 
 fn redis(url: &str) -> RedisBackend {
