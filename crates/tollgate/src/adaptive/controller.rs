@@ -257,7 +257,10 @@ impl Controller {
         let overloaded = w.failed > 0;
         let gradient = (self.s.tolerance * baseline as f64 / rtt as f64).clamp(0.5, 1.0);
         let demanded = w.demand || f64::from(w.peak) * 2.0 >= self.limit.floor();
-        if gradient >= 1.0 && !overloaded {
+        if gradient >= 1.0 {
+            if overloaded {
+                return;
+            }
             // Healthy at this limit: the service held it.
             self.held = self.held.max(self.limit);
             if !demanded {
@@ -265,9 +268,6 @@ impl Controller {
                 self.limit = ((self.limit + self.held) / 2.0).clamp(min, max);
                 return;
             }
-        }
-        if gradient >= 1.0 && (overloaded || !demanded) {
-            return;
         }
         // Probe only while healthy: a headroom added under a slow mean would hold the
         // limit up (at about 4 requests with ⌈√limit⌉) however slow the service gets.
