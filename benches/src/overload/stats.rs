@@ -120,15 +120,7 @@ pub fn rows(
                 timeouts: share(count(Outcome::Timeout)),
                 errors: count(Outcome::Error) + count(Outcome::Failed),
                 late_p99: percentile(&mut late, 0.99),
-                limit: {
-                    let read: Vec<f64> = run
-                        .limits
-                        .iter()
-                        .filter(|l| l.phase == i)
-                        .map(|l| l.limit as f64)
-                        .collect();
-                    (!read.is_empty()).then(|| read.iter().sum::<f64>() / read.len() as f64)
-                },
+                limit: limit_mean(run, i),
                 limit_moved: limit_moved(run, phases, i),
                 cpu_per_request: cpu.and_then(|c| c.checked_div(samples.len().try_into().ok()?)),
                 recovery: phase
@@ -140,19 +132,24 @@ pub fn rows(
         .collect()
 }
 
+/// The mean of the adaptive limit's readings in phase `i`; `None` without any.
+fn limit_mean(run: &Run, i: usize) -> Option<f64> {
+    let read: Vec<f64> = run
+        .limits
+        .iter()
+        .filter(|l| l.phase == i)
+        .map(|l| l.limit as f64)
+        .collect();
+    (!read.is_empty()).then(|| read.iter().sum::<f64>() / read.len() as f64)
+}
+
 /// See [`Row::limit_moved`].
 fn limit_moved(run: &Run, phases: &[Phase], i: usize) -> Option<Duration> {
     let phase = phases.get(i)?;
     let mut read = run.limits.iter().filter(|l| l.phase == i);
     if phase.recovery {
         let steady = phases.iter().position(|p| p.name == STEADY)?;
-        let values: Vec<f64> = run
-            .limits
-            .iter()
-            .filter(|l| l.phase == steady)
-            .map(|l| l.limit as f64)
-            .collect();
-        let mean = values.iter().sum::<f64>() / values.len().max(1) as f64;
+        let mean = limit_mean(run, steady)?;
         read.find(|l| (l.limit as f64 - mean).abs() <= 0.1 * mean)
             .map(|l| l.at)
     } else if phase.slowdown > 1 {
