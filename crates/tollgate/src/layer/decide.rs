@@ -1,25 +1,24 @@
 //! The backend's answer about a request's [`Facts`], made a [`Decision`]: admitted (with what
-//! it owes its metered limits and the slots it holds), or refused.
+//! it then holds: `held.rs`), waiting in a queued limit's line, or refused (`refusal.rs`).
 
 use bytes::Bytes;
 use http::{Request, Response};
 use std::time::Duration;
 
 use tollgate_engine::{
-    algorithm, Algorithm, Backend, BackendError, BackendErrorKind, Limit, Micros, Receipt,
-    Verdicts, MAX_CHECKS,
+    algorithm, Backend, BackendError, BackendErrorKind, Micros, Receipt, Verdicts, MAX_CHECKS,
 };
 
+use super::held::{owed, refund, taken_slots};
 use super::limits::LimitSet;
 use super::prepare::{Facts, KeptKeys};
 use super::queue::Queueing;
-use super::settle::{Item, Reservation};
+use super::report::count_refused;
+use super::settle::Item;
 use super::slots::Taken;
 use super::state::Shared;
 use super::wait::WaitSeats;
-use crate::cost::OnDrop;
 use crate::decision::{Decision, DenyReason, Outcome, SkipReason, Source};
-use crate::key::Key;
 use crate::metrics as obs;
 
 /// What follows a request's decision.
@@ -144,9 +143,10 @@ impl<B: Backend> Shared<B> {
             };
             return Some(Decided::Admit(decision, owed, slots, wait));
         }
-        self.count_refused(&decision, facts, kept);
+        let reports = self.backend.reports();
+        count_refused(&self.refused, reports, &decision, &facts.set, kept);
         Some(Decided::Refuse(
-            self.refuse_decision(decision, req, &facts.set),
+            self.respond.refuse_decision(decision, req, &facts.set),
         ))
     }
 
@@ -205,72 +205,6 @@ fn queued_at(facts: &Facts, i: usize) -> Micros {
     }
 }
 
-/// What an admitted request owes the metered limits that settle: the units each took, where,
-/// and under which key and quota (its key moves out of `kept`).
-fn owed(
-    decision: &Decision,
-    facts: &Facts,
-    kept: &mut KeptKeys,
-    receipts: &[Receipt; MAX_CHECKS],
-) -> Option<Vec<Item>> {
-    let mut items = Vec::new();
-    let set = &facts.set;
-    for (i, (entry, d)) in set.limits.iter().zip(decision.limits()).enumerate() {
-        let Some(metered) = entry.metered.as_ref().filter(|m| m.settles()) else {
-            continue;
-        };
-        if !matches!(d.outcome(), Outcome::Allowed { .. }) {
-            continue;
-        }
-        // A concurrency limit's slot gives its key back too: it keeps a copy.
-        let key = if entry.limit.algorithm() == Algorithm::Concurrency {
-            kept.get(i).cloned()
-        } else {
-            kept.take(i)
-        };
-        let Some(key) = key else {
-            continue;
-        };
-        let fallback = d.source() == Source::Fallback;
-        // Counted by the limiter that answered: the local one for a fallback admission.
-        let counted_by = match (&entry.local, fallback) {
-            (Some(local), true) => local,
-            _ => &entry.limit,
-        };
-        items.push(Item {
-            reservation: reservation(facts, i, key, receipts, counted_by, fallback),
-            by_handler: metered.by_handler,
-            on_drop: metered.on_drop,
-            counted: true,
-            charged: None,
-        });
-    }
-    // A limit charged by the handler gives every admitted request a `Settle` handle, even
-    // one whose reservation nothing counts (a bypass, a missing key): the handler that
-    // takes it must find it.
-    (set.charged_by_handler || !items.is_empty()).then_some(items)
-}
-
-/// Where limit `i`'s units of the request went, to settle them later under the quota the check
-/// was made under: the request's plan's, in `counted_by`, the limiter that counted them.
-fn reservation(
-    facts: &Facts,
-    i: usize,
-    key: Key<'static>,
-    receipts: &[Receipt; MAX_CHECKS],
-    counted_by: &Limit,
-    fallback: bool,
-) -> Reservation {
-    Reservation {
-        entry: i,
-        key,
-        units: facts.cost[i],
-        receipt: receipts[i],
-        quota: *counted_by.quota_at(usize::from(facts.quota_of[i])),
-        fallback,
-    }
-}
-
 /// Per limit (in the layer's order), how far ahead of its time a delayed limit admitted the
 /// request: how far its reservation lies beyond the burst of the quota it was checked under.
 fn waits_of(verdicts: &Verdicts, facts: &Facts) -> [Micros; MAX_CHECKS] {
@@ -289,37 +223,6 @@ fn waits_of(verdicts: &Verdicts, facts: &Facts) -> [Micros; MAX_CHECKS] {
         }
     }
     waits
-}
-
-/// What a request that waits gives back if it is dropped before its time: the units every
-/// limit took from the backend (a concurrency limit's slot goes back with its guard). A
-/// leased limit's are kept: a refund could let other replicas' slices admit more than the
-/// quota (as `ConfigError::LeaseWithSettle` says of settles).
-fn refund(
-    decision: &Decision,
-    facts: &Facts,
-    kept: &KeptKeys,
-    receipts: &[Receipt; MAX_CHECKS],
-) -> Vec<Item> {
-    // Sized for the limits: a waiter holds it as long as it waits.
-    let mut items = Vec::with_capacity(facts.n);
-    for (i, (entry, d)) in facts.set.limits.iter().zip(decision.limits()).enumerate() {
-        let took = matches!(d.outcome(), Outcome::Allowed { .. })
-            && d.source() == Source::Backend
-            && entry.limit.algorithm() != Algorithm::Concurrency
-            && entry.limit.lease().is_none();
-        let Some(key) = kept.get(i).filter(|_| took) else {
-            continue;
-        };
-        items.push(Item {
-            reservation: reservation(facts, i, key.clone(), receipts, &entry.limit, false),
-            by_handler: false,
-            on_drop: OnDrop::Refund,
-            counted: true,
-            charged: None,
-        });
-    }
-    items
 }
 
 /// The decision of every verdict: each limit's outcome is its verdict, or a skip for a
@@ -353,18 +256,4 @@ fn decision_of(verdicts: &Verdicts, facts: &Facts, waits: &[Micros; MAX_CHECKS])
                 .queued_for(queued_at(facts, i))
         })
         .collect()
-}
-
-/// The concurrency slots `decision` says the request took, with their keys (moved out of
-/// `kept`): given back when the request is done.
-fn taken_slots(decision: &Decision, facts: &Facts, kept: &mut KeptKeys) -> Option<Taken> {
-    let mut items = Vec::new();
-    for (i, (entry, d)) in facts.set.limits.iter().zip(decision.limits()).enumerate() {
-        let took = entry.limit.algorithm() == Algorithm::Concurrency
-            && matches!(d.outcome(), Outcome::Allowed { .. });
-        if let (true, Some(key)) = (took, kept.take(i)) {
-            items.push((i, key, d.source()));
-        }
-    }
-    (!items.is_empty()).then_some(Taken { items })
 }

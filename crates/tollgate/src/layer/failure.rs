@@ -79,7 +79,7 @@ impl<B: Backend> Shared<B> {
                     // of the enforced limits beside it either.
                     closed |= !facts.shadowed(i);
                     Outcome::Denied {
-                        retry_after: Some(self.unavailable_retry_after),
+                        retry_after: Some(self.respond.unavailable_retry_after),
                         remaining: 0,
                         reset: Duration::ZERO,
                         reason: DenyReason::BackendUnavailable,

@@ -18,6 +18,7 @@ use super::decide::{Decided, Wait};
 use super::limits::LimitSet;
 use super::prepare::{Facts, KeptKeys, Start};
 use super::queued::Queued;
+use super::refusal::shed;
 use super::settle::{Owed, Refund, SetSink, Settler};
 use super::slots::HeldSlots;
 use super::state::Shared;
@@ -211,7 +212,10 @@ where
                     _ => None,
                 };
                 // A copy stays for the response, unless the layer adds nothing to it.
-                let for_response = shared.adds_to_response(&decision).then(|| decision.clone());
+                let for_response = shared
+                    .respond
+                    .adds_to_response(&decision)
+                    .then(|| decision.clone());
                 // Under an outer `RateLimitLayer`, the handler sees both layers' limits.
                 if let Some(outer) = req.extensions_mut().insert(decision) {
                     let both = req.extensions().get::<Decision>().map(|d| outer.then(d));
@@ -321,7 +325,7 @@ where
                             let part = Some(permit.part);
                             start(&shared, req, Svc::Owned(inner), part).holding(permit)
                         }
-                        Err(part) => Self::refused(shared.refuse_shed(part, &req)),
+                        Err(part) => Self::refused(shed(&shared, part, &req)),
                     };
                     *this.permit = next.permit;
                     this.state.set(next.state);
@@ -451,7 +455,7 @@ where
                     let hold = Both::of(slots.take().map(|s| Box::new(s) as Box<dyn Hold>), permit);
                     let Some(mut owed) = owed.take() else {
                         if let Some((decision, shared)) = finish.take() {
-                            shared.finish(&mut response, decision);
+                            shared.respond.finish(&shared.set, &mut response, decision);
                         }
                         return Poll::Ready(Ok(
                             response.map(|b| ResponseBody::inner(b).holding(hold))
@@ -461,7 +465,9 @@ where
                     if let Some((decision, shared)) = finish.take() {
                         // The response's decision and fields show the settled state when
                         // the actual cost is known with the head.
-                        shared.finish(&mut response, owed.settled(decision));
+                        shared
+                            .respond
+                            .finish(&shared.set, &mut response, owed.settled(decision));
                     }
                     if owed.waits_for_body() {
                         return Poll::Ready(Ok(

@@ -16,18 +16,17 @@ use tower_layer::Layer;
 use super::limits::Limits;
 use super::refused::Refusals;
 use super::reload::Reloader;
+use super::respond::Responses;
 use super::service::RateLimit;
-use super::state::{PlanFn, Responder, Shared};
+use super::state::{PlanFn, Shared};
 use crate::adaptive::{Adaptive, AdaptiveLimit, Guard};
 use crate::allowlist::Allowlist;
 use crate::cost::Metered;
 use crate::denylist::Denylist;
-use crate::fields::FieldOptions;
 use crate::key::{KeyExtractor, RequestView};
 use crate::limits_file::error::LimitsFileError;
 use crate::limits_file::LimitsFile;
 use crate::plan::Plan;
-use crate::refusal_cache::Last;
 use crate::rejection::Rejection;
 
 /// Applies one or more stacked limits to every request of the services it wraps.
@@ -74,14 +73,10 @@ impl RateLimitLayer<MemoryBackend> {
             backend: MemoryBackend::new(),
             limits: Limits::new(),
             plan_fn: None,
-            fields: FieldOptions::default(),
-            decision_on_allowed: true,
+            respond: Responses::default(),
             near_limit: 20,
-            responder: None,
-            grpc_responder: None,
             fallback_clock: Arc::new(SystemClock::new()),
             fallback_max_keys: 100_000,
-            unavailable_retry_after: Duration::from_secs(1),
             top_refused_k: DEFAULT_TOP_K,
             adaptive: None,
         }
@@ -179,14 +174,10 @@ pub struct RateLimitLayerBuilder<B> {
     backend: B,
     limits: Limits,
     plan_fn: Option<PlanFn>,
-    fields: FieldOptions,
-    decision_on_allowed: bool,
+    respond: Responses,
     near_limit: u8,
-    responder: Option<Responder>,
-    grpc_responder: Option<Responder>,
     fallback_clock: Arc<dyn Clock>,
     fallback_max_keys: usize,
-    unavailable_retry_after: Duration,
     top_refused_k: usize,
     adaptive: Option<(Adaptive, Box<dyn KeyExtractor>)>,
 }
@@ -289,14 +280,10 @@ impl<B: Backend> RateLimitLayerBuilder<B> {
             backend,
             limits: self.limits,
             plan_fn: self.plan_fn,
-            fields: self.fields,
-            decision_on_allowed: self.decision_on_allowed,
+            respond: self.respond,
             near_limit: self.near_limit,
-            responder: self.responder,
-            grpc_responder: self.grpc_responder,
             fallback_clock: self.fallback_clock,
             fallback_max_keys: self.fallback_max_keys,
-            unavailable_retry_after: self.unavailable_retry_after,
             top_refused_k: self.top_refused_k,
             adaptive: self.adaptive,
         }
@@ -305,7 +292,7 @@ impl<B: Backend> RateLimitLayerBuilder<B> {
     /// Whether admitted responses carry `RateLimit-Policy` and `RateLimit` (default yes;
     /// refusals always do).
     pub fn headers_on_allowed(mut self, on: bool) -> Self {
-        self.fields.on_allowed = on;
+        self.respond.fields.on_allowed = on;
         self
     }
 
@@ -318,7 +305,7 @@ impl<B: Backend> RateLimitLayerBuilder<B> {
     /// this layer. Switching it off saves the response's extension map and the copy (three
     /// allocations per admitted request; `docs/benchmarks.md` has the figures).
     pub fn decision_on_allowed(mut self, on: bool) -> Self {
-        self.decision_on_allowed = on;
+        self.respond.decision_on_allowed = on;
         self
     }
 
@@ -343,7 +330,7 @@ impl<B: Backend> RateLimitLayerBuilder<B> {
 
     /// Also writes the legacy `X-RateLimit-Limit`, `-Remaining` and `-Reset` fields (default no).
     pub fn legacy_headers(mut self, on: bool) -> Self {
-        self.fields.legacy = on;
+        self.respond.fields.legacy = on;
         self
     }
 
@@ -355,7 +342,7 @@ impl<B: Backend> RateLimitLayerBuilder<B> {
     where
         F: Fn(&Rejection<'_>) -> Response<Bytes> + Send + Sync + 'static,
     {
-        self.responder = Some(Box::new(respond));
+        self.respond.responder = Some(Box::new(respond));
         self
     }
 
@@ -368,7 +355,7 @@ impl<B: Backend> RateLimitLayerBuilder<B> {
     where
         F: Fn(&Rejection<'_>) -> Response<Bytes> + Send + Sync + 'static,
     {
-        self.grpc_responder = Some(Box::new(respond));
+        self.respond.grpc_responder = Some(Box::new(respond));
         self
     }
 
@@ -386,7 +373,7 @@ impl<B: Backend> RateLimitLayerBuilder<B> {
 
     /// The `Retry-After` of a 503 from a fail-closed limit (default 1 s).
     pub fn unavailable_retry_after(mut self, after: Duration) -> Self {
-        self.unavailable_retry_after = after;
+        self.respond.unavailable_retry_after = after;
         self
     }
 
@@ -426,12 +413,7 @@ impl<B: Backend> RateLimitLayerBuilder<B> {
                     .clock(Arc::clone(&self.fallback_clock))
                     .build(),
                 refused: Refusals::new(self.top_refused_k, self.fallback_clock),
-                fields: self.fields,
-                decision_on_allowed: self.decision_on_allowed,
-                responder: self.responder,
-                grpc_responder: self.grpc_responder,
-                unavailable_retry_after: self.unavailable_retry_after,
-                last_refusal: Last::default(),
+                respond: self.respond,
                 waiters: Arc::default(),
                 lines: Arc::default(),
                 near_limit: self.near_limit,
@@ -445,8 +427,8 @@ impl<B> fmt::Debug for RateLimitLayerBuilder<B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RateLimitLayerBuilder")
             .field("limits", &self.limits)
-            .field("fields", &self.fields)
-            .field("decision_on_allowed", &self.decision_on_allowed)
+            .field("fields", &self.respond.fields)
+            .field("decision_on_allowed", &self.respond.decision_on_allowed)
             .finish()
     }
 }

@@ -31,6 +31,7 @@ pub(crate) mod body;
 mod decide;
 mod failure;
 pub(crate) mod future;
+mod held;
 // The layer itself, as in tower-http's middleware folders.
 #[allow(clippy::module_inception)]
 pub(crate) mod layer;

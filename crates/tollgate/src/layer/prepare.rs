@@ -116,6 +116,18 @@ enum Extracted<'r> {
     Kept,
 }
 
+impl Extracted<'_> {
+    /// The key's bytes (the kept key of the limit at `i` in `kept`); `None` when skipped.
+    #[inline]
+    fn key<'a>(&'a self, kept: &'a KeptKeys, i: usize) -> Option<&'a [u8]> {
+        match self {
+            Extracted::None => None,
+            Extracted::Borrowed(key) => Some(key.as_bytes()),
+            Extracted::Kept => kept.get(i).map(Key::as_bytes),
+        }
+    }
+}
+
 impl<B: Backend> Shared<B> {
     /// Decides the request's facts (its kept keys into `kept`) and starts the backend call;
     /// or admits an allowlisted request, or refuses a denylisted one (the allowlist wins) or
@@ -135,7 +147,7 @@ impl<B: Backend> Shared<B> {
         }
         if let Some(denylist) = &set.denylist {
             if denylist.matches(&view) {
-                return Start::Refuse(self.refuse_denylisted(&set, req, &span, None));
+                return Start::Refuse(self.respond.refuse_denylisted(&set, req, &span, None));
             }
         }
         // A layer of an adaptive limit alone (which admitted the request before).
@@ -158,9 +170,7 @@ impl<B: Backend> Shared<B> {
         let mut seats = set.delays.then(|| WaitSeats::new(&self.waiters));
         let mut n = 0;
         let mut limit_of = [0; MAX_CHECKS];
-        let mut quota_of = [0u8; MAX_CHECKS];
-        let mut cost = [0u32; MAX_CHECKS];
-        let mut shadowed = 0u8;
+        let mut tally = Tally::default();
         // A place behind those who wait for a queued limit's slots of the same key: taken
         // instead of a check, so as not to pass them.
         let mut behind = None;
@@ -169,32 +179,25 @@ impl<B: Backend> Shared<B> {
             let extracted = match extract(entry, &view, kept, 0) {
                 Ok(extracted) => extracted,
                 Err(missing) => {
-                    return Start::Refuse(self.refuse_keyless(entry, missing, req, &span))
+                    return Start::Refuse(self.respond.refuse_keyless(entry, missing, req, &span))
                 }
             };
-            let key = match &extracted {
-                Extracted::None => None,
-                Extracted::Borrowed(key) => Some(key.as_bytes()),
-                Extracted::Kept => kept.get(0).map(Key::as_bytes),
-            };
-            match key {
+            match extracted.key(kept, 0) {
                 Some(key) => {
-                    let (check, quota) =
-                        match self.check_of(entry, key, plan_name, slot, (&view, req, &span)) {
-                            Ok(check) => check,
-                            Err(refusal) => return Start::Refuse(*refusal),
-                        };
-                    let check = delayed(check, 0, seats.as_mut());
-                    (quota_of[0], cost[0], n) = (quota, check.cost, 1);
-                    shadowed = u8::from(!check.enforce);
+                    let asked = (plan_name, slot, (&view, req, &*span));
+                    let check = match self.check_of(entry, 0, key, asked, &mut tally, &mut seats) {
+                        Ok(check) => check,
+                        Err(refusal) => return Start::Refuse(*refusal),
+                    };
+                    n = 1;
                     if set.queues {
                         behind = self.behind(&check, 0);
                     }
                     behind
                         .is_none()
-                        .then(|| span.in_scope(|| self.backend.check(&[check])))
+                        .then(|| ask(&span, || self.backend.check(&[check])))
                 }
-                None => Some(span.in_scope(|| self.backend.check(&[]))),
+                None => Some(ask(&span, || self.backend.check(&[]))),
             }
         } else {
             let mut extracted: [Extracted<'_>; MAX_CHECKS] = Default::default();
@@ -202,28 +205,22 @@ impl<B: Backend> Shared<B> {
                 match extract(entry, &view, kept, i) {
                     Ok(key) => extracted[i] = key,
                     Err(missing) => {
-                        return Start::Refuse(self.refuse_keyless(entry, missing, req, &span))
+                        return Start::Refuse(
+                            self.respond.refuse_keyless(entry, missing, req, &span),
+                        )
                     }
                 }
             }
             let mut checks = [Check::new(&set.limits[0].limit, b""); MAX_CHECKS];
             for (i, entry) in set.limits.iter().enumerate() {
-                let key = match &extracted[i] {
-                    Extracted::None => continue,
-                    Extracted::Borrowed(key) => key.as_bytes(),
-                    Extracted::Kept => match kept.get(i) {
-                        Some(key) => key.as_bytes(),
-                        None => continue,
-                    },
+                let Some(key) = extracted[i].key(kept, i) else {
+                    continue;
                 };
-                let (check, quota) =
-                    match self.check_of(entry, key, plan_name, slot, (&view, req, &span)) {
-                        Ok(check) => check,
-                        Err(refusal) => return Start::Refuse(*refusal),
-                    };
-                (quota_of[i], cost[i]) = (quota, check.cost);
-                shadowed |= u8::from(!check.enforce) << i;
-                checks[n] = delayed(check, i, seats.as_mut());
+                let asked = (plan_name, slot, (&view, req, &*span));
+                checks[n] = match self.check_of(entry, i, key, asked, &mut tally, &mut seats) {
+                    Ok(check) => check,
+                    Err(refusal) => return Start::Refuse(*refusal),
+                };
                 if set.queues && behind.is_none() {
                     behind = self.behind(&checks[n], i);
                 }
@@ -232,15 +229,15 @@ impl<B: Backend> Shared<B> {
             }
             behind
                 .is_none()
-                .then(|| span.in_scope(|| self.backend.check(&checks[..n])))
+                .then(|| ask(&span, || self.backend.check(&checks[..n])))
         };
         let facts = Facts {
             set,
             n,
             limit_of,
-            quota_of,
-            cost,
-            shadowed,
+            quota_of: tally.quota_of,
+            cost: tally.cost,
+            shadowed: tally.shadowed,
             slot,
             span,
             seats: seats.filter(|p| !p.is_empty()),
@@ -262,16 +259,18 @@ impl<B: Backend> Shared<B> {
         self.lines.join(check.limit, i, check.key, true)
     }
 
-    /// `entry`'s check of `key` under the request's plan (and the index of its quota), with
-    /// the request's cost for a metered limit; or the refusal of a cost that is not one.
+    /// `entry`'s check (the limit at `i`) of `key` under the request's plan, with the
+    /// request's cost for a metered limit and its limit's delay, tallied; or the refusal of a
+    /// cost that is not one.
     fn check_of<'k, T>(
         &self,
         entry: &'k SetLimit,
+        i: usize,
         key: &'k [u8],
-        plan_name: Option<&str>,
-        slot: u128,
-        (view, req, span): (&RequestView<'_>, &Request<T>, &tracing::Span),
-    ) -> Result<(Check<'k>, u8), Box<Response<Bytes>>> {
+        (plan_name, slot, (view, req, span)): Asked<'_, '_, T>,
+        tally: &mut Tally,
+        seats: &mut Option<WaitSeats>,
+    ) -> Result<Check<'k>, Box<Response<Bytes>>> {
         let (index, quota) = entry.limit.quota_of(plan_name);
         let mut check = Check::new(&entry.limit, key)
             .with_quota(*quota)
@@ -281,14 +280,44 @@ impl<B: Backend> Shared<B> {
                 // A concurrency slot is a request: none taken would pass a full limit, and
                 // its release would free a slot another request holds.
                 Ok(0) if entry.limit.algorithm() == Algorithm::Concurrency => {
-                    return Err(Box::new(self.refuse_invalid_cost(entry, req, span)))
+                    return Err(Box::new(self.respond.refuse_invalid_cost(entry, req, span)))
                 }
                 Ok(units) => check = check.with_cost(units),
-                Err(_) => return Err(Box::new(self.refuse_invalid_cost(entry, req, span))),
+                Err(_) => return Err(Box::new(self.respond.refuse_invalid_cost(entry, req, span))),
             }
         }
         // A limit has at most `MAX_PLANS` plans.
-        Ok((check, u8::try_from(index).unwrap_or(0)))
+        tally.quota_of[i] = u8::try_from(index).unwrap_or(0);
+        tally.cost[i] = check.cost;
+        tally.shadowed |= u8::from(!check.enforce) << i;
+        Ok(delayed(check, i, seats.as_mut()))
+    }
+}
+
+/// What every limit's check of one request is asked with: the request's plan, its slot id,
+/// and the request (its view, itself, its span) for a cost or a refusal.
+type Asked<'a, 'r, T> = (
+    Option<&'a str>,
+    u128,
+    (&'a RequestView<'r>, &'a Request<T>, &'a tracing::Span),
+);
+
+/// Per limit, what its check took of the request, kept in the [`Facts`].
+#[derive(Default)]
+struct Tally {
+    quota_of: [u8; MAX_CHECKS],
+    cost: [u32; MAX_CHECKS],
+    shadowed: u8,
+}
+
+/// `call` (the backend's check) inside `span`, unless the span is off (most requests): then
+/// without entering it.
+#[inline]
+fn ask<F>(span: &CheckSpan, call: impl FnOnce() -> F) -> F {
+    if span.is_none() {
+        call()
+    } else {
+        span.in_scope(call)
     }
 }
 

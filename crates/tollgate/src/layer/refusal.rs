@@ -6,12 +6,11 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Request, Response};
-use tollgate_engine::Backend;
 
 use super::limits::{LimitSet, SetLimit};
-use super::respond::{policy_for, put_decision};
+use super::respond::{policy_for, put_decision, Responses};
 use super::state::Shared;
-use crate::adaptive::AdaptiveDecision;
+use crate::adaptive::{AdaptiveDecision, Guard};
 use crate::decision::{Decision, Outcome, SkipReason, Source};
 use crate::fields::{self, Fields};
 use crate::key::MissingKey;
@@ -19,7 +18,7 @@ use crate::metrics as obs;
 use crate::rejection::{refusal_of, Rejection, RejectionKind};
 use crate::{grpc, problem, refusal_cache};
 
-impl<B: Backend> Shared<B> {
+impl Responses {
     /// The refusal of a request without `entry`'s key, under a limit that rejects it.
     pub(crate) fn refuse_keyless<T>(
         &self,
@@ -73,19 +72,21 @@ impl<B: Backend> Shared<B> {
         self.refuse_decision(decision, req, set)
     }
 
-    /// The refusal of a request that the adaptive limit shed (`part`): `503` with its
-    /// `Retry-After` and no rate-limit fields (it says nothing of a quota). No other limit was
-    /// asked: each says `Skipped` (`NotChecked`), and counts it so.
+    /// The refusal of a request that the adaptive limit `guard` shed (`part`): `503` with its
+    /// `Retry-After` and no rate-limit fields (it says nothing of a quota). No other limit of
+    /// `set` was asked: each says `Skipped` (`NotChecked`), and counts it so.
     pub(crate) fn refuse_shed<T>(
         &self,
+        set: &LimitSet,
+        guard: Option<&Guard>,
         part: AdaptiveDecision,
         req: &Request<T>,
     ) -> Response<Bytes> {
         let skipped = Outcome::Skipped {
             reason: SkipReason::NotChecked,
         };
-        let decision = refused_at_all(&self.set.load(), skipped).with_adaptive(part);
-        let (name, after) = match &self.adaptive {
+        let decision = refused_at_all(set, skipped).with_adaptive(part);
+        let (name, after) = match guard {
             Some(guard) => (guard.name(), guard.retry_after()),
             None => ("adaptive", Duration::from_secs(1)),
         };
@@ -159,6 +160,18 @@ impl<B: Backend> Shared<B> {
     }
 }
 
+/// The refusal of a request that `shared`'s adaptive limit shed (`part`), under its limits now.
+pub(crate) fn shed<B, T>(
+    shared: &Shared<B>,
+    part: AdaptiveDecision,
+    req: &Request<T>,
+) -> Response<Bytes> {
+    let set = shared.set.load();
+    shared
+        .respond
+        .refuse_shed(&set, shared.adaptive.as_ref(), part, req)
+}
+
 /// The decision of a request refused before any check: `outcome` at every limit of `set`,
 /// counted as a refused request's.
 fn refused_at_all(set: &LimitSet, outcome: Outcome) -> Decision {
@@ -212,7 +225,10 @@ mod tests {
         let req = Request::new(());
         let span = tracing::Span::none();
         let after = Some(Duration::from_millis(89_100));
-        let response = layer.shared.refuse_denylisted(&set, &req, &span, after);
+        let response = layer
+            .shared
+            .respond
+            .refuse_denylisted(&set, &req, &span, after);
         assert_eq!(response.status(), StatusCode::FORBIDDEN);
         assert_eq!(response.headers()[RETRY_AFTER], "90");
         assert_eq!(response.headers()[CONTENT_TYPE], "application/problem+json");
@@ -222,7 +238,10 @@ mod tests {
         assert_eq!(decision.retry_after(), after);
         assert_eq!(decision.limits().len(), 2);
 
-        let response = layer.shared.refuse_denylisted(&set, &req, &span, None);
+        let response = layer
+            .shared
+            .respond
+            .refuse_denylisted(&set, &req, &span, None);
         assert_eq!(response.status(), StatusCode::FORBIDDEN);
         assert!(!response.headers().contains_key(RETRY_AFTER));
         assert_eq!(response.headers().len(), 1, "{:?}", response.headers());
@@ -255,6 +274,7 @@ mod tests {
             .collect();
             let response = layer
                 .shared
+                .respond
                 .refuse_decision(decision, &Request::new(()), &set);
             assert_eq!(response.status(), StatusCode::FORBIDDEN, "{outcome:?}");
             assert_eq!(

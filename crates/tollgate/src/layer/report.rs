@@ -4,53 +4,61 @@
 use std::task::{Context, Poll, Waker};
 
 use tollgate_engine::topk::Counter;
-use tollgate_engine::{AdminFuture, Backend, Micros, Refused};
+use tollgate_engine::{AdminFuture, Micros, Refused, Reports};
 
-use super::limits::SetLimit;
-use super::prepare::{Facts, KeptKeys};
-use super::state::Shared;
+use super::limits::{LimitSet, SetLimit};
+use super::prepare::KeptKeys;
+use super::refused::Refusals;
 use crate::decision::{Decision, Outcome};
 
-impl<B: Backend> Shared<B> {
-    /// Counts a refused request under every enforced limit that refused it (a shadow limit's
-    /// would-be refusal is no refusal).
-    pub(crate) fn count_refused(&self, decision: &Decision, facts: &Facts, kept: &KeptKeys) {
-        if !self.refused.enabled() {
-            return;
+/// Counts a refused request under every enforced limit of `set` that refused it (a shadow
+/// limit's would-be refusal is no refusal), and hands a limit's counters to `reports` once a
+/// tick has passed.
+pub(crate) fn count_refused(
+    refused: &Refusals,
+    reports: Option<&dyn Reports>,
+    decision: &Decision,
+    set: &LimitSet,
+    kept: &KeptKeys,
+) {
+    if !refused.enabled() {
+        return;
+    }
+    for (i, (entry, d)) in set.limits.iter().zip(decision.limits()).enumerate() {
+        if d.is_shadow() || !matches!(d.outcome(), Outcome::Denied { .. }) {
+            continue;
         }
-        let set = &facts.set;
-        for (i, (entry, d)) in set.limits.iter().zip(decision.limits()).enumerate() {
-            if d.is_shadow() || !matches!(d.outcome(), Outcome::Denied { .. }) {
-                continue;
-            }
-            // Every enforced limit keeps its key while refusals are counted.
-            let Some(key) = kept.get(i) else {
-                continue;
-            };
-            if let Some((counters, now)) =
-                self.refused
-                    .count(entry.limit.name(), &entry.refused, key.as_bytes())
-            {
-                self.hand(entry, counters, now);
+        // Every enforced limit keeps its key while refusals are counted.
+        let Some(key) = kept.get(i) else {
+            continue;
+        };
+        if let Some((counters, now)) =
+            refused.count(entry.limit.name(), &entry.refused, key.as_bytes())
+        {
+            if let Some(reports) = reports {
+                hand(reports, refused.keep(), entry, counters, now);
             }
         }
     }
+}
 
-    /// Hands `counters` to the backend's reports without waiting: a networked backend's call
-    /// goes on in a task (outside a Tokio runtime it is dropped).
-    fn hand(&self, entry: &SetLimit, counters: Vec<Counter<Vec<u8>>>, now: Micros) {
-        let Some(reports) = self.backend.reports() else {
-            return;
-        };
-        let name = entry.limit.name();
-        let mut merge = reports.merge(name, self.refused.keep(), named(entry, counters), now);
-        match merge.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
-            Poll::Ready(Ok(())) => {}
-            Poll::Ready(Err(e)) => {
-                tracing::debug!(limit = name, error = %e, "refusals not reported")
-            }
-            Poll::Pending => spawn(merge, name),
+/// Hands `counters` to `reports` (keeping at most `keep` identities) without waiting: a
+/// networked backend's call goes on in a task (outside a Tokio runtime it is dropped).
+fn hand(
+    reports: &dyn Reports,
+    keep: usize,
+    entry: &SetLimit,
+    counters: Vec<Counter<Vec<u8>>>,
+    now: Micros,
+) {
+    let name = entry.limit.name();
+    let mut merge = reports.merge(name, keep, named(entry, counters), now);
+    match merge.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
+        Poll::Ready(Ok(())) => {}
+        Poll::Ready(Err(e)) => {
+            tracing::debug!(limit = name, error = %e, "refusals not reported")
         }
+        Poll::Pending => spawn(merge, name),
     }
 }
 

@@ -1,16 +1,51 @@
-//! What the layer adds to a response: its [`Decision`] and the rate-limit fields.
+//! How the layer answers: what it adds to an admitted response (its [`Decision`] and the
+//! rate-limit fields) and, in `refusal.rs`, how it writes a refusal. Neither depends on the
+//! backend: [`Responses`] is the part of a layer's state that shapes responses.
 
 use std::borrow::Cow;
+use std::time::Duration;
 
+use arc_swap::ArcSwap;
+use bytes::Bytes;
 use http::{HeaderValue, Response};
-use tollgate_engine::Backend;
 
 use super::limits::LimitSet;
-use super::state::Shared;
 use crate::decision::Decision;
-use crate::fields::{self, Fields};
+use crate::fields::{self, FieldOptions, Fields};
+use crate::refusal_cache::{Last, WrittenRefusal};
+use crate::rejection::Rejection;
 
-impl<B: Backend> Shared<B> {
+/// A custom responder of refusals.
+pub(crate) type Responder = Box<dyn Fn(&Rejection<'_>) -> Response<Bytes> + Send + Sync>;
+
+/// How a layer's responses are shaped: admitted ones and refusals.
+pub(crate) struct Responses {
+    /// Which rate-limit header fields responses get.
+    pub(crate) fields: FieldOptions,
+    /// Whether admitted responses carry the [`Decision`] (refusals always do).
+    pub(crate) decision_on_allowed: bool,
+    pub(crate) responder: Option<Responder>,
+    pub(crate) grpc_responder: Option<Responder>,
+    /// The `Retry-After` of a fail-closed `503`.
+    pub(crate) unavailable_retry_after: Duration,
+    /// The last default `429`'s body and header fields, for the refusals of a flood.
+    pub(crate) last_refusal: Last<WrittenRefusal>,
+}
+
+impl Default for Responses {
+    fn default() -> Self {
+        Self {
+            fields: FieldOptions::default(),
+            decision_on_allowed: true,
+            responder: None,
+            grpc_responder: None,
+            unavailable_retry_after: Duration::from_secs(1),
+            last_refusal: Last::default(),
+        }
+    }
+}
+
+impl Responses {
     /// Whether [`finish`](Self::finish) adds anything to the response of a request admitted
     /// with `decision`: the decision, or the rate-limit fields. An allowlisted request's
     /// response has no fields: nothing was counted.
@@ -23,10 +58,16 @@ impl<B: Backend> Shared<B> {
         self.fields.on_allowed && !decision.is_allowlisted() && !decision.limits().is_empty()
     }
 
-    /// Adds the decision and (if configured) the rate-limit fields to an admitted response.
-    pub(crate) fn finish<T>(&self, response: &mut Response<T>, decision: Decision) {
+    /// Adds the decision and (if configured) the rate-limit fields, with the policy of the
+    /// limits now in `set`, to an admitted response.
+    pub(crate) fn finish<T>(
+        &self,
+        set: &ArcSwap<LimitSet>,
+        response: &mut Response<T>,
+        decision: Decision,
+    ) {
         if self.fields_on_allowed(&decision) {
-            let set = self.set.load();
+            let set = set.load();
             let policy = policy_for(&set, &decision);
             let fields = Fields::of(&decision);
             fields::write_headers(
@@ -64,7 +105,11 @@ pub(crate) fn policy_for<'s>(
             .limits
             .iter()
             .zip(decision.limits())
-            .all(|(e, d)| e.limit.name() == d.name() && e.limit.quota() == d.quota());
+            .all(|(e, d)| {
+                // The decision's name is the limit's own (shared) for a decision of `set`.
+                e.limit.quota() == d.quota()
+                    && (std::ptr::eq(e.limit.name(), d.name()) || e.limit.name() == d.name())
+            });
     if defaults {
         return set.policy.as_ref().map(Cow::Borrowed);
     }

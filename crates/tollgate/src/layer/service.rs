@@ -12,6 +12,7 @@ use tower_service::Service;
 
 use super::body::ResponseBody;
 use super::future::{start, ResponseFuture};
+use super::refusal::shed;
 use super::state::Shared;
 use super::svc::Svc;
 use crate::adaptive::Admission;
@@ -91,7 +92,7 @@ where
                 let inner = Svc::Ready(&mut self.inner, S::clone).owned();
                 ResponseFuture::admitting(waiting, req, inner, Arc::clone(&self.shared))
             }
-            Admission::Shed(part) => ResponseFuture::refused(self.shared.refuse_shed(part, &req)),
+            Admission::Shed(part) => ResponseFuture::refused(shed(&self.shared, part, &req)),
         }
     }
 }

@@ -3,26 +3,18 @@
 use std::fmt;
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use arc_swap::ArcSwap;
-use bytes::Bytes;
-use http::Response;
 use tollgate_engine::{Backend, Clock, MemoryBackend};
 
 use super::limits::LimitSet;
 use super::queue::Lines;
 use super::refused::Refusals;
+use super::respond::Responses;
 use super::wait::Waiters;
 use crate::adaptive::Guard;
-use crate::fields::FieldOptions;
 use crate::key::RequestView;
 use crate::plan::Plan;
-use crate::refusal_cache::{Last, WrittenRefusal};
-use crate::rejection::Rejection;
-
-/// A custom responder of refusals.
-pub(crate) type Responder = Box<dyn Fn(&Rejection<'_>) -> Response<Bytes> + Send + Sync>;
 /// The plan of a request without a [`Plan`] extension.
 pub(crate) type PlanFn = Box<dyn Fn(&RequestView<'_>) -> Option<Plan> + Send + Sync>;
 
@@ -40,15 +32,8 @@ pub(crate) struct Shared<B> {
     /// The plan of a request without a `Plan` extension.
     pub(crate) plan_fn: Option<PlanFn>,
     pub(crate) fallback: MemoryBackend<Arc<dyn Clock>>,
-    /// Which rate-limit header fields responses get.
-    pub(crate) fields: FieldOptions,
-    /// Whether admitted responses carry the [`Decision`](crate::Decision) (refusals always do).
-    pub(crate) decision_on_allowed: bool,
-    pub(crate) responder: Option<Responder>,
-    pub(crate) grpc_responder: Option<Responder>,
-    pub(crate) unavailable_retry_after: Duration,
-    /// The last default `429`'s body and header fields, for the refusals of a flood.
-    pub(crate) last_refusal: Last<WrittenRefusal>,
+    /// How admitted responses and refusals are shaped.
+    pub(crate) respond: Responses,
     /// The requests that wait for delayed limits, counted per limit and key.
     pub(crate) waiters: Arc<Waiters>,
     /// The lines of requests that wait for queued concurrency limits' slots.
@@ -76,8 +61,8 @@ impl<B: Backend> fmt::Debug for Shared<B> {
                     .map(|e| &e.limit)
                     .collect::<Vec<_>>(),
             )
-            .field("fields", &self.fields)
-            .field("decision_on_allowed", &self.decision_on_allowed)
+            .field("fields", &self.respond.fields)
+            .field("decision_on_allowed", &self.respond.decision_on_allowed)
             .finish()
     }
 }
