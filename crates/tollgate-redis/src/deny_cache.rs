@@ -24,6 +24,7 @@
 //!   there. The cache forgets the key once Redis reports room for all of them.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -41,6 +42,9 @@ const SHARDS: usize = 16;
 pub(crate) struct RefusedKeys {
     shards: Box<[Mutex<HashMap<KeyDigest, KeyRefusal>>]>,
     per_shard: usize,
+    /// Entries held in every shard, counted under their shard's lock: while it is 0 (no key
+    /// refused lately, most of the time) a lookup takes no lock.
+    held: AtomicUsize,
     /// How long the request that asks Redis after a denial ran out holds the others back.
     turn: Duration,
     /// How long a denial is answered here before a request asks Redis again, however long
@@ -140,8 +144,16 @@ impl RefusedKeys {
         Self {
             shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
             per_shard,
+            held: AtomicUsize::new(0),
             turn,
             ttl,
+        }
+    }
+
+    /// Removes `digest`'s entry from `shard` (its lock held), counted.
+    fn remove(&self, shard: &mut HashMap<KeyDigest, KeyRefusal>, digest: &KeyDigest) {
+        if shard.remove(digest).is_some() {
+            self.held.fetch_sub(1, Ordering::Relaxed);
         }
     }
 
@@ -158,7 +170,7 @@ impl RefusedKeys {
     /// refund), so a denial seen while they were held may no longer stand.
     pub(crate) fn forget(&self, digest: &KeyDigest) {
         if self.per_shard > 0 {
-            self.shard(digest).remove(digest);
+            self.remove(&mut self.shard(digest), digest);
         }
     }
 
@@ -178,7 +190,9 @@ impl RefusedKeys {
         quota: &Quota,
         delay: Micros,
     ) -> Lookup {
-        if self.per_shard == 0 {
+        // A denial inserted while this reads 0 is missed by this request only, which asks
+        // Redis, as one that took the lock first would.
+        if self.per_shard == 0 || self.held.load(Ordering::Relaxed) == 0 {
             return Lookup::Miss;
         }
         let mut shard = self.shard(digest);
@@ -190,7 +204,7 @@ impl RefusedKeys {
             // Redis is asked again (a reset or an undeny elsewhere shows there).
             let now = Instant::now();
             if entry.until <= now {
-                shard.remove(digest);
+                self.remove(&mut shard, digest);
                 return Lookup::Miss;
             }
             entry.hits.increment(1);
@@ -200,7 +214,7 @@ impl RefusedKeys {
         if entry.quota != *quota || entry.delay != delay {
             // Made under another quota (a reload or another plan changed it since): it
             // stands for nothing now.
-            shard.remove(digest);
+            self.remove(&mut shard, digest);
             return Lookup::Miss;
         }
         // Only a key with a cached denial reads the clock.
@@ -296,7 +310,9 @@ impl RefusedKeys {
             return;
         }
         if shard.len() >= self.per_shard {
+            let before = shard.len();
             shard.retain(|_, e| e.until > now);
+            self.held.fetch_sub(before - shard.len(), Ordering::Relaxed);
             if shard.len() >= self.per_shard {
                 return;
             }
@@ -304,6 +320,7 @@ impl RefusedKeys {
         entry.hits =
             metrics::counter!("tollgate_deny_cache_hits_total", "limit" => Arc::clone(limit));
         shard.insert(*digest, entry);
+        self.held.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Ends the turn the request for `digest` held: Redis admitted it at `cost`, with
@@ -322,7 +339,7 @@ impl RefusedKeys {
             return;
         }
         if remaining >= u64::from(entry.held).saturating_add(1) * u64::from(cost) {
-            shard.remove(digest);
+            self.remove(&mut shard, digest);
         } else {
             entry.reopen();
         }
@@ -399,6 +416,39 @@ mod tests {
         cache.end_turn(&d, 1, 2);
         assert_eq!(cache.lookup(&d, 1, &q()), Lookup::Miss);
         assert_eq!(cache.len(), 0);
+    }
+
+    /// The count that lets a lookup skip the locks follows every insert and removal: a miss
+    /// with nothing held takes no lock, and a denial is found again once one is.
+    #[tokio::test(start_paused = true)]
+    async fn the_count_of_entries_follows_inserts_and_removals() {
+        // One entry per shard.
+        let cache = RefusedKeys::new(SHARDS, Duration::from_millis(50), Duration::from_secs(3600));
+        let counted = |cache: &RefusedKeys| cache.held.load(Ordering::Relaxed);
+        let (a, b) = ([1u8; 16], [1u8 + SHARDS as u8; 16]);
+        assert_eq!(cache.lookup(&a, 1, &q()), Lookup::Miss);
+        cache.insert(&a, &limit(), &q(), 1, Some(0), &denied(1_000));
+        assert!(cache.lookup(&a, 1, &q()).denial().is_some());
+        // The same key again: replaced, not counted twice.
+        cache.insert(&a, &limit(), &q(), 1, Some(0), &denied(2_000));
+        assert_eq!((counted(&cache), cache.len()), (1, 1));
+        // `b` shares `a`'s shard, which is full until `a` runs out; then `a` is evicted.
+        cache.insert(&b, &limit(), &q(), 1, Some(0), &denied(1_000));
+        assert_eq!((counted(&cache), cache.len()), (1, 1));
+        tokio::time::advance(Duration::from_millis(3)).await;
+        cache.insert(&b, &limit(), &q(), 1, Some(0), &denied(1_000));
+        assert_eq!((counted(&cache), cache.len()), (1, 1));
+        assert_eq!(cache.lookup(&a, 1, &q()), Lookup::Miss);
+        // Another quota's lookup removes it; so does a forget.
+        assert_eq!(
+            cache.lookup(&b, 1, &Quota::per_minute(6).unwrap()),
+            Lookup::Miss
+        );
+        assert_eq!((counted(&cache), cache.len()), (0, 0));
+        cache.insert(&b, &limit(), &q(), 1, Some(0), &denied(1_000));
+        cache.forget(&b);
+        cache.forget(&b);
+        assert_eq!((counted(&cache), cache.len()), (0, 0));
     }
 
     #[tokio::test(start_paused = true)]
