@@ -9,9 +9,9 @@ use tollgate_engine::{
     algorithm, Backend, BackendError, BackendErrorKind, Micros, Receipt, Verdicts, MAX_CHECKS,
 };
 
+use super::facts::{Facts, KeptKeys};
 use super::held::{owed, refund, taken_slots};
 use super::limits::LimitSet;
-use super::prepare::{Facts, KeptKeys};
 use super::queue::Queueing;
 use super::report::count_refused;
 use super::settle::Item;
@@ -19,7 +19,9 @@ use super::slots::Taken;
 use super::state::Shared;
 use super::wait::WaitSeats;
 use crate::decision::{Decision, DenyReason, Outcome, SkipReason, Source};
+use crate::key::Key;
 use crate::metrics as obs;
+use crate::span::CheckSpan;
 
 /// What follows a request's decision.
 pub(crate) enum Decided {
@@ -109,11 +111,7 @@ impl<B: Backend> Shared<B> {
         {
             return None;
         }
-        for (entry, d) in facts.set.limits.iter().zip(decision.limits()) {
-            entry.metrics.record(d, admitted, self.near_limit);
-        }
-        obs::record_span(&facts.span, &decision);
-        facts.span.record(&decision, true);
+        self.record(&facts.set, &decision, admitted, &facts.span);
         // The seats of the limits the request waits for are kept; the others go back.
         let seats = facts.seats.take();
         if admitted {
@@ -143,11 +141,40 @@ impl<B: Backend> Shared<B> {
             };
             return Some(Decided::Admit(decision, owed, slots, wait));
         }
-        let reports = self.backend.reports();
-        count_refused(&self.refused, reports, &decision, &facts.set, kept);
+        let keys = |i| kept.get(i).map(Key::as_bytes);
         Some(Decided::Refuse(
-            self.respond.refuse_decision(decision, req, &facts.set),
+            self.refuse(decision, &facts.set, keys, req),
         ))
+    }
+
+    /// Records `decision` (`admitted` or not), reached after the backend's answer under `set`,
+    /// in each limit's metrics and in the request's `span`.
+    pub(super) fn record(
+        &self,
+        set: &LimitSet,
+        decision: &Decision,
+        admitted: bool,
+        span: &CheckSpan,
+    ) {
+        for (entry, d) in set.limits.iter().zip(decision.limits()) {
+            entry.metrics.record(d, admitted, self.near_limit);
+        }
+        obs::record_span(span, decision);
+        span.record(decision, true);
+    }
+
+    /// The refusal of a request that `decision` refused under `set`, its keys by limit in
+    /// `keys`: counted under the limits that refused it, then written.
+    pub(super) fn refuse<'k, T>(
+        &self,
+        decision: Decision,
+        set: &LimitSet,
+        keys: impl Fn(usize) -> Option<&'k [u8]>,
+        req: &Request<T>,
+    ) -> Response<Bytes> {
+        let reports = self.backend.reports();
+        count_refused(&self.refused, reports, &decision, set, keys);
+        self.respond.refuse_decision(decision, req, set)
     }
 
     /// Whether the request refused by `decision` waits in a queued limit's line: only a full

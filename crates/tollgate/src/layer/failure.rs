@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use tollgate_engine::{Backend, BackendError, Check, FailurePolicy, Receipt, MAX_CHECKS};
 
-use super::prepare::{Facts, KeptKeys};
+use super::facts::{Facts, KeptKeys};
 use super::state::Shared;
 use crate::decision::{Decision, DenyReason, Outcome, SkipReason, Source};
 

@@ -15,8 +15,9 @@ use tower_service::Service;
 
 use super::body::{Both, Hold, ResponseBody};
 use super::decide::{Decided, Wait};
+use super::facts::{Facts, KeptKeys};
 use super::limits::LimitSet;
-use super::prepare::{Facts, KeptKeys, Start};
+use super::prepare::Start;
 use super::queued::Queued;
 use super::refusal::shed;
 use super::settle::{Owed, Refund, SetSink, Settler};
@@ -541,10 +542,12 @@ where
         Start::Queue(facts) => ResponseFuture::queued(req, inner.owned(), (facts, kept), shared),
         // Pending: polled again, with the task's waker, by the future. The service that
         // was polled ready is called later; a fresh clone takes its place.
-        Start::Ask(check, facts) => {
+        Start::Ask(check, facts) | Start::Asked(check, facts) => {
             ResponseFuture::checking(check, req, inner.owned(), (facts, kept), shared)
         }
         Start::Refuse(response) => ResponseFuture::refused(response),
+        // Nothing it holds is given back or settled against the limits it was checked under.
+        Start::Decided(decided) => ResponseFuture::decided(decided, req, inner, shared, None, part),
         Start::Admit(decision) => ResponseFuture::decided(
             Decided::Admit(decision, None, None, None),
             req,

@@ -4,7 +4,7 @@
 
 use tollgate_engine::{Algorithm, Limit, Receipt, MAX_CHECKS};
 
-use super::prepare::{Facts, KeptKeys};
+use super::facts::{Facts, KeptKeys};
 use super::settle::{Item, Reservation};
 use super::slots::Taken;
 use crate::cost::OnDrop;

@@ -203,6 +203,14 @@ impl Limits {
         let charged_by_handler = limits
             .iter()
             .any(|(_, _, m)| m.as_ref().is_some_and(|m| m.by_handler));
+        let straight = limits.len() == 1
+            && limits[0].2.is_none()
+            && allowlist.is_none()
+            && denylist.is_none()
+            && !plans
+            && !has_slots
+            && !delays
+            && !queues;
         let limits = limits
             .into_iter()
             .map(|(limit, key, metered)| SetLimit {
@@ -237,6 +245,7 @@ impl Limits {
             has_slots,
             delays,
             queues,
+            straight,
         })
     }
 }
@@ -271,6 +280,10 @@ pub(crate) struct LimitSet {
     pub(crate) delays: bool,
     /// Whether any limit queues for its slots (a full key's requests may then wait).
     pub(crate) queues: bool,
+    /// One limit, and nothing to look up, settle, hold, wait or queue for (most layers): a
+    /// request's check, and its decision when the backend answers at once, take the straight
+    /// line (`prepare.rs`, [`Shared::straight`](super::state::Shared)).
+    pub(crate) straight: bool,
 }
 
 impl fmt::Debug for LimitSet {

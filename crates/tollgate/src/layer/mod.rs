@@ -29,6 +29,7 @@
 pub(crate) mod admin;
 pub(crate) mod body;
 mod decide;
+mod facts;
 mod failure;
 pub(crate) mod future;
 mod held;

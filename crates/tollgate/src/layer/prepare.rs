@@ -7,12 +7,17 @@
 //! the [`Facts`], inline when short. The backend's future owns what it needs, so nothing
 //! borrows the request once the call has started.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll, Waker};
 
 use bytes::Bytes;
 use http::{Request, Response};
 use tollgate_engine::{Algorithm, Backend, Check, MissingKeyPolicy, MAX_CHECKS};
 
+use super::decide::Decided;
+use super::facts::{Facts, KeptKeys};
 use super::limits::{LimitSet, SetLimit};
 use super::queue::{Queueing, Ticket};
 use super::slots::next_id;
@@ -28,70 +33,6 @@ use crate::span::CheckSpan;
 /// Extracted keys cannot take this value: IP keys start with a 4 or 6 byte, tenants are ASCII.
 const SHARED_BUCKET: &[u8] = b"\xffshared-bucket";
 
-/// What [`Shared::prepare`] decided of one request, read by its decision, its settle, its
-/// slots and its refusal.
-#[derive(Debug)]
-pub(crate) struct Facts {
-    /// The limits the request started with.
-    pub(crate) set: Arc<LimitSet>,
-    /// How many limits were checked (those with a key).
-    pub(crate) n: usize,
-    /// The index in the set of each checked limit, in the order of the checks.
-    pub(crate) limit_of: [usize; MAX_CHECKS],
-    /// Per limit, the index of the quota the request got ([`Limit::quota_of`]).
-    ///
-    /// [`Limit::quota_of`]: tollgate_engine::Limit::quota_of
-    pub(crate) quota_of: [u8; MAX_CHECKS],
-    /// Per limit, the request's cost.
-    pub(crate) cost: [u32; MAX_CHECKS],
-    /// The limits (bit `i` for the limit at `i`) whose check did not enforce: shadow limits,
-    /// and limits whose enforced share the request's key lies outside.
-    pub(crate) shadowed: u8,
-    /// The request's concurrency slot id (0 when the layer has no concurrency limit).
-    pub(crate) slot: u128,
-    /// The request's `tollgate.check` span, open from the keys to the decision.
-    pub(crate) span: CheckSpan,
-    /// The seats the request took among delayed limits' waiters, so that it was checked
-    /// with their delays (only in a set with a delayed limit): given back by the decision
-    /// unless the request waits.
-    pub(crate) seats: Option<WaitSeats>,
-    /// Its place in a queued concurrency limit's line, while it waits for a slot (boxed:
-    /// most requests never wait).
-    pub(crate) queueing: Option<Box<Queueing>>,
-}
-
-impl Facts {
-    /// Whether the check of the limit at `i` did not enforce (see [`Facts::shadowed`]).
-    #[inline]
-    pub(crate) fn shadowed(&self, i: usize) -> bool {
-        self.shadowed & (1 << i) != 0
-    }
-}
-
-/// The keys of a request that are needed after its check ([`SetLimit::keeps_key`]), by limit.
-///
-/// Beside the [`Facts`] rather than in them, and made only when a limit keeps its key: most
-/// layers keep none, and their requests then neither fill nor move nor drop room for eight
-/// keys.
-#[derive(Debug, Default)]
-pub(crate) struct KeptKeys(Option<[Option<Key<'static>>; MAX_CHECKS]>);
-
-impl KeptKeys {
-    /// The kept key of the limit at `i`.
-    pub(crate) fn get(&self, i: usize) -> Option<&Key<'static>> {
-        self.0.as_ref()?[i].as_ref()
-    }
-
-    /// Takes the kept key of the limit at `i`.
-    pub(crate) fn take(&mut self, i: usize) -> Option<Key<'static>> {
-        self.0.as_mut()?[i].take()
-    }
-
-    fn put(&mut self, i: usize, key: Key<'static>) {
-        self.0.get_or_insert_with(Default::default)[i] = Some(key);
-    }
-}
-
 /// How a request starts.
 pub(crate) enum Start<F> {
     /// The backend is asked (`F` is its answer) about the request's [`Facts`].
@@ -102,6 +43,11 @@ pub(crate) enum Start<F> {
     Admit(Decision),
     /// Refused before asking (denylisted, a missing key, a cost that is none).
     Refuse(Response<Bytes>),
+    /// Asked on the straight line ([`LimitSet::straight`]), which polled the answer once: it
+    /// is pending.
+    Asked(F, Facts),
+    /// Decided already: the straight line's answer came at once.
+    Decided(Decided),
 }
 
 /// One limit's key as extracted, and whether it is kept.
@@ -140,6 +86,9 @@ impl<B: Backend> Shared<B> {
         let set = self.set.load_full();
         let span = CheckSpan::new(&set.names);
         let view = RequestView::new(req);
+        if set.straight {
+            return self.straight(set, span, &view, req, kept);
+        }
         if let Some(allowlist) = &set.allowlist {
             if allowlist.matches(&view) {
                 return Start::Admit(allowlisted(&set, &span));
@@ -249,6 +198,80 @@ impl<B: Backend> Shared<B> {
         }
     }
 
+    /// The common case ([`LimitSet::straight`]: one limit, nothing to settle, hold, wait or
+    /// queue for): its check and, when the backend answers at once, its decision, with no
+    /// facts to fill and no key kept. A pending answer, or a failed one, goes on as any other
+    /// request's, with its facts made then.
+    fn straight<T>(
+        &self,
+        set: Arc<LimitSet>,
+        span: CheckSpan,
+        view: &RequestView<'_>,
+        req: &Request<T>,
+        kept: &mut KeptKeys,
+    ) -> Start<B::Future> {
+        let entry = &set.limits[0];
+        let key = match key_of(entry, view) {
+            Ok(key) => key,
+            Err(missing) => {
+                return Start::Refuse(self.respond.refuse_keyless(entry, missing, req, &span))
+            }
+        };
+        let checks = key.as_ref().map(|key| {
+            let (_, quota) = entry.limit.quota_of(None);
+            Check::new(&entry.limit, key.as_bytes()).with_quota(*quota)
+        });
+        let checks = checks.as_slice();
+        let shadowed = checks.first().map_or(0, |c| u8::from(!c.enforce));
+        let mut answer = ask(&span, || self.backend.check(checks));
+        let result = match Pin::new(&mut answer).poll(&mut Context::from_waker(Waker::noop())) {
+            Poll::Ready(Ok(verdicts)) if verdicts.len() == 1 => verdicts,
+            answered => {
+                let mut cost = [0; MAX_CHECKS];
+                cost[0] = checks.first().map_or(0, |c| c.cost);
+                let mut facts = Facts {
+                    set: Arc::clone(&set),
+                    n: checks.len(),
+                    limit_of: [0; MAX_CHECKS],
+                    quota_of: [0; MAX_CHECKS],
+                    cost,
+                    shadowed,
+                    slot: 0,
+                    span,
+                    seats: None,
+                    queueing: None,
+                };
+                if let (Some(key), true) = (key, entry.keeps_key) {
+                    kept.put(0, key.into_owned());
+                }
+                let Poll::Ready(result) = answered else {
+                    return Start::Asked(answer, facts);
+                };
+                // Failed (or an answer that is not one verdict): decided now, by the failure
+                // policy.
+                return match self.decide(&result, req, &mut facts, kept) {
+                    Some(decided) => Start::Decided(decided),
+                    None => Start::Queue(facts),
+                };
+            }
+        };
+        let _entered = (!span.is_none()).then(|| span.enter());
+        let outcome = Outcome::from_verdict(&result[0]);
+        let decision = Decision::one(
+            entry
+                .decision(outcome, Source::Backend, 0)
+                .shadowed(shadowed != 0)
+                .leased(result.from_lease(0)),
+        );
+        let admitted = decision.is_admitted();
+        self.record(&set, &decision, admitted, &span);
+        if admitted {
+            return Start::Decided(Decided::Admit(decision, None, None, None));
+        }
+        let keys = |_| key.as_ref().map(Key::as_bytes);
+        Start::Decided(Decided::Refuse(self.refuse(decision, &set, keys, req)))
+    }
+
     /// A place at the back of `check`'s key's line (the limit at `i` of the layer), if it
     /// is a queued limit's and others wait in it, and it has room (a request without one is
     /// checked, and refused at once if the key is full).
@@ -348,26 +371,35 @@ fn extract<'r>(
     kept: &mut KeptKeys,
     i: usize,
 ) -> Result<Extracted<'r>, MissingKey> {
-    let key = match entry.key.extract(view) {
-        Ok(key) => key,
-        Err(missing) => match entry.limit.missing_key_policy() {
-            // A shadow limit never refuses a request, not even one without its key; nor does
-            // a partly enforced one (a request without a key is in no share).
-            _ if entry.limit.enforced_percent() < 100 => return Ok(Extracted::None),
-            // A key that is there but unusable (too long, a bad character) is refused
-            // whatever the policy: skipping it or sharing a bucket would let a client leave
-            // the limit by sending garbage.
-            _ if !missing.is_absent() => return Err(missing),
-            MissingKeyPolicy::Skip => return Ok(Extracted::None),
-            MissingKeyPolicy::SharedBucket => Key::borrowed(SHARED_BUCKET)?,
-            _ => return Err(missing),
-        },
+    let Some(key) = key_of(entry, view)? else {
+        return Ok(Extracted::None);
     };
     if entry.keeps_key {
         kept.put(i, key.into_owned());
         Ok(Extracted::Kept)
     } else {
         Ok(Extracted::Borrowed(key))
+    }
+}
+
+/// `entry`'s key of the request, under its missing-key policy: `None` when the limit is
+/// skipped.
+#[inline]
+fn key_of<'r>(entry: &SetLimit, view: &RequestView<'r>) -> Result<Option<Key<'r>>, MissingKey> {
+    match entry.key.extract(view) {
+        Ok(key) => Ok(Some(key)),
+        Err(missing) => match entry.limit.missing_key_policy() {
+            // A shadow limit never refuses a request, not even one without its key; nor does
+            // a partly enforced one (a request without a key is in no share).
+            _ if entry.limit.enforced_percent() < 100 => Ok(None),
+            // A key that is there but unusable (too long, a bad character) is refused
+            // whatever the policy: skipping it or sharing a bucket would let a client leave
+            // the limit by sending garbage.
+            _ if !missing.is_absent() => Err(missing),
+            MissingKeyPolicy::Skip => Ok(None),
+            MissingKeyPolicy::SharedBucket => Key::borrowed(SHARED_BUCKET).map(Some),
+            _ => Err(missing),
+        },
     }
 }
 

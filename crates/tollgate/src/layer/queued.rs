@@ -19,7 +19,7 @@ use tokio::time::{Instant, Sleep};
 use tollgate_engine::{Backend, Check, Micros, MAX_CHECKS};
 
 use super::decide::Decided;
-use super::prepare::{Facts, KeptKeys};
+use super::facts::{Facts, KeptKeys};
 use super::queue::Turn;
 use super::state::Shared;
 use crate::key::Key;

@@ -7,19 +7,18 @@ use tollgate_engine::topk::Counter;
 use tollgate_engine::{AdminFuture, Micros, Refused, Reports};
 
 use super::limits::{LimitSet, SetLimit};
-use super::prepare::KeptKeys;
 use super::refused::Refusals;
 use crate::decision::{Decision, Outcome};
 
-/// Counts a refused request under every enforced limit of `set` that refused it (a shadow
-/// limit's would-be refusal is no refusal), and hands a limit's counters to `reports` once a
-/// tick has passed.
-pub(crate) fn count_refused(
+/// Counts a refused request (its key for the limit at `i`: `keys(i)`) under every enforced
+/// limit of `set` that refused it (a shadow limit's would-be refusal is no refusal), and hands
+/// a limit's counters to `reports` once a tick has passed.
+pub(crate) fn count_refused<'k>(
     refused: &Refusals,
     reports: Option<&dyn Reports>,
     decision: &Decision,
     set: &LimitSet,
-    kept: &KeptKeys,
+    keys: impl Fn(usize) -> Option<&'k [u8]>,
 ) {
     if !refused.enabled() {
         return;
@@ -29,12 +28,10 @@ pub(crate) fn count_refused(
             continue;
         }
         // Every enforced limit keeps its key while refusals are counted.
-        let Some(key) = kept.get(i) else {
+        let Some(key) = keys(i) else {
             continue;
         };
-        if let Some((counters, now)) =
-            refused.count(entry.limit.name(), &entry.refused, key.as_bytes())
-        {
+        if let Some((counters, now)) = refused.count(entry.limit.name(), &entry.refused, key) {
             if let Some(reports) = reports {
                 hand(reports, refused.keep(), entry, counters, now);
             }

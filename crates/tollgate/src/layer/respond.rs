@@ -101,15 +101,11 @@ pub(crate) fn policy_for<'s>(
     decision: &Decision,
 ) -> Option<Cow<'s, HeaderValue>> {
     let defaults = set.limits.len() == decision.limits().len()
-        && set
-            .limits
-            .iter()
-            .zip(decision.limits())
-            .all(|(e, d)| {
-                // The decision's name is the limit's own (shared) for a decision of `set`.
-                e.limit.quota() == d.quota()
-                    && (std::ptr::eq(e.limit.name(), d.name()) || e.limit.name() == d.name())
-            });
+        && set.limits.iter().zip(decision.limits()).all(|(e, d)| {
+            // The decision's name is the limit's own (shared) for a decision of `set`.
+            e.limit.quota() == d.quota()
+                && (std::ptr::eq(e.limit.name(), d.name()) || e.limit.name() == d.name())
+        });
     if defaults {
         return set.policy.as_ref().map(Cow::Borrowed);
     }
