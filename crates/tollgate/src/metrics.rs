@@ -303,11 +303,9 @@ impl std::fmt::Debug for LimitMetrics {
 /// `outcome` is the request's: `denylisted` (403), `denied` (429) or `unavailable` (503) when
 /// refused, else the most
 /// telling of its limits' labels (`bypassed`, `fallback`, `shadow_denied`, `allowed`, `skipped`).
-/// `decision` lists `name=label` per limit. Nothing is computed when no subscriber listens.
+/// `decision` lists `name=label` per limit. Called by [`crate::span::record`], once it knows
+/// that a subscriber listens.
 pub(crate) fn record_span(span: &tracing::Span, decision: &Decision) {
-    if span.is_disabled() {
-        return;
-    }
     let admitted = decision.is_admitted();
     let has = |want: Label| {
         decision

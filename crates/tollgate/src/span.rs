@@ -64,6 +64,9 @@ impl CheckSpan {
     /// Records the `rate_limit.*` attributes of `decision`, reached after the backend's
     /// answer (`asked`: the round trip is the time since the span started) or without asking.
     pub(crate) fn record(&self, decision: &Decision, asked: bool) {
+        if self.span.is_disabled() {
+            return;
+        }
         let rtt = self.started.filter(|_| asked).map(|s| s.elapsed());
         record(&self.span, decision, rtt);
     }
@@ -77,12 +80,14 @@ impl Deref for CheckSpan {
     }
 }
 
-/// Records the `rate_limit.*` attributes of `decision` on `span`, with the backend's round
-/// trip when the backend was asked.
+/// Records `decision` on `span`: its `outcome` and `decision` labels (as the metrics name
+/// them) and the `rate_limit.*` attributes, with the backend's round trip when the backend
+/// was asked.
 pub(crate) fn record(span: &Span, decision: &Decision, rtt: Option<Duration>) {
     if span.is_disabled() {
         return;
     }
+    crate::metrics::record_span(span, decision);
     let (outcome, reason) = outcome(decision);
     span.record("rate_limit.outcome", outcome);
     if let Some(reason) = reason {

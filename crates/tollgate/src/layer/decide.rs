@@ -20,7 +20,6 @@ use super::state::Shared;
 use super::wait::WaitSeats;
 use crate::decision::{Decision, DenyReason, Outcome, SkipReason, Source};
 use crate::key::Key;
-use crate::metrics as obs;
 use crate::span::CheckSpan;
 
 /// What follows a request's decision.
@@ -159,7 +158,6 @@ impl<B: Backend> Shared<B> {
         for (entry, d) in set.limits.iter().zip(decision.limits()) {
             entry.metrics.record(d, admitted, self.near_limit);
         }
-        obs::record_span(span, decision);
         span.record(decision, true);
     }
 

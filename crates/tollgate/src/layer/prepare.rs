@@ -25,7 +25,6 @@ use super::state::Shared;
 use super::wait::WaitSeats;
 use crate::decision::{Decision, Outcome, Source};
 use crate::key::{Key, MissingKey, RequestView};
-use crate::metrics as obs;
 use crate::plan::Plan;
 use crate::span::CheckSpan;
 
@@ -414,7 +413,6 @@ fn allowlisted(set: &LimitSet, span: &CheckSpan) -> Decision {
         // Allowlisted: never near the limit.
         entry.metrics.record(d, true, 0);
     }
-    obs::record_span(span, &decision);
     span.record(&decision, false);
     decision
 }

@@ -14,7 +14,6 @@ use crate::adaptive::{AdaptiveDecision, Guard};
 use crate::decision::{Decision, Outcome, SkipReason, Source};
 use crate::fields::{self, Fields};
 use crate::key::MissingKey;
-use crate::metrics as obs;
 use crate::rejection::{refusal_of, Rejection, RejectionKind};
 use crate::{grpc, problem, refusal_cache};
 
@@ -67,7 +66,6 @@ impl Responses {
         retry_after: Option<Duration>,
     ) -> Response<Bytes> {
         let decision = refused_at_all(set, Outcome::Denylisted { retry_after });
-        obs::record_span(span, &decision);
         crate::span::record(span, &decision, None);
         self.refuse_decision(decision, req, set)
     }
