@@ -10,6 +10,8 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
+
+use arc_swap::Guard;
 use std::task::{Context, Poll, Waker};
 
 use bytes::Bytes;
@@ -82,12 +84,14 @@ impl<B: Backend> Shared<B> {
         // layer is). Otherwise the span is `none`: a disabled span still costs, on every
         // request, what `tracing`'s `log` compatibility does when no subscriber is set (its
         // fields formatted, each enter and exit checked against the `log` level).
-        let set = self.set.load_full();
+        let set = self.set.load();
         let span = CheckSpan::new(&set.names);
         let view = RequestView::new(req);
         if set.straight {
-            return self.straight(set, span, &view, req, kept);
+            // Its facts, and the count on the set that they hold, only if it goes on.
+            return self.straight(&set, span, &view, req, kept);
         }
+        let set = Guard::into_inner(set);
         if let Some(allowlist) = &set.allowlist {
             if allowlist.matches(&view) {
                 return Start::Admit(allowlisted(&set, &span));
@@ -203,7 +207,7 @@ impl<B: Backend> Shared<B> {
     /// request's, with its facts made then.
     fn straight<T>(
         &self,
-        set: Arc<LimitSet>,
+        set: &Arc<LimitSet>,
         span: CheckSpan,
         view: &RequestView<'_>,
         req: &Request<T>,
@@ -229,7 +233,7 @@ impl<B: Backend> Shared<B> {
                 let mut cost = [0; MAX_CHECKS];
                 cost[0] = checks.first().map_or(0, |c| c.cost);
                 let mut facts = Facts {
-                    set: Arc::clone(&set),
+                    set: Arc::clone(set),
                     n: checks.len(),
                     limit_of: [0; MAX_CHECKS],
                     quota_of: [0; MAX_CHECKS],
@@ -263,12 +267,12 @@ impl<B: Backend> Shared<B> {
                 .leased(result.from_lease(0)),
         );
         let admitted = decision.is_admitted();
-        self.record(&set, &decision, admitted, &span);
+        self.record(set, &decision, admitted, &span);
         if admitted {
             return Start::Decided(Decided::Admit(decision, None, None, None));
         }
         let keys = |_| key.as_ref().map(Key::as_bytes);
-        Start::Decided(Decided::Refuse(self.refuse(decision, &set, keys, req)))
+        Start::Decided(Decided::Refuse(self.refuse(decision, set, keys, req)))
     }
 
     /// A place at the back of `check`'s key's line (the limit at `i` of the layer), if it
