@@ -74,19 +74,6 @@ impl<'a> Fields<'a> {
         }
     }
 
-    /// The `RateLimit` value's length.
-    fn len(&self) -> usize {
-        let mut len = 0;
-        for (remaining, seconds, name) in self.items() {
-            // `, "name";r=R;t=T` (no separator before the first item).
-            len += 2 + name.len() + 5 + decimal_len(remaining);
-            if let Some(seconds) = seconds {
-                len += 3 + decimal_len(seconds);
-            }
-        }
-        len
-    }
-
     /// (remaining, seconds, quota) of the limit with the fewest units left.
     fn tightest(&self) -> Option<(u64, u64, u32)> {
         let mut tightest: Option<(u64, u64, u32)> = None;
@@ -158,13 +145,12 @@ impl<'a> Fields<'a> {
 
     /// The `RateLimit` value, written without `fmt` into this thread's block of values
     /// (this runs on every admitted request): the `HeaderValue` shares the block, so that one
-    /// allocation serves the values of many responses.
+    /// allocation serves the values of many responses. A block with less than [`VALUE_ROOM`]
+    /// left is left to the values that share it; a longer value grows the block.
     fn value(&self) -> Option<HeaderValue> {
-        let len = self.len().checked_sub(2)?;
         let bytes = VALUES.with_borrow_mut(|block| {
-            // A full block is left to the values that share it; a new one takes its place.
-            if block.capacity() < len {
-                *block = BytesMut::with_capacity(VALUES_BLOCK.max(len));
+            if block.capacity() < VALUE_ROOM {
+                *block = BytesMut::with_capacity(VALUES_BLOCK);
             }
             for (i, (remaining, seconds, name)) in self.items().enumerate() {
                 block.extend_from_slice(if i == 0 { b"\"" } else { b", \"" });
@@ -178,9 +164,15 @@ impl<'a> Fields<'a> {
             }
             block.split().freeze()
         });
+        if bytes.is_empty() {
+            return None;
+        }
         HeaderValue::from_maybe_shared(bytes).ok()
     }
 }
+
+/// The room a value of one or two limits takes at most, unless their names are long.
+const VALUE_ROOM: usize = 256;
 
 /// The size of a thread's block of `RateLimit` values: about a hundred values of one limit.
 const VALUES_BLOCK: usize = 4096;
@@ -276,11 +268,6 @@ pub(crate) fn write_headers(
     }
 }
 
-/// How many decimal digits `n` has.
-fn decimal_len(n: u64) -> usize {
-    n.checked_ilog10().map_or(1, |d| d as usize + 1)
-}
-
 /// "00" to "99": two digits per division.
 const PAIRS: &[u8; 200] = b"\
 0001020304050607080910111213141516171819\
@@ -351,7 +338,46 @@ mod tests {
     fn digits_are_decimal() {
         for n in [0, 7, 9, 10, 99, 100, 429, 1_000, 4_294_967_294, u64::MAX] {
             assert_eq!(digits(n, &mut [0; 20]), n.to_string().as_bytes());
-            assert_eq!(decimal_len(n), n.to_string().len());
+        }
+    }
+
+    /// Values longer than the room a block keeps for one are written whole, in blocks that
+    /// fill up: each value as `fmt` would write it.
+    #[test]
+    fn values_of_long_names_are_written_whole() {
+        use crate::decision::{LimitDecision, Source};
+        use std::sync::Arc;
+        let quota = Quota::per_minute(100).unwrap();
+        let allowed = |remaining| Outcome::Allowed {
+            remaining,
+            reset: Duration::from_millis(1_500),
+        };
+        for length in [1, 100, 255, 256, 300, 5_000] {
+            for round in 0..40u64 {
+                let names = ['a', 'b', 'c'].map(|c| c.to_string().repeat(length));
+                let decision: Decision = names
+                    .iter()
+                    .enumerate()
+                    .map(|(i, name)| {
+                        let outcome = allowed(round * 10 + i as u64);
+                        LimitDecision::new(
+                            Arc::from(name.as_str()),
+                            quota,
+                            outcome,
+                            Source::Backend,
+                            false,
+                        )
+                    })
+                    .collect();
+                let expected = names
+                    .iter()
+                    .enumerate()
+                    .map(|(i, name)| format!("\"{name}\";r={};t=2", round * 10 + i as u64))
+                    .collect::<Vec<_>>()
+                    .join(", ");
+                let value = Fields::of(&decision).value().unwrap();
+                assert_eq!(value.to_str().unwrap(), expected, "{length} {round}");
+            }
         }
     }
 
