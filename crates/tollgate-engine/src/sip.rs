@@ -7,7 +7,7 @@
 //! of the core, and what each saves", "The fingerprint's hash".
 
 use std::collections::hash_map::RandomState;
-use std::hash::BuildHasher;
+use std::hash::{BuildHasher, Hasher};
 
 /// A SipHash-c-d key. `C` compression rounds per 8-byte word, `D` finalization rounds.
 #[derive(Clone, Copy)]
@@ -57,6 +57,63 @@ impl<const C: usize, const D: usize> SipKey<C, D> {
             s.round();
         }
         s.v0 ^ s.v1 ^ s.v2 ^ s.v3
+    }
+}
+
+/// A [`BuildHasher`] of byte-string keys (`Box<[u8]>`, `Vec<u8>`) for `std`'s `HashMap`:
+/// their length and bytes hashed in one pass by [`SipKey::hash`], under a random key, instead
+/// of `std`'s buffered SipHash. Other keys hash too (each further word or byte string is
+/// folded in by another pass), but only a length followed by bytes takes one pass.
+#[derive(Clone, Copy)]
+pub(crate) struct BytesKeyed(Sip13);
+
+impl BytesKeyed {
+    pub(crate) fn random() -> Self {
+        Self(Sip13::random())
+    }
+}
+
+impl BuildHasher for BytesKeyed {
+    type Hasher = BytesHasher;
+
+    #[inline]
+    fn build_hasher(&self) -> BytesHasher {
+        BytesHasher {
+            key: self.0,
+            hash: 0,
+            word: None,
+        }
+    }
+}
+
+/// The hasher of [`BytesKeyed`].
+pub(crate) struct BytesHasher {
+    key: Sip13,
+    hash: u64,
+    /// A word written and not yet hashed: a byte string's length, hashed with its bytes.
+    word: Option<u64>,
+}
+
+impl Hasher for BytesHasher {
+    #[inline]
+    fn write(&mut self, bytes: &[u8]) {
+        let word = self.word.take().unwrap_or(0);
+        self.hash = self.key.hash(self.hash ^ word, bytes);
+    }
+
+    #[inline]
+    fn write_usize(&mut self, n: usize) {
+        if let Some(word) = self.word.replace(n as u64) {
+            self.hash = self.key.hash(self.hash ^ word, &[]);
+        }
+    }
+
+    #[inline]
+    fn finish(&self) -> u64 {
+        match self.word {
+            Some(word) => self.key.hash(self.hash ^ word, &[]),
+            None => self.hash,
+        }
     }
 }
 
@@ -133,6 +190,30 @@ mod tests {
         h.write(&word.to_le_bytes());
         h.write(bytes);
         h.finish()
+    }
+
+    /// A byte-string key hashes as its length then its bytes, in one pass; a map keyed so
+    /// finds every key, and keys that differ only by their length hash apart.
+    #[test]
+    fn byte_string_keys_hash_in_one_pass() {
+        use std::collections::HashMap;
+        let keyed = BytesKeyed(Sip13::new(1, 2));
+        for (_, bytes) in messages() {
+            let key: Box<[u8]> = bytes.clone().into();
+            assert_eq!(
+                keyed.hash_one(&key),
+                Sip13::new(1, 2).hash(bytes.len() as u64, &bytes)
+            );
+        }
+        let mut map = HashMap::with_hasher(BytesKeyed::random());
+        for (i, (_, bytes)) in messages().into_iter().enumerate() {
+            map.insert(Box::<[u8]>::from(bytes), i);
+        }
+        for (i, (_, bytes)) in messages().into_iter().enumerate() {
+            assert_eq!(map.get(&*bytes), Some(&i));
+        }
+        let (a, b): (Box<[u8]>, Box<[u8]>) = (Box::new([0; 3]), Box::new([0; 4]));
+        assert_ne!(keyed.hash_one(&a), keyed.hash_one(&b));
     }
 
     #[test]

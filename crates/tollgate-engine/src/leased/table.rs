@@ -12,14 +12,16 @@ use crate::counting::Algorithm;
 use crate::lease::{Lease, Sizing, Slice};
 use crate::limit::Limit;
 use crate::quota::Quota;
+use crate::sip::BytesKeyed;
 use crate::verdict::{Status, Verdict};
 
 /// Keys with a slice (or the figures to size one) that one `Leased` keeps, at most. Past
 /// that, new keys are checked without a lease.
 pub(super) const MAX_LEASED_KEYS: usize = 10_000;
 
-/// One leased limit's keys.
-type Keys = HashMap<Box<[u8]>, Holding>;
+/// One leased limit's keys, hashed in one pass (a leased hot key is looked up on every
+/// check).
+type Keys = HashMap<Box<[u8]>, Holding, BytesKeyed>;
 
 /// Slices by limit name (a short list: few limits are leased), then by key: exact keys, so
 /// that no two keys ever share a slice.
@@ -248,8 +250,10 @@ impl Table {
         let at = match self.limits.iter().position(|(n, _)| **n == *c.limit.name()) {
             Some(at) => at,
             None if room => {
-                self.limits
-                    .push((Arc::clone(c.limit.name_arc()), HashMap::new()));
+                self.limits.push((
+                    Arc::clone(c.limit.name_arc()),
+                    HashMap::with_hasher(BytesKeyed::random()),
+                ));
                 self.limits.len() - 1
             }
             None => return None,
