@@ -187,6 +187,43 @@ async fn refusals_in_a_flood_each_say_their_own_limit_and_wait() {
     assert!(body(res).await.contains("retry in 59 s."));
 }
 
+/// Each layer reuses its own last refusal: layers refusing in turn on one thread each answer
+/// with their own limit.
+#[tokio::test]
+async fn layers_refusing_in_turn_on_one_thread_each_say_their_own_limit() {
+    let mut services: Vec<_> = (0..6)
+        .map(|i| {
+            let (backend, _) = memory();
+            let name = format!("layer-{i}");
+            let layer = RateLimitLayer::builder()
+                .limit(
+                    Limit::gcra(&*name, Quota::per_minute(1).unwrap()).unwrap(),
+                    ClientIp::peer(),
+                )
+                .backend(backend)
+                .build()
+                .unwrap();
+            (name, app(layer))
+        })
+        .collect();
+    for (_, svc) in &mut services {
+        assert_eq!(send(svc, from([10, 0, 0, 9])).await.status(), 200);
+    }
+    for _ in 0..3 {
+        for (name, svc) in &mut services {
+            let res = send(svc, from([10, 0, 0, 9])).await;
+            assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
+            let value = format!("\"{name}\";r=0;t=60");
+            assert_eq!(header(&res, "ratelimit"), Some(&*value));
+            let text = body(res).await;
+            assert!(
+                text.contains(&format!("Rate limit \\\"{name}\\\" exceeded")),
+                "{text}"
+            );
+        }
+    }
+}
+
 #[tokio::test]
 async fn stacked_limits_are_all_or_nothing() {
     let (backend, _) = memory();
