@@ -132,7 +132,7 @@ impl Checks {
         deadline: Instant,
     ) -> Result<(Vec<EncodedCheck>, Answered), BackendError> {
         if !self.transport.is_cluster() {
-            let reply = self.transport.eval_check(&[batch.as_slice()], now).await?;
+            let reply = self.transport.eval_check(&batch, now).await?;
             return Ok((batch, reply.into()));
         }
         self.cluster.call(batch, now, deadline, None).await

@@ -111,7 +111,7 @@ impl Cluster {
                 queue_in_hash_slot(&self.transport, hash_slot, group, deadline, permit).await
             }
             None => {
-                let reply = self.transport.eval_check(&[group.as_slice()], now).await?;
+                let reply = self.transport.eval_check(&group, now).await?;
                 Ok((group, reply))
             }
         }

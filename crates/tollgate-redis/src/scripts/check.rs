@@ -249,15 +249,15 @@ impl<'p> CheckArgs<'p> {
     /// # Errors
     ///
     /// [`BackendErrorKind::Protocol`] for more than [`LIMITS_PER_CALL`] distinct limits.
-    pub(crate) fn new(
-        batches: &[&'p [EncodedCheck]],
+    pub(crate) fn new<B: AsRef<[EncodedCheck]>>(
+        batches: &'p [B],
         window_now: Micros,
     ) -> Result<Self, BackendError> {
         // Every check of the call, each with its limit's index and its first key's number:
         // one vector, sorted by key to number the keys, then back into the requests' order.
         let mut all: Vec<Numbered<'p>> = batches
             .iter()
-            .flat_map(|b| b.iter())
+            .flat_map(|b| b.as_ref().iter())
             .enumerate()
             .map(|(at, p)| Numbered {
                 p,
@@ -315,8 +315,9 @@ impl<'p> CheckArgs<'p> {
         let mut packed = Vec::with_capacity(8 * (batches.len() + 3 * all.len()));
         let mut checks = all.iter();
         for batch in batches {
-            packed.extend_from_slice(&figure_bytes(batch.len() as u64));
-            for c in checks.by_ref().take(batch.len()) {
+            let len = batch.as_ref().len();
+            packed.extend_from_slice(&figure_bytes(len as u64));
+            for c in checks.by_ref().take(len) {
                 packed.extend_from_slice(&figure_bytes(c.p.check_arg(c.limit)));
                 packed.extend_from_slice(&figure_bytes(c.key as u64));
                 if c.p.code == 4 {
@@ -374,7 +375,8 @@ mod tests {
         let second = [check(&per_ip, b"a", 2), check(&daily, b"a", 1)];
         let third = [check(&per_ip, b"b", 1)];
         // Two days and a bit after the epoch: the window of day 2.
-        let args = CheckArgs::new(&[&first, &second, &third], 2 * 86_400_000_000 + 7).unwrap();
+        let batches: [&[EncodedCheck]; 3] = [&first, &second, &third];
+        let args = CheckArgs::new(&batches, 2 * 86_400_000_000 + 7).unwrap();
         assert_eq!(args.limits.len(), 2);
         assert!(args.limits.contains(&[2, 86_400_000_000, 9, 2, 0, 0, 0, 0]));
         // (ip, a); (day, a) in windows 2 and 3; (ip, b).

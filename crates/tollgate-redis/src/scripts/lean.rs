@@ -61,8 +61,8 @@ pub(crate) fn script(form: Form) -> &'static Script {
 /// Whether the call of `batches` fits the lean script: every request one check of one GCRA
 /// limit (the same parameters, cost and enforcement for all) with no penalty, and no two on
 /// the same key. Then the one check its requests share the figures of.
-pub(crate) fn fits<'p>(batches: &[&'p [EncodedCheck]]) -> Option<&'p EncodedCheck> {
-    let first = match batches.first()? {
+pub(crate) fn fits<B: AsRef<[EncodedCheck]>>(batches: &[B]) -> Option<&EncodedCheck> {
+    let first = match batches.first()?.as_ref() {
         [only] => only,
         _ => return None,
     };
@@ -78,7 +78,7 @@ pub(crate) fn fits<'p>(batches: &[&'p [EncodedCheck]]) -> Option<&'p EncodedChec
             && p.name == first.name
     };
     for batch in batches {
-        match batch {
+        match batch.as_ref() {
             [only] if alike(only) => {}
             _ => return None,
         }
@@ -86,7 +86,7 @@ pub(crate) fn fits<'p>(batches: &[&'p [EncodedCheck]]) -> Option<&'p EncodedChec
     // Keys of their own: a key shared by several requests (a busy client) costs the general
     // script one argument, not one per request.
     if batches.len() > 1 {
-        let mut digests: Vec<_> = batches.iter().map(|b| b[0].digest).collect();
+        let mut digests: Vec<_> = batches.iter().map(|b| b.as_ref()[0].digest).collect();
         digests.sort_unstable();
         if digests.windows(2).any(|w| w[0] == w[1]) {
             return None;

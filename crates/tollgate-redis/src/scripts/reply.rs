@@ -66,7 +66,11 @@ pub(crate) fn parse_reply(
     value: &redis::Value,
     batch: &[EncodedCheck],
 ) -> Result<Reply, BackendError> {
-    let mut replies = parse_replies(value, &[batch])?;
+    let redis::Value::BulkString(bytes) = value else {
+        return Err(protocol(format!("unexpected script reply {value:?}")));
+    };
+    let mut replies = Vec::new();
+    parse_replies(bytes, &[batch], &mut replies)?;
     replies
         .pop()
         .flatten()
@@ -81,25 +85,25 @@ fn answer_len(p: &EncodedCheck) -> usize {
     }
 }
 
-/// Decodes a `CHECK` reply for the requests of `batches`, in order: `None` for a request the
-/// lean script did not run (status 5), because the node does not serve its key.
+/// Decodes a `CHECK` reply, the bytes of its string, for the requests of `batches`, in order,
+/// into `replies` (emptied first): `None` for a request the lean script did not run (status
+/// 5), because the node does not serve its key.
 ///
 /// A GCRA or fixed-window check's verdict is computed here, by `tollgate_engine::algorithm`,
 /// from the state the script read for it; the script's status must agree with it.
 ///
 /// # Errors
 ///
-/// [`BackendErrorKind::Protocol`] for anything but a string of the expected figures.
-pub(crate) fn parse_replies(
-    value: &redis::Value,
-    batches: &[&[EncodedCheck]],
-) -> Result<Vec<Option<Reply>>, BackendError> {
-    let redis::Value::BulkString(bytes) = value else {
-        return Err(protocol(format!("unexpected script reply {value:?}")));
-    };
+/// [`BackendErrorKind::Protocol`] for anything but the expected figures.
+pub(crate) fn parse_replies<B: AsRef<[EncodedCheck]>>(
+    bytes: &[u8],
+    batches: &[B],
+    replies: &mut Vec<Option<Reply>>,
+) -> Result<(), BackendError> {
+    replies.clear();
     let expected = 1 + batches
         .iter()
-        .map(|b| 1 + b.iter().map(answer_len).sum::<usize>())
+        .map(|b| 1 + b.as_ref().iter().map(answer_len).sum::<usize>())
         .sum::<usize>();
     if bytes.len() != 8 * expected {
         return Err(protocol(format!(
@@ -120,8 +124,9 @@ pub(crate) fn parse_replies(
         Some(x) => figure(x),
     };
     let now = next(false)?;
-    let mut replies = Vec::with_capacity(batches.len());
+    replies.reserve(batches.len());
     'requests: for batch in batches {
+        let batch = batch.as_ref();
         let committed = next(false)? == 1;
         let mut answers = Vec::with_capacity(batch.len());
         for p in batch.iter() {
@@ -198,7 +203,7 @@ pub(crate) fn parse_replies(
             answers,
         }));
     }
-    Ok(replies)
+    Ok(())
 }
 
 /// The status of a request the lean script did not run: the node does not serve its key.
@@ -283,6 +288,18 @@ mod tests {
     }
 
     const NOW: f64 = 1_000_000_000_000.;
+
+    fn replies(
+        value: &Value,
+        batches: &[&[EncodedCheck]],
+    ) -> Result<Vec<Option<Reply>>, BackendError> {
+        let Value::BulkString(bytes) = value else {
+            panic!("not a string: {value:?}");
+        };
+        let mut replies = vec![None];
+        parse_replies(bytes, batches, &mut replies)?;
+        Ok(replies)
+    }
 
     fn prepared(algorithm: Algorithm, cost: u32) -> EncodedCheck {
         let limit = Limit::new("l", algorithm, Quota::per_minute(5).unwrap()).unwrap();
@@ -413,7 +430,7 @@ mod tests {
         let two = [prepared(Algorithm::Gcra, 6), prepared(Algorithm::Gcra, 1)];
         // A committed request of one check, a refused one of two (the first costs too much).
         let v = packed(&[NOW, 1., 0., 0., 0., 2., 0., 0., 0.]);
-        let r: Vec<Reply> = parse_replies(&v, &[&one, &two])
+        let r: Vec<Reply> = replies(&v, &[&one, &two])
             .unwrap()
             .into_iter()
             .flatten()
@@ -424,8 +441,8 @@ mod tests {
         assert_eq!(r[0].answers[0].verdict.remaining, 4);
         assert_eq!(r[1].answers[0].verdict.status, Status::CostTooHigh);
         assert_eq!(r[1].answers[1].verdict.status, Status::Allowed);
-        assert!(parse_replies(&v, &[&two, &one]).is_err());
-        assert!(parse_replies(&v, &[&one]).is_err());
+        assert!(replies(&v, &[&two, &one]).is_err());
+        assert!(replies(&v, &[&one]).is_err());
     }
 
     #[test]
@@ -434,11 +451,11 @@ mod tests {
         let two = [prepared(Algorithm::Gcra, 6), prepared(Algorithm::Gcra, 1)];
         // Run and admitted, then not run (status 5: the node does not serve its key).
         let v = packed(&[NOW, 1., 0., 0., 0., 5., 0.]);
-        let r = parse_replies(&v, &[&one, &one]).unwrap();
+        let r = replies(&v, &[&one, &one]).unwrap();
         assert_eq!(r[0].as_ref().unwrap().answers[0].verdict.remaining, 4);
         assert_eq!(r[1], None);
         // Only a request of one GCRA check can be left out.
         let v = packed(&[NOW, 0., 5., 0., 0., 0.]);
-        assert!(parse_replies(&v, &[&two]).is_err());
+        assert!(replies(&v, &[&two]).is_err());
     }
 }

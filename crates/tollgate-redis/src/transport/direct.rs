@@ -301,26 +301,37 @@ pub(crate) struct Lent {
 impl Lent {
     /// Sends `cmd` and reads its reply; an error reply is an `Err`.
     pub(crate) async fn query(&mut self, cmd: &redis::Cmd) -> RedisResult<Value> {
-        self.exchange(|output| cmd.write_packed_command(output))
+        self.exchange(|output| cmd.write_packed_command(output), &mut to_vec)
             .await
+            .map(owned)
     }
 
     /// Sends the command of `count` arguments that `write` writes, as RESP, and reads its
-    /// reply; an error reply is an `Err`.
-    pub(crate) async fn query_with(
+    /// reply: a bulk string is handed to `read` where it lies in the read buffer (a `CHECK`
+    /// reply is decoded without a copy), any other reply comes back as a [`Value`]; an error
+    /// reply is an `Err`.
+    pub(crate) async fn query_with<T>(
         &mut self,
         count: usize,
         write: &(dyn Fn(&mut dyn Args) + Sync),
-    ) -> RedisResult<Value> {
-        self.exchange(|output| {
-            let mut resp = Resp::new(output, count);
-            write(&mut resp);
-            debug_assert_eq!(resp.left, 0, "a command of {count} arguments");
-        })
+        read: &mut (impl FnMut(&[u8]) -> T + Send),
+    ) -> RedisResult<Result<T, Value>> {
+        self.exchange(
+            |output| {
+                let mut resp = Resp::new(output, count);
+                write(&mut resp);
+                debug_assert_eq!(resp.left, 0, "a command of {count} arguments");
+            },
+            read,
+        )
         .await
     }
 
-    async fn exchange(&mut self, write: impl FnOnce(&mut Vec<u8>)) -> RedisResult<Value> {
+    async fn exchange<T>(
+        &mut self,
+        write: impl FnOnce(&mut Vec<u8>),
+        read: &mut (impl FnMut(&[u8]) -> T + Send),
+    ) -> RedisResult<Result<T, Value>> {
         let Some(stream) = self.stream.as_mut() else {
             return Err(RedisError::from((
                 ErrorKind::Io,
@@ -328,7 +339,7 @@ impl Lent {
             )));
         };
         self.in_step = false;
-        let reply = stream.exchange(write).await;
+        let reply = stream.exchange(write, read).await;
         // A server's error reply leaves the connection in step; a failure to write or read
         // one does not. `READONLY` (a demoted master, whose address may soon name the new
         // one) drops it too, as it drops the shared connection.
@@ -337,6 +348,19 @@ impl Lent {
             Err(e) => e.kind() != ErrorKind::Parse && !breaks_connection(e),
         };
         reply
+    }
+}
+
+/// A bulk string's bytes, owned.
+fn to_vec(bytes: &[u8]) -> Vec<u8> {
+    bytes.to_vec()
+}
+
+/// A reply read by [`to_vec`], as a [`Value`].
+fn owned(reply: Result<Vec<u8>, Value>) -> Value {
+    match reply {
+        Ok(bytes) => Value::BulkString(bytes),
+        Err(value) => value,
     }
 }
 
@@ -361,19 +385,27 @@ struct Stream {
 
 impl Stream {
     async fn query(&mut self, cmd: &redis::Cmd) -> RedisResult<Value> {
-        self.exchange(|output| cmd.write_packed_command(output))
+        self.exchange(|output| cmd.write_packed_command(output), &mut to_vec)
             .await
+            .map(owned)
     }
 
-    /// Writes the command `write` writes and reads its one reply.
-    async fn exchange(&mut self, write: impl FnOnce(&mut Vec<u8>)) -> RedisResult<Value> {
+    /// Writes the command `write` writes and reads its one reply: a bulk string is handed to
+    /// `read` in place, any other reply comes back as a [`Value`].
+    async fn exchange<T>(
+        &mut self,
+        write: impl FnOnce(&mut Vec<u8>),
+        read: &mut (impl FnMut(&[u8]) -> T + Send),
+    ) -> RedisResult<Result<T, Value>> {
         self.output.clear();
         write(&mut self.output);
         self.tcp.write_all(&self.output).await?;
         self.input.clear();
         loop {
-            if let Some(reply) = parse(&self.input)? {
-                return reply;
+            match parse(&self.input)? {
+                Some(Parsed::Bulk(at)) => return Ok(Ok(read(&self.input[at]))),
+                Some(Parsed::Other(reply)) => return reply.map(Err),
+                None => {}
             }
             if self.tcp.read_buf(&mut self.input).await? == 0 {
                 return Err(RedisError::from((
@@ -428,11 +460,20 @@ fn push_decimal(out: &mut Vec<u8>, n: u64) {
 /// figures a check, at most 64 requests of 8 checks) or a script's digest.
 const MAX_BULK: usize = 1 << 20;
 
+/// One whole reply of `input`.
+#[derive(Debug)]
+enum Parsed {
+    /// A bulk string, where it lies in `input`.
+    Bulk(std::ops::Range<usize>),
+    /// Any other reply: nil, an error, a status line or an integer.
+    Other(RedisResult<Value>),
+}
+
 /// One whole reply at the start of `input`: `None` while it is incomplete. A `CHECK` answers
-/// with a bulk string; errors, status lines and integers are read by the `redis` crate's own
-/// parser. Anything more than one reply, or of another kind, is a protocol error (`Parse`),
-/// and the connection is closed.
-fn parse(input: &[u8]) -> RedisResult<Option<RedisResult<Value>>> {
+/// with a bulk string, read in place; errors, status lines and integers are read by the
+/// `redis` crate's own parser. Anything more than one reply, or of another kind, is a protocol
+/// error (`Parse`), and the connection is closed.
+fn parse(input: &[u8]) -> RedisResult<Option<Parsed>> {
     let Some(line_end) = input.windows(2).position(|w| w == b"\r\n") else {
         return Ok(None);
     };
@@ -444,7 +485,7 @@ fn parse(input: &[u8]) -> RedisResult<Option<RedisResult<Value>>> {
                 .and_then(|s| s.parse::<i64>().ok())
                 .ok_or_else(|| unreadable("a bulk string's length"))?;
             if len < 0 {
-                return whole(input, line_end + 2, Value::Nil);
+                return whole(input, line_end + 2, Parsed::Other(Ok(Value::Nil)));
             }
             let len = usize::try_from(len)
                 .ok()
@@ -458,29 +499,27 @@ fn parse(input: &[u8]) -> RedisResult<Option<RedisResult<Value>>> {
             if &input[end..end + 2] != b"\r\n" {
                 return Err(unreadable("a bulk string's end"));
             }
-            whole(
-                input,
-                end + 2,
-                Value::BulkString(input[start..end].to_vec()),
-            )
+            whole(input, end + 2, Parsed::Bulk(start..end))
         }
         Some(b'-' | b'+' | b':') => {
             let reply = &input[..line_end + 2];
             if input.len() != reply.len() {
                 return Err(unreadable("more than one reply"));
             }
-            Ok(Some(redis::parse_redis_value(reply)?.extract_error()))
+            Ok(Some(Parsed::Other(
+                redis::parse_redis_value(reply)?.extract_error(),
+            )))
         }
         _ => Err(unreadable("a reply of an unexpected kind")),
     }
 }
 
-/// `value`, if it ends `input` at `end`.
-fn whole(input: &[u8], end: usize, value: Value) -> RedisResult<Option<RedisResult<Value>>> {
+/// `reply`, if it ends `input` at `end`.
+fn whole(input: &[u8], end: usize, reply: Parsed) -> RedisResult<Option<Parsed>> {
     if input.len() != end {
         return Err(unreadable("more than one reply"));
     }
-    Ok(Some(Ok(value)))
+    Ok(Some(reply))
 }
 
 fn unreadable(what: &'static str) -> RedisError {
@@ -496,7 +535,10 @@ mod tests {
     use super::*;
 
     fn parsed(input: &[u8]) -> Option<RedisResult<Value>> {
-        parse(input).unwrap()
+        parse(input).unwrap().map(|parsed| match parsed {
+            Parsed::Bulk(at) => Ok(Value::BulkString(input[at].to_vec())),
+            Parsed::Other(reply) => reply,
+        })
     }
 
     #[test]

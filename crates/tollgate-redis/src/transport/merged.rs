@@ -286,14 +286,20 @@ async fn send_node_call(transport: &Arc<Transport>, node: u16, call: Call<NodeDe
         call.answer(|batch, _| Ok((batch, None)));
         return;
     };
-    let batches: Vec<&[EncodedCheck]> = call.batches.iter().map(Vec::as_slice).collect();
-    let eval = transport.eval_checks_on(&batches, None, Some(&direct), Form::CrossSlot);
+    let mut replies = Vec::with_capacity(carried);
+    let eval = transport.eval_checks_on(
+        &call.batches,
+        None,
+        Some(&direct),
+        Form::CrossSlot,
+        &mut replies,
+    );
     let result = until_each(transport, &mut call.answers, async { Ok(eval.await) })
         .await
         .map_err(CheckError::Backend)
         .and_then(|r| r);
     let result = match result {
-        Ok(replies) => {
+        Ok(()) => {
             if replies.iter().any(Option::is_none) {
                 transport.refresh_nodes();
             }
@@ -436,25 +442,13 @@ async fn send_call(transport: &Transport, call: Call) {
         return;
     };
     let carried = call.batches.len();
-    // A lone request (every call when requests do not overlap) lends its batch as it is.
-    let one: [&[EncodedCheck]; 1];
-    let many: Vec<&[EncodedCheck]>;
-    let batches: &[&[EncodedCheck]] = match &call.batches[..] {
-        [batch] => {
-            one = [batch.as_slice()];
-            &one
-        }
-        all => {
-            many = all.iter().map(Vec::as_slice).collect();
-            &many
-        }
-    };
-    let eval = transport.eval_checks(batches, None);
+    let mut replies = Vec::with_capacity(carried);
+    let eval = transport.eval_checks(&call.batches, None, &mut replies);
     let result = until_each(transport, &mut call.answers, eval).await;
     transport.report(result.as_ref().map(|_| ()), call.permit);
     match result {
-        Ok(replies) => {
-            let mut replies = replies.into_iter();
+        Ok(()) => {
+            let mut replies = replies.into_iter().flatten();
             call.answer(|batch, _| match replies.next() {
                 Some(reply) => Ok((batch, reply)),
                 None => Err(BackendError::new(

@@ -360,10 +360,10 @@ impl Transport {
 
     /// Writes a lean `CHECK` call of `batches` (which `lean::fits`, sharing `first`'s
     /// figures) in `form` into `out`; `lean::len` arguments. One key per request.
-    fn lean_args(
+    fn lean_args<B: AsRef<[EncodedCheck]>>(
         &self,
         out: &mut dyn Args,
-        batches: &[&[EncodedCheck]],
+        batches: &[B],
         first: &EncodedCheck,
         now: Option<Micros>,
         form: Form,
@@ -373,8 +373,8 @@ impl Transport {
             Form::CrossSlot => batches.len().min(1),
         };
         // Each request's one check (as `lean::fits` found), at its TAT's key.
-        fn tat<'p>(batch: &&'p [EncodedCheck]) -> (&'p EncodedCheck, Suffix) {
-            (&batch[0], Suffix::Tat)
+        fn tat<B: AsRef<[EncodedCheck]>>(batch: &B) -> (&EncodedCheck, Suffix) {
+            (&batch.as_ref()[0], Suffix::Tat)
         }
         self.script_keys(out, lean::script(form), batches[..declared].iter().map(tat));
         lean::write_figures(out, first, now);
@@ -386,73 +386,75 @@ impl Transport {
     /// One `CHECK` call for checks that share a hash slot (or a standalone server).
     pub(crate) async fn eval_check(
         &self,
-        group: &[&[EncodedCheck]],
+        group: &[EncodedCheck],
         now: Option<Micros>,
     ) -> Result<Reply, BackendError> {
-        let mut replies = self.eval_checks(group, now).await?;
+        let mut replies = Vec::with_capacity(1);
+        self.eval_checks(&[group], now, &mut replies).await?;
         replies
             .pop()
+            .flatten()
             .ok_or_else(|| BackendError::new(BackendErrorKind::Protocol, "empty script reply"))
     }
 
-    /// One `CHECK` call for the batches of several requests, each all-or-nothing on its own.
+    /// One `CHECK` call for the batches of several requests, each all-or-nothing on its own;
+    /// their replies, in order, replace what `replies` held (every one of them `Some`).
     ///
     /// Its fixed windows are declared for the server's time as last seen (or `now`). If the
     /// server's window turns out to be another (a clock that stepped, a first call), the
     /// script writes nothing and says its time; the call is made once more for that time.
-    pub(crate) async fn eval_checks(
+    pub(crate) async fn eval_checks<B: AsRef<[EncodedCheck]> + Sync>(
         &self,
-        batches: &[&[EncodedCheck]],
+        batches: &[B],
         now: Option<Micros>,
-    ) -> Result<Vec<Reply>, BackendError> {
-        let replies = self
-            .eval_checks_on(batches, now, self.direct.as_ref(), Form::Declared)
+        replies: &mut Vec<Option<Reply>>,
+    ) -> Result<(), BackendError> {
+        self.eval_checks_on(batches, now, self.direct.as_ref(), Form::Declared, replies)
             .await
             .map_err(CheckError::into_backend)?;
         // Every key declared: Redis made sure the server serves them all before the script ran.
-        replies
-            .into_iter()
-            .map(|reply| {
-                reply.ok_or_else(|| {
-                    BackendError::new(
-                        BackendErrorKind::Protocol,
-                        "the script did not run a request whose key it was given",
-                    )
-                })
-            })
-            .collect()
+        if replies.iter().any(Option::is_none) {
+            return Err(BackendError::new(
+                BackendErrorKind::Protocol,
+                "the script did not run a request whose key it was given",
+            ));
+        }
+        Ok(())
     }
 
     /// As [`eval_checks`](Self::eval_checks), in `form`, on `direct` when it is free (else on
     /// the shared connection), with Redis' own error (a cluster node's redirection included);
     /// `None` for a request that the lean script in the cross-slot form did not run, because
     /// the node does not serve its key.
-    pub(crate) async fn eval_checks_on(
+    pub(crate) async fn eval_checks_on<B: AsRef<[EncodedCheck]> + Sync>(
         &self,
-        batches: &[&[EncodedCheck]],
+        batches: &[B],
         now: Option<Micros>,
         direct: Option<&Arc<Direct>>,
         form: Form,
-    ) -> Result<Vec<Option<Reply>>, CheckError> {
+        replies: &mut Vec<Option<Reply>>,
+    ) -> Result<(), CheckError> {
         if let Some(first) = self.lean.then(|| lean::fits(batches)).flatten() {
             let write = |out: &mut dyn Args| self.lean_args(out, batches, first, now, form);
             let sent = clock::monotonic_time();
-            let value = self
-                .invoke_check(lean::len(batches.len()), &write, direct, form)
+            let mut read = |bytes: &[u8]| self.replies(bytes, batches, now, sent, replies);
+            let read = self
+                .invoke_check(lean::len(batches.len()), &write, direct, form, &mut read)
                 .await?;
-            return Ok(self.replies(&value, batches, now, sent)?);
+            return Ok(read.map_err(unexpected)??);
         }
         let mut window_now = now.unwrap_or_else(|| self.clock.now());
         for retry in [false, true] {
             let args = CheckArgs::new(batches, window_now)?;
             let write = |out: &mut dyn Args| self.check_args(out, &args, now, form);
             let sent = clock::monotonic_time();
+            let mut read = |bytes: &[u8]| self.replies(bytes, batches, now, sent, replies);
             match self
-                .invoke_check(check_len(&args), &write, direct, form)
+                .invoke_check(check_len(&args), &write, direct, form, &mut read)
                 .await
             {
-                Ok(value) => {
-                    return Ok(self.replies(&value, batches, now, sent)?);
+                Ok(read) => {
+                    return Ok(read.map_err(unexpected)??);
                 }
                 Err(e) if !retry && e.code() == Some(WINDOW_ERROR) => {
                     match e.detail().and_then(|d| d.trim().parse().ok()) {
@@ -475,20 +477,22 @@ impl Transport {
         .into())
     }
 
-    /// The replies of a `CHECK` call (of either script) sent at `sent`; the server's time in
-    /// them updates the clock's estimate unless the call was made at a fixed `now`.
-    fn replies(
+    /// Reads into `replies` the replies of a `CHECK` call (of either script) sent at `sent`,
+    /// from the reply's bytes; the server's time in them updates the clock's estimate unless
+    /// the call was made at a fixed `now`.
+    fn replies<B: AsRef<[EncodedCheck]>>(
         &self,
-        value: &redis::Value,
-        batches: &[&[EncodedCheck]],
+        bytes: &[u8],
+        batches: &[B],
         now: Option<Micros>,
         sent: Micros,
-    ) -> Result<Vec<Option<Reply>>, BackendError> {
-        let replies = reply::parse_replies(value, batches)?;
+        replies: &mut Vec<Option<Reply>>,
+    ) -> Result<(), BackendError> {
+        reply::parse_replies(bytes, batches, replies)?;
         if let (None, Some(reply)) = (now, replies.iter().flatten().next()) {
             self.clock.saw(reply.now, sent);
         }
-        Ok(replies)
+        Ok(())
     }
 
     /// Sends `call`, an `EVALSHA` of `script`, on the shared connection.
@@ -520,18 +524,21 @@ impl Transport {
 
     /// Sends the `CHECK` call that `write` writes (`count` arguments): on the direct
     /// connection, as RESP written in place, when there is one and it is free; else as a
-    /// redis-rs command, as [`invoke_raw`](Self::invoke_raw) does.
+    /// redis-rs command, as [`invoke_raw`](Self::invoke_raw) does. A bulk string reply is
+    /// handed to `read` (on the direct connection, where it lies in the read buffer); any
+    /// other reply comes back as it is.
     ///
     /// A server that does not know the script (restarted, flushed, or never called) has both
     /// `CHECK` scripts of `form` loaded, the general and the lean one, so that the other is
     /// not missing at the next call.
-    async fn invoke_check(
+    async fn invoke_check<T>(
         &self,
         count: usize,
         write: &(dyn Fn(&mut dyn Args) + Sync),
         direct: Option<&Arc<Direct>>,
         form: Form,
-    ) -> Result<redis::Value, redis::RedisError> {
+        read: &mut (impl FnMut(&[u8]) -> T + Send),
+    ) -> Result<Result<T, redis::Value>, redis::RedisError> {
         let no_script =
             |e: &redis::RedisError| e.kind() == ErrorKind::Server(ServerErrorKind::NoScript);
         let scripts = [form.script(), lean::script(form)];
@@ -540,19 +547,22 @@ impl Transport {
             None => None,
         } {
             let mut conn = held?;
-            return match conn.query_with(count, write).await {
+            return match conn.query_with(count, write, read).await {
                 Err(e) if no_script(&e) => {
                     for script in scripts {
                         conn.query(&script.load()).await?;
                     }
-                    conn.query_with(count, write).await
+                    conn.query_with(count, write, read).await
                 }
                 other => other,
             };
         }
         let mut call = redis::Cmd::with_capacity(count, 64 * count);
         write(&mut call);
-        self.invoke_raw(&scripts, &call).await
+        match self.invoke_raw(&scripts, &call).await? {
+            redis::Value::BulkString(bytes) => Ok(Ok(read(&bytes))),
+            other => Ok(Err(other)),
+        }
     }
 
     /// As [`invoke`](Self::invoke), with Redis' own error; all of `scripts` are loaded when
@@ -576,6 +586,14 @@ impl std::fmt::Debug for Transport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         std::fmt::Debug::fmt(&self.shared, f)
     }
+}
+
+/// A `CHECK` reply that is not a string of figures.
+fn unexpected(value: redis::Value) -> BackendError {
+    BackendError::new(
+        BackendErrorKind::Protocol,
+        format!("unexpected script reply {value:?}"),
+    )
 }
 
 /// The arguments of a `CHECK` call of `args`: `EVALSHA`, the digest, the number of keys, the
