@@ -177,7 +177,7 @@ impl Checks {
         now: Option<Micros>,
     ) -> Verdicts {
         let mut verdicts = Verdicts::new();
-        for (p, answer) in batch.iter().zip(&answered.answers) {
+        for (p, answer) in batch.iter().zip(answered.answers.iter()) {
             let mut verdict = answer.verdict;
             if !answered.committed {
                 verdict = algorithm::unconsumed(p.algorithm, &p.quota, verdict, p.cost);

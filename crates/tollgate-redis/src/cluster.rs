@@ -14,7 +14,7 @@ use crate::deny_cache::RefusedKeys;
 use crate::failure::unavailable;
 use crate::scripts::check::EncodedCheck;
 use crate::scripts::refund;
-use crate::scripts::reply::{Answer, Answered, Reply, UNANSWERED};
+use crate::scripts::reply::{Answer, Answered, Answers, Reply};
 use crate::slots::SlotKeeper;
 use crate::transport::breaker::Permit;
 use crate::transport::coalesce::NodeDelivery;
@@ -256,11 +256,13 @@ impl Cluster {
                 }
             }
         }
-        let mut answers = vec![UNANSWERED; batch.len()];
+        let mut answers = Answers::unanswered(batch.len());
         for (group, result) in results {
             let (_, reply) = result?;
-            for (&i, answer) in group.iter().zip(reply.answers) {
-                answers[i] = answer;
+            for (&i, answer) in group.iter().zip(reply.answers.iter()) {
+                if let Some(slot) = answers.get_mut(i) {
+                    *slot = *answer;
+                }
             }
         }
         Ok(Answered { committed, answers })
@@ -275,7 +277,7 @@ impl Cluster {
     ) -> Result<(), BackendError> {
         let wrote: Vec<(&EncodedCheck, &Answer)> = group
             .iter()
-            .zip(&reply.answers)
+            .zip(reply.answers.iter())
             .filter(|(_, a)| a.verdict.is_allowed())
             .collect();
         if wrote.is_empty() {
@@ -335,7 +337,7 @@ async fn shadowed(
         let reply = Reply {
             committed: true,
             now: 0,
-            answers: vec![UNANSWERED; sub.len()],
+            answers: Answers::unanswered(sub.len()),
         };
         (sub, Some(reply))
     }))

@@ -2,7 +2,7 @@
 
 use tollgate_engine::algorithm::{self, WindowState};
 use tollgate_engine::{
-    Algorithm, BackendError, BackendErrorKind, Micros, Status, Verdict, MAX_DENY,
+    Algorithm, BackendError, BackendErrorKind, Micros, Status, Verdict, MAX_CHECKS, MAX_DENY,
 };
 
 use crate::scripts::check::EncodedCheck;
@@ -33,14 +33,72 @@ pub(crate) struct Answer {
 pub(crate) struct Reply {
     pub(crate) committed: bool,
     pub(crate) now: Micros,
-    pub(crate) answers: Vec<Answer>,
+    pub(crate) answers: Answers,
 }
 
 /// What a request's batch came to, before its verdicts are finished: whether it was
 /// committed, and each check's answer (from one `CHECK` reply, or from a cluster's several).
 pub(crate) struct Answered {
     pub(crate) committed: bool,
-    pub(crate) answers: Vec<Answer>,
+    pub(crate) answers: Answers,
+}
+
+/// The answers of one request's checks, in order: at most [`MAX_CHECKS`], as a batch has,
+/// held inline, so that a reply allocates nothing.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Answers {
+    len: usize,
+    items: [Answer; MAX_CHECKS],
+}
+
+impl Answers {
+    /// No answer.
+    pub(crate) const fn new() -> Self {
+        Self {
+            len: 0,
+            items: [UNANSWERED; MAX_CHECKS],
+        }
+    }
+
+    /// `len` answers (at most [`MAX_CHECKS`]), each [`UNANSWERED`].
+    pub(crate) fn unanswered(len: usize) -> Self {
+        Self {
+            len: len.min(MAX_CHECKS),
+            items: [UNANSWERED; MAX_CHECKS],
+        }
+    }
+
+    /// Adds `answer` after the others; `false` (and nothing added) when there are
+    /// [`MAX_CHECKS`] already.
+    #[must_use]
+    pub(crate) fn push(&mut self, answer: Answer) -> bool {
+        let Some(item) = self.items.get_mut(self.len) else {
+            return false;
+        };
+        *item = answer;
+        self.len += 1;
+        true
+    }
+}
+
+impl std::ops::Deref for Answers {
+    type Target = [Answer];
+
+    fn deref(&self) -> &[Answer] {
+        &self.items[..self.len]
+    }
+}
+
+impl std::ops::DerefMut for Answers {
+    fn deref_mut(&mut self) -> &mut [Answer] {
+        &mut self.items[..self.len]
+    }
+}
+
+impl std::fmt::Debug for Answers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.iter()).finish()
+    }
 }
 
 impl From<Reply> for Answered {
@@ -128,7 +186,10 @@ pub(crate) fn parse_replies<B: AsRef<[EncodedCheck]>>(
     'requests: for batch in batches {
         let batch = batch.as_ref();
         let committed = next(false)? == 1;
-        let mut answers = Vec::with_capacity(batch.len());
+        if batch.len() > MAX_CHECKS {
+            return Err(protocol(format!("at most {MAX_CHECKS} checks per batch")));
+        }
+        let mut answers = Answers::new();
         for p in batch.iter() {
             let status = next(false)?;
             if status == NOT_RUN && batch.len() == 1 && p.algorithm == Algorithm::Gcra {
@@ -137,7 +198,7 @@ pub(crate) fn parse_replies<B: AsRef<[EncodedCheck]>>(
                 continue 'requests;
             }
             if let Some(answer) = sanctioned(status, p.algorithm, &mut next, now)? {
-                answers.push(answer);
+                let _ = answers.push(answer); // at most `MAX_CHECKS`, as the batch
                 continue;
             }
             let answer = match p.algorithm {
@@ -195,7 +256,7 @@ pub(crate) fn parse_replies<B: AsRef<[EncodedCheck]>>(
                     answer.verdict.status
                 )));
             }
-            answers.push(answer);
+            let _ = answers.push(answer); // at most `MAX_CHECKS`, as the batch
         }
         replies.push(Some(Reply {
             committed,
