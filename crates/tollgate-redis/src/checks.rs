@@ -11,7 +11,7 @@ use crate::cluster::Cluster;
 use crate::deny_cache::RefusedKeys;
 use crate::digests::DigestCache;
 use crate::keys::{KeyDigest, Keyer};
-use crate::scripts::check::EncodedCheck;
+use crate::scripts::check::{Batch, EncodedCheck};
 use crate::scripts::reply::Answered;
 use crate::slots::{SlotKeeper, Unclaimed};
 use crate::transport::breaker::Permit;
@@ -88,7 +88,7 @@ impl Checks {
     /// fixed `now`), reported to the breaker.
     pub(crate) async fn run(
         self: Arc<Self>,
-        batch: Vec<EncodedCheck>,
+        batch: Batch,
         now: Option<Micros>,
         permit: Permit,
     ) -> Result<Verdicts, BackendError> {
@@ -101,11 +101,11 @@ impl Checks {
     /// `batch`'s answer by `deadline`, or a timeout; the call is reported to the breaker.
     async fn call(
         &self,
-        batch: Vec<EncodedCheck>,
+        batch: Batch,
         now: Option<Micros>,
         deadline: Instant,
         permit: Permit,
-    ) -> Result<(Vec<EncodedCheck>, Answered), BackendError> {
+    ) -> Result<(Batch, Answered), BackendError> {
         if now.is_none() {
             // In a cluster, each hash slot's merged call: a batch waits for that of each hash
             // slot it touches. (A standalone server's merged call is awaited by `Merged`, not
@@ -127,10 +127,10 @@ impl Checks {
     /// for tests.
     async fn call_at(
         &self,
-        batch: Vec<EncodedCheck>,
+        batch: Batch,
         now: Option<Micros>,
         deadline: Instant,
-    ) -> Result<(Vec<EncodedCheck>, Answered), BackendError> {
+    ) -> Result<(Batch, Answered), BackendError> {
         if !self.transport.is_cluster() {
             let reply = self.transport.eval_check(&batch, now).await?;
             return Ok((batch, reply.into()));
@@ -143,7 +143,7 @@ impl Checks {
     pub(crate) fn finish(
         &self,
         started: Started,
-        result: Result<(Vec<EncodedCheck>, Answered), BackendError>,
+        result: Result<(Batch, Answered), BackendError>,
     ) -> Result<Verdicts, BackendError> {
         self.transport.record_duration(started.at);
         match result {

@@ -12,7 +12,7 @@ use tollgate_engine::{BackendError, Micros};
 
 use crate::deny_cache::RefusedKeys;
 use crate::failure::unavailable;
-use crate::scripts::check::EncodedCheck;
+use crate::scripts::check::{Batch, EncodedCheck};
 use crate::scripts::refund;
 use crate::scripts::reply::{Answer, Answered, Answers, Reply};
 use crate::slots::SlotKeeper;
@@ -54,11 +54,11 @@ impl Cluster {
     /// nothing: its checks are sent again, by hash slot.
     pub(crate) async fn call(
         self: &Arc<Self>,
-        batch: Vec<EncodedCheck>,
+        batch: Batch,
         now: Option<Micros>,
         deadline: Instant,
         permit: Option<Permit>,
-    ) -> Result<(Vec<EncodedCheck>, Answered), BackendError> {
+    ) -> Result<(Batch, Answered), BackendError> {
         let mut groups = match permit {
             Some(_) => self.transport.routes(&batch),
             None => hash_slot_groups(&batch, 0..batch.len()),
@@ -101,11 +101,11 @@ impl Cluster {
     async fn group_call(
         self: &Arc<Self>,
         hash_slot: u16,
-        group: Vec<EncodedCheck>,
+        group: Batch,
         now: Option<Micros>,
         deadline: Instant,
         permit: Option<Permit>,
-    ) -> Result<(Vec<EncodedCheck>, Reply), BackendError> {
+    ) -> Result<(Batch, Reply), BackendError> {
         match permit {
             Some(permit) => {
                 queue_in_hash_slot(&self.transport, hash_slot, group, deadline, permit).await
@@ -135,8 +135,8 @@ impl Cluster {
         let shadow_deadline = deadline
             .checked_sub(self.transport.deadline() / 10)
             .unwrap_or(deadline);
-        let group_of = |group: &[usize]| -> (Vec<EncodedCheck>, Option<Vec<EncodedCheck>>) {
-            let sub: Vec<EncodedCheck> = group.iter().map(|&i| batch[i].clone()).collect();
+        let group_of = |group: &[usize]| -> (Batch, Option<Batch>) {
+            let sub: Batch = group.iter().map(|&i| batch[i].clone()).collect();
             // What a shadow group reports if it fails or is late: its checks not checked.
             let unanswered = sub.iter().all(|p| !p.enforce).then(|| sub.clone());
             (sub, unanswered)
@@ -146,7 +146,7 @@ impl Cluster {
             // Merged: every group is queued for its node or hash slot at once, then the
             // answers are awaited in turn (the queues' tasks send the calls meanwhile).
             Some(permit) => {
-                let queue = |route: Route, sub: Vec<EncodedCheck>| -> Queued {
+                let queue = |route: Route, sub: Batch| -> Queued {
                     match route {
                         Route::Node(node) => {
                             Box::pin(queue_on_node(&self.transport, node, sub, deadline, permit))
@@ -312,7 +312,7 @@ impl Cluster {
 async fn shadowed(
     slots: &Arc<SlotKeeper>,
     call: impl Future<Output = NodeDelivery> + Send + 'static,
-    unanswered: Option<Vec<EncodedCheck>>,
+    unanswered: Option<Batch>,
     shadow_deadline: Instant,
 ) -> NodeDelivery {
     let Some(sub) = unanswered else {
@@ -344,7 +344,7 @@ async fn shadowed(
 }
 
 /// A group's result, once sent.
-type GroupResult = Result<(Vec<EncodedCheck>, Reply), BackendError>;
+type GroupResult = Result<(Batch, Reply), BackendError>;
 
 /// A group's queued wait.
 type Queued = Pin<Box<dyn Future<Output = NodeDelivery> + Send>>;

@@ -7,7 +7,7 @@ use tollgate_engine::{BackendError, BackendErrorKind, Check, Micros, Verdicts, M
 use crate::checks::Checks;
 use crate::future::InnerFuture;
 use crate::keys;
-use crate::scripts::check::EncodedCheck;
+use crate::scripts::check::{Batch, EncodedCheck};
 use crate::transport::breaker::Permit;
 use crate::transport::merged::Merged;
 
@@ -39,13 +39,16 @@ impl Checks {
                 return InnerFuture::ready(Ok(verdicts));
             }
         }
-        let mut batch = Vec::with_capacity(checks.len());
-        for ((c, d), asks) in checks.iter().zip(&digests).zip(asks) {
-            match EncodedCheck::new(c, *d) {
-                Ok(p) => batch.push(EncodedCheck { asks, ..p }),
-                Err(e) => return InnerFuture::ready(Err(e)),
-            }
-        }
+        let batch: Result<Batch, BackendError> = checks
+            .iter()
+            .zip(&digests)
+            .zip(asks)
+            .map(|((c, d), asks)| EncodedCheck::new(c, *d).map(|p| EncodedCheck { asks, ..p }))
+            .collect();
+        let batch = match batch {
+            Ok(batch) => batch,
+            Err(e) => return InnerFuture::ready(Err(e)),
+        };
         let Some(permit) = self.transport().admit() else {
             return InnerFuture::ready(Err(BackendError::new(
                 BackendErrorKind::CircuitOpen,
@@ -69,12 +72,7 @@ impl Checks {
 
 /// `batch`'s call: the next merged call on a standalone server at the server's time, else a
 /// call of its own (a cluster's groups, or a test's fixed `now`).
-fn send(
-    checks: &Arc<Checks>,
-    batch: Vec<EncodedCheck>,
-    now: Option<Micros>,
-    permit: Permit,
-) -> InnerFuture {
+fn send(checks: &Arc<Checks>, batch: Batch, now: Option<Micros>, permit: Permit) -> InnerFuture {
     if now.is_none() && !checks.transport().is_cluster() {
         let started = checks.start(&batch, None);
         let deadline = started.at + checks.transport().deadline();

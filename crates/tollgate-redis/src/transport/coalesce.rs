@@ -22,7 +22,7 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 use tollgate_engine::BackendError;
 
-use crate::scripts::check::EncodedCheck;
+use crate::scripts::check::Batch;
 use crate::scripts::reply::Reply;
 use crate::transport::breaker::Permit;
 
@@ -36,16 +36,16 @@ pub(crate) const MAX_REQUESTS_PER_CALL: usize = 64;
 pub(crate) const MAX_WAITING: usize = 8192;
 
 /// What a waiting request gets back: its batch and the script's answer for it.
-pub(crate) type Delivery = Result<(Vec<EncodedCheck>, Reply), BackendError>;
+pub(crate) type Delivery = Result<(Batch, Reply), BackendError>;
 
 /// What a request waiting for a node's call gets back: its batch and the script's answer,
 /// or `None` if the call did not run for a hash slot that moved (see `nodes::slot_moved`).
-pub(crate) type NodeDelivery = Result<(Vec<EncodedCheck>, Option<Reply>), BackendError>;
+pub(crate) type NodeDelivery = Result<(Batch, Option<Reply>), BackendError>;
 
 /// One request's batch, riding the next merged call (a *rider*: the delay's waiters are the
 /// layer's).
 pub(crate) struct Rider<D = Delivery> {
-    pub(crate) batch: Vec<EncodedCheck>,
+    pub(crate) batch: Batch,
     pub(crate) reply: oneshot::Sender<D>,
     /// When the request's answer is due, a timeout if need be.
     pub(crate) deadline: Instant,
@@ -337,7 +337,7 @@ mod tests {
         let (reply, rx) = oneshot::channel();
         (
             Rider {
-                batch: Vec::new(),
+                batch: Batch::Many(Vec::new()),
                 reply,
                 deadline,
                 permit: Permit::default(),

@@ -14,7 +14,7 @@ use tokio::time::Instant;
 use tollgate_engine::{BackendError, BackendErrorKind};
 
 use crate::failure::{overloaded, unavailable};
-use crate::scripts::check::{EncodedCheck, Form};
+use crate::scripts::check::{Batch, Form};
 use crate::scripts::reply::Reply;
 use crate::transport::breaker::Permit;
 use crate::transport::coalesce::{
@@ -33,17 +33,14 @@ pub(crate) struct Merged {
 }
 
 enum Step {
-    Queue {
-        batch: Vec<EncodedCheck>,
-        permit: Permit,
-    },
+    Queue { batch: Batch, permit: Permit },
     Wait(oneshot::Receiver<Delivery>),
     Done,
 }
 
 impl Merged {
     /// `batch`'s wait for the merged call that will carry it, due by `deadline`.
-    pub(crate) fn new(batch: Vec<EncodedCheck>, permit: Permit, deadline: Instant) -> Self {
+    pub(crate) fn new(batch: Batch, permit: Permit, deadline: Instant) -> Self {
         Self {
             deadline,
             step: Step::Queue { batch, permit },
@@ -56,7 +53,7 @@ impl Merged {
         &mut self,
         cx: &mut Context<'_>,
         transport: &Arc<Transport>,
-    ) -> Poll<Result<(Vec<EncodedCheck>, Reply), BackendError>> {
+    ) -> Poll<Result<(Batch, Reply), BackendError>> {
         loop {
             match &mut self.step {
                 Step::Queue { .. } => {
@@ -151,7 +148,7 @@ const GATHER_YIELDS: usize = 8;
 pub(crate) fn queue_in_hash_slot(
     transport: &Arc<Transport>,
     hash_slot: u16,
-    batch: Vec<EncodedCheck>,
+    batch: Batch,
     deadline: Instant,
     permit: Permit,
 ) -> impl Future<Output = Delivery> + Send + 'static {
@@ -183,7 +180,7 @@ fn queue_keyed<T: Send + 'static, F>(
     queue: fn(&Coalescers) -> &KeyedCoalescer<Result<T, BackendError>>,
     send: fn(Arc<Transport>, u16) -> F,
     key: u16,
-    batch: Vec<EncodedCheck>,
+    batch: Batch,
     deadline: Instant,
     permit: Permit,
 ) -> impl Future<Output = Result<T, BackendError>> + Send + 'static
@@ -244,7 +241,7 @@ async fn send_hash_slot_merged(transport: Arc<Transport>, hash_slot: u16) {
 pub(crate) fn queue_on_node(
     transport: &Arc<Transport>,
     node: u16,
-    batch: Vec<EncodedCheck>,
+    batch: Batch,
     deadline: Instant,
     permit: Permit,
 ) -> impl Future<Output = NodeDelivery> + Send + 'static {
@@ -332,7 +329,7 @@ async fn send_node_call(transport: &Arc<Transport>, node: u16, call: Call<NodeDe
 /// The requests one merged call carries, in order: their batches, what answers each (its
 /// sender, taken once answered, and its deadline), and the breaker's permit for the call.
 struct Carried<D> {
-    batches: Vec<Vec<EncodedCheck>>,
+    batches: Vec<Batch>,
     answers: Vec<Answer<D>>,
     permit: Permit,
 }
@@ -367,7 +364,7 @@ impl<D> Carried<D> {
 
     /// Answers each request not answered yet (one whose own deadline passed during the call
     /// was) with what `answer` makes of its batch and its place in the call.
-    fn answer(self, mut answer: impl FnMut(Vec<EncodedCheck>, usize) -> Result<D, BackendError>) {
+    fn answer(self, mut answer: impl FnMut(Batch, usize) -> Result<D, BackendError>) {
         for (i, (batch, to)) in self.batches.into_iter().zip(self.answers).enumerate() {
             let answered = answer(batch, i);
             if let Some(reply) = to.reply {
