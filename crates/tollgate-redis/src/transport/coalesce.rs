@@ -109,16 +109,17 @@ impl Coalescer {
         self.lock().waiting.len()
     }
 
-    /// The batches for the next call (see [`take`]); `None` when nothing waits, and then the
-    /// calling task must stop (it has been counted out).
-    fn next_call(&self, now: Instant) -> Option<Call<Delivery>> {
+    /// Puts the batches for the next call into `call`, which must be empty (see [`take`]);
+    /// `false` when nothing waits, and then the calling task must stop (it has been counted
+    /// out).
+    fn next_call(&self, now: Instant, call: &mut Call<Delivery>) -> bool {
         let mut q = self.lock();
-        let call = take(&mut q.waiting, now);
+        take(&mut q.waiting, now, call);
         if call.is_empty() {
             q.callers = q.callers.saturating_sub(1);
-            return None;
+            return false;
         }
-        Some(call)
+        true
     }
 }
 
@@ -132,13 +133,12 @@ pub(crate) struct Coalescers {
     pub(crate) by_node: KeyedCoalescer<NodeDelivery>,
 }
 
-/// The batches for the next call from `waiting`, oldest first, skipping those whose caller
-/// gave up and setting apart those whose deadline is not after `now`.
-fn take<D>(waiting: &mut VecDeque<Rider<D>>, now: Instant) -> Call<D> {
-    let mut call = Call {
-        send: Vec::with_capacity(waiting.len().min(MAX_REQUESTS_PER_CALL)),
-        late: Vec::new(),
-    };
+/// Puts the batches for the next call from `waiting` into `call`, oldest first, skipping those
+/// whose caller gave up and setting apart those whose deadline is not after `now`. `call`'s
+/// vectors are a sending task's, kept from one call to the next: what they can hold already
+/// is not allocated again.
+fn take<D>(waiting: &mut VecDeque<Rider<D>>, now: Instant, call: &mut Call<D>) {
+    call.send.reserve(waiting.len().min(MAX_REQUESTS_PER_CALL));
     while call.send.len() < MAX_REQUESTS_PER_CALL {
         let Some(w) = waiting.pop_front() else {
             break;
@@ -152,7 +152,6 @@ fn take<D>(waiting: &mut VecDeque<Rider<D>>, now: Instant) -> Call<D> {
             call.send.push(w);
         }
     }
-    call
 }
 
 /// The queues of a Redis Cluster, by a number: a hash slot's (calls of one hash slot) or a
@@ -230,20 +229,22 @@ impl<D> KeyedCoalescer<D> {
             .map_or(0, |q| q.waiting.len())
     }
 
-    fn next_call(&self, hash_slot: u16, now: Instant) -> Option<Call<D>> {
+    fn next_call(&self, hash_slot: u16, now: Instant, call: &mut Call<D>) -> bool {
         let mut s = self.lock();
-        let q = s.queues.get_mut(&hash_slot)?;
+        let Some(q) = s.queues.get_mut(&hash_slot) else {
+            return false;
+        };
         let before = q.waiting.len();
-        let call = take(&mut q.waiting, now);
+        take(&mut q.waiting, now, call);
         let taken = before - q.waiting.len();
         if call.is_empty() {
             // Nothing waits (those skipped gave up): the hash slot is idle again.
             s.queues.remove(&hash_slot);
             s.waiting = s.waiting.saturating_sub(taken);
-            return None;
+            return false;
         }
         s.waiting = s.waiting.saturating_sub(taken);
-        Some(call)
+        true
     }
 
     /// A task of `hash_slot` that stops without being told to: the next batch starts another.
@@ -264,7 +265,8 @@ impl<D> KeyedCoalescer<D> {
     }
 }
 
-/// What a calling task takes from the queue at once.
+/// What a calling task takes from the queue at once. The task keeps one, emptied after each
+/// call, for the next.
 pub(crate) struct Call<D = Delivery> {
     /// The batches to send in one call.
     pub(crate) send: Vec<Rider<D>>,
@@ -273,8 +275,17 @@ pub(crate) struct Call<D = Delivery> {
     pub(crate) late: Vec<Rider<D>>,
 }
 
+impl<D> Default for Call<D> {
+    fn default() -> Self {
+        Self {
+            send: Vec::new(),
+            late: Vec::new(),
+        }
+    }
+}
+
 impl<D> Call<D> {
-    fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.send.is_empty() && self.late.is_empty()
     }
 }
@@ -286,12 +297,12 @@ pub(crate) struct Caller<'a> {
 }
 
 impl Caller<'_> {
-    /// The batches for the next call, at `now`; `None` when nothing waits, and the task must
-    /// stop.
-    pub(crate) fn next_call(&mut self, now: Instant) -> Option<Call> {
-        let call = self.coalescer.next_call(now);
-        self.stopped = call.is_none();
-        call
+    /// Puts the batches for the next call, at `now`, into `call` (empty); `false` when
+    /// nothing waits, and the task must stop.
+    pub(crate) fn next_call(&mut self, now: Instant, call: &mut Call) -> bool {
+        let taken = self.coalescer.next_call(now, call);
+        self.stopped = !taken;
+        taken
     }
 }
 
@@ -312,12 +323,12 @@ pub(crate) struct KeyedCaller<'a, D = Delivery> {
 }
 
 impl<D> KeyedCaller<'_, D> {
-    /// The batches for the hash slot's next call, at `now`; `None` when nothing waits, and the
-    /// task must stop.
-    pub(crate) fn next_call(&mut self, now: Instant) -> Option<Call<D>> {
-        let call = self.coalescer.next_call(self.hash_slot, now);
-        self.stopped = call.is_none();
-        call
+    /// Puts the batches for the hash slot's next call, at `now`, into `call` (empty);
+    /// `false` when nothing waits, and the task must stop.
+    pub(crate) fn next_call(&mut self, now: Instant, call: &mut Call<D>) -> bool {
+        let taken = self.coalescer.next_call(self.hash_slot, now, call);
+        self.stopped = !taken;
+        taken
     }
 }
 
@@ -350,8 +361,14 @@ mod tests {
         rider_until(Instant::now() + std::time::Duration::from_secs(3_600))
     }
 
-    fn sent(call: Option<Call>) -> Option<usize> {
-        call.map(|c| c.send.len())
+    /// What `take` puts in a new call: how many batches to send, or `None` for nothing.
+    fn sent(taken: impl FnOnce(&mut Call) -> bool) -> Option<usize> {
+        let mut call = Call::default();
+        taken(&mut call).then_some(call.send.len())
+    }
+
+    fn keyed_sent(caller: &mut KeyedCaller<'_>, now: Instant) -> Option<usize> {
+        sent(|call| caller.next_call(now, call))
     }
 
     #[test]
@@ -371,9 +388,12 @@ mod tests {
         receivers.remove(0);
         let mut caller = c.caller();
         let now = Instant::now();
-        assert_eq!(sent(caller.next_call(now)), Some(MAX_REQUESTS_PER_CALL));
-        assert_eq!(sent(caller.next_call(now)), Some(100 - 1 - 64));
-        assert!(caller.next_call(now).is_none());
+        assert_eq!(
+            sent(|c| caller.next_call(now, c)),
+            Some(MAX_REQUESTS_PER_CALL)
+        );
+        assert_eq!(sent(|c| caller.next_call(now, c)), Some(100 - 1 - 64));
+        assert_eq!(sent(|c| caller.next_call(now, c)), None);
         drop(caller);
         // The caller stopped: the next batch starts one again, and only one.
         let (w, _rx) = rider();
@@ -390,7 +410,7 @@ mod tests {
         let (w, _rx2) = rider();
         assert!(matches!(c.push(w), Push::Waits));
         let mut caller = c.caller();
-        assert!(caller.next_call(Instant::now()).is_some());
+        assert!(sent(|c| caller.next_call(Instant::now(), c)).is_some());
         drop(caller); // its task was dropped with a call in flight
         let (w, _rx3) = rider();
         assert!(matches!(c.push(w), Push::StartCaller));
@@ -408,11 +428,12 @@ mod tests {
             c.push(w);
         }
         let mut caller = c.caller();
-        let call = caller.next_call(now).unwrap();
+        let mut call = Call::default();
+        assert!(caller.next_call(now, &mut call));
         let deadlines = |ws: &[Rider]| ws.iter().map(|w| w.deadline).collect::<Vec<_>>();
         assert_eq!(deadlines(&call.send), [now + second, now + second]);
         assert_eq!(deadlines(&call.late), [now, now - second]);
-        assert!(caller.next_call(now).is_none());
+        assert_eq!(sent(|c| caller.next_call(now, c)), None);
     }
 
     #[test]
@@ -431,8 +452,8 @@ mod tests {
         assert_eq!(started, [0, 7]);
         let now = Instant::now();
         let mut zero = c.caller(0);
-        assert_eq!(sent(zero.next_call(now)), Some(50));
-        assert!(zero.next_call(now).is_none());
+        assert_eq!(keyed_sent(&mut zero, now), Some(50));
+        assert_eq!(keyed_sent(&mut zero, now), None);
         drop(zero);
         // Hash slot 0 is idle again, hash slot 7 still has its caller and waiting batches.
         assert_eq!(c.busy_hash_slots(), 1);
@@ -441,8 +462,8 @@ mod tests {
         let (w, _rx) = rider();
         assert!(matches!(c.push(7, w), Push::Waits));
         let mut seven = c.caller(7);
-        assert_eq!(sent(seven.next_call(now)), Some(51));
-        assert!(seven.next_call(now).is_none());
+        assert_eq!(keyed_sent(&mut seven, now), Some(51));
+        assert_eq!(keyed_sent(&mut seven, now), None);
         assert_eq!(c.busy_hash_slots(), 1);
     }
 
@@ -452,7 +473,7 @@ mod tests {
         let (w, _rx) = rider();
         assert!(matches!(c.push(3, w), Push::StartCaller));
         let mut caller = c.caller(3);
-        assert!(caller.next_call(Instant::now()).is_some());
+        assert!(sent(|c| caller.next_call(Instant::now(), c)).is_some());
         let (w, _rx2) = rider();
         assert!(matches!(c.push(3, w), Push::Waits));
         drop(caller); // its task was dropped with a call in flight
@@ -460,7 +481,7 @@ mod tests {
         assert!(matches!(c.push(3, w), Push::StartCaller));
         // The batch that waited behind the dropped caller is still there for the new one.
         let mut caller = c.caller(3);
-        assert_eq!(sent(caller.next_call(Instant::now())), Some(2));
+        assert_eq!(sent(|c| caller.next_call(Instant::now(), c)), Some(2));
     }
 
     #[test]
@@ -476,7 +497,7 @@ mod tests {
         assert!(matches!(c.push(16_000, w), Push::Full));
         // Sent batches free their places.
         let mut caller = c.caller(0);
-        assert!(caller.next_call(Instant::now()).is_some());
+        assert!(sent(|c| caller.next_call(Instant::now(), c)).is_some());
         let (w, _rx) = rider();
         assert!(!matches!(c.push(16_000, w), Push::Full));
     }

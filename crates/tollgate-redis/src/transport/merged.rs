@@ -114,12 +114,38 @@ impl Merged {
 /// if any of its requests holds the probe's permit.
 async fn send_merged(transport: Arc<Transport>) {
     let mut caller = transport.coalescers().all.caller();
+    let mut kept = Kept::default();
     loop {
         gather(|| transport.coalescers().all.waiting()).await;
-        let Some(call) = caller.next_call(Instant::now()) else {
+        if !caller.next_call(Instant::now(), &mut kept.call) {
             break;
-        };
-        send_call(&transport, call).await;
+        }
+        send_call(&transport, &mut kept).await;
+    }
+}
+
+/// What a sending task keeps from one call to the next: each call's vectors, emptied when it
+/// is answered, so that the next call of as many requests allocates none of them.
+struct Kept<D> {
+    /// The requests taken from the queue.
+    call: Call<Result<D, BackendError>>,
+    /// The requests sent, as the call carries them.
+    carried: Carried<D>,
+    /// The script's replies, one per request sent.
+    replies: Vec<Option<Reply>>,
+    /// The requests due before the call's latest deadline, in the order of their deadlines
+    /// (see [`until_each`]).
+    order: Vec<usize>,
+}
+
+impl<D> Default for Kept<D> {
+    fn default() -> Self {
+        Self {
+            call: Call::default(),
+            carried: Carried::default(),
+            replies: Vec::new(),
+            order: Vec::new(),
+        }
     }
 }
 
@@ -226,12 +252,13 @@ where
 /// out in one write, and their answers come back in one read.
 async fn send_hash_slot_merged(transport: Arc<Transport>, hash_slot: u16) {
     let mut caller = transport.coalescers().by_hash_slot.caller(hash_slot);
+    let mut kept = Kept::default();
     loop {
         gather(|| transport.coalescers().by_hash_slot.waiting(hash_slot)).await;
-        let Some(call) = caller.next_call(Instant::now()) else {
+        if !caller.next_call(Instant::now(), &mut kept.call) {
             break;
-        };
-        send_call(&transport, call).await;
+        }
+        send_call(&transport, &mut kept).await;
     }
 }
 
@@ -260,12 +287,13 @@ pub(crate) fn queue_on_node(
 /// connection, until nothing does; as [`send_merged`].
 async fn send_node_merged(transport: Arc<Transport>, node: u16) {
     let mut caller = transport.coalescers().by_node.caller(node);
+    let mut kept = Kept::default();
     loop {
         gather(|| transport.coalescers().by_node.waiting(node)).await;
-        let Some(call) = caller.next_call(Instant::now()) else {
+        if !caller.next_call(Instant::now(), &mut kept.call) {
             break;
-        };
-        send_node_call(&transport, node, call).await;
+        }
+        send_node_call(&transport, node, &mut kept).await;
     }
 }
 
@@ -273,54 +301,57 @@ async fn send_node_merged(transport: Arc<Transport>, node: u16) {
 /// (its hash slot moved, or is moving) was not run: it is told so, to send its checks again
 /// by hash slot, and the slot map is read again. The lean script runs the call's other
 /// requests; the general one, and a node that cannot run the cross-slot form, run none.
-async fn send_node_call(transport: &Arc<Transport>, node: u16, call: Call<NodeDelivery>) {
-    answer_late(transport, call.late);
-    let Some(mut call) = Carried::of(call.send) else {
+async fn send_node_call(
+    transport: &Arc<Transport>,
+    node: u16,
+    kept: &mut Kept<(Batch, Option<Reply>)>,
+) {
+    answer_late(transport, &mut kept.call.late);
+    let call = &mut kept.carried;
+    if !call.load(&mut kept.call.send) {
         return;
-    };
+    }
     let carried = call.batches.len();
     let Some(direct) = transport.node(node) else {
-        call.answer(|batch, _| Ok((batch, None)));
+        call.answer(|batch| Ok((batch, None)));
         return;
     };
-    let mut replies = Vec::with_capacity(carried);
-    let eval = transport.eval_checks_on(
-        &call.batches,
-        None,
-        Some(&direct),
-        Form::CrossSlot,
-        &mut replies,
-    );
-    let result = until_each(transport, &mut call.answers, async { Ok(eval.await) })
-        .await
-        .map_err(CheckError::Backend)
-        .and_then(|r| r);
+    let replies = &mut kept.replies;
+    let eval =
+        transport.eval_checks_on(&call.batches, None, Some(&direct), Form::CrossSlot, replies);
+    let result = until_each(transport, &mut call.answers, &mut kept.order, async {
+        Ok(eval.await)
+    })
+    .await
+    .map_err(CheckError::Backend)
+    .and_then(|r| r);
     let result = match result {
         Ok(()) => {
             if replies.iter().any(Option::is_none) {
                 transport.refresh_nodes();
             }
-            Ok(Some(replies))
+            Ok(true)
         }
         Err(CheckError::Redis(e)) if nodes::slot_moved(&e) || direct.refuses_script() => {
             transport.refresh_nodes();
-            Ok(None)
+            Ok(false)
         }
         Err(e) => Err(e.into_backend()),
     };
     transport.report(result.as_ref().map(|_| ()), call.permit);
     match result {
-        Ok(Some(replies)) => {
-            let mut replies = replies.into_iter();
-            call.answer(|batch, _| Ok((batch, replies.next().flatten())));
+        Ok(true) => {
+            let mut replies = replies.drain(..);
+            call.answer(|batch| Ok((batch, replies.next().flatten())));
         }
-        Ok(None) => call.answer(|batch, _| Ok((batch, None))),
+        Ok(false) => call.answer(|batch| Ok((batch, None))),
         Err(e) => {
             // The node may have failed over, or left: the map is read again.
             transport.refresh_nodes();
-            call.answer(|_, _| Err(e.clone()));
+            call.answer(|_| Err(e.clone()));
         }
     }
+    replies.clear();
     if carried > 1 {
         tokio::task::yield_now().await;
     }
@@ -328,6 +359,7 @@ async fn send_node_call(transport: &Arc<Transport>, node: u16, call: Call<NodeDe
 
 /// The requests one merged call carries, in order: their batches, what answers each (its
 /// sender, taken once answered, and its deadline), and the breaker's permit for the call.
+/// Empty between calls: a sending task keeps it for its vectors.
 struct Carried<D> {
     batches: Vec<Batch>,
     answers: Vec<Answer<D>>,
@@ -340,33 +372,40 @@ struct Answer<D> {
     deadline: Instant,
 }
 
-impl<D> Carried<D> {
-    /// The call of `riders`; `None` for none.
-    fn of(riders: Vec<Rider<Result<D, BackendError>>>) -> Option<Self> {
-        if riders.is_empty() {
-            return None;
+impl<D> Default for Carried<D> {
+    fn default() -> Self {
+        Self {
+            batches: Vec::new(),
+            answers: Vec::new(),
+            permit: Permit::default(),
         }
-        let permit = Permit::any(riders.iter().map(|w| w.permit));
-        let mut call = Self {
-            batches: Vec::with_capacity(riders.len()),
-            answers: Vec::with_capacity(riders.len()),
-            permit,
-        };
-        for w in riders {
-            call.batches.push(w.batch);
-            call.answers.push(Answer {
+    }
+}
+
+impl<D> Carried<D> {
+    /// Takes the call of `riders` (emptied); `false` for none.
+    fn load(&mut self, riders: &mut Vec<Rider<Result<D, BackendError>>>) -> bool {
+        if riders.is_empty() {
+            return false;
+        }
+        self.permit = Permit::any(riders.iter().map(|w| w.permit));
+        self.batches.reserve(riders.len());
+        self.answers.reserve(riders.len());
+        for w in riders.drain(..) {
+            self.batches.push(w.batch);
+            self.answers.push(Answer {
                 reply: Some(w.reply),
                 deadline: w.deadline,
             });
         }
-        Some(call)
+        true
     }
 
     /// Answers each request not answered yet (one whose own deadline passed during the call
-    /// was) with what `answer` makes of its batch and its place in the call.
-    fn answer(self, mut answer: impl FnMut(Batch, usize) -> Result<D, BackendError>) {
-        for (i, (batch, to)) in self.batches.into_iter().zip(self.answers).enumerate() {
-            let answered = answer(batch, i);
+    /// was) with what `answer` makes of its batch, in order; the call is empty after.
+    fn answer(&mut self, mut answer: impl FnMut(Batch) -> Result<D, BackendError>) {
+        for (batch, to) in self.batches.drain(..).zip(self.answers.drain(..)) {
+            let answered = answer(batch);
             if let Some(reply) = to.reply {
                 let _ = reply.send(answered);
             }
@@ -380,16 +419,16 @@ impl<D> Carried<D> {
 async fn until_each<T, D>(
     transport: &Transport,
     answers: &mut [Answer<D>],
+    order: &mut Vec<usize>,
     call: impl Future<Output = Result<T, BackendError>>,
 ) -> Result<T, BackendError> {
     let Some(latest) = answers.iter().map(|a| a.deadline).max() else {
         return call.await;
     };
     // Only the requests due before the latest deadline have a timer of their own (a lone
-    // request has none, and nothing is allocated for it).
-    let mut order: Vec<usize> = (0..answers.len())
-        .filter(|&i| answers[i].deadline < latest)
-        .collect();
+    // request has none). `order` is the sending task's, emptied here.
+    order.clear();
+    order.extend((0..answers.len()).filter(|&i| answers[i].deadline < latest));
     order.sort_by_key(|&i| answers[i].deadline);
     let call = transport.until(latest, call, "from Redis");
     let mut call = std::pin::pin!(call);
@@ -421,8 +460,8 @@ async fn until_each<T, D>(
 
 /// Answers the requests whose deadline passed while they waited for a call: `Overloaded`, a
 /// process that could not send its checks in time, which says nothing of Redis.
-fn answer_late<T>(transport: &Transport, late: Vec<Rider<Result<T, BackendError>>>) {
-    for late in late {
+fn answer_late<T>(transport: &Transport, late: &mut Vec<Rider<Result<T, BackendError>>>) {
+    for late in late.drain(..) {
         let _ = late.reply.send(Err(overloaded(format!(
             "the rate-limit check waited {:?} for a call to Redis, and was not sent",
             transport.deadline()
@@ -433,20 +472,21 @@ fn answer_late<T>(transport: &Transport, late: Vec<Rider<Result<T, BackendError>
 /// One merged call: its late requests answered `Overloaded`, the others sent together by the
 /// latest of their deadlines (a request whose own deadline passes first fails alone, and
 /// counts nothing toward the breaker), and the call reported once.
-async fn send_call(transport: &Transport, call: Call) {
-    answer_late(transport, call.late);
-    let Some(mut call) = Carried::of(call.send) else {
+async fn send_call(transport: &Transport, kept: &mut Kept<(Batch, Reply)>) {
+    answer_late(transport, &mut kept.call.late);
+    let call = &mut kept.carried;
+    if !call.load(&mut kept.call.send) {
         return;
-    };
+    }
     let carried = call.batches.len();
-    let mut replies = Vec::with_capacity(carried);
-    let eval = transport.eval_checks(&call.batches, None, &mut replies);
-    let result = until_each(transport, &mut call.answers, eval).await;
+    let replies = &mut kept.replies;
+    let eval = transport.eval_checks(&call.batches, None, replies);
+    let result = until_each(transport, &mut call.answers, &mut kept.order, eval).await;
     transport.report(result.as_ref().map(|_| ()), call.permit);
     match result {
         Ok(()) => {
-            let mut replies = replies.into_iter().flatten();
-            call.answer(|batch, _| match replies.next() {
+            let mut replies = replies.drain(..).flatten();
+            call.answer(|batch| match replies.next() {
                 Some(reply) => Ok((batch, reply)),
                 None => Err(BackendError::new(
                     BackendErrorKind::Protocol,
@@ -454,8 +494,9 @@ async fn send_call(transport: &Transport, call: Call) {
                 )),
             });
         }
-        Err(e) => call.answer(|_, _| Err(e.clone())),
+        Err(e) => call.answer(|_| Err(e.clone())),
     }
+    replies.clear();
     // Under concurrent load (this call carried several requests), let the tasks that are
     // ready run before the next call is taken: the requests that arrived during the round
     // trip join it instead of following one by one. A lone request never waits for this.
