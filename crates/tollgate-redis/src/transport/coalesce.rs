@@ -18,12 +18,12 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
 
-use tokio::sync::oneshot;
 use tokio::time::Instant;
 use tollgate_engine::BackendError;
 
 use crate::scripts::check::Batch;
 use crate::scripts::reply::Reply;
+use crate::transport::answer::{self, Pool};
 use crate::transport::breaker::Permit;
 
 /// Tasks sending calls at the same time. One: with two, calls carried fewer requests each and
@@ -46,7 +46,7 @@ pub(crate) type NodeDelivery = Result<(Batch, Option<Reply>), BackendError>;
 /// layer's).
 pub(crate) struct Rider<D = Delivery> {
     pub(crate) batch: Batch,
-    pub(crate) reply: oneshot::Sender<D>,
+    pub(crate) reply: answer::Sender<D>,
     /// When the request's answer is due, a timeout if need be.
     pub(crate) deadline: Instant,
     /// The breaker's permit for the request; the call that carries it reports for it.
@@ -56,6 +56,8 @@ pub(crate) struct Rider<D = Delivery> {
 #[derive(Default)]
 pub(crate) struct Coalescer {
     queue: Mutex<Queue>,
+    /// The slots of the waiting requests' answers.
+    answers: Pool<Delivery>,
 }
 
 #[derive(Default)]
@@ -77,6 +79,11 @@ pub(crate) enum Push {
 impl Coalescer {
     fn lock(&self) -> std::sync::MutexGuard<'_, Queue> {
         self.queue.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A channel for a request's answer, to queue its batch with.
+    pub(crate) fn channel(&self) -> (answer::Sender<Delivery>, answer::Receiver<Delivery>) {
+        self.answers.channel()
     }
 
     /// Queues a batch.
@@ -161,6 +168,8 @@ fn take<D>(waiting: &mut VecDeque<Rider<D>>, now: Instant, call: &mut Call<D>) {
 /// by side. A hash slot has an entry only while requests wait for it or its task runs.
 pub(crate) struct KeyedCoalescer<D = Delivery> {
     hash_slots: Mutex<HashSlots<D>>,
+    /// The slots of the waiting requests' answers.
+    answers: Pool<D>,
 }
 
 impl<D> Default for KeyedCoalescer<D> {
@@ -170,6 +179,7 @@ impl<D> Default for KeyedCoalescer<D> {
                 queues: HashMap::new(),
                 waiting: 0,
             }),
+            answers: Pool::default(),
         }
     }
 }
@@ -189,6 +199,11 @@ struct HashSlotQueue<D> {
 impl<D> KeyedCoalescer<D> {
     fn lock(&self) -> std::sync::MutexGuard<'_, HashSlots<D>> {
         self.hash_slots.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A channel for a request's answer, to queue its batch with.
+    pub(crate) fn channel(&self) -> (answer::Sender<D>, answer::Receiver<D>) {
+        self.answers.channel()
     }
 
     /// Queues a batch whose keys are all in `hash_slot`.
@@ -344,8 +359,8 @@ impl<D> Drop for KeyedCaller<'_, D> {
 mod tests {
     use super::*;
 
-    fn rider_until(deadline: Instant) -> (Rider, oneshot::Receiver<Delivery>) {
-        let (reply, rx) = oneshot::channel();
+    fn rider_until(deadline: Instant) -> (Rider, answer::Receiver<Delivery>) {
+        let (reply, rx) = Pool::default().channel();
         (
             Rider {
                 batch: Batch::Many(Vec::new()),
@@ -357,7 +372,7 @@ mod tests {
         )
     }
 
-    fn rider() -> (Rider, oneshot::Receiver<Delivery>) {
+    fn rider() -> (Rider, answer::Receiver<Delivery>) {
         rider_until(Instant::now() + std::time::Duration::from_secs(3_600))
     }
 

@@ -8,7 +8,6 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 
-use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use tollgate_engine::{BackendError, BackendErrorKind};
@@ -16,6 +15,7 @@ use tollgate_engine::{BackendError, BackendErrorKind};
 use crate::failure::{overloaded, unavailable};
 use crate::scripts::check::{Batch, Form};
 use crate::scripts::reply::Reply;
+use crate::transport::answer;
 use crate::transport::breaker::Permit;
 use crate::transport::coalesce::{
     Call, Coalescers, Delivery, KeyedCoalescer, NodeDelivery, Push, Rider,
@@ -34,7 +34,7 @@ pub(crate) struct Merged {
 
 enum Step {
     Queue { batch: Batch, permit: Permit },
-    Wait(oneshot::Receiver<Delivery>),
+    Wait(answer::Receiver<Delivery>),
     Done,
 }
 
@@ -62,7 +62,7 @@ impl Merged {
                     else {
                         unreachable!("matched above");
                     };
-                    let (reply, answer) = oneshot::channel();
+                    let (reply, answer) = transport.coalescers().all.channel();
                     let rider = Rider {
                         batch,
                         reply,
@@ -213,7 +213,7 @@ fn queue_keyed<T: Send + 'static, F>(
 where
     F: Future<Output = ()> + Send + 'static,
 {
-    let (reply, answer) = oneshot::channel();
+    let (reply, answer) = queue(transport.coalescers()).channel();
     let rider = Rider {
         batch,
         reply,
@@ -368,7 +368,7 @@ struct Carried<D> {
 
 /// Where one carried request's answer goes, and by when.
 struct Answer<D> {
-    reply: Option<oneshot::Sender<Result<D, BackendError>>>,
+    reply: Option<answer::Sender<Result<D, BackendError>>>,
     deadline: Instant,
 }
 

@@ -7,6 +7,7 @@
 //! health gauge and duration histogram. What a call means (a check, a settle, a refund) is
 //! the business of the layers above; what it sends and reads is the scripts' codecs'.
 
+mod answer;
 pub(crate) mod breaker;
 mod check_error;
 pub(crate) mod clock;
