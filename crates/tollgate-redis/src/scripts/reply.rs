@@ -2,7 +2,7 @@
 
 use tollgate_engine::algorithm::{self, WindowState};
 use tollgate_engine::{
-    Algorithm, BackendError, BackendErrorKind, Micros, Status, Verdict, MAX_CHECKS, MAX_DENY,
+    Algorithm, BackendError, BackendErrorKind, Micros, Status, Verdict, MAX_DENY,
 };
 
 use crate::scripts::check::EncodedCheck;
@@ -43,41 +43,40 @@ pub(crate) struct Answered {
     pub(crate) answers: Answers,
 }
 
-/// The answers of one request's checks, in order: at most [`MAX_CHECKS`], as a batch has,
-/// held inline, so that a reply allocates nothing.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Answers {
-    len: usize,
-    items: [Answer; MAX_CHECKS],
+/// The answers of one request's checks, in order: inline when there is one (the commonest
+/// batch), so that such a reply allocates nothing, else in a vector. Not an array of
+/// [`MAX_CHECKS`](tollgate_engine::MAX_CHECKS): a reply travels from the task that reads it
+/// to the request, and every move of it would copy the whole array.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Answers {
+    One(Answer),
+    Many(Vec<Answer>),
 }
 
 impl Answers {
-    /// No answer.
-    pub(crate) const fn new() -> Self {
-        Self {
-            len: 0,
-            items: [UNANSWERED; MAX_CHECKS],
+    /// Room for `len` answers, none yet.
+    pub(crate) fn with_capacity(len: usize) -> Self {
+        match len {
+            0 | 1 => Self::Many(Vec::new()),
+            _ => Self::Many(Vec::with_capacity(len)),
         }
     }
 
-    /// `len` answers (at most [`MAX_CHECKS`]), each [`UNANSWERED`].
+    /// `len` answers, each [`UNANSWERED`].
     pub(crate) fn unanswered(len: usize) -> Self {
-        Self {
-            len: len.min(MAX_CHECKS),
-            items: [UNANSWERED; MAX_CHECKS],
+        match len {
+            1 => Self::One(UNANSWERED),
+            _ => Self::Many(vec![UNANSWERED; len]),
         }
     }
 
-    /// Adds `answer` after the others; `false` (and nothing added) when there are
-    /// [`MAX_CHECKS`] already.
-    #[must_use]
-    pub(crate) fn push(&mut self, answer: Answer) -> bool {
-        let Some(item) = self.items.get_mut(self.len) else {
-            return false;
-        };
-        *item = answer;
-        self.len += 1;
-        true
+    /// Adds `answer` after the others.
+    pub(crate) fn push(&mut self, answer: Answer) {
+        match self {
+            Self::Many(all) if all.capacity() == 0 => *self = Self::One(answer),
+            Self::Many(all) => all.push(answer),
+            Self::One(first) => *self = Self::Many(vec![*first, answer]),
+        }
     }
 }
 
@@ -85,19 +84,19 @@ impl std::ops::Deref for Answers {
     type Target = [Answer];
 
     fn deref(&self) -> &[Answer] {
-        &self.items[..self.len]
+        match self {
+            Self::One(answer) => std::slice::from_ref(answer),
+            Self::Many(all) => all,
+        }
     }
 }
 
 impl std::ops::DerefMut for Answers {
     fn deref_mut(&mut self) -> &mut [Answer] {
-        &mut self.items[..self.len]
-    }
-}
-
-impl std::fmt::Debug for Answers {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_list().entries(self.iter()).finish()
+        match self {
+            Self::One(answer) => std::slice::from_mut(answer),
+            Self::Many(all) => all,
+        }
     }
 }
 
@@ -186,10 +185,7 @@ pub(crate) fn parse_replies<B: AsRef<[EncodedCheck]>>(
     'requests: for batch in batches {
         let batch = batch.as_ref();
         let committed = next(false)? == 1;
-        if batch.len() > MAX_CHECKS {
-            return Err(protocol(format!("at most {MAX_CHECKS} checks per batch")));
-        }
-        let mut answers = Answers::new();
+        let mut answers = Answers::with_capacity(batch.len());
         for p in batch.iter() {
             let status = next(false)?;
             if status == NOT_RUN && batch.len() == 1 && p.algorithm == Algorithm::Gcra {
@@ -198,7 +194,7 @@ pub(crate) fn parse_replies<B: AsRef<[EncodedCheck]>>(
                 continue 'requests;
             }
             if let Some(answer) = sanctioned(status, p.algorithm, &mut next, now)? {
-                let _ = answers.push(answer); // at most `MAX_CHECKS`, as the batch
+                answers.push(answer);
                 continue;
             }
             let answer = match p.algorithm {
@@ -256,7 +252,7 @@ pub(crate) fn parse_replies<B: AsRef<[EncodedCheck]>>(
                     answer.verdict.status
                 )));
             }
-            let _ = answers.push(answer); // at most `MAX_CHECKS`, as the batch
+            answers.push(answer);
         }
         replies.push(Some(Reply {
             committed,
