@@ -94,8 +94,10 @@ impl Checks {
     ) -> Result<Verdicts, BackendError> {
         let started = self.start(&batch, now);
         let deadline = started.at + self.transport.deadline();
-        let result = self.call(batch, now, deadline, permit).await;
-        self.finish(started, result)
+        match self.call(batch, now, deadline, permit).await {
+            Ok((batch, answered)) => self.finish(started, &batch, Ok(answered)),
+            Err(e) => self.finish(started, &[], Err(e)),
+        }
     }
 
     /// `batch`'s answer by `deadline`, or a timeout; the call is reported to the breaker.
@@ -138,20 +140,21 @@ impl Checks {
         self.cluster.call(batch, now, deadline, None).await
     }
 
-    /// The verdicts of a call `started` that came to `result`, with its duration recorded and
-    /// its slots, once answered, the caller's.
+    /// The verdicts of `batch`, whose call `started` came to `result`, with its duration
+    /// recorded and its slots, once answered, the caller's.
     pub(crate) fn finish(
         &self,
         started: Started,
-        result: Result<(Batch, Answered), BackendError>,
+        batch: &[EncodedCheck],
+        result: Result<Answered, BackendError>,
     ) -> Result<Verdicts, BackendError> {
         self.transport.record_duration(started.at);
         match result {
-            Ok((batch, answered)) => {
+            Ok(answered) => {
                 if let Some(unclaimed) = started.unclaimed {
                     unclaimed.disarm();
                 }
-                Ok(self.verdicts(&batch, &answered, started.now))
+                Ok(self.verdicts(batch, &answered, started.now))
             }
             Err(e) => {
                 if e.is_overloaded() {

@@ -121,8 +121,7 @@ impl Future for InnerFuture {
                 let Some(started) = started.take() else {
                     return Poll::Ready(Err(polled_after_completion()));
                 };
-                let answer = answer.map(|(batch, reply)| (batch, reply.into()));
-                Poll::Ready(checks.finish(started, answer))
+                Poll::Ready(checks.finish(started, wait.batch(), answer.map(Into::into)))
             }
             State::Call(fut) => fut.as_mut().poll(cx),
         }

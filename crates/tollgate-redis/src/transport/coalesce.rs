@@ -35,8 +35,12 @@ pub(crate) const MAX_REQUESTS_PER_CALL: usize = 64;
 /// apply) rather than queue without bound behind a slow Redis.
 pub(crate) const MAX_WAITING: usize = 8192;
 
-/// What a waiting request gets back: its batch and the script's answer for it.
-pub(crate) type Delivery = Result<(Batch, Reply), BackendError>;
+/// What a request waiting for a standalone server's call gets back: the script's answer for
+/// its batch (the request keeps its batch, and its rider carries a copy).
+pub(crate) type Delivery = Result<Reply, BackendError>;
+
+/// What a request waiting for a hash slot's call gets back: its batch and the script's answer.
+pub(crate) type SlotDelivery = Result<(Batch, Reply), BackendError>;
 
 /// What a request waiting for a node's call gets back: its batch and the script's answer,
 /// or `None` if the call did not run for a hash slot that moved (see `nodes::slot_moved`).
@@ -135,7 +139,7 @@ impl Coalescer {
 #[derive(Default)]
 pub(crate) struct Coalescers {
     pub(crate) all: Coalescer,
-    pub(crate) by_hash_slot: KeyedCoalescer,
+    pub(crate) by_hash_slot: KeyedCoalescer<SlotDelivery>,
     /// A cluster's calls per node, in the cross-slot form.
     pub(crate) by_node: KeyedCoalescer<NodeDelivery>,
 }

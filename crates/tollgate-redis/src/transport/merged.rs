@@ -18,7 +18,7 @@ use crate::scripts::reply::Reply;
 use crate::transport::answer;
 use crate::transport::breaker::Permit;
 use crate::transport::coalesce::{
-    Call, Coalescers, Delivery, KeyedCoalescer, NodeDelivery, Push, Rider,
+    Call, Coalescers, Delivery, KeyedCoalescer, NodeDelivery, Push, Rider, SlotDelivery,
 };
 use crate::transport::{nodes, CheckError, Transport};
 
@@ -29,11 +29,13 @@ use crate::transport::{nodes, CheckError, Transport};
 /// future of its own; it holds no transport of its own, but is polled with one.
 pub(crate) struct Merged {
     deadline: Instant,
+    /// The request's batch: the call carries a copy, and the answer is read with this one.
+    batch: Batch,
     step: Step,
 }
 
 enum Step {
-    Queue { batch: Batch, permit: Permit },
+    Queue { permit: Permit },
     Wait(answer::Receiver<Delivery>),
     Done,
 }
@@ -43,8 +45,14 @@ impl Merged {
     pub(crate) fn new(batch: Batch, permit: Permit, deadline: Instant) -> Self {
         Self {
             deadline,
-            step: Step::Queue { batch, permit },
+            batch,
+            step: Step::Queue { permit },
         }
+    }
+
+    /// The batch waiting.
+    pub(crate) fn batch(&self) -> &Batch {
+        &self.batch
     }
 
     /// Polls the wait: on the first poll, queues the batch on `transport` (starting its
@@ -53,18 +61,13 @@ impl Merged {
         &mut self,
         cx: &mut Context<'_>,
         transport: &Arc<Transport>,
-    ) -> Poll<Result<(Batch, Reply), BackendError>> {
+    ) -> Poll<Delivery> {
         loop {
             match &mut self.step {
-                Step::Queue { .. } => {
-                    let Step::Queue { batch, permit } =
-                        std::mem::replace(&mut self.step, Step::Done)
-                    else {
-                        unreachable!("matched above");
-                    };
+                &mut Step::Queue { permit } => {
                     let (reply, answer) = transport.coalescers().all.channel();
                     let rider = Rider {
-                        batch,
+                        batch: self.batch.clone(),
                         reply,
                         deadline: self.deadline,
                         permit,
@@ -120,7 +123,7 @@ async fn send_merged(transport: Arc<Transport>) {
         if !caller.next_call(Instant::now(), &mut kept.call) {
             break;
         }
-        send_call(&transport, &mut kept).await;
+        send_call(&transport, &mut kept, |_, reply| reply).await;
     }
 }
 
@@ -177,7 +180,7 @@ pub(crate) fn queue_in_hash_slot(
     batch: Batch,
     deadline: Instant,
     permit: Permit,
-) -> impl Future<Output = Delivery> + Send + 'static {
+) -> impl Future<Output = SlotDelivery> + Send + 'static {
     queue_keyed(
         transport,
         by_hash_slot,
@@ -190,7 +193,7 @@ pub(crate) fn queue_in_hash_slot(
 }
 
 /// The queues of hash slots' calls.
-fn by_hash_slot(coalescers: &Coalescers) -> &KeyedCoalescer {
+fn by_hash_slot(coalescers: &Coalescers) -> &KeyedCoalescer<SlotDelivery> {
     &coalescers.by_hash_slot
 }
 
@@ -258,7 +261,7 @@ async fn send_hash_slot_merged(transport: Arc<Transport>, hash_slot: u16) {
         if !caller.next_call(Instant::now(), &mut kept.call) {
             break;
         }
-        send_call(&transport, &mut kept).await;
+        send_call(&transport, &mut kept, |batch, reply| (batch, reply)).await;
     }
 }
 
@@ -472,7 +475,11 @@ fn answer_late<T>(transport: &Transport, late: &mut Vec<Rider<Result<T, BackendE
 /// One merged call: its late requests answered `Overloaded`, the others sent together by the
 /// latest of their deadlines (a request whose own deadline passes first fails alone, and
 /// counts nothing toward the breaker), and the call reported once.
-async fn send_call(transport: &Transport, kept: &mut Kept<(Batch, Reply)>) {
+async fn send_call<D>(
+    transport: &Transport,
+    kept: &mut Kept<D>,
+    delivery: impl Fn(Batch, Reply) -> D,
+) {
     answer_late(transport, &mut kept.call.late);
     let call = &mut kept.carried;
     if !call.load(&mut kept.call.send) {
@@ -487,7 +494,7 @@ async fn send_call(transport: &Transport, kept: &mut Kept<(Batch, Reply)>) {
         Ok(()) => {
             let mut replies = replies.drain(..).flatten();
             call.answer(|batch| match replies.next() {
-                Some(reply) => Ok((batch, reply)),
+                Some(reply) => Ok(delivery(batch, reply)),
                 None => Err(BackendError::new(
                     BackendErrorKind::Protocol,
                     "a merged call's reply has fewer answers than requests",
