@@ -39,12 +39,16 @@ impl Checks {
                 return InnerFuture::ready(Ok(verdicts));
             }
         }
-        let batch: Result<Batch, BackendError> = checks
-            .iter()
-            .zip(&digests)
-            .zip(asks)
-            .map(|((c, d), asks)| EncodedCheck::new(c, *d).map(|p| EncodedCheck { asks, ..p }))
-            .collect();
+        let encode = |i: usize| {
+            EncodedCheck::new(&checks[i], digests[i]).map(|mut p| {
+                p.asks = asks[i];
+                p
+            })
+        };
+        let batch = match checks.len() {
+            1 => encode(0).map(Batch::One),
+            n => (0..n).map(encode).collect(),
+        };
         let batch = match batch {
             Ok(batch) => batch,
             Err(e) => return InnerFuture::ready(Err(e)),
