@@ -20,6 +20,7 @@
 
 use std::sync::LazyLock;
 
+use crate::keys::DIGEST_LEN;
 use crate::scripts::check::{EncodedCheck, Form};
 use crate::scripts::{Script, TAT};
 use tollgate_engine::Micros;
@@ -86,7 +87,18 @@ pub(crate) fn fits<B: AsRef<[EncodedCheck]>>(batches: &[B]) -> Option<&EncodedCh
     // Keys of their own: a key shared by several requests (a busy client) costs the general
     // script one argument, not one per request.
     if batches.len() > 1 {
-        let mut digests: Vec<_> = batches.iter().map(|b| b.as_ref()[0].digest).collect();
+        let mut inline = [[0u8; DIGEST_LEN]; INLINE_DIGESTS];
+        let mut spilled = Vec::new();
+        let digests = match inline.get_mut(..batches.len()) {
+            Some(digests) => digests,
+            None => {
+                spilled.resize(batches.len(), [0u8; DIGEST_LEN]);
+                &mut spilled[..]
+            }
+        };
+        for (d, b) in digests.iter_mut().zip(batches) {
+            *d = b.as_ref()[0].digest;
+        }
         digests.sort_unstable();
         if digests.windows(2).any(|w| w[0] == w[1]) {
             return None;
@@ -94,6 +106,10 @@ pub(crate) fn fits<B: AsRef<[EncodedCheck]>>(batches: &[B]) -> Option<&EncodedCh
     }
     Some(first)
 }
+
+/// Requests whose digests [`fits`] compares on the stack: a merged call's most
+/// (`coalesce::MAX_REQUESTS_PER_CALL`); a longer call's are compared in a vector.
+const INLINE_DIGESTS: usize = 64;
 
 /// How many arguments a lean call of `requests` requests has: `EVALSHA`, the digest, the
 /// number of declared keys, the figures and one key per request.
@@ -126,9 +142,28 @@ pub(crate) fn write_figures(out: &mut dyn Args, first: &EncodedCheck, now: Optio
 
 #[cfg(test)]
 mod tests {
+    use tollgate_engine::{Algorithm, Check, Limit, Quota};
     use tollgate_testsupport::RedisServer;
 
-    use super::{BODY, TAT};
+    use super::{fits, BODY, TAT};
+    use crate::scripts::check::EncodedCheck;
+
+    /// A call fits only if no two of its requests share a key, however many requests it
+    /// carries (more than compared on the stack included).
+    #[test]
+    fn a_call_fits_only_with_a_key_per_request() {
+        let limit = Limit::new("ip", Algorithm::Gcra, Quota::per_second(5).unwrap()).unwrap();
+        let batch = |n: u8| {
+            let check = Check::new(&limit, b"k");
+            [EncodedCheck::new(&check, [n; 16]).unwrap()]
+        };
+        for requests in [2u8, 64, 65, 100] {
+            let mut batches: Vec<_> = (0..requests).map(batch).collect();
+            assert!(fits(&batches).is_some(), "{requests}");
+            batches.push(batch(requests / 2));
+            assert!(fits(&batches).is_none(), "{requests}");
+        }
+    }
 
     const NOW: f64 = 1_700_000_000_000_000.0;
 
