@@ -65,6 +65,8 @@ impl Merged {
         loop {
             match &mut self.step {
                 &mut Step::Queue { permit } => {
+                    // Queued once: a refusal below leaves the wait done.
+                    self.step = Step::Done;
                     let (reply, answer) = transport.coalescers().all.channel();
                     let rider = Rider {
                         batch: self.batch.clone(),
