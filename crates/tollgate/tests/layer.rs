@@ -197,7 +197,7 @@ async fn layers_refusing_in_turn_on_one_thread_each_say_their_own_limit() {
             let name = format!("layer-{i}");
             let layer = RateLimitLayer::builder()
                 .limit(
-                    Limit::gcra(&*name, Quota::per_minute(1).unwrap()).unwrap(),
+                    Limit::gcra(&name, Quota::per_minute(1).unwrap()).unwrap(),
                     ClientIp::peer(),
                 )
                 .backend(backend)
