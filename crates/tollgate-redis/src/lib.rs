@@ -286,6 +286,7 @@ mod digests;
 mod dispatch;
 mod error;
 mod failure;
+mod few;
 mod future;
 mod inner;
 mod keys;

@@ -10,6 +10,7 @@ use std::sync::{Arc, LazyLock};
 
 use tollgate_engine::{algorithm, Algorithm, BackendError, BackendErrorKind, Check, Micros, Quota};
 
+use crate::few::Few;
 use crate::keys::{KeyDigest, Suffix};
 use crate::scripts::{slot_id, Script};
 
@@ -234,44 +235,7 @@ impl EncodedCheck {
 /// One request's checks, in order: inline when there is one (the commonest batch: a limit
 /// per client), else in a vector; a request's wait for its call holds it, so it is kept no
 /// larger than one check.
-#[derive(Debug, Clone)]
-pub(crate) enum Batch {
-    One(EncodedCheck),
-    Many(Vec<EncodedCheck>),
-}
-
-impl std::ops::Deref for Batch {
-    type Target = [EncodedCheck];
-
-    fn deref(&self) -> &[EncodedCheck] {
-        match self {
-            Self::One(check) => std::slice::from_ref(check),
-            Self::Many(checks) => checks,
-        }
-    }
-}
-
-impl AsRef<[EncodedCheck]> for Batch {
-    fn as_ref(&self) -> &[EncodedCheck] {
-        self
-    }
-}
-
-impl FromIterator<EncodedCheck> for Batch {
-    fn from_iter<I: IntoIterator<Item = EncodedCheck>>(iter: I) -> Self {
-        let mut iter = iter.into_iter();
-        let Some(first) = iter.next() else {
-            return Self::Many(Vec::new());
-        };
-        let Some(second) = iter.next() else {
-            return Self::One(first);
-        };
-        let mut all = Vec::with_capacity(2 + iter.size_hint().0);
-        all.extend([first, second]);
-        all.extend(iter);
-        Self::Many(all)
-    }
-}
+pub(crate) type Batch = Few<EncodedCheck>;
 
 /// What one `CHECK` call sends for the batches of several requests (see [`CHECK`]).
 pub(crate) struct CheckArgs<'p> {

@@ -5,6 +5,7 @@ use tollgate_engine::{
     Algorithm, BackendError, BackendErrorKind, Micros, Status, Verdict, MAX_DENY,
 };
 
+use crate::few::Few;
 use crate::scripts::check::EncodedCheck;
 
 /// The verdict of a check that was not checked.
@@ -47,55 +48,14 @@ pub(crate) struct Answered {
 /// batch), so that such a reply allocates nothing, else in a vector. Not an array of
 /// [`MAX_CHECKS`](tollgate_engine::MAX_CHECKS): a reply travels from the task that reads it
 /// to the request, and every move of it would copy the whole array.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Answers {
-    One(Answer),
-    Many(Vec<Answer>),
-}
+pub(crate) type Answers = Few<Answer>;
 
-impl Answers {
-    /// Room for `len` answers, none yet.
-    pub(crate) fn with_capacity(len: usize) -> Self {
-        match len {
-            0 | 1 => Self::Many(Vec::new()),
-            _ => Self::Many(Vec::with_capacity(len)),
-        }
-    }
-
+impl Few<Answer> {
     /// `len` answers, each [`UNANSWERED`].
     pub(crate) fn unanswered(len: usize) -> Self {
         match len {
             1 => Self::One(UNANSWERED),
             _ => Self::Many(vec![UNANSWERED; len]),
-        }
-    }
-
-    /// Adds `answer` after the others.
-    pub(crate) fn push(&mut self, answer: Answer) {
-        match self {
-            Self::Many(all) if all.capacity() == 0 => *self = Self::One(answer),
-            Self::Many(all) => all.push(answer),
-            Self::One(first) => *self = Self::Many(vec![*first, answer]),
-        }
-    }
-}
-
-impl std::ops::Deref for Answers {
-    type Target = [Answer];
-
-    fn deref(&self) -> &[Answer] {
-        match self {
-            Self::One(answer) => std::slice::from_ref(answer),
-            Self::Many(all) => all,
-        }
-    }
-}
-
-impl std::ops::DerefMut for Answers {
-    fn deref_mut(&mut self) -> &mut [Answer] {
-        match self {
-            Self::One(answer) => std::slice::from_mut(answer),
-            Self::Many(all) => all,
         }
     }
 }
