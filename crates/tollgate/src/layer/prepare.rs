@@ -6,14 +6,16 @@
 //! the local fallback limiter: [`SetLimit::keeps_key`]) is kept owned in the [`KeptKeys`] beside
 //! the [`Facts`], inline when short. The backend's future owns what it needs, so nothing
 //! borrows the request once the call has started.
+//!
+//! A lone limit with nothing to do after its check ([`LimitSet::straight`]) takes a straight
+//! line instead: its check, and its decision when the backend answers at once, without facts.
 
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-
-use arc_swap::Guard;
 use std::task::{Context, Poll, Waker};
 
+use arc_swap::Guard;
 use bytes::Bytes;
 use http::{Request, Response};
 use tollgate_engine::{Algorithm, Backend, Check, MissingKeyPolicy, MAX_CHECKS};
@@ -126,74 +128,40 @@ impl<B: Backend> Shared<B> {
         // A place behind those who wait for a queued limit's slots of the same key: taken
         // instead of a check, so as not to pass them.
         let mut behind = None;
-        // One limit (most layers): no arrays of keys and checks to fill and drop.
-        let check = if let [entry] = &*set.limits {
-            let extracted = match extract(entry, &view, kept, 0) {
-                Ok(extracted) => extracted,
+        // One limit or several (a lone limit with nothing after its check takes the
+        // straight line): every key first, so that a missing one refuses before any check.
+        let mut extracted: [Extracted<'_>; MAX_CHECKS] = Default::default();
+        for (i, entry) in set.limits.iter().enumerate() {
+            match extract(entry, &view, kept, i) {
+                Ok(key) => extracted[i] = key,
                 Err(missing) => {
                     return Start::Refuse(self.respond.refuse_keyless(entry, missing, req, &span))
                 }
+            }
+        }
+        let mut checks = [Check::new(&set.limits[0].limit, b""); MAX_CHECKS];
+        for (i, entry) in set.limits.iter().enumerate() {
+            let Some(key) = extracted[i].key(kept, i) else {
+                continue;
             };
-            match extracted.key(kept, 0) {
-                Some(key) => {
-                    let asked = (plan_name, slot, (&view, req, &*span));
-                    let check = match self.check_of(entry, 0, key, asked, &mut tally, &mut seats) {
-                        Ok(check) => check,
-                        Err(refusal) => return Start::Refuse(*refusal),
-                    };
-                    n = 1;
-                    if set.queues {
-                        behind = self.behind(&check, 0);
-                    }
-                    behind
-                        .is_none()
-                        .then(|| ask(&span, || self.backend.check(&[check])))
-                }
-                None => Some(ask(&span, || self.backend.check(&[]))),
+            let asked = (plan_name, slot, (&view, req, &*span));
+            checks[n] = match self.check_of(entry, i, key, asked, &mut tally, &mut seats) {
+                Ok(check) => check,
+                Err(refusal) => return Start::Refuse(*refusal),
+            };
+            if set.queues && behind.is_none() {
+                behind = self.behind(&checks[n], i);
             }
-        } else {
-            let mut extracted: [Extracted<'_>; MAX_CHECKS] = Default::default();
-            for (i, entry) in set.limits.iter().enumerate() {
-                match extract(entry, &view, kept, i) {
-                    Ok(key) => extracted[i] = key,
-                    Err(missing) => {
-                        return Start::Refuse(
-                            self.respond.refuse_keyless(entry, missing, req, &span),
-                        )
-                    }
-                }
-            }
-            let mut checks = [Check::new(&set.limits[0].limit, b""); MAX_CHECKS];
-            for (i, entry) in set.limits.iter().enumerate() {
-                let Some(key) = extracted[i].key(kept, i) else {
-                    continue;
-                };
-                let asked = (plan_name, slot, (&view, req, &*span));
-                checks[n] = match self.check_of(entry, i, key, asked, &mut tally, &mut seats) {
-                    Ok(check) => check,
-                    Err(refusal) => return Start::Refuse(*refusal),
-                };
-                if set.queues && behind.is_none() {
-                    behind = self.behind(&checks[n], i);
-                }
-                limit_of[n] = i;
-                n += 1;
-            }
-            behind
-                .is_none()
-                .then(|| ask(&span, || self.backend.check(&checks[..n])))
-        };
+            limit_of[n] = i;
+            n += 1;
+        }
+        let check = behind
+            .is_none()
+            .then(|| ask(&span, || self.backend.check(&checks[..n])));
         let facts = Facts {
-            set,
-            n,
-            limit_of,
-            quota_of: tally.quota_of,
-            cost: tally.cost,
-            shadowed: tally.shadowed,
-            slot,
-            span,
             seats: seats.filter(|p| !p.is_empty()),
             queueing: behind.map(|ticket| Box::new(Queueing::new(ticket))),
+            ..tally.facts(set, n, limit_of, slot, span)
         };
         match check {
             Some(check) => Start::Ask(check, facts),
@@ -225,33 +193,25 @@ impl<B: Backend> Shared<B> {
             Check::new(&entry.limit, key.as_bytes()).with_quota(*quota)
         });
         let checks = checks.as_slice();
-        let shadowed = checks.first().map_or(0, |c| u8::from(!c.enforce));
+        let shadowed = checks.first().is_some_and(|c| !c.enforce);
         let mut answer = ask(&span, || self.backend.check(checks));
         let result = match Pin::new(&mut answer).poll(&mut Context::from_waker(Waker::noop())) {
             Poll::Ready(Ok(verdicts)) if verdicts.len() == 1 => verdicts,
             answered => {
-                let mut cost = [0; MAX_CHECKS];
-                cost[0] = checks.first().map_or(0, |c| c.cost);
-                let mut facts = Facts {
-                    set: Arc::clone(set),
-                    n: checks.len(),
-                    limit_of: [0; MAX_CHECKS],
-                    quota_of: [0; MAX_CHECKS],
-                    cost,
-                    shadowed,
-                    slot: 0,
-                    span,
-                    seats: None,
-                    queueing: None,
-                };
+                let mut tally = Tally::default();
+                if let Some(check) = checks.first() {
+                    (tally.cost[0], tally.shadowed) = (check.cost, u8::from(shadowed));
+                }
+                let set = Arc::clone(set);
+                let mut facts = tally.facts(set, checks.len(), [0; MAX_CHECKS], 0, span);
                 if let (Some(key), true) = (key, entry.keeps_key) {
                     kept.put(0, key.into_owned());
                 }
                 let Poll::Ready(result) = answered else {
                     return Start::Asked(answer, facts);
                 };
-                // Failed (or an answer that is not one verdict): decided now, by the failure
-                // policy.
+                // Failed, or the limit skipped (no key): decided now, as any request (a
+                // failure by the limit's failure policy).
                 return match self.decide(&result, req, &mut facts, kept) {
                     Some(decided) => Start::Decided(decided),
                     None => Start::Queue(facts),
@@ -263,7 +223,7 @@ impl<B: Backend> Shared<B> {
         let decision = Decision::one(
             entry
                 .decision(outcome, Source::Backend, 0)
-                .shadowed(shadowed != 0)
+                .shadowed(shadowed)
                 .leased(result.from_lease(0)),
         );
         let admitted = decision.is_admitted();
@@ -334,6 +294,32 @@ struct Tally {
     quota_of: [u8; MAX_CHECKS],
     cost: [u32; MAX_CHECKS],
     shadowed: u8,
+}
+
+impl Tally {
+    /// The facts of a request checked under `set`'s limits (`n` of them, the limit of each
+    /// check in `limit_of`) with this tally, its slot id and its span; no seat, no place.
+    fn facts(
+        self,
+        set: Arc<LimitSet>,
+        n: usize,
+        limit_of: [usize; MAX_CHECKS],
+        slot: u128,
+        span: CheckSpan,
+    ) -> Facts {
+        Facts {
+            set,
+            n,
+            limit_of,
+            quota_of: self.quota_of,
+            cost: self.cost,
+            shadowed: self.shadowed,
+            slot,
+            span,
+            seats: None,
+            queueing: None,
+        }
+    }
 }
 
 /// `call` (the backend's check) inside `span`, unless the span is off (most requests): then
